@@ -1,0 +1,34 @@
+"""`dynamograph bench NAME`: one command per benchmark, each printing a table and writing JSON."""
+
+import argparse
+
+from dynamograph.cli.main import Command, add_lazy_subcommands
+
+BENCHMARKS = {
+    "hashing": Command("dynamograph.bench.hashing", "block hashing: ours vs Dynamo's, same run"),
+    "index": Command("dynamograph.bench.index", "KV index: ours vs Dynamo's RadixTree"),
+    "worker": Command("dynamograph.bench.worker", "mock engine: simulated vs wall-clock timing"),
+    "epp": Command("dynamograph.bench.epp", "endpoint picker: routed requests/s and pick latency"),
+    "frontend": Command("dynamograph.bench.frontend", "frontend hop: added latency vs direct"),
+    "route": Command(
+        "dynamograph.bench.route", "routing quality on a trace, against other routers"
+    ),
+    "all": Command("dynamograph.bench.all", "every benchmark above with a summary table"),
+}
+
+_loaded: dict[str, object] = {}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    import sys
+
+    argv = sys.argv[sys.argv.index("bench") + 1 :] if "bench" in sys.argv else []
+    _loaded.update(add_lazy_subcommands(parser, BENCHMARKS, argv, "benchmark"))
+
+
+def run(args: argparse.Namespace) -> int:
+    module = _loaded.get(args.benchmark)
+    if module is None:
+        print(f"dynamograph bench {args.benchmark}: this benchmark is not built yet")
+        return 2
+    return module.run(args) or 0

@@ -1,0 +1,109 @@
+"""The `dynamograph` command: one entry point, one subcommand per component.
+
+The only module that knows every component. Subcommands are loaded lazily, so `--help` stays
+fast and a component's heavy imports are paid only by the command that runs it. Each component
+module exposes `add_arguments(parser)` and `run(args) -> int`.
+"""
+
+import argparse
+import importlib
+import importlib.metadata
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .logs import add_logging_arguments, configure_logging
+
+
+@dataclass(frozen=True)
+class Command:
+    module: str
+    help: str
+
+
+COMMANDS = {
+    "operator": Command(
+        "dynamograph.operator.cli", "run the kopf operator for DynamoGraph resources"
+    ),
+    "epp": Command("dynamograph.epp.cli", "run the endpoint picker (Envoy ext_proc, KV-aware)"),
+    "frontend": Command("dynamograph.frontend.cli", "run the direct-routing OpenAI frontend"),
+    "worker": Command("dynamograph.worker.cli", "run an engine: the simulated GPU engine or vLLM"),
+    "up": Command("dynamograph.local.up", "run a DynamoGraph on this machine behind a real Envoy"),
+    "down": Command("dynamograph.local.down", "stop a graph started with `up --detach`"),
+    "crds": Command("dynamograph.operator.crds", "write the CustomResourceDefinitions to crds/"),
+    "bench": Command("dynamograph.bench.cli", "run a benchmark and print its table"),
+}
+
+
+class NotBuilt(Exception):
+    pass
+
+
+def load(command: Command):
+    """Import a subcommand's module; NotBuilt when that component is not part of this build."""
+    try:
+        return importlib.import_module(command.module)
+    except ModuleNotFoundError as exc:
+        if exc.name and command.module.startswith(exc.name):
+            raise NotBuilt(command.module) from None
+        raise
+
+
+def add_lazy_subcommands(
+    parser: argparse.ArgumentParser, commands: dict[str, Command], argv: Sequence[str], dest: str
+) -> dict[str, object]:
+    """Add one subparser per command, filling in only the one named in argv.
+
+    Returns {name: module} for the selected command (empty when none or not built).
+    """
+    sub = parser.add_subparsers(dest=dest, metavar="COMMAND", required=True)
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    loaded: dict[str, object] = {}
+    for name, command in commands.items():
+        child = sub.add_parser(name, help=command.help, description=command.help)
+        if name != chosen:
+            continue
+        try:
+            module = load(command)
+        except NotBuilt:
+            continue
+        module.add_arguments(child)
+        loaded[name] = module
+    return loaded
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(
+        prog="dynamograph",
+        description="Kubernetes-native LLM serving with KV-cache-aware routing.",
+    )
+    parser.add_argument(
+        "--version", action="version", version=importlib.metadata.version("dynamograph")
+    )
+    add_logging_arguments(parser)
+    # Global options come before the subcommand; skip their values when finding it.
+    rest = _after_global_options(argv)
+    loaded = add_lazy_subcommands(parser, COMMANDS, rest, "command")
+    args = parser.parse_args(argv)
+    module = loaded.get(args.command)
+    if module is None:
+        print(
+            f"dynamograph {args.command}: this component is not built yet in this version",
+            file=sys.stderr,
+        )
+        return 2
+    configure_logging(args.log_level, args.log_format)
+    return module.run(args) or 0
+
+
+def _after_global_options(argv: list[str]) -> list[str]:
+    takes_value = {"--log-level", "--log-format"}
+    i = 0
+    while i < len(argv) and argv[i].startswith("-"):
+        i += 1 if "=" in argv[i] or argv[i] not in takes_value else 2
+    return argv[i:]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

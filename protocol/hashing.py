@@ -1,0 +1,42 @@
+"""KV block hashing: the router's own content hash of each full block of token ids.
+
+DESIGN §3.5: per full block of `block_size` ids, XXH3-64 with seed 1337 over the ids as u32
+little-endian, bit-exact with Dynamo's `compute_block_hash_for_seq`. A LoRA adapter name moves
+the seed (1337 + XXH3-64 of the name, wrapping), so equal tokens under different adapters never
+share a block. The hashes are per block, not chained: position comes from the index's path.
+"""
+
+from collections.abc import Sequence
+
+import numpy as np
+import xxhash
+
+BLOCK_HASH_SEED = 1337
+_U64 = (1 << 64) - 1
+
+_xxh3 = xxhash.xxh3_64_intdigest
+
+
+def block_hash_seed(lora_name: str | None = None) -> int:
+    """The XXH3 seed for blocks of this adapter (the base model when None or empty)."""
+    if not lora_name:
+        return BLOCK_HASH_SEED
+    return (BLOCK_HASH_SEED + _xxh3(lora_name.encode())) & _U64
+
+
+def as_token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Token ids as a contiguous little-endian u32 array (no copy when it already is one)."""
+    return np.ascontiguousarray(token_ids, dtype="<u4")
+
+
+def block_hashes(
+    token_ids: Sequence[int] | np.ndarray, block_size: int, lora_name: str | None = None
+) -> list[int]:
+    """Hash every full block of `block_size` token ids; a partial tail block is dropped."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be a positive number of tokens, got {block_size}")
+    data = as_token_array(token_ids).tobytes()
+    step = block_size * 4
+    end = len(data) - len(data) % step
+    seed = block_hash_seed(lora_name)
+    return [_xxh3(data[i : i + step], seed) for i in range(0, end, step)]

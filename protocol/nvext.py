@@ -1,0 +1,123 @@
+"""`nvext`: the NVIDIA request/response extensions to the OpenAI API (DESIGN §3.1).
+
+Field names, defaults and "omit when None" serialisation follow Dynamo's `NvExt`. Unknown
+fields are rejected so a typo in a routing hint fails loudly instead of being ignored.
+"""
+
+from enum import StrEnum
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+U64 = Annotated[int, Field(ge=0, le=(1 << 64) - 1)]
+U32 = Annotated[int, Field(ge=0, le=(1 << 32) - 1)]
+
+
+class NvExtError(ValueError):
+    """A malformed `nvext` object; the message names each bad field and its value."""
+
+
+class _OmitNone(BaseModel):
+    """Serialises without None fields by default, as the seed's `skip_serializing_if`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    def model_dump(self, **kwargs: Any) -> dict[str, Any]:
+        kwargs.setdefault("exclude_none", True)
+        return super().model_dump(**kwargs)
+
+    def model_dump_json(self, **kwargs: Any) -> str:
+        kwargs.setdefault("exclude_none", True)
+        return super().model_dump_json(**kwargs)
+
+
+class SessionAction(StrEnum):
+    OPEN = "open"
+    CLOSE = "close"
+
+
+class SessionControl(_OmitNone):
+    """Sticky routing and session KV lifetime; `timeout` is seconds of inactivity."""
+
+    session_id: str = Field(min_length=1)
+    action: SessionAction | None = None
+    timeout: int = Field(default=300, ge=1)
+
+
+class AgentHints(_OmitNone):
+    priority: int | None = None
+    osl: U32 | None = None
+    speculative_prefill: bool | None = None
+    latency_sensitivity: float | None = None
+
+
+class NvExt(_OmitNone):
+    greed_sampling: bool | None = None
+    use_raw_prompt: bool | None = None
+    annotations: list[str] | None = None
+    backend_instance_id: U64 | None = None
+    token_data: list[U32] | None = None
+    max_thinking_tokens: U32 | None = None
+    extra_fields: list[str] | None = None
+    prefill_worker_id: U64 | None = None
+    decode_worker_id: U64 | None = None
+    dp_rank: U32 | None = None
+    prefill_dp_rank: U32 | None = None
+    agent_hints: AgentHints | None = None
+    request_timestamp_ms: float | None = None
+    session_control: SessionControl | None = None
+
+    def wants(self, field: str) -> bool:
+        """True when the client asked for `field` ("worker_id", "timing") in the response."""
+        return bool(self.extra_fields) and field in self.extra_fields
+
+
+class WorkerIdInfo(_OmitNone):
+    prefill_worker_id: U64 | None = None
+    prefill_dp_rank: U32 | None = None
+    decode_worker_id: U64 | None = None
+    decode_dp_rank: U32 | None = None
+
+
+class TimingInfo(_OmitNone):
+    """Per-request timing, filled when the client asks for `extra_fields: ["timing"]`."""
+
+    request_received_ms: float | None = None
+    prefill_time_ms: float | None = None
+    ttft_ms: float | None = None
+    total_time_ms: float | None = None
+    cached_tokens: int | None = None
+    prompt_tokens: int | None = None
+
+
+class NvExtResponse(_OmitNone):
+    worker_id: WorkerIdInfo | None = None
+    timing: TimingInfo | None = None
+    token_ids: list[U32] | None = None
+
+
+def parse_nvext(value: Any) -> NvExt | None:
+    """Validate the `nvext` member of a request body; None stays None.
+
+    Raises NvExtError naming every bad field (as `nvext.a.b`) and the value it got.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise NvExtError(f"nvext must be a JSON object, got {type(value).__name__}: {value!r:.80}")
+    try:
+        return NvExt.model_validate(value)
+    except ValidationError as exc:
+        raise NvExtError(describe_validation_error("nvext", exc)) from None
+
+
+def describe_validation_error(prefix: str, exc: ValidationError) -> str:
+    """One line per problem: `field: message (got value)`, for error bodies a person can act on."""
+    parts = []
+    for err in exc.errors():
+        loc = ".".join([prefix, *(str(p) for p in err["loc"])])
+        if err["type"] == "extra_forbidden":
+            parts.append(f"{loc}: unknown field (got {err['input']!r:.80})")
+        else:
+            parts.append(f"{loc}: {err['msg']} (got {err['input']!r:.80})")
+    return "; ".join(parts)

@@ -1,0 +1,72 @@
+"""The parts of the OpenAI HTTP API every component agrees on: paths and error bodies.
+
+Request bodies stay plain dicts on the hot path (they are forwarded mostly untouched); the fields
+a router reads are pulled out by `tokenization.request_tokens` and `nvext.parse_nvext`.
+"""
+
+from typing import Any
+
+import orjson
+
+CHAT_COMPLETIONS = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+MODELS = "/v1/models"
+GENERATION_PATHS = (CHAT_COMPLETIONS, COMPLETIONS)
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_exceeded",
+    500: "internal_error",
+    502: "upstream_error",
+    503: "service_unavailable",
+    504: "timeout",
+}
+
+
+class OpenAIError(Exception):
+    """An error with an HTTP status and a message a person can act on."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, param=self.param)
+
+    def json(self) -> bytes:
+        return orjson.dumps(self.body())
+
+
+def error_body(status: int, message: str, *, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error envelope: {"error": {"message", "type", "param", "code"}}."""
+    return {
+        "error": {
+            "message": message,
+            "type": _ERROR_TYPES.get(status, "error"),
+            "param": param,
+            "code": status,
+        }
+    }
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """Decode a request body that must be a JSON object; 400 with the parser's reason otherwise."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise OpenAIError(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise OpenAIError(400, f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def require_model(body: dict[str, Any]) -> str:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise OpenAIError(400, "request body needs a 'model' string", param="model")
+    return model

