@@ -1,0 +1,470 @@
+"""The DynamoGraph custom resource (DESIGN §3.7): pydantic models, the one source of truth.
+
+The CRD in `crds/` is generated from these models (`dynamograph crds`), the operator validates
+every live object with them, and `dynamograph up` reads graph YAML files through `load_graph`.
+Field names are camelCase on the wire (Kubernetes style) and snake_case in Python.
+
+Validation a CRD schema can express (enums, minimums, required fields, patterns, some CEL rules)
+is in the field definitions; cross-field rules that need to see the whole graph are pydantic
+validators. Both raise errors that name the field path (`spec.services.decode.replicas`) so the
+operator can put it in a Degraded condition and an Event, and `up` can print it.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic.alias_generators import to_camel
+
+GROUP = "dynamograph.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "DynamoGraph"
+PLURAL = "dynamographs"
+SINGULAR = "dynamograph"
+SHORT_NAMES = ["dg"]
+
+# A graph's objects are named `<graph>-<service>`; Kubernetes Service names are DNS-1035 labels
+# (at most 63 characters), so the two parts share that budget.
+MAX_OBJECT_NAME = 63
+DNS_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+# Kubernetes resource.Quantity, as the apiserver's regular expression spells it.
+QUANTITY = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
+
+
+class ComponentType(StrEnum):
+    FRONTEND = "frontend"
+    WORKER = "worker"  # aggregated: prefill and decode in one engine
+    PREFILL = "prefill"
+    DECODE = "decode"
+    EPP = "epp"
+
+
+ENGINE_TYPES = frozenset({ComponentType.WORKER, ComponentType.PREFILL, ComponentType.DECODE})
+# Pods the InferencePool selects: those that serve requests end to end behind a frontend sidecar.
+SERVING_TYPES = frozenset({ComponentType.WORKER, ComponentType.DECODE})
+ROUTER_TYPES = frozenset({ComponentType.EPP, ComponentType.FRONTEND})
+
+
+class Backend(StrEnum):
+    MOCK = "mock"
+    VLLM = "vllm"
+
+
+class RouterMode(StrEnum):
+    KV = "kv"
+    ROUND_ROBIN = "round-robin"
+    RANDOM = "random"
+    LEAST_LOADED = "least-loaded"
+    APPROX = "approx"
+
+
+# What the frontend's own router supports (`dynamograph frontend --mode`).
+FRONTEND_MODES = frozenset({RouterMode.KV, RouterMode.ROUND_ROBIN})
+
+
+class FailureMode(StrEnum):
+    FAIL_OPEN = "FailOpen"
+    FAIL_CLOSE = "FailClose"
+
+
+class GraphState(StrEnum):
+    PENDING = "pending"
+    PROGRESSING = "progressing"
+    READY = "ready"
+    FAILED = "failed"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+        alias_generator=to_camel,
+        populate_by_name=True,
+        use_enum_values=True,
+        validate_default=True,
+    )
+
+
+def _quantity_text(value: Any) -> Any:
+    """YAML writes `cpu: 2` as a number; Kubernetes quantities are strings."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int | float):
+        return str(value)
+    return value
+
+
+Quantity = Annotated[
+    str,
+    BeforeValidator(_quantity_text),
+    Field(
+        pattern=QUANTITY,
+        description="Kubernetes quantity, e.g. `4`, `500m`, `16Gi`",
+        json_schema_extra={"x-kubernetes-int-or-string": True},
+    ),
+]
+
+
+class ModelSpec(_Model):
+    """The model every engine of the graph serves."""
+
+    name: str = Field(min_length=1, description="model to load, e.g. Qwen/Qwen3-0.6B")
+    served_model_name: str | None = Field(
+        default=None,
+        min_length=1,
+        description="name clients put in the request's `model` field; defaults to `name`",
+    )
+    tokenizer: str | None = Field(
+        default=None,
+        min_length=1,
+        description="tokenizer spec shared by EPP, frontend and engine: `qwen`, `qwen:<vocabulary>` "
+        "or a path to a tokenizer.json; defaults to the model's own",
+    )
+
+
+class ResourcesSpec(_Model):
+    gpu: int = Field(default=0, ge=0, le=64, description="GPUs per pod (`nvidia.com/gpu`)")
+    cpu: Quantity | None = Field(default=None, description="CPU request and limit per container")
+    memory: Quantity | None = Field(
+        default=None, description="memory request and limit per container"
+    )
+
+
+class EnvVar(_Model):
+    """A container environment variable, as in a pod spec."""
+
+    name: str = Field(min_length=1, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+    value: str | None = None
+    value_from: dict[str, Any] | None = Field(
+        default=None,
+        description="a Kubernetes EnvVarSource (secretKeyRef, configMapKeyRef, fieldRef, ...)",
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EnvVar:
+        if self.value is not None and self.value_from is not None:
+            raise ValueError("set either value or valueFrom, not both")
+        return self
+
+
+class EngineArgs(_Model):
+    """Engine sizing passed to `dynamograph worker` (the mock simulates them; vLLM obeys them)."""
+
+    num_gpu_blocks: int | None = Field(default=None, ge=1, description="KV cache size in blocks")
+    max_num_seqs: int | None = Field(default=None, ge=1, description="concurrent sequences")
+    max_num_batched_tokens: int | None = Field(
+        default=None, ge=1, description="tokens per scheduler step"
+    )
+    context_length: int | None = Field(default=None, ge=1, description="maximum model length")
+    speedup: float | None = Field(
+        default=None, gt=0, description="mock only: simulated time runs this many times faster"
+    )
+    seed: int | None = Field(default=None, ge=0, description="mock only: random seed")
+
+
+class RouterSpec(_Model):
+    """Routing policy of an EPP (or a standalone frontend)."""
+
+    mode: RouterMode = RouterMode.KV
+    overlap_weight: float = Field(
+        default=1.0, ge=0, description="weight of prefill-token cost against KV overlap"
+    )
+    temperature: float = Field(
+        default=0.0, ge=0, description="softmax sampling temperature; 0 picks the best worker"
+    )
+    enforce_disagg: bool = Field(
+        default=False,
+        description="refuse (503) instead of serving aggregated when no prefill worker is ready",
+    )
+    kv_events: bool = Field(
+        default=True, description="consume the engines' KV events (off: approximate from routing)"
+    )
+    busy_threshold: float | None = Field(
+        default=None, gt=0, description="shed load when every worker is above this load"
+    )
+    config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="further router settings, written verbatim into the router config file",
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
+
+
+class ServiceSpec(_Model):
+    component_type: ComponentType
+    replicas: int = Field(default=1, ge=0, le=1024)
+    data_parallel_size: int = Field(
+        default=1, ge=1, le=64, description="data-parallel ranks per engine pod"
+    )
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    envs: list[EnvVar] = Field(default_factory=list, description="extra container env")
+    extra_pod_spec: dict[str, Any] = Field(
+        default_factory=dict,
+        description="PodSpec fields merged into the generated pod spec (nodeSelector, "
+        "tolerations, affinity, volumes, ...); lists are appended",
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
+    image: str | None = Field(
+        default=None, min_length=1, description="container image; defaults to the operator's"
+    )
+    engine: EngineArgs | None = Field(
+        default=None, description="engine arguments (worker, prefill and decode services)"
+    )
+    router: RouterSpec | None = Field(
+        default=None, description="routing policy (epp and frontend services)"
+    )
+
+    @model_validator(mode="after")
+    def _fits_component(self) -> ServiceSpec:
+        kind = ComponentType(self.component_type)
+        if self.engine is not None and kind not in ENGINE_TYPES:
+            raise ValueError(
+                f"engine: {kind} services run no engine (only worker, prefill and decode do)"
+            )
+        if self.router is not None and kind not in ROUTER_TYPES:
+            raise ValueError(f"router: {kind} services do not route (only epp and frontend do)")
+        if kind not in ENGINE_TYPES and self.data_parallel_size != 1:
+            raise ValueError(f"dataParallelSize: {kind} services run no engine")
+        if kind not in ENGINE_TYPES and self.resources.gpu:
+            raise ValueError(f"resources.gpu: {kind} services use no GPU")
+        if (
+            kind == ComponentType.FRONTEND
+            and self.router is not None
+            and self.router.mode not in FRONTEND_MODES
+        ):
+            raise ValueError(
+                f"router.mode: a frontend routes with kv or round-robin, not {self.router.mode}"
+            )
+        return self
+
+
+class ParentRef(_Model):
+    """The Gateway the HTTPRoute attaches to (a Gateway API ParentReference)."""
+
+    name: str = Field(min_length=1, max_length=253)
+    namespace: str | None = Field(default=None, min_length=1, max_length=63)
+    section_name: str | None = Field(default=None, min_length=1, max_length=253)
+    group: str = "gateway.networking.k8s.io"
+    kind: str = "Gateway"
+
+
+class GatewaySpec(_Model):
+    parent_ref: ParentRef | None = Field(
+        default=None, description="attach an HTTPRoute to this Gateway"
+    )
+    failure_mode: FailureMode = Field(
+        default=FailureMode.FAIL_CLOSE,
+        description="what the gateway does when the EPP does not answer",
+    )
+
+
+class DynamoGraphSpec(_Model):
+    model: ModelSpec
+    backend: Backend = Backend.MOCK
+    kv_block_size: int = Field(default=16, ge=1, le=1024, description="tokens per KV block")
+    services: dict[str, ServiceSpec] = Field(
+        min_length=1,
+        max_length=32,
+        description="service name -> service; each becomes a Deployment `<graph>-<name>`",
+    )
+    gateway: GatewaySpec = Field(default_factory=GatewaySpec)
+
+    @field_validator("services")
+    @classmethod
+    def _service_names(cls, services: dict[str, ServiceSpec]) -> dict[str, ServiceSpec]:
+        for name in services:
+            if not re.match(DNS_LABEL, name) or len(name) > 40:
+                raise ValueError(
+                    f"service name {name!r} must be a DNS label: lower-case letters, digits and "
+                    "'-', starting with a letter, at most 40 characters"
+                )
+        return services
+
+    @model_validator(mode="after")
+    def _graph_shape(self) -> DynamoGraphSpec:
+        kinds = [ComponentType(s.component_type) for s in self.services.values()]
+        if not any(k in SERVING_TYPES for k in kinds):
+            raise ValueError(
+                "services: the graph needs a worker (aggregated) or decode service to serve requests"
+            )
+        if kinds.count(ComponentType.EPP) > 1:
+            raise ValueError("services: at most one epp service per graph")
+        if ComponentType.PREFILL in kinds and ComponentType.DECODE not in kinds:
+            raise ValueError("services: a prefill service needs a decode service to hand off to")
+        if self.gateway.parent_ref is not None and ComponentType.EPP not in kinds:
+            raise ValueError("gateway.parentRef: routing through a gateway needs an epp service")
+        return self
+
+    def services_of(self, *kinds: ComponentType) -> dict[str, ServiceSpec]:
+        return {n: s for n, s in self.services.items() if s.component_type in kinds}
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model.served_model_name or self.model.name
+
+
+class GraphMetadata(BaseModel):
+    """The part of ObjectMeta the graph's validation looks at (the rest is kept, not checked)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(min_length=1, max_length=40, pattern=DNS_LABEL)
+    namespace: str | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+
+
+class ServiceStatus(_Model):
+    replicas: int = Field(default=0, ge=0, description="desired replicas")
+    ready_replicas: int = Field(default=0, ge=0)
+    updated_replicas: int = Field(default=0, ge=0, description="pods on the current template")
+    available_replicas: int = Field(default=0, ge=0)
+
+
+class Condition(_Model):
+    type: Literal["Ready", "Available", "Progressing", "Degraded"]
+    status: Literal["True", "False", "Unknown"]
+    reason: str = Field(min_length=1, pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
+    message: str = ""
+    last_transition_time: str | None = Field(default=None, description="RFC 3339 time")
+    observed_generation: int | None = Field(default=None, ge=0)
+
+
+class DynamoGraphStatus(_Model):
+    observed_generation: int | None = Field(default=None, ge=0)
+    state: GraphState = GraphState.PENDING
+    conditions: list[Condition] = Field(default_factory=list)
+    services: dict[str, ServiceStatus] = Field(default_factory=dict)
+    replicas: int = Field(default=0, ge=0, description="desired pods over all services")
+    ready_replicas: int = Field(default=0, ge=0, description="ready pods over all services")
+    endpoint: str | None = Field(
+        default=None, description="in-cluster URL of the graph's OpenAI frontend"
+    )
+
+
+class DynamoGraph(_Model):
+    """A whole DynamoGraph object, as `kubectl apply` sends it."""
+
+    model_config = ConfigDict(
+        extra="ignore",
+        alias_generator=to_camel,
+        populate_by_name=True,
+        use_enum_values=True,
+        validate_default=True,
+    )
+
+    api_version: Literal["dynamograph.io/v1alpha1"] = API_VERSION
+    kind: Literal["DynamoGraph"] = KIND
+    metadata: GraphMetadata
+    spec: DynamoGraphSpec
+    status: DynamoGraphStatus | None = None
+
+    @model_validator(mode="after")
+    def _names_fit(self) -> DynamoGraph:
+        for service in self.spec.services:
+            name = f"{self.metadata.name}-{service}"
+            if len(name) > MAX_OBJECT_NAME:
+                raise ValueError(
+                    f"spec.services.{service}: object name {name!r} is longer than "
+                    f"{MAX_OBJECT_NAME} characters; shorten the graph or service name"
+                )
+        return self
+
+    @property
+    def name(self) -> str:
+        return self.metadata.name
+
+
+class GraphError(ValueError):
+    """A DynamoGraph that does not validate; `errors` are (field path, message) pairs."""
+
+    def __init__(self, errors: list[tuple[str, str]], source: str = "DynamoGraph"):
+        self.errors = errors
+        self.source = source
+        lines = "\n".join(f"  {path}: {message}" for path, message in errors)
+        super().__init__(f"{source} is invalid:\n{lines}")
+
+    @property
+    def field(self) -> str:
+        """The first offending field path (what an Event or condition names)."""
+        return self.errors[0][0]
+
+
+def error_path(location: tuple[int | str, ...]) -> str:
+    """pydantic's error location as a field path: `spec.services.decode.envs[0].name`.
+
+    Locations already use the wire (camelCase) names, because input is validated by alias.
+    """
+    path = ""
+    for part in location:
+        path += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return path.lstrip(".")
+
+
+def validation_errors(exc: ValidationError, prefix: str = "") -> list[tuple[str, str]]:
+    out = []
+    for err in exc.errors():
+        # Model validators report at the model's location; their message may start with the
+        # sub-field they mean ("replicas: ..."), which we fold into the path.
+        path = error_path(tuple(err["loc"]))
+        message = err["msg"].removeprefix("Value error, ")
+        head, sep, rest = message.partition(": ")
+        if sep and re.match(r"^[A-Za-z][A-Za-z0-9.]*$", head) and err["type"] == "value_error":
+            if head.startswith("spec."):
+                path, message = head, rest
+            else:
+                path, message = f"{path}.{head}" if path else head, rest
+        if prefix:
+            path = f"{prefix}.{path}" if path else prefix
+        out.append((path, message))
+    return out
+
+
+def load_graph(source: str | Path | dict[str, Any]) -> DynamoGraph:
+    """Validate a DynamoGraph from a YAML file path or an already-parsed dict.
+
+    Raises GraphError whose message names every offending field, e.g.
+    `spec.services.decode.replicas: Input should be greater than or equal to 0`.
+    """
+    label = "DynamoGraph"
+    if isinstance(source, str | Path):
+        label = str(source)
+        try:
+            text = Path(source).read_text()
+        except OSError as exc:
+            raise GraphError([("", f"cannot read: {exc.strerror}")], label) from None
+        try:
+            docs = [d for d in yaml.safe_load_all(text) if d is not None]
+        except yaml.YAMLError as exc:
+            raise GraphError([("", f"not valid YAML: {exc}")], label) from None
+        if len(docs) != 1:
+            raise GraphError([("", f"expected one YAML document, found {len(docs)}")], label)
+        data = docs[0]
+    else:
+        data = source
+    if not isinstance(data, dict):
+        raise GraphError([("", "a DynamoGraph is a mapping with apiVersion, kind, metadata, spec")])
+    try:
+        return DynamoGraph.model_validate(data)
+    except ValidationError as exc:
+        raise GraphError(validation_errors(exc), label) from None
+
+
+def load_spec(spec: dict[str, Any]) -> DynamoGraphSpec:
+    """Validate just a spec (what a kopf handler receives); errors are prefixed with `spec.`."""
+    try:
+        return DynamoGraphSpec.model_validate(spec)
+    except ValidationError as exc:
+        raise GraphError(validation_errors(exc, prefix="spec")) from None
