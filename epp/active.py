@@ -1,0 +1,241 @@
+"""Active-request tracking: what every (worker, dp_rank) slot is busy with, and the guard that frees it.
+
+The seed is Dynamo's ActiveSequences + RequestGuard. A booking on a slot carries two integer
+loads, in KV blocks:
+- prefill: blocks the slot still has to compute for this request (uncached prompt blocks),
+  dropped when the prefill is done;
+- decode: blocks the request occupies while it lives (prompt blocks, plus output blocks when
+  output tracking is on), dropped when it is freed.
+Loads are integers and every booking remembers exactly what it added, so freeing always
+returns a slot to zero: nothing drifts, whatever order book / prefill-done / free / cancel
+arrive in.
+
+A `RequestGuard` owns the bookings of one routed request (a prefill slot and/or a decode slot).
+Every exit path frees: `free()`, the context manager, cancellation, and garbage collection (with
+a warning, since a collected booked guard means a caller forgot to free it).
+"""
+
+import logging
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Self
+
+log = logging.getLogger(__name__)
+
+Slot = tuple[int, int]  # (worker_id, dp_rank)
+
+
+@dataclass(slots=True)
+class SlotLoad:
+    """Booked load of one slot, the sums of its live bookings."""
+
+    prefill_blocks: int = 0
+    decode_blocks: int = 0
+    requests: int = 0
+
+    def is_idle(self) -> bool:
+        return self.prefill_blocks == 0 and self.decode_blocks == 0 and self.requests == 0
+
+
+@dataclass(slots=True)
+class Booking:
+    """One request's load on one slot; `prefill`/`decode` are exactly what it added."""
+
+    slot: Slot
+    prefill: int
+    decode: int
+    prompt_blocks: int
+    expected_output_tokens: int | None
+    generated_tokens: int = 0
+    live: bool = True
+
+
+@dataclass
+class ActiveRequests:
+    """Per-slot booked load. Pure bookkeeping; the scheduler reads `load(slot)` for its cost."""
+
+    block_size: int = 16
+    track_output_blocks: bool = False
+    _loads: dict[Slot, SlotLoad] = field(default_factory=dict)
+    # Guards collected while booked push their bookings here (an atomic deque append) instead
+    # of freeing inside __del__, which may run in the middle of another update.
+    _orphans: deque[Booking] = field(default_factory=deque)
+
+    def load(self, slot: Slot) -> SlotLoad:
+        self._reap()
+        return self._loads.get(slot) or SlotLoad()
+
+    def loads(self) -> dict[Slot, SlotLoad]:
+        """Every slot with a live booking (a copy)."""
+        self._reap()
+        return {
+            s: SlotLoad(v.prefill_blocks, v.decode_blocks, v.requests)
+            for s, v in self._loads.items()
+        }
+
+    def total_requests(self) -> int:
+        self._reap()
+        return sum(v.requests for v in self._loads.values())
+
+    def book(
+        self,
+        slot: Slot,
+        *,
+        prompt_blocks: int,
+        prefill_blocks: int,
+        decode: bool = True,
+        expected_output_tokens: int | None = None,
+    ) -> Booking:
+        """Add a request to `slot`: `prefill_blocks` to compute, and (if `decode`) its KV blocks."""
+        self._reap()
+        if prompt_blocks < 0 or prefill_blocks < 0:
+            raise ValueError("block counts must be non-negative")
+        booking = Booking(
+            slot=slot,
+            prefill=prefill_blocks,
+            decode=0,
+            prompt_blocks=prompt_blocks if decode else 0,
+            expected_output_tokens=expected_output_tokens if decode else None,
+        )
+        booking.decode = self._decode_load(booking)
+        load = self._loads.setdefault(slot, SlotLoad())
+        load.prefill_blocks += booking.prefill
+        load.decode_blocks += booking.decode
+        load.requests += 1
+        return booking
+
+    def prefill_done(self, booking: Booking) -> None:
+        """The slot finished computing the prompt: drop the prefill part (idempotent)."""
+        self._reap()
+        if booking.live and booking.prefill:
+            self._loads[booking.slot].prefill_blocks -= booking.prefill
+            booking.prefill = 0
+
+    def add_output_tokens(self, booking: Booking, tokens: int) -> None:
+        """Account generated tokens; changes the decode load only when output tracking is on."""
+        self._reap()
+        if not booking.live or tokens <= 0:
+            return
+        booking.generated_tokens += tokens
+        self._set_decode(booking, self._decode_load(booking))
+
+    def free(self, booking: Booking) -> None:
+        """Remove the booking entirely (idempotent)."""
+        self._reap()
+        self._free(booking)
+
+    def orphaned(self, booking: Booking) -> None:
+        """Called from a guard's finaliser: free at the next operation, not inside __del__."""
+        self._orphans.append(booking)
+
+    def drop_slot(self, slot: Slot) -> None:
+        """Forget a removed slot's load; its guards' later frees become no-ops."""
+        self._reap()
+        self._loads.pop(slot, None)
+
+    def _free(self, booking: Booking) -> None:
+        if not booking.live:
+            return
+        booking.live = False
+        load = self._loads.get(booking.slot)
+        if load is None:  # the slot was dropped meanwhile
+            return
+        load.prefill_blocks -= booking.prefill
+        load.decode_blocks -= booking.decode
+        load.requests -= 1
+        if load.is_idle():
+            del self._loads[booking.slot]
+
+    def _set_decode(self, booking: Booking, value: int) -> None:
+        load = self._loads.get(booking.slot)
+        if load is not None:
+            load.decode_blocks += value - booking.decode
+        booking.decode = value
+
+    def _decode_load(self, booking: Booking) -> int:
+        """Prompt blocks, plus (output tracking) generated blocks, decayed by the expected length.
+
+        With an expected output length the generated blocks weigh by the fraction of output
+        still to come: a request about to finish is about to free its blocks.
+        """
+        if not self.track_output_blocks or booking.prompt_blocks == 0:
+            return booking.prompt_blocks
+        generated = math.ceil(booking.generated_tokens / self.block_size)
+        expected = booking.expected_output_tokens
+        if expected:
+            remaining = max(0.0, 1.0 - booking.generated_tokens / expected)
+            generated = round(generated * remaining)
+        return booking.prompt_blocks + generated
+
+    def _reap(self) -> None:
+        while self._orphans:
+            self._free(self._orphans.popleft())
+
+
+class RequestGuard:
+    """The bookings of one routed request; every exit path frees them.
+
+    - `mark_prefill_done()`: the first output arrived; the prefill slot (disaggregated) is
+      released and the decode slot's prefill part dropped. Idempotent.
+    - `add_output_tokens(n)`: generated tokens, for output-block tracking.
+    - `free()`: release everything. Idempotent; also on `with` exit and on garbage collection.
+    """
+
+    __slots__ = ("__weakref__", "_active", "_decode", "_on_free", "_prefill", "request_id")
+
+    def __init__(
+        self,
+        active: ActiveRequests,
+        request_id: str,
+        decode: Booking,
+        prefill: Booking | None = None,
+        on_free=None,
+    ) -> None:
+        self._active = active
+        self.request_id = request_id
+        self._decode = decode
+        self._prefill = prefill
+        self._on_free = on_free
+
+    @property
+    def booked(self) -> bool:
+        return self._decode.live or (self._prefill is not None and self._prefill.live)
+
+    @property
+    def prefill_done(self) -> bool:
+        return self._decode.prefill == 0 and (self._prefill is None or not self._prefill.live)
+
+    def mark_prefill_done(self) -> None:
+        if self._prefill is not None:
+            self._active.free(self._prefill)
+        self._active.prefill_done(self._decode)
+
+    def add_output_tokens(self, tokens: int) -> None:
+        self._active.add_output_tokens(self._decode, tokens)
+
+    def free(self) -> None:
+        if not self.booked:
+            return
+        if self._prefill is not None:
+            self._active.free(self._prefill)
+        self._active.free(self._decode)
+        if self._on_free is not None:
+            self._on_free(self)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.free()
+
+    def __del__(self) -> None:
+        try:
+            booked = self.booked
+        except AttributeError:  # half-built guard
+            return
+        if booked:
+            log.warning("request %s: guard collected while still booked; freeing", self.request_id)
+            if self._prefill is not None:
+                self._active.orphaned(self._prefill)
+            self._active.orphaned(self._decode)
