@@ -231,7 +231,7 @@ class KubernetesSource:
         return pod_target(pod)
 
     async def run(self, sink: TargetSink) -> None:
-        from kubernetes_asyncio import client, watch
+        from kubernetes_asyncio import client
         from kubernetes_asyncio.client.exceptions import ApiException
 
         configuration = await self._configuration()
@@ -242,7 +242,7 @@ class KubernetesSource:
                 try:
                     if version is None:
                         version = await self._list(v1, sink)
-                    version = await self._watch(v1, watch.Watch(), version, sink)
+                    version = await self._watch(v1, version, sink)
                 except ApiException as exc:
                     if exc.status == 410:
                         log.info("pod watch expired (410 Gone); relisting")
@@ -264,19 +264,34 @@ class KubernetesSource:
         sink.sync(targets)
         return (body.get("metadata") or {}).get("resourceVersion")
 
-    async def _watch(self, v1: Any, w: Any, version: str | None, sink: TargetSink) -> str | None:
+    async def _watch(self, v1: Any, version: str | None, sink: TargetSink) -> str | None:
+        """One watch request, read line by line; returns the version to resume from.
+
+        The watch is read raw (not through `kubernetes_asyncio.watch.Watch`): it spells query
+        booleans `True`, which strict emulators do not take for `true`, and it would build a
+        model object per event that we do not need.
+        """
+        from kubernetes_asyncio.client.exceptions import ApiException
+
         kwargs: dict[str, Any] = {
             "label_selector": self.selector,
             "timeout_seconds": self.watch_timeout,
-            "allow_watch_bookmarks": True,
+            "allow_watch_bookmarks": "true",
+            "watch": "true",
+            "_preload_content": False,
         }
         if version:
             kwargs["resource_version"] = version
-        async with w.stream(v1.list_namespaced_pod, self.namespace, **kwargs) as stream:
-            async for event in stream:
-                pod = event.get("raw_object") or {}
+        response = await v1.list_namespaced_pod(self.namespace, **kwargs)
+        try:
+            async for line in response.content:
+                if not line.strip():
+                    continue
+                event = orjson.loads(line)
+                kind, pod = event.get("type"), event.get("object") or {}
+                if kind == "ERROR":
+                    raise ApiException(status=pod.get("code"), reason=pod.get("reason"))
                 version = (pod.get("metadata") or {}).get("resourceVersion") or version
-                kind = event.get("type")
                 if kind == "BOOKMARK":
                     continue
                 target = self._target(pod) if kind != "DELETED" else None
@@ -284,6 +299,8 @@ class KubernetesSource:
                     sink.remove(pod_key(pod))
                 else:
                     sink.upsert(target)
+        finally:
+            response.release()
         return version
 
 

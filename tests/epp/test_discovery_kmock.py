@@ -1,0 +1,131 @@
+"""Kubernetes pod discovery against kmock 0.8 (a Kubernetes API emulator) on 127.0.0.1.
+
+The source is the real `KubernetesSource` with the official `kubernetes_asyncio` client; pods are
+created, patched Ready, marked terminating and deleted through the same API.
+"""
+
+import asyncio
+
+import kmock as kmock_lib
+import pytest
+from kubernetes_asyncio import client
+
+from dynamograph.epp.discovery import KubernetesSource, WorkerTarget
+
+from .conftest import eventually
+
+pytestmark = pytest.mark.integration
+
+NS = "graphs"
+SELECTOR = "dynamograph.io/graph=g1"
+
+
+class RecordingSink:
+    def __init__(self):
+        self.targets: dict[str, WorkerTarget] = {}
+        self.syncs = 0
+
+    def sync(self, targets):
+        self.syncs += 1
+        self.targets = {t.key: t for t in targets}
+
+    def upsert(self, target):
+        self.targets[target.key] = target
+
+    def remove(self, key):
+        self.targets.pop(key, None)
+
+
+def _pod(name, *, graph="g1", ready=False, ip="127.0.0.1", engine=8000, http=8080):
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": NS,
+            "uid": f"uid-{name}",
+            "resourceVersion": "1",
+            "labels": {"dynamograph.io/graph": graph},
+        },
+        "spec": {
+            "containers": [
+                {
+                    "name": "engine",
+                    "image": "dynamograph",
+                    "ports": [
+                        {"name": "http", "containerPort": http},
+                        {"name": "engine", "containerPort": engine},
+                    ],
+                }
+            ]
+        },
+        "status": {
+            "podIP": ip,
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        },
+    }
+
+
+@pytest.fixture
+async def api(kmock):
+    configuration = client.Configuration(host=str(kmock.url).rstrip("/"))
+    async with client.ApiClient(configuration) as api_client:
+        yield configuration, client.CoreV1Api(api_client)
+
+
+async def test_pods_appear_turn_ready_and_terminate(kmock, api):
+    configuration, v1 = api
+    # One pod exists before the watch starts (found by the list), one arrives later (watch).
+    await v1.create_namespaced_pod(NS, _pod("w-0", ready=True, engine=8100, http=8180))
+    source = KubernetesSource(NS, SELECTOR, configuration, watch_timeout=5)
+    sink = RecordingSink()
+    task = asyncio.create_task(source.run(sink))
+    try:
+        await eventually(lambda: f"{NS}/w-0" in sink.targets)
+        assert sink.targets[f"{NS}/w-0"] == WorkerTarget(
+            f"{NS}/w-0", "http://127.0.0.1:8100", "127.0.0.1:8180"
+        )
+
+        # A new pod that is not Ready yet is not a target; once Ready, it is.
+        await v1.create_namespaced_pod(NS, _pod("w-1", ready=False, engine=8101, http=8181))
+        # Another graph's pod never shows up, even Ready.
+        await v1.create_namespaced_pod(NS, _pod("other", graph="g2", ready=True, engine=8102))
+        await asyncio.sleep(0.3)
+        assert set(sink.targets) == {f"{NS}/w-0"}
+        await v1.patch_namespaced_pod(
+            "w-1", NS, {"status": {"conditions": [{"type": "Ready", "status": "True"}]}}
+        )
+        await eventually(lambda: f"{NS}/w-1" in sink.targets)
+        assert sink.targets[f"{NS}/w-1"].engine_url == "http://127.0.0.1:8101"
+
+        # Terminating (deletionTimestamp set) removes it before the pod is gone.
+        await v1.patch_namespaced_pod(
+            "w-1", NS, {"metadata": {"deletionTimestamp": "2026-11-21T16:00:00Z"}}
+        )
+        await eventually(lambda: f"{NS}/w-1" not in sink.targets)
+        # Deleting a Ready pod removes it too.
+        await v1.delete_namespaced_pod("w-0", NS)
+        await eventually(lambda: not sink.targets)
+        assert source.relists == 1
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+async def test_watch_410_gone_relists(kmock, api):
+    configuration, v1 = api
+    await v1.create_namespaced_pod(NS, _pod("w-0", ready=True))
+    # The first watch answers 410 Gone (history compacted): the source must relist.
+    gone = {"type": "ERROR", "object": {"kind": "Status", "code": 410, "reason": "Expired"}}
+    kmock[kmock_lib.resource("", "v1", "pods")]["watch"][:1] << (gone,)
+    source = KubernetesSource(NS, SELECTOR, configuration, watch_timeout=5)
+    sink = RecordingSink()
+    task = asyncio.create_task(source.run(sink))
+    try:
+        await eventually(lambda: source.relists >= 2)
+        await eventually(lambda: f"{NS}/w-0" in sink.targets)
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
