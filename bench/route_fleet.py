@@ -1,0 +1,181 @@
+"""Processes of a routing benchmark: the mock-worker fleet and the routers in front of it.
+
+Each process leads its own process group and logs to a file under the results folder, so a
+failure names the log to read and a stop takes down anything the process spawned. Waits are
+bounded polls that give up early when the process has already died.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from dynamograph.local.procs import PortPool, stop_groups
+
+DYNAMOGRAPH = [sys.executable, "-m", "dynamograph.cli"]
+# Foreign routers must never reach the Hugging Face hub (no internet here, and a benchmark must
+# not depend on it): offline mode, and the endpoint pointed at a closed local port.
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9", "NO_PROXY": "*"}
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+@dataclass
+class Proc:
+    name: str
+    argv: list[str]
+    log: Path
+    env: Mapping[str, str] = field(default_factory=dict)
+    popen: subprocess.Popen | None = None
+
+    def start(self) -> Proc:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with self.log.open("wb") as out:
+            self.popen = subprocess.Popen(
+                self.argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **self.env},
+                start_new_session=True,  # its own process group: stop() reaches its children
+            )
+        return self
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def failure(self, what: str) -> LaunchError:
+        state = "exited" if not self.alive() else "still running"
+        return LaunchError(
+            f"{self.name} {what} ({state}); last lines of {self.log}:\n{self.log_tail()}"
+        )
+
+
+def stop_all(procs: Sequence[Proc], grace: float = 10.0) -> None:
+    groups = [p.popen.pid for p in procs if p.popen is not None and p.alive()]
+    stop_groups(groups, grace=grace)
+    for p in procs:
+        if p.popen is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.popen.wait(timeout=5)
+
+
+async def wait_http(
+    proc: Proc, url: str, *, within_s: float = 60.0, accept: Sequence[int] = (200,)
+) -> None:
+    """Poll `url` until it answers with an accepted status; fail fast if `proc` dies."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+        while loop.time() < deadline:
+            if not proc.alive():
+                raise proc.failure(f"exited before {url} answered")
+            try:
+                async with session.get(url) as resp:
+                    if resp.status in accept:
+                        return
+            except (aiohttp.ClientError, TimeoutError):
+                pass
+            await asyncio.sleep(0.2)
+    raise proc.failure(f"did not answer {url} within {within_s:.0f} s")
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    model: str = "Qwen/Qwen3-8B"
+    block_size: int = 16
+    num_gpu_blocks: int = 27_000
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    context_length: int = 262_144
+    speedup: float = 1.0
+
+
+@dataclass
+class Worker:
+    name: str
+    port: int
+    kv_events_port: int
+    proc: Proc
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def worker_procs(count: int, spec: WorkerSpec, logs: Path, ports: PortPool) -> list[Worker]:
+    """Commands for `count` mock workers on 127.0.0.1 (not started)."""
+    workers = []
+    for i in range(count):
+        name = f"bench-worker-{i}"
+        port, events = ports.take(), ports.take(2)
+        argv = [
+            *DYNAMOGRAPH,
+            "worker",
+            "--engine=mock",
+            f"--model={spec.model}",
+            "--role=aggregated",
+            f"--name={name}",
+            "--host=127.0.0.1",
+            f"--port={port}",
+            f"--kv-events-port={events}",
+            f"--kv-replay-port={events + 1}",
+            f"--block-size={spec.block_size}",
+            f"--num-gpu-blocks={spec.num_gpu_blocks}",
+            f"--max-num-seqs={spec.max_num_seqs}",
+            f"--max-num-batched-tokens={spec.max_num_batched_tokens}",
+            f"--context-length={spec.context_length}",
+            f"--speedup={spec.speedup}",
+            f"--seed={i}",
+        ]
+        workers.append(Worker(name, port, events, Proc(name, argv, logs / f"{name}.log")))
+    return workers
+
+
+@dataclass
+class WorkerStats:
+    requests: float = 0.0
+    prefix_queries: float = 0.0
+    prefix_hits: float = 0.0
+
+
+def parse_worker_metrics(text: str) -> WorkerStats:
+    """Served requests and prefix-cache counters (tokens) from a vLLM-style /metrics page."""
+    stats = WorkerStats()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "vllm:request_success_total":
+                stats.requests += sample.value
+            elif sample.name == "vllm:prefix_cache_queries_total":
+                stats.prefix_queries += sample.value
+            elif sample.name == "vllm:prefix_cache_hits_total":
+                stats.prefix_hits += sample.value
+    return stats
+
+
+async def scrape_workers(workers: Sequence[Worker]) -> dict[str, WorkerStats]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+
+        async def one(w: Worker) -> WorkerStats:
+            async with session.get(w.url + "/metrics") as resp:
+                return parse_worker_metrics(await resp.text())
+
+        stats = await asyncio.gather(*(one(w) for w in workers))
+    return {w.name: s for w, s in zip(workers, stats, strict=True)}

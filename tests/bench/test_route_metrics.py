@@ -1,0 +1,70 @@
+"""Routing metrics from replay results, and parsing the engines' /metrics page."""
+
+import pytest
+
+from dynamograph.bench.route_fleet import parse_worker_metrics
+from dynamograph.bench.route_metrics import (
+    ERROR,
+    OK,
+    SHED,
+    RequestResult,
+    load_imbalance,
+    summarize,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def ok(i, ttft, e2e, prompt, cached, out=10):
+    return RequestResult(i, 0.0, OK, 200, ttft, e2e, prompt, cached, out)
+
+
+def test_summarize_scales_latencies_and_computes_reuse_captured():
+    results = [ok(i, ttft=0.01 * (i + 1), e2e=0.1, prompt=1000, cached=500) for i in range(100)]
+    results.append(RequestResult(100, 0.0, SHED, 429, error="HTTP 429"))
+    results.append(RequestResult(101, 0.0, ERROR, 500, error="HTTP 500: boom"))
+    m = summarize(
+        "kv",
+        results,
+        inherent_reuse=0.625,
+        time_scale=10.0,
+        wall_s=2.0,
+        per_worker_requests={"a": 60, "b": 40},
+    )
+    assert (m.requests, m.ok, m.shed, m.errors) == (102, 100, 1, 1)
+    assert m.first_error == "HTTP 500: boom"
+    assert m.ttft_p50_s == pytest.approx(10 * 0.505)  # median of 0.01..1.00, in trace seconds
+    assert m.ttft_p99_s == pytest.approx(10 * 0.9901)
+    assert m.e2e_p50_s == pytest.approx(1.0)
+    assert m.hit_rate == pytest.approx(0.5)  # shed and failed requests carry no tokens
+    assert m.reuse_captured == pytest.approx(0.8)
+    assert m.throughput_tok_s == pytest.approx(1000 / 20.0)
+    assert m.imbalance == pytest.approx(1.2)
+
+
+def test_summarize_with_nothing_served():
+    m = summarize("rr", [RequestResult(0, 0.0)], inherent_reuse=0.5, time_scale=1, wall_s=1)
+    assert m.ok == 0 and m.ttft_p50_s is None and m.hit_rate == 0.0 and m.imbalance is None
+
+
+def test_load_imbalance():
+    assert load_imbalance({"a": 5, "b": 5}) == 1.0
+    assert load_imbalance({"a": 8, "b": 0, "c": 0, "d": 0}) == 4.0
+    assert load_imbalance({}) is None
+
+
+def test_parse_worker_metrics_sums_labels():
+    text = """\
+# HELP vllm:request_success_total Count of successfully processed requests.
+# TYPE vllm:request_success_total counter
+vllm:request_success_total{finished_reason="stop",model_name="m"} 3.0
+vllm:request_success_total{finished_reason="length",model_name="m"} 4.0
+# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{model_name="m"} 1000.0
+# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{model_name="m"} 250.0
+"""
+    stats = parse_worker_metrics(text)
+    assert (stats.requests, stats.prefix_queries, stats.prefix_hits) == (7, 1000, 250)
