@@ -1,0 +1,125 @@
+"""`dynamograph frontend`: the direct-routing OpenAI frontend (the worker pods' sidecar).
+
+Flags follow the cross-component contract; discovery flags are the EPP's own (`epp.discovery`).
+"""
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+
+from dynamograph.epp.discovery import Discovery, add_discovery_arguments, source_from_args
+
+from .routing import Mode
+from .server import DEFAULT_MAX_BODY_BYTES, Frontend, FrontendConfig
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    parser.add_argument("--port", type=int, default=8080, help="HTTP port (default 8080)")
+    parser.add_argument(
+        "--engine-url",
+        default=os.environ.get("DYNAMOGRAPH_ENGINE_URL"),
+        help="this pod's own engine, e.g. http://127.0.0.1:8000; its /v1/engine gives the "
+        "frontend its instance id (optional for a standalone kv/round-robin frontend)",
+    )
+    parser.add_argument(
+        "--mode",
+        choices=[m.value for m in Mode],
+        default=Mode.DIRECT.value,
+        help="direct: forward where the endpoint picker's headers say (default); kv: pick with "
+        "the KV-aware router core (no gateway); round-robin: cycle through the workers",
+    )
+    add_discovery_arguments(parser)
+    parser.add_argument(
+        "--enforce-disagg",
+        action="store_true",
+        help="refuse requests without a prefill worker (x-prefill-instance-id)",
+    )
+    parser.add_argument(
+        "--disagg-fallback",
+        action="store_true",
+        help="when the prefill leg fails, serve the request aggregated on the decode worker",
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help=f"largest request body accepted, else 413 (default {DEFAULT_MAX_BODY_BYTES})",
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        help="seconds an engine may stay silent before the request fails with 504 (default 600)",
+    )
+    parser.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=5.0,
+        help="seconds to open a connection to an engine (default 5)",
+    )
+    parser.add_argument(
+        "--kv-events",
+        choices=["on", "off"],
+        default="on",
+        help="kv mode: follow the workers' KV events (on) or assume routed prefixes are cached "
+        "for a while (off)",
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> FrontendConfig:
+    mode = Mode(args.mode)
+    if args.engine_url is None and mode is Mode.DIRECT:
+        raise ValueError("--engine-url is required in direct mode (the pod's own engine)")
+    return FrontendConfig(
+        engine_url=args.engine_url,
+        mode=mode,
+        enforce_disagg=args.enforce_disagg,
+        disagg_fallback=args.disagg_fallback,
+        max_body_bytes=args.max_body_bytes,
+        request_timeout=args.request_timeout,
+        connect_timeout=args.connect_timeout,
+        kv_events=args.kv_events == "on",
+    )
+
+
+def graph_from_args(args: argparse.Namespace) -> Discovery | None:
+    """The graph's workers; a static frontend with no --worker knows only its own engine."""
+    if args.discovery == "static" and not args.worker and not args.workers_file:
+        return None
+    return Discovery(source_from_args(args))
+
+
+async def serve(args: argparse.Namespace) -> None:
+    frontend = Frontend(config_from_args(args), graph_from_args(args))
+    url = await frontend.start(args.host, args.port)
+    log.info("frontend listening", extra={"url": url, "mode": args.mode})
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await frontend.stop()
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config_from_args(args)
+        graph_from_args(args)
+    except ValueError as exc:
+        print(f"dynamograph frontend: {exc}", file=sys.stderr)
+        return 2
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    asyncio.run(serve(args))
+    return 0

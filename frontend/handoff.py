@@ -1,0 +1,73 @@
+"""The prefill → decode hand-off in vLLM's `kv_transfer_params` form (DESIGN §3.4; pure).
+
+The prefill leg is the client's request with `max_tokens=1`, `stream=false` and
+`kv_transfer_params {do_remote_decode: true}`; the prefill engine computes the prompt's KV and
+answers with the `kv_transfer_params` the decode engine needs to pull it. The decode leg is the
+client's request unchanged (its stream flag and limits restored simply by starting again from
+the original body) plus those `kv_transfer_params`.
+"""
+
+from typing import Any
+
+from dynamograph.protocol.openai import OpenAIError
+
+KV_TRANSFER_PARAMS = "kv_transfer_params"
+
+# What vLLM's disaggregation proxies send on the prefill leg: the engine fills in the rest.
+REMOTE_DECODE_REQUEST = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+CLIENT_KV_TRANSFER_PARAMS = (
+    f"{KV_TRANSFER_PARAMS} is set by the frontend's prefill→decode hand-off and may not come "
+    "from the client (it names the engine to pull KV from); remove it from the request body"
+)
+
+
+class HandoffError(Exception):
+    """The prefill leg answered, but not with something the decode leg can use."""
+
+
+def reject_client_transfer_params(body: dict[str, Any]) -> None:
+    """400 for a client-supplied `kv_transfer_params`: it would steer an engine to an address."""
+    if KV_TRANSFER_PARAMS in body:
+        raise OpenAIError(400, CLIENT_KV_TRANSFER_PARAMS, param=KV_TRANSFER_PARAMS)
+
+
+def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
+    """The prefill leg's body: one token, no streaming, KV kept for a remote decode."""
+    leg = dict(body)
+    leg["stream"] = False
+    leg.pop("stream_options", None)
+    leg["max_tokens"] = 1
+    if "max_completion_tokens" in leg:  # chat: vLLM prefers it over max_tokens
+        leg["max_completion_tokens"] = 1
+    leg[KV_TRANSFER_PARAMS] = dict(REMOTE_DECODE_REQUEST)
+    return leg
+
+
+def transfer_params(prefill_response: Any) -> dict[str, Any]:
+    """The `kv_transfer_params` of a prefill response; HandoffError when absent or malformed."""
+    if not isinstance(prefill_response, dict):
+        raise HandoffError(
+            f"prefill response is not a JSON object: {type(prefill_response).__name__}"
+        )
+    params = prefill_response.get(KV_TRANSFER_PARAMS)
+    if not isinstance(params, dict) or not params:
+        raise HandoffError(
+            f"prefill response carries no {KV_TRANSFER_PARAMS} (got {params!r:.80}); is the "
+            "prefill engine started with a KV connector (role prefill)?"
+        )
+    return params
+
+
+def decode_request(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """The decode leg's body: the client's request as sent, plus the prefill's transfer params."""
+    leg = dict(body)
+    leg[KV_TRANSFER_PARAMS] = params
+    return leg

@@ -1,0 +1,86 @@
+"""Where a request goes, decided from what it names: routing headers merged into `nvext` (pure).
+
+The endpoint picker writes its decision into routing headers; `protocol.headers` merges them
+into the body's `nvext` (headers win). This module turns the merged `nvext` into the engines the
+request pins (decode, and prefill for the disaggregated hand-off) and enforces the rules of the
+frontend's modes. No I/O: the server resolves the pinned ids to discovered engines.
+"""
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from dynamograph.protocol.headers import PREFILL_INSTANCE_ID, WORKER_INSTANCE_ID
+from dynamograph.protocol.nvext import NvExt
+from dynamograph.protocol.openai import OpenAIError
+
+
+class Mode(StrEnum):
+    DIRECT = "direct"  # the endpoint picker chose; a request without a worker id is refused
+    KV = "kv"  # no picker in front: the frontend runs the router core itself
+    ROUND_ROBIN = "round-robin"  # no picker in front: cycle through the discovered workers
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One engine to call: its instance id and, for data-parallel engines, the rank."""
+
+    worker_id: int
+    dp_rank: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Pins:
+    """The engines a request names itself (via headers or nvext); None where it names none."""
+
+    decode: Target | None = None
+    prefill: Target | None = None
+
+
+NO_PINS = Pins()
+
+WORKER_ID_REQUIRED = (
+    f"Worker ID required: this frontend runs in direct mode and expected {WORKER_INSTANCE_ID} "
+    "set by the endpoint picker (or nvext.backend_instance_id / nvext.decode_worker_id in the "
+    "body); send the request through the gateway, or start the frontend with --mode kv or "
+    "--mode round-robin to pick a worker itself"
+)
+PREFILL_ID_REQUIRED = (
+    "disaggregated serving is enforced (--enforce-disagg) but the request names no prefill "
+    f"worker: expected {PREFILL_INSTANCE_ID} set by the endpoint picker (or "
+    "nvext.prefill_worker_id in the body)"
+)
+
+
+def read_pins(nvext: NvExt | None) -> Pins:
+    """The decode and prefill targets named by a (header-merged) nvext.
+
+    As the seed's direct router: the decode worker is `decode_worker_id`, else
+    `backend_instance_id`. A DP rank without its worker id names nothing.
+    """
+    if nvext is None:
+        return NO_PINS
+    decode_id = (
+        nvext.decode_worker_id if nvext.decode_worker_id is not None else nvext.backend_instance_id
+    )
+    decode = Target(decode_id, nvext.dp_rank) if decode_id is not None else None
+    prefill = (
+        Target(nvext.prefill_worker_id, nvext.prefill_dp_rank)
+        if nvext.prefill_worker_id is not None
+        else None
+    )
+    return Pins(decode, prefill)
+
+
+def check_pins(pins: Pins, mode: Mode, *, enforce_disagg: bool) -> None:
+    """400 when the request lacks a pin its mode requires.
+
+    Direct mode needs the decode worker; with `enforce_disagg` it also needs the prefill worker.
+    The picking modes fill in what is missing themselves (and apply `enforce_disagg` when they
+    pick), so a partial pin is fine there.
+    """
+    if mode is not Mode.DIRECT:
+        return
+    if pins.decode is None:
+        raise OpenAIError(400, WORKER_ID_REQUIRED, param=WORKER_INSTANCE_ID)
+    if enforce_disagg and pins.prefill is None:
+        raise OpenAIError(400, PREFILL_ID_REQUIRED, param=PREFILL_INSTANCE_ID)
