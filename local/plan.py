@@ -1,0 +1,340 @@
+"""Graph → processes: what `dynamograph up` runs for a DynamoGraph, as a pure function.
+
+`plan_graph` turns a validated `DynamoGraph` (the operator's models, the one schema) into the
+list of local processes with their command lines, ports and readiness probes — the local
+equivalent of the operator's pods. No I/O: ports come from an injected allocator and files to
+write (the Envoy config) are returned as data, so the plan is unit-tested without starting
+anything.
+
+Mapping (the operator puts the same command lines into pod specs; contracts.md):
+- every `worker` (aggregated) and `decode` replica: an engine plus its frontend sidecar, whose
+  port is the serving endpoint the EPP hands to Envoy;
+- every `prefill` replica: an engine only (frontends reach it by instance id);
+- one EPP in static discovery mode (`--worker ENGINE_URL[=FRONTEND]`), with the `epp` service's
+  router settings (defaults when the graph has none);
+- a real Envoy configured as a GAIE gateway in front of it: the OpenAI base URL.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from dynamograph.operator.models import ComponentType, DynamoGraph, RouterSpec, ServiceSpec
+from dynamograph.protocol.engine import Role
+
+HOST = "127.0.0.1"
+
+# Start order: engines first (the frontends and the EPP read their /v1/engine), then the
+# routing tier, then Envoy (whose ext_proc filter needs the EPP).
+STAGE_ENGINES, STAGE_ROUTERS, STAGE_GATEWAY = 0, 1, 2
+
+_ROLES = {
+    ComponentType.WORKER: Role.AGGREGATED,
+    ComponentType.PREFILL: Role.PREFILL,
+    ComponentType.DECODE: Role.DECODE,
+}
+
+
+@dataclass(frozen=True)
+class Probe:
+    """How to tell a process is ready: `http` GET answering 200, or a gRPC health `Check`."""
+
+    kind: str  # "http" | "grpc"
+    target: str  # URL (http) or host:port (grpc)
+    service: str = ""  # gRPC health service name
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    name: str  # unique in the plan; for engines also the instance-id source (the "pod name")
+    kind: str  # "engine" | "frontend" | "epp" | "envoy"
+    argv: tuple[str, ...]
+    stage: int
+    ready: Probe
+    ports: dict[str, int]
+    service: str = ""  # the graph service it belongs to
+    role: str = ""  # engines: aggregated | prefill | decode
+    engine_url: str | None = None  # engines: base URL of the OpenAI server (/metrics, /v1/engine)
+    serving: str | None = None  # engines behind a sidecar: the sidecar's host:port
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Plan:
+    graph: str
+    model: str  # the served model name clients send
+    processes: list[ProcessSpec]
+    base_url: str  # OpenAI base URL: Envoy's listener
+    files: dict[str, str]  # path -> content to write before starting (Envoy's config)
+    notes: list[str]  # things the local run does differently from the cluster, for the user
+
+    def engines(self) -> list[ProcessSpec]:
+        return [p for p in self.processes if p.kind == "engine"]
+
+
+# The Envoy part of the plan is the EPP helper's `envoy_config`; injected so tests and the
+# planner never depend on where the binary lives.
+EnvoyConfigFn = Callable[..., dict]
+
+
+def plan_graph(
+    graph: DynamoGraph,
+    run_dir: Path,
+    take_port: Callable[[int], int],
+    *,
+    envoy_binary: str,
+    envoy_config: EnvoyConfigFn,
+    speedup: float | None = None,
+    python: str = sys.executable,
+) -> Plan:
+    """Every process of `graph` on 127.0.0.1, in start order.
+
+    `take_port(n)` returns the first of n consecutive free ports. `speedup` overrides every mock
+    engine's `engine.speedup` (tests and benchmarks run simulated time faster).
+    """
+    spec = graph.spec
+    cli = (python, "-m", "dynamograph.cli")
+    notes: list[str] = []
+    processes: list[ProcessSpec] = []
+
+    for service_name, service in spec.services.items():
+        kind = ComponentType(service.component_type)
+        if kind not in _ROLES:
+            continue
+        for index in range(service.replicas):
+            processes.extend(
+                _engine_processes(
+                    graph, service_name, service, index, take_port, cli, speedup=speedup
+                )
+            )
+
+    engines = [p for p in processes if p.kind == "engine"]
+    prefill_urls = [p.engine_url for p in engines if p.role == Role.PREFILL]
+    processes = [
+        _with_prefill_workers(p, prefill_urls) if p.kind == "frontend" else p for p in processes
+    ]
+    if not any(p.serving for p in engines):
+        notes.append("no worker or decode replicas: Envoy has nothing to route to")
+
+    epp_services = spec.services_of(ComponentType.EPP)
+    router = next((s.router for s in epp_services.values() if s.router), None) or RouterSpec()
+    for name, service in epp_services.items():
+        if service.replicas != 1:
+            notes.append(f"services.{name}: runs one EPP locally (replicas: {service.replicas})")
+    if not epp_services:
+        notes.append("no epp service in the graph: running one with the default router settings")
+    for name in spec.services_of(ComponentType.FRONTEND):
+        notes.append(
+            f"services.{name}: standalone frontends are not run locally; Envoy and the EPP route "
+            "to the workers' frontend sidecars"
+        )
+
+    epp = _epp_process(graph.name, router, engines, take_port, cli, run_dir)
+    processes.append(epp)
+
+    listen, admin = take_port(1), take_port(1)
+    config_path = run_dir / "envoy.yaml"
+    config = envoy_config(
+        listen_port=listen, admin_port=admin, epp_address=f"{HOST}:{epp.ports['grpc']}"
+    )
+    processes.append(
+        ProcessSpec(
+            name=f"{graph.name}-envoy",
+            kind="envoy",
+            argv=(
+                envoy_binary,
+                "-c",
+                str(config_path),
+                "--disable-hot-restart",
+                "--log-level",
+                "warning",
+            ),
+            stage=STAGE_GATEWAY,
+            ready=Probe("http", f"http://{HOST}:{admin}/ready"),
+            ports={"http": listen, "admin": admin},
+        )
+    )
+    files = {str(config_path): yaml.safe_dump(config, sort_keys=False)}
+    if epp.argv.count("--config"):
+        files[str(run_dir / "router.yaml")] = yaml.safe_dump(_router_config(router))
+    return Plan(
+        graph=graph.name,
+        model=spec.served_model_name,
+        processes=processes,
+        base_url=f"http://{HOST}:{listen}/v1",
+        files=files,
+        notes=notes,
+    )
+
+
+def _engine_processes(
+    graph: DynamoGraph,
+    service_name: str,
+    service: ServiceSpec,
+    index: int,
+    take_port: Callable[[int], int],
+    cli: tuple[str, ...],
+    *,
+    speedup: float | None,
+) -> list[ProcessSpec]:
+    spec = graph.spec
+    kind = ComponentType(service.component_type)
+    role = _ROLES[kind]
+    name = f"{graph.name}-{service_name}-{index}"
+    dp = service.data_parallel_size
+    port, events, replay = take_port(1), take_port(dp), take_port(dp)
+    engine_url = f"http://{HOST}:{port}"
+    argv = [
+        *cli,
+        "worker",
+        "--engine",
+        str(spec.backend),
+        "--model",
+        spec.model.name,
+        "--served-model-name",
+        spec.served_model_name,
+        "--role",
+        str(role),
+        "--name",
+        name,
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--kv-events-port",
+        str(events),
+        "--kv-replay-port",
+        str(replay),
+        "--block-size",
+        str(spec.kv_block_size),
+    ]
+    if spec.model.tokenizer:
+        argv += ["--tokenizer", spec.model.tokenizer]
+    if dp != 1:
+        argv += ["--data-parallel-size", str(dp)]
+    args = service.engine
+    engine_flags = {
+        "--num-gpu-blocks": args.num_gpu_blocks if args else None,
+        "--max-num-seqs": args.max_num_seqs if args else None,
+        "--max-num-batched-tokens": args.max_num_batched_tokens if args else None,
+        "--context-length": args.context_length if args else None,
+        "--speedup": speedup if speedup is not None else (args.speedup if args else None),
+        "--seed": args.seed if args else None,
+    }
+    for flag, value in engine_flags.items():
+        if value is not None:
+            argv += [flag, str(value)]
+    env = {e.name: e.value for e in service.envs if e.value is not None}
+    processes = []
+    serving = None
+    if kind in (ComponentType.WORKER, ComponentType.DECODE):
+        front_port = take_port(1)
+        serving = f"{HOST}:{front_port}"
+        processes.append(
+            ProcessSpec(
+                name=f"{name}-frontend",
+                kind="frontend",
+                argv=(
+                    *cli,
+                    "frontend",
+                    "--host",
+                    HOST,
+                    "--port",
+                    str(front_port),
+                    "--engine-url",
+                    engine_url,
+                ),
+                stage=STAGE_ROUTERS,
+                ready=Probe("http", f"http://{serving}/health"),
+                ports={"http": front_port},
+                service=service_name,
+            )
+        )
+    engine = ProcessSpec(
+        name=name,
+        kind="engine",
+        argv=tuple(argv),
+        stage=STAGE_ENGINES,
+        ready=Probe("http", f"{engine_url}/health"),
+        ports={"engine": port, "kv-events": events, "kv-replay": replay},
+        service=service_name,
+        role=str(role),
+        engine_url=engine_url,
+        serving=serving,
+        env=env,
+    )
+    return [engine, *processes]
+
+
+def _with_prefill_workers(frontend: ProcessSpec, prefill_urls: list[str | None]) -> ProcessSpec:
+    """A decode sidecar learns the prefill engines (ids → URLs) by static discovery."""
+    if not prefill_urls:
+        return frontend
+    extra: list[str] = ["--discovery", "static"]
+    for url in prefill_urls:
+        extra += ["--worker", str(url)]
+    return ProcessSpec(**{**frontend.__dict__, "argv": (*frontend.argv, *extra)})
+
+
+def _epp_process(
+    graph: str,
+    router: RouterSpec,
+    engines: list[ProcessSpec],
+    take_port: Callable[[int], int],
+    cli: tuple[str, ...],
+    run_dir: Path,
+) -> ProcessSpec:
+    grpc, health, metrics = take_port(1), take_port(1), take_port(1)
+    argv = [
+        *cli,
+        "epp",
+        "--host",
+        HOST,
+        "--grpc-port",
+        str(grpc),
+        "--health-port",
+        str(health),
+        "--metrics-port",
+        str(metrics),
+        "--discovery",
+        "static",
+    ]
+    for engine in engines:
+        argv += [
+            "--worker",
+            f"{engine.engine_url}={engine.serving}" if engine.serving else str(engine.engine_url),
+        ]
+    argv += [
+        "--overlap-weight",
+        str(router.overlap_weight),
+        "--temperature",
+        str(router.temperature),
+    ]
+    argv += ["--kv-events", "on" if router.kv_events else "off"]
+    if router.enforce_disagg:
+        argv.append("--enforce-disagg")
+    if _router_config(router):
+        argv += ["--config", str(run_dir / "router.yaml")]
+    return ProcessSpec(
+        name=f"{graph}-epp",
+        kind="epp",
+        argv=tuple(argv),
+        stage=STAGE_ROUTERS,
+        ready=Probe("grpc", f"{HOST}:{health}", "readiness"),
+        ports={"grpc": grpc, "grpc-health": health, "metrics": metrics},
+    )
+
+
+def _router_config(router: RouterSpec) -> dict:
+    """Router settings the EPP takes from its config file rather than flags."""
+    config = dict(router.config)
+    if router.mode != "kv":
+        config["mode"] = str(router.mode)
+    if router.busy_threshold is not None:
+        config["busy_threshold"] = router.busy_threshold
+    return config

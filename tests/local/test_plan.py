@@ -1,0 +1,231 @@
+"""The pure plan: a DynamoGraph becomes the right processes, ports and command lines."""
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from dynamograph.local.plan import STAGE_ENGINES, STAGE_GATEWAY, STAGE_ROUTERS, plan_graph
+from dynamograph.local.up import DEFAULT_GRAPH, EXAMPLES
+from dynamograph.operator.models import load_graph
+
+pytestmark = pytest.mark.unit
+
+RUN = Path("/run/dg")
+
+
+class Ports:
+    """A deterministic allocator: consecutive numbers, so tests can see overlaps."""
+
+    def __init__(self, start=20000):
+        self.next = start
+        self.calls = []
+
+    def __call__(self, n):
+        self.calls.append(n)
+        first = self.next
+        self.next += n
+        return first
+
+
+def fake_envoy_config(**kwargs):
+    return {"envoy": kwargs}
+
+
+def plan(source, **kw):
+    graph = load_graph(source)
+    return plan_graph(
+        graph, RUN, Ports(), envoy_binary="/bin/envoy", envoy_config=fake_envoy_config, **kw
+    )
+
+
+def arg(argv, flag):
+    return argv[argv.index(flag) + 1]
+
+
+def args_of(argv, flag):
+    return [argv[i + 1] for i, a in enumerate(argv) if a == flag]
+
+
+def graph_dict(**services):
+    return {
+        "apiVersion": "dynamograph.io/v1alpha1",
+        "kind": "DynamoGraph",
+        "metadata": {"name": "t"},
+        "spec": {
+            "model": {"name": "Qwen/Qwen3-0.6B", "servedModelName": "qwen"},
+            "services": services,
+        },
+    }
+
+
+def test_default_graph_is_the_bundled_aggregated_example():
+    assert DEFAULT_GRAPH == EXAMPLES / "agg.yaml" and DEFAULT_GRAPH.is_file()
+
+
+def test_aggregated_example_engines_sidecars_epp_envoy():
+    p = plan(DEFAULT_GRAPH)
+    kinds = [x.kind for x in p.processes]
+    assert kinds.count("engine") == 4 and kinds.count("frontend") == 4
+    assert kinds.count("epp") == 1 and kinds.count("envoy") == 1
+    stages = {x.kind: x.stage for x in p.processes}
+    assert stages == {
+        "engine": STAGE_ENGINES,
+        "frontend": STAGE_ROUTERS,
+        "epp": STAGE_ROUTERS,
+        "envoy": STAGE_GATEWAY,
+    }
+    names = [x.name for x in p.processes]
+    assert len(set(names)) == len(names)
+    assert [e.name for e in p.engines()] == [f"agg-worker-{i}" for i in range(4)]
+    assert p.model == "qwen"
+    # Every port is distinct.
+    ports = [port for x in p.processes for port in x.ports.values()]
+    assert len(set(ports)) == len(ports)
+
+
+def test_engine_command_line_follows_the_graph():
+    p = plan(DEFAULT_GRAPH, speedup=50.0)
+    engine = p.engines()[0]
+    argv = engine.argv
+    assert argv[1:4] == ("-m", "dynamograph.cli", "worker")
+    assert arg(argv, "--engine") == "mock"
+    assert arg(argv, "--model") == "Qwen/Qwen3-0.6B"
+    assert arg(argv, "--served-model-name") == "qwen"
+    assert arg(argv, "--role") == "aggregated"
+    assert arg(argv, "--name") == engine.name
+    assert arg(argv, "--host") == "127.0.0.1"
+    assert arg(argv, "--block-size") == "16"
+    assert arg(argv, "--num-gpu-blocks") == "2048"
+    assert arg(argv, "--max-num-seqs") == "64"
+    assert arg(argv, "--speedup") == "50.0"  # the override wins over engine.speedup
+    assert int(arg(argv, "--port")) == engine.ports["engine"]
+    assert int(arg(argv, "--kv-events-port")) == engine.ports["kv-events"]
+    assert engine.engine_url == f"http://127.0.0.1:{engine.ports['engine']}"
+    assert engine.ready.target == engine.engine_url + "/health"
+
+
+def test_sidecars_and_epp_point_at_the_engines():
+    p = plan(DEFAULT_GRAPH)
+    engines = {e.engine_url: e for e in p.engines()}
+    sidecars = [x for x in p.processes if x.kind == "frontend"]
+    for sidecar in sidecars:
+        engine = engines[arg(sidecar.argv, "--engine-url")]
+        assert engine.serving == f"127.0.0.1:{sidecar.ports['http']}"
+        assert "--discovery" not in sidecar.argv  # aggregated: no prefill workers to find
+    epp = next(x for x in p.processes if x.kind == "epp")
+    workers = args_of(epp.argv, "--worker")
+    assert sorted(workers) == sorted(f"{e.engine_url}={e.serving}" for e in p.engines())
+    assert arg(epp.argv, "--discovery") == "static"
+    assert arg(epp.argv, "--overlap-weight") == "1.0"
+    assert arg(epp.argv, "--kv-events") == "on"
+    assert "--config" not in epp.argv and p.notes == []
+
+
+def test_envoy_fronts_the_epp_and_is_the_base_url():
+    p = plan(DEFAULT_GRAPH)
+    envoy = next(x for x in p.processes if x.kind == "envoy")
+    epp = next(x for x in p.processes if x.kind == "epp")
+    config_path = arg(envoy.argv, "-c")
+    assert envoy.argv[0] == "/bin/envoy" and "--disable-hot-restart" in envoy.argv
+    assert config_path == str(RUN / "envoy.yaml")
+    assert f"epp_address: 127.0.0.1:{epp.ports['grpc']}" in p.files[config_path]
+    assert f"listen_port: {envoy.ports['http']}" in p.files[config_path]
+    assert p.base_url == f"http://127.0.0.1:{envoy.ports['http']}/v1"
+    assert envoy.ready.target == f"http://127.0.0.1:{envoy.ports['admin']}/ready"
+
+
+def test_disaggregated_example_prefill_without_sidecar():
+    p = plan(EXAMPLES / "disagg.yaml")
+    engines = p.engines()
+    prefill = [e for e in engines if e.role == "prefill"]
+    decode = [e for e in engines if e.role == "decode"]
+    assert len(prefill) == 2 and len(decode) == 2
+    assert all(e.serving is None for e in prefill) and all(e.serving for e in decode)
+    assert all(arg(e.argv, "--max-num-batched-tokens") == "8192" for e in prefill)
+    epp = next(x for x in p.processes if x.kind == "epp")
+    workers = args_of(epp.argv, "--worker")
+    assert sorted(workers) == sorted(
+        [e.engine_url for e in prefill] + [f"{e.engine_url}={e.serving}" for e in decode]
+    )
+    sidecars = [x for x in p.processes if x.kind == "frontend"]
+    assert len(sidecars) == 2
+    for sidecar in sidecars:
+        assert arg(sidecar.argv, "--discovery") == "static"
+        assert sorted(args_of(sidecar.argv, "--worker")) == sorted(e.engine_url for e in prefill)
+
+
+def test_data_parallel_engines_get_a_port_per_rank():
+    ports = Ports()
+    graph = load_graph(
+        graph_dict(worker={"componentType": "worker", "replicas": 2, "dataParallelSize": 3})
+    )
+    p = plan_graph(graph, RUN, ports, envoy_binary="e", envoy_config=fake_envoy_config)
+    assert 3 in ports.calls
+    first, second = p.engines()
+    assert arg(first.argv, "--data-parallel-size") == "3"
+    events = {first.ports["kv-events"] + r for r in range(3)}
+    replay = {first.ports["kv-replay"] + r for r in range(3)}
+    others = {port for x in p.processes for port in x.ports.values()} - {
+        first.ports["kv-events"],
+        first.ports["kv-replay"],
+    }
+    assert not (events & replay) and not (events & others) and not (replay & others)
+    assert second.ports["engine"] not in events | replay
+
+
+def test_graph_without_epp_runs_a_default_one_and_says_so():
+    p = plan(graph_dict(w={"componentType": "worker", "replicas": 1}))
+    assert any("no epp service" in n for n in p.notes)
+    assert sum(x.kind == "epp" for x in p.processes) == 1
+
+
+def test_router_settings_beyond_flags_go_to_a_config_file():
+    p = plan(
+        graph_dict(
+            w={"componentType": "worker"},
+            epp={
+                "componentType": "epp",
+                "router": {
+                    "mode": "round-robin",
+                    "temperature": 0.5,
+                    "enforceDisagg": True,
+                    "kvEvents": False,
+                },
+            },
+        )
+    )
+    epp = next(x for x in p.processes if x.kind == "epp")
+    assert arg(epp.argv, "--temperature") == "0.5"
+    assert arg(epp.argv, "--kv-events") == "off"
+    assert "--enforce-disagg" in epp.argv
+    config = arg(epp.argv, "--config")
+    assert "mode: round-robin" in p.files[config]
+
+
+def test_service_env_reaches_the_engine():
+    p = plan(
+        graph_dict(
+            w={"componentType": "worker", "envs": [{"name": "FOO", "value": "bar"}]},
+        )
+    )
+    assert p.engines()[0].env == {"FOO": "bar"}
+
+
+@pytest.mark.parametrize("example", ["agg.yaml", "disagg.yaml"])
+def test_command_lines_parse_with_the_components_own_parsers(example):
+    """The plan speaks each component's real CLI (contracts.md), not a guess of it."""
+    modules = {
+        "worker": "dynamograph.worker.cli",
+        "frontend": "dynamograph.frontend.cli",
+        "epp": "dynamograph.epp.cli",
+    }
+    p = plan(EXAMPLES / example)
+    for proc in p.processes:
+        if proc.kind == "envoy":
+            continue
+        command = proc.argv[3]
+        module = pytest.importorskip(modules[command], reason=f"{modules[command]} not built yet")
+        parser = argparse.ArgumentParser()
+        module.add_arguments(parser)
+        parser.parse_args(list(proc.argv[4:]))  # SystemExit (a failure) on any unknown flag
