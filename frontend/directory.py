@@ -10,6 +10,7 @@ from collections.abc import Iterable
 
 from dynamograph.epp.discovery import (
     Discovery,
+    Listener,
     StaticSource,
     WorkerRecord,
     parse_worker_flag,
@@ -100,6 +101,11 @@ class WorkerDirectory:
         if self.local is None:
             return None
         return self.local.source.targets[0].engine_url
+
+    def add_listener(self, on_added: Listener, on_removed: Listener) -> None:
+        """Worker appeared / went away, from either set (a worker may be in both)."""
+        for discovery in self._discoveries():
+            discovery.add_listener(on_added, on_removed)
 
     def mark_unreachable(self, instance_id: int) -> None:
         """Connection refused: drop the worker until its `/v1/engine` answers again."""

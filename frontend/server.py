@@ -343,7 +343,7 @@ class Frontend:
                     raise
                 if want_ext and upstream.status == 200:
                     raw = nvext_out.add_to_body(raw, self._ext(nvext, trace))
-                self._observe_first_byte(stream, trace)
+                self._first_byte(route, stream, trace)
                 return web.Response(
                     body=raw,
                     status=upstream.status,
@@ -357,7 +357,9 @@ class Frontend:
         assert nvext is not None
         return lambda usage: nvext_out.response_nvext(nvext, trace, usage)
 
-    def _observe_first_byte(self, stream: bool, trace: nvext_out.Trace) -> None:
+    def _first_byte(self, route: Route, stream: bool, trace: nvext_out.Trace) -> None:
+        if route.booking is not None:
+            route.booking.mark_prefill_done()
         self.metrics.ttft.labels(self.config.mode.value, str(stream).lower()).observe(
             trace.first_token_s or trace.elapsed()
         )
@@ -391,7 +393,7 @@ class Frontend:
             if first:
                 first = False
                 trace.first_token_s = trace.elapsed()
-                self._observe_first_byte(True, trace)
+                self._first_byte(route, True, trace)
             if injector is not None:
                 chunk = injector.feed(chunk)
                 if not chunk:

@@ -1,0 +1,219 @@
+"""`dynamograph bench frontend`: the latency the frontend hop adds, against calling the engine.
+
+One mock worker and one frontend (direct mode, its sidecar) run as real processes on 127.0.0.1.
+The same request goes alternately straight to the engine and through the frontend (with the
+routing header the endpoint picker would set), round by round, so machine noise hits both
+paths alike; at concurrency c, c clients send in parallel. Reported per (c, stream): p50/p99 of
+both paths and the added p50 (frontend − direct), plus time to first byte for streams. Target:
+≤ 0.5 ms added at p50, c=1.
+"""
+
+import argparse
+import asyncio
+import contextlib
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+import orjson
+
+from dynamograph.local.procs import PortPool
+
+from .report import add_output_argument, print_table, write_json
+from .route_fleet import DYNAMOGRAPH, Proc, WorkerSpec, stop_all, wait_http, worker_procs
+from .timing import percentiles
+
+TARGET_ADDED_P50_MS = 0.5
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--rounds", type=int, default=40, help="alternations per configuration (default 40)"
+    )
+    parser.add_argument(
+        "--per-round", type=int, default=16, help="requests per client per round (default 16)"
+    )
+    parser.add_argument(
+        "--concurrency", type=int, nargs="+", default=[1, 16], help="client counts (default 1 16)"
+    )
+    parser.add_argument(
+        "--max-tokens", type=int, default=4, help="tokens generated per request (default 4)"
+    )
+    add_output_argument(parser)
+
+
+def _body(stream: bool, max_tokens: int) -> bytes:
+    return orjson.dumps(
+        {
+            "model": WorkerSpec.model,
+            "prompt": "The frontend hop should cost less than half a millisecond.",
+            "max_tokens": max_tokens,
+            "stream": stream,
+            "ignore_eos": True,
+        }
+    )
+
+
+async def _one(
+    session: aiohttp.ClientSession, url: str, body: bytes, headers: dict[str, str]
+) -> tuple[float, float]:
+    """(total, first byte) seconds of one request, reading the whole answer."""
+    start = time.perf_counter()
+    async with session.post(url, data=body, headers=headers) as response:
+        first = None
+        async for _ in response.content.iter_any():
+            if first is None:
+                first = time.perf_counter() - start
+        if response.status != 200:
+            raise RuntimeError(f"{url} answered {response.status}")
+    total = time.perf_counter() - start
+    return total, first if first is not None else total
+
+
+async def _phase(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: bytes,
+    headers: dict[str, str],
+    clients: int,
+    per_client: int,
+    out: list[tuple[float, float]],
+) -> None:
+    async def client() -> None:
+        for _ in range(per_client):
+            out.append(await _one(session, url, body, headers))
+
+    await asyncio.gather(*(client() for _ in range(clients)))
+
+
+async def _measure(args, engine: str, frontend: str, worker_id: int) -> list[dict]:
+    paths = {
+        "direct": (engine + "/v1/completions", {"Content-Type": "application/json"}),
+        "frontend": (
+            frontend + "/v1/completions",
+            {"Content-Type": "application/json", "x-worker-instance-id": str(worker_id)},
+        ),
+    }
+    results = []
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        for clients in args.concurrency:
+            for stream in (False, True):
+                body = _body(stream, args.max_tokens)
+                samples: dict[str, list[tuple[float, float]]] = {name: [] for name in paths}
+                for url, headers in paths.values():  # warm connections and caches
+                    await _phase(session, url, body, headers, clients, 4, [])
+                for _ in range(args.rounds):
+                    for name, (url, headers) in paths.items():
+                        await _phase(
+                            session, url, body, headers, clients, args.per_round, samples[name]
+                        )
+                results.append(_summarise(clients, stream, samples))
+    return results
+
+
+def _summarise(clients: int, stream: bool, samples: dict[str, list]) -> dict:
+    row: dict = {"concurrency": clients, "stream": stream}
+    for name, values in samples.items():
+        arr = np.asarray(values)
+        row[name] = {
+            "requests": len(values),
+            "total_ms": percentiles(arr[:, 0], 1e3),
+            "first_byte_ms": percentiles(arr[:, 1], 1e3),
+        }
+    row["added_p50_ms"] = row["frontend"]["total_ms"]["p50"] - row["direct"]["total_ms"]["p50"]
+    row["added_first_byte_p50_ms"] = (
+        row["frontend"]["first_byte_ms"]["p50"] - row["direct"]["first_byte_ms"]["p50"]
+    )
+    return row
+
+
+async def _bench(args) -> dict:
+    ports = PortPool()
+    logs = Path(tempfile.mkdtemp(prefix="bench-frontend-"))
+    # A fast simulated GPU: the engine's own time is small, so the hop's share is visible.
+    (worker,) = worker_procs(1, WorkerSpec(speedup=1000.0), logs, ports)
+    fe_port = ports.take()
+    frontend = Proc(
+        "frontend",
+        [
+            *DYNAMOGRAPH,
+            "frontend",
+            "--host=127.0.0.1",
+            f"--port={fe_port}",
+            f"--engine-url={worker.url}",
+        ],
+        logs / "frontend.log",
+    )
+    procs = [worker.proc, frontend]
+    ports.release()
+    try:
+        worker.proc.start()
+        frontend.start()
+        fe_url = f"http://127.0.0.1:{fe_port}"
+        await wait_http(worker.proc, worker.url + "/health")
+        await wait_http(frontend, fe_url + "/health")
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(worker.url + "/v1/engine") as response,
+        ):
+            worker_id = (await response.json())["instance_id"]
+        rows = await _measure(args, worker.url, fe_url, worker_id)
+    finally:
+        stop_all(procs)
+    return {"rows": rows, "logs": str(logs)}
+
+
+def run(args: argparse.Namespace) -> int:
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        uvloop.install()
+    result = asyncio.run(_bench(args))
+    rows = result["rows"]
+    print_table(
+        "frontend hop: added latency vs calling the engine directly (ms)",
+        [
+            "c",
+            "stream",
+            "direct p50",
+            "frontend p50",
+            "added p50",
+            "direct p99",
+            "frontend p99",
+            "added 1st byte p50",
+        ],
+        [
+            [
+                r["concurrency"],
+                "yes" if r["stream"] else "no",
+                r["direct"]["total_ms"]["p50"],
+                r["frontend"]["total_ms"]["p50"],
+                r["added_p50_ms"],
+                r["direct"]["total_ms"]["p99"],
+                r["frontend"]["total_ms"]["p99"],
+                r["added_first_byte_p50_ms"] if r["stream"] else "",
+            ]
+            for r in rows
+        ],
+    )
+    c1 = [r["added_p50_ms"] for r in rows if r["concurrency"] == 1]
+    verdict = max(c1) <= TARGET_ADDED_P50_MS if c1 else None
+    if c1:
+        print(
+            f"target ≤ {TARGET_ADDED_P50_MS} ms added p50 at c=1: "
+            f"{'met' if verdict else 'NOT met'} (worst {max(c1):.3f} ms)"
+        )
+    write_json(
+        args.out,
+        "frontend",
+        {
+            "rows": rows,
+            "target_added_p50_ms": TARGET_ADDED_P50_MS,
+            "target_met_c1": verdict,
+            "config": vars(args) | {"out": str(args.out)},
+        },
+    )
+    return 0

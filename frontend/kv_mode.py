@@ -1,0 +1,131 @@
+"""`--mode kv`: the frontend picks workers with the router core itself (no gateway in front).
+
+For users without an Envoy gateway and endpoint picker: the frontend runs the EPP's router core
+(`epp.scheduler.Router`) fed by the same discovery and, unless `--kv-events off`, the workers' KV
+events (`epp.kv_events`). Each request is tokenized with the workers' tokenizer, hashed per KV
+block and scheduled; the booking is released when the request ends.
+"""
+
+import itertools
+import logging
+from typing import Any
+
+from dynamograph.epp.config import RouterConfig
+from dynamograph.epp.discovery import WorkerRecord
+from dynamograph.epp.scheduler import (
+    NoEligibleWorker,
+    Overloaded,
+    RoutePins,
+    Router,
+    RouteRequest,
+)
+from dynamograph.protocol.hashing import block_hashes
+from dynamograph.protocol.nvext import NvExt
+from dynamograph.protocol.openai import OpenAIError
+from dynamograph.protocol.tokenization import get_tokenizer, request_tokens
+
+from .directory import WorkerDirectory
+from .pickers import Route
+from .routing import Mode, Pins, Target
+
+log = logging.getLogger(__name__)
+
+
+class KvPicker:
+    mode = Mode.KV
+
+    def __init__(
+        self,
+        directory: WorkerDirectory,
+        *,
+        enforce_disagg: bool,
+        kv_events: bool,
+        config: RouterConfig | None = None,
+    ):
+        self.directory = directory
+        self.config = config or RouterConfig(enforce_disagg=enforce_disagg, use_kv_events=kv_events)
+        self.router = Router(self.config)
+        self._ids = itertools.count()
+        self._events = None
+
+    async def start(self) -> None:
+        self.directory.add_listener(self._added, self._removed)
+        if self.config.use_kv_events:
+            from dynamograph.epp.kv_events import KvEventSubscriber
+
+            self._events = KvEventSubscriber(self.router)
+            await self._events.start()
+            for record in self.directory.records():
+                self._events.add_worker(record)
+
+    async def stop(self) -> None:
+        if self._events is not None:
+            await self._events.stop()
+            self._events = None
+
+    def _added(self, record: WorkerRecord) -> None:
+        config = record.config
+        self.router.add_worker(
+            record.instance_id,
+            role=config.role,
+            dp_size=config.data_parallel_size,
+            block_size=config.kv_cache_block_size,
+            total_blocks=config.total_kv_blocks,
+        )
+        if self._events is not None:
+            self._events.add_worker(record)
+
+    def _removed(self, record: WorkerRecord) -> None:
+        if self.directory.get(record.instance_id) is not None:
+            return  # still known through the other discovery (local engine and graph)
+        if self._events is not None:
+            self._events.remove_worker(record.instance_id)
+        self.router.remove_worker(record.instance_id)
+
+    def _tokens(self, path: str, body: dict[str, Any]):
+        records = self.directory.records()
+        if not records:
+            raise OpenAIError(503, "no workers are discovered yet")
+        return request_tokens(get_tokenizer(records[0].config.tokenizer), path, body)
+
+    async def pick(self, pins: Pins, nvext: NvExt | None, path: str, body: dict[str, Any]) -> Route:
+        block_size = self.router.block_size
+        if block_size is None:
+            raise OpenAIError(503, "no workers are discovered yet")
+        tokens = self._tokens(path, body)
+        osl = nvext.agent_hints.osl if nvext and nvext.agent_hints else None
+        request = RouteRequest(
+            request_id=f"frontend-{next(self._ids)}",
+            block_hashes=block_hashes(tokens, block_size),
+            isl_tokens=len(tokens),
+            pins=RoutePins.from_nvext(nvext),
+            session=nvext.session_control if nvext else None,
+            expected_output_tokens=osl,
+        )
+        try:
+            decision = self.router.schedule(request)
+        except NoEligibleWorker as exc:
+            raise OpenAIError(503, exc.reason) from None
+        except Overloaded as exc:
+            raise OpenAIError(429, f"{exc.reason}; retry after {exc.retry_after_s:g} s") from None
+        try:
+            decode = _target(decision.decode.worker_id, decision.decode.dp_rank, self.directory)
+            route = Route(self.directory.resolve(decode, "decode"), decode, booking=decision.guard)
+            if decision.prefill is not None:
+                prefill = _target(
+                    decision.prefill.worker_id, decision.prefill.dp_rank, self.directory
+                )
+                route.prefill = self.directory.resolve(prefill, "prefill")
+                route.prefill_target = prefill
+        except OpenAIError:
+            if decision.guard is not None:
+                decision.guard.free()
+            raise
+        return route
+
+
+def _target(worker_id: int, dp_rank: int, directory: WorkerDirectory) -> Target:
+    """Send the DP rank header only to data-parallel engines."""
+    record = directory.get(worker_id)
+    multi = record is not None and record.config.data_parallel_size > 1
+    return Target(worker_id, dp_rank if multi else None)
