@@ -1,0 +1,156 @@
+"""The routers a routing benchmark compares, each started in front of the same worker fleet.
+
+Ours run as in production: the EPP (`dynamograph epp`, static discovery, a router YAML that
+selects the policy) behind a real Envoy configured as a GAIE gateway, so every one of our
+policies pays the same Envoy + ext_proc hop and differs only in the decision. The foreign
+anchors are the routers people pick instead, started from their PyPI wheels on 127.0.0.1 with
+the Hugging Face hub unreachable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import sys
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from dynamograph.local.procs import PortPool
+
+from .route_fleet import DYNAMOGRAPH, OFFLINE_ENV, LaunchError, Proc, Worker, stop_all, wait_http
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    kind: str  # "epp" | "sglang-router" | "vllm-router"
+    description: str
+    router_config: dict = field(default_factory=dict)  # RouterConfig fields (kind "epp")
+    foreign_policy: str | None = None  # --policy of a foreign router
+
+
+POLICIES: dict[str, Policy] = {
+    p.name: p
+    for p in [
+        Policy("round-robin", "epp", "EPP, round-robin", {"policy": "round-robin"}),
+        Policy("random", "epp", "EPP, uniform random", {"policy": "random", "seed": 0}),
+        Policy("least-loaded", "epp", "EPP, fewest active blocks", {"policy": "least-loaded"}),
+        Policy(
+            "approx-kv",
+            "epp",
+            "EPP, KV cost from its own routing history (no KV events, TTL 120 s)",
+            {"policy": "kv", "use_kv_events": False},
+        ),
+        Policy("kv", "epp", "EPP, KV cost from the engines' KV events", {"policy": "kv"}),
+        Policy(
+            "sglang-cache-aware",
+            "sglang-router",
+            "sglang-router 0.3.2 --policy cache_aware (text radix tree)",
+            foreign_policy="cache_aware",
+        ),
+        Policy(
+            "vllm-cache-aware",
+            "vllm-router",
+            "vllm-router 0.1.17 --policy cache_aware",
+            foreign_policy="cache_aware",
+        ),
+    ]
+}
+DEFAULT_POLICIES = list(POLICIES)
+
+
+def _foreign_binary(name: str) -> str:
+    beside = Path(sys.executable).with_name(name)
+    found = str(beside) if beside.exists() else shutil.which(name)
+    if not found:
+        raise LaunchError(
+            f"{name} is not installed: pip install {name} (the benchmark's foreign anchor)"
+        )
+    return found
+
+
+@contextlib.asynccontextmanager
+async def serve(
+    policy: Policy, workers: Sequence[Worker], ports: PortPool, logs: Path
+) -> AsyncIterator[str]:
+    """Start the router for `policy` in front of `workers`; yield its base URL; stop it."""
+    if policy.kind == "epp":
+        ctx = _serve_epp(policy, workers, ports, logs)
+    else:
+        ctx = _serve_foreign(policy, workers, ports, logs)
+    async with ctx as url:
+        yield url
+
+
+@contextlib.asynccontextmanager
+async def _serve_foreign(
+    policy: Policy, workers: Sequence[Worker], ports: PortPool, logs: Path
+) -> AsyncIterator[str]:
+    port, metrics = ports.take(), ports.take()
+    argv = [_foreign_binary(policy.kind)]
+    if policy.kind == "sglang-router":
+        argv.append("launch")
+    argv += [
+        "--host=127.0.0.1",
+        f"--port={port}",
+        "--prometheus-host=127.0.0.1",
+        f"--prometheus-port={metrics}",
+        f"--policy={policy.foreign_policy}",
+        "--log-level=warn" if policy.kind == "sglang-router" else "--log-level=warning",
+        "--worker-urls",
+        *(w.url for w in workers),
+    ]
+    proc = Proc(f"{policy.name}-router", argv, logs / f"{policy.name}-router.log", OFFLINE_ENV)
+    ports.release()
+    proc.start()
+    try:
+        url = f"http://127.0.0.1:{port}"
+        await wait_http(proc, url + "/v1/models", within_s=90)
+        yield url
+    finally:
+        await asyncio.to_thread(stop_all, [proc])
+
+
+@contextlib.asynccontextmanager
+async def _serve_epp(
+    policy: Policy, workers: Sequence[Worker], ports: PortPool, logs: Path
+) -> AsyncIterator[str]:
+    from dynamograph.local.envoy import run_envoy  # lazily: only our policies need Envoy
+
+    grpc_port, health_port, metrics_port = ports.take(), ports.take(), ports.take()
+    listen_port, admin_port = ports.take(), ports.take()
+    config = logs / f"{policy.name}-router.yaml"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(yaml.safe_dump(policy.router_config))
+    argv = [
+        *DYNAMOGRAPH,
+        "epp",
+        "--host=127.0.0.1",
+        f"--grpc-port={grpc_port}",
+        f"--health-port={health_port}",
+        f"--metrics-port={metrics_port}",
+        "--discovery=static",
+        f"--config={config}",
+    ]
+    for w in workers:
+        argv += ["--worker", f"{w.url}=127.0.0.1:{w.port}"]
+    epp = Proc(f"{policy.name}-epp", argv, logs / f"{policy.name}-epp.log")
+    ports.release()
+    epp.start()
+    try:
+        await wait_http(epp, f"http://127.0.0.1:{metrics_port}/metrics", within_s=60)
+        async with run_envoy(
+            listen_port=listen_port,
+            admin_port=admin_port,
+            epp_address=f"127.0.0.1:{grpc_port}",
+            log_path=logs / f"{policy.name}-envoy.log",
+        ):
+            url = f"http://127.0.0.1:{listen_port}"
+            await wait_http(epp, url + "/v1/models", within_s=60)
+            yield url
+    finally:
+        await asyncio.to_thread(stop_all, [epp])
