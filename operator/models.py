@@ -41,8 +41,11 @@ SHORT_NAMES = ["dg"]
 # (at most 63 characters), so the two parts share that budget.
 MAX_OBJECT_NAME = 63
 DNS_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
-# Kubernetes resource.Quantity, as the apiserver's regular expression spells it.
-QUANTITY = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
+# Kubernetes resource.Quantity, as controller-gen writes it into CRDs.
+QUANTITY = (
+    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+    r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
 
 
 class ComponentType(StrEnum):
@@ -113,7 +116,8 @@ Quantity = Annotated[
     Field(
         pattern=QUANTITY,
         description="Kubernetes quantity, e.g. `4`, `500m`, `16Gi`",
-        json_schema_extra={"x-kubernetes-int-or-string": True},
+        # pydantic leaves a pattern behind a BeforeValidator out of the schema: restate it.
+        json_schema_extra={"x-kubernetes-int-or-string": True, "pattern": QUANTITY},
     ),
 ]
 
@@ -203,7 +207,52 @@ class RouterSpec(_Model):
     )
 
 
+def _cel(rule: str, message: str, field_path: str | None = None) -> dict[str, str]:
+    """An `x-kubernetes-validations` rule: the apiserver refuses what the validators refuse."""
+    out = {"rule": rule, "message": message}
+    if field_path:
+        out["fieldPath"] = field_path
+    return out
+
+
+_ENGINE_CEL = "self.componentType in ['worker', 'prefill', 'decode']"
+
+
 class ServiceSpec(_Model):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    f"!has(self.engine) || {_ENGINE_CEL}",
+                    "engine: only worker, prefill and decode services run an engine",
+                    ".engine",
+                ),
+                _cel(
+                    "!has(self.router) || self.componentType in ['epp', 'frontend']",
+                    "router: only epp and frontend services route",
+                    ".router",
+                ),
+                _cel(
+                    f"{_ENGINE_CEL} || !has(self.resources) || !has(self.resources.gpu) "
+                    "|| self.resources.gpu == 0",
+                    "resources.gpu: only worker, prefill and decode services use GPUs",
+                    ".resources",
+                ),
+                _cel(
+                    f"{_ENGINE_CEL} || !has(self.dataParallelSize) || self.dataParallelSize == 1",
+                    "dataParallelSize: only worker, prefill and decode services run an engine",
+                    ".dataParallelSize",
+                ),
+                _cel(
+                    "self.componentType != 'frontend' || !has(self.router) "
+                    "|| !has(self.router.mode) || self.router.mode in ['kv', 'round-robin']",
+                    "router.mode: a frontend routes with kv or round-robin",
+                    ".router",
+                ),
+            ]
+        }
+    )
+
     component_type: ComponentType
     replicas: int = Field(default=1, ge=0, le=1024)
     data_parallel_size: int = Field(
@@ -271,7 +320,39 @@ class GatewaySpec(_Model):
     )
 
 
+def _services_with(kinds: str) -> str:
+    return f"self.services.exists(k, self.services[k].componentType in [{kinds}])"
+
+
 class DynamoGraphSpec(_Model):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    _services_with("'worker', 'decode'"),
+                    "services: the graph needs a worker (aggregated) or decode service",
+                    ".services",
+                ),
+                _cel(
+                    "size(self.services.filter(k, self.services[k].componentType == 'epp')) <= 1",
+                    "services: at most one epp service per graph",
+                    ".services",
+                ),
+                _cel(
+                    "!" + _services_with("'prefill'") + " || " + _services_with("'decode'"),
+                    "services: a prefill service needs a decode service to hand off to",
+                    ".services",
+                ),
+                _cel(
+                    "!has(self.gateway) || !has(self.gateway.parentRef) || "
+                    + _services_with("'epp'"),
+                    "gateway.parentRef: routing through a gateway needs an epp service",
+                    ".gateway",
+                ),
+            ]
+        }
+    )
+
     model: ModelSpec
     backend: Backend = Backend.MOCK
     kv_block_size: int = Field(default=16, ge=1, le=1024, description="tokens per KV block")

@@ -1,0 +1,674 @@
+"""Spec -> desired Kubernetes objects: pure functions, no I/O (DESIGN §3.7).
+
+For one DynamoGraph this builds, in creation order: the discovery ServiceAccount, Role and
+RoleBinding (pods get/list/watch, used by the EPP and by the frontends), the EPP's router
+ConfigMap, the EPP and frontend Services, a Deployment per service, the InferencePool over the
+decode/aggregated worker pods, and an HTTPRoute when the gateway names a parentRef. Every object
+carries the graph's labels and a controller ownerReference, so deleting the graph deletes them.
+
+The pods run the command lines of the contract (briefs/contracts.md): `dynamograph worker` with
+the frontend sidecar in engine pods that serve requests, `dynamograph epp`, and standalone
+`dynamograph frontend`. Errors the CRD schema cannot see (an unknown field in extraPodSpec)
+raise `GraphError` naming the field.
+"""
+
+import copy
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+from kubernetes.client import V1PodSpec
+
+from .config import OperatorConfig
+from .models import (
+    API_VERSION,
+    ENGINE_TYPES,
+    KIND,
+    SERVING_TYPES,
+    ComponentType,
+    DynamoGraph,
+    GraphError,
+    RouterSpec,
+    ServiceSpec,
+)
+
+# Contract ports (briefs/contracts.md).
+HTTP_PORT = 8080  # frontend; the InferencePool targetPort
+ENGINE_PORT = 8000  # engine HTTP API, also its /metrics
+KV_EVENTS_PORT = 5557
+KV_REPLAY_PORT = 5558
+EPP_GRPC_PORT = 9002
+EPP_HEALTH_PORT = 9003
+EPP_METRICS_PORT = 9090
+
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_GRAPH = "dynamograph.io/graph"
+LABEL_SERVICE = "dynamograph.io/service"
+LABEL_COMPONENT = "dynamograph.io/component-type"
+# On decode/aggregated worker pods: what the InferencePool and the frontend Service select.
+LABEL_SERVING = "dynamograph.io/serving"
+MANAGED_BY = "dynamograph-operator"
+
+ROUTER_CONFIG_DIR = "/etc/dynamograph/router"
+ROUTER_CONFIG_FILE = "router.yaml"
+POOL_GROUP = "inference.networking.k8s.io"
+
+_ROLES = {
+    ComponentType.WORKER: "aggregated",
+    ComponentType.PREFILL: "prefill",
+    ComponentType.DECODE: "decode",
+}
+_POD_SPEC_FIELDS = frozenset(V1PodSpec.attribute_map.values())
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The live graph object the generated objects belong to."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    def reference(self) -> dict[str, Any]:
+        return {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "name": self.name,
+            "uid": self.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+
+
+# ---- names -------------------------------------------------------------------------------
+
+
+def deployment_name(graph: str, service: str) -> str:
+    return f"{graph}-{service}"
+
+
+def epp_service_name(graph: str) -> str:
+    return f"{graph}-epp"
+
+
+def frontend_service_name(graph: str) -> str:
+    return f"{graph}-frontend"
+
+
+def discovery_name(graph: str) -> str:
+    """ServiceAccount, Role and RoleBinding that let pods watch the graph's pods."""
+    return f"{graph}-discovery"
+
+
+def router_config_name(graph: str) -> str:
+    return f"{graph}-router"
+
+
+def graph_labels(graph: str) -> dict[str, str]:
+    return {
+        LABEL_NAME: "dynamograph",
+        LABEL_INSTANCE: graph,
+        LABEL_MANAGED_BY: MANAGED_BY,
+        LABEL_GRAPH: graph,
+    }
+
+
+def service_labels(graph: str, service: str, kind: str) -> dict[str, str]:
+    return {**graph_labels(graph), LABEL_SERVICE: service, LABEL_COMPONENT: str(kind)}
+
+
+def graph_selector(graph: str) -> str:
+    """The label selector discovery watches: every pod of the graph (EPP pods have no engine port)."""
+    return f"{LABEL_GRAPH}={graph}"
+
+
+# ---- building blocks ---------------------------------------------------------------------
+
+
+def _meta(owner: Owner, name: str, labels: dict[str, str]) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": owner.namespace,
+        "labels": dict(labels),
+        "ownerReferences": [owner.reference()],
+    }
+
+
+def _downward_env() -> list[dict[str, Any]]:
+    def field(name: str, path: str) -> dict[str, Any]:
+        return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+    return [
+        field("POD_NAME", "metadata.name"),
+        field("POD_IP", "status.podIP"),
+        field("POD_NAMESPACE", "metadata.namespace"),
+    ]
+
+
+def _user_env(spec: ServiceSpec) -> list[dict[str, Any]]:
+    return [env.model_dump(by_alias=True, exclude_none=True) for env in spec.envs]
+
+
+def _http_probe(port: str, period: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": "/health", "port": port},
+        "periodSeconds": period,
+        "timeoutSeconds": 3,
+        "failureThreshold": failures,
+    }
+
+
+def _grpc_probe(port: int, period: int, failures: int) -> dict[str, Any]:
+    return {
+        "grpc": {"port": port},
+        "periodSeconds": period,
+        "timeoutSeconds": 3,
+        "failureThreshold": failures,
+    }
+
+
+def _cpu_memory(spec: ServiceSpec) -> dict[str, str]:
+    res = spec.resources
+    return {k: v for k, v in (("cpu", res.cpu), ("memory", res.memory)) if v is not None}
+
+
+def _container(
+    name: str, image: str, args: list[str], config: OperatorConfig, **fields: Any
+) -> dict[str, Any]:
+    return {
+        "name": name,
+        "image": image,
+        "imagePullPolicy": config.image_pull_policy,
+        "command": ["dynamograph"],
+        "args": args,
+        **fields,
+        "securityContext": {"allowPrivilegeEscalation": False},
+    }
+
+
+def _router(graph: DynamoGraph) -> RouterSpec:
+    """The graph's routing policy: the EPP's router section, else the defaults."""
+    for spec in graph.spec.services_of(ComponentType.EPP).values():
+        if spec.router is not None:
+            return spec.router
+    return RouterSpec()
+
+
+# ---- containers --------------------------------------------------------------------------
+
+
+def worker_args(graph: DynamoGraph, spec: ServiceSpec) -> list[str]:
+    model = graph.spec.model
+    args = [
+        "worker",
+        "--engine",
+        str(graph.spec.backend),
+        "--model",
+        model.name,
+        "--served-model-name",
+        graph.spec.served_model_name,
+        "--role",
+        _ROLES[ComponentType(spec.component_type)],
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(ENGINE_PORT),
+        "--kv-events-port",
+        str(KV_EVENTS_PORT),
+        "--kv-replay-port",
+        str(KV_REPLAY_PORT),
+        "--block-size",
+        str(graph.spec.kv_block_size),
+        "--data-parallel-size",
+        str(spec.data_parallel_size),
+    ]
+    if model.tokenizer:
+        args += ["--tokenizer", model.tokenizer]
+    engine = spec.engine
+    if engine is not None:
+        for flag, value in (
+            ("--num-gpu-blocks", engine.num_gpu_blocks),
+            ("--max-num-seqs", engine.max_num_seqs),
+            ("--max-num-batched-tokens", engine.max_num_batched_tokens),
+            ("--context-length", engine.context_length),
+            ("--speedup", engine.speedup),
+            ("--seed", engine.seed),
+        ):
+            if value is not None:
+                args += [flag, str(value)]
+    return args
+
+
+def frontend_args(graph: DynamoGraph, owner: Owner, *, sidecar: bool, mode: str) -> list[str]:
+    args = ["frontend", "--host", "0.0.0.0", "--port", str(HTTP_PORT)]
+    if sidecar:
+        args += ["--engine-url", f"http://127.0.0.1:{ENGINE_PORT}"]
+    args += [
+        "--mode",
+        mode,
+        "--discovery",
+        "kubernetes",
+        "--namespace",
+        owner.namespace,
+        "--selector",
+        graph_selector(graph.name),
+    ]
+    if _router(graph).enforce_disagg:
+        args.append("--enforce-disagg")
+    return args
+
+
+def epp_args(graph: DynamoGraph, owner: Owner, router: RouterSpec) -> list[str]:
+    args = [
+        "epp",
+        "--host",
+        "0.0.0.0",
+        "--grpc-port",
+        str(EPP_GRPC_PORT),
+        "--health-port",
+        str(EPP_HEALTH_PORT),
+        "--metrics-port",
+        str(EPP_METRICS_PORT),
+        "--discovery",
+        "kubernetes",
+        "--namespace",
+        owner.namespace,
+        "--selector",
+        graph_selector(graph.name),
+        "--config",
+        f"{ROUTER_CONFIG_DIR}/{ROUTER_CONFIG_FILE}",
+        # The contract's flags repeat the config's core fields, so the pod's command line alone
+        # tells an operator of the cluster how the router is set up.
+        "--overlap-weight",
+        str(router.overlap_weight),
+        "--temperature",
+        str(router.temperature),
+        "--kv-events",
+        "on" if router.kv_events else "off",
+    ]
+    if router.enforce_disagg:
+        args.append("--enforce-disagg")
+    return args
+
+
+def router_config(graph: DynamoGraph, router: RouterSpec) -> dict[str, Any]:
+    """The EPP's router config file (the router core's RouterConfig fields, snake_case)."""
+    config: dict[str, Any] = {
+        "mode": str(router.mode),
+        "block_size": graph.spec.kv_block_size,
+        "overlap_weight": router.overlap_weight,
+        "temperature": router.temperature,
+        "enforce_disagg": router.enforce_disagg,
+        "kv_events": router.kv_events,
+    }
+    if router.busy_threshold is not None:
+        config["busy_threshold"] = router.busy_threshold
+    config.update(router.config)
+    return config
+
+
+def _engine_container(
+    graph: DynamoGraph, spec: ServiceSpec, image: str, config: OperatorConfig
+) -> dict[str, Any]:
+    limits: dict[str, Any] = _cpu_memory(spec)
+    requests = dict(limits)
+    if spec.resources.gpu:
+        limits["nvidia.com/gpu"] = str(spec.resources.gpu)
+    resources = {k: v for k, v in (("requests", requests), ("limits", limits)) if v}
+    # Model loading takes minutes on vLLM; the startup probe holds liveness off until then.
+    startup_failures = 180 if graph.spec.backend == "vllm" else 30
+    return _container(
+        "engine",
+        image,
+        worker_args(graph, spec),
+        config,
+        ports=[
+            {"name": "engine", "containerPort": ENGINE_PORT, "protocol": "TCP"},
+            {"name": "kv-events", "containerPort": KV_EVENTS_PORT, "protocol": "TCP"},
+            {"name": "kv-replay", "containerPort": KV_REPLAY_PORT, "protocol": "TCP"},
+        ],
+        env=_downward_env() + _user_env(spec),
+        resources=resources,
+        startupProbe=_http_probe("engine", 10, startup_failures),
+        readinessProbe=_http_probe("engine", 5, 3),
+        livenessProbe=_http_probe("engine", 10, 6),
+    )
+
+
+def _frontend_container(
+    graph: DynamoGraph,
+    owner: Owner,
+    spec: ServiceSpec,
+    image: str,
+    config: OperatorConfig,
+    *,
+    sidecar: bool,
+) -> dict[str, Any]:
+    if sidecar:
+        mode = "direct"  # the EPP already chose; the sidecar follows the routing headers
+        resources: dict[str, Any] = {"requests": {"cpu": "100m", "memory": "256Mi"}}
+        env = _downward_env()
+    else:
+        mode = str(spec.router.mode) if spec.router is not None else "kv"
+        cpu_memory = _cpu_memory(spec)
+        resources = {"requests": cpu_memory, "limits": cpu_memory} if cpu_memory else {}
+        env = _downward_env() + _user_env(spec)
+    return _container(
+        "frontend",
+        image,
+        frontend_args(graph, owner, sidecar=sidecar, mode=mode),
+        config,
+        ports=[{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
+        env=env,
+        resources=resources,
+        readinessProbe=_http_probe("http", 5, 3),
+        livenessProbe=_http_probe("http", 10, 6),
+    )
+
+
+def _epp_container(
+    graph: DynamoGraph, owner: Owner, spec: ServiceSpec, image: str, config: OperatorConfig
+) -> dict[str, Any]:
+    cpu_memory = _cpu_memory(spec)
+    return _container(
+        "epp",
+        image,
+        epp_args(graph, owner, _router(graph)),
+        config,
+        ports=[
+            {"name": "grpc", "containerPort": EPP_GRPC_PORT, "protocol": "TCP"},
+            {"name": "grpc-health", "containerPort": EPP_HEALTH_PORT, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": EPP_METRICS_PORT, "protocol": "TCP"},
+        ],
+        env=_downward_env() + _user_env(spec),
+        resources={"requests": cpu_memory, "limits": cpu_memory} if cpu_memory else {},
+        volumeMounts=[{"name": "router-config", "mountPath": ROUTER_CONFIG_DIR, "readOnly": True}],
+        readinessProbe=_grpc_probe(EPP_HEALTH_PORT, 5, 3),
+        livenessProbe=_grpc_probe(EPP_HEALTH_PORT, 10, 6),
+    )
+
+
+# ---- pod spec merging --------------------------------------------------------------------
+
+
+def _merge(base: Any, extra: Any, path: str) -> Any:
+    """extraPodSpec over the generated pod spec: maps merge, named list items merge by name,
+    other list items are appended, scalars are replaced."""
+    if isinstance(base, dict) and isinstance(extra, dict):
+        out = dict(base)
+        for key, value in extra.items():
+            out[key] = _merge(base[key], value, f"{path}.{key}") if key in base else value
+        return out
+    if isinstance(base, list) and isinstance(extra, list):
+        out_list = list(base)
+        by_name = {item.get("name"): i for i, item in enumerate(base) if isinstance(item, dict)}
+        for index, item in enumerate(extra):
+            if not isinstance(item, dict):
+                out_list.append(item)
+                continue
+            name = item.get("name")
+            if name in by_name:
+                at = by_name[name]
+                out_list[at] = _merge(base[at], item, f"{path}[{index}]")
+            else:
+                out_list.append(item)
+        return out_list
+    if type(base) is not type(extra) and (isinstance(base, dict | list)):
+        kind = "a mapping" if isinstance(base, dict) else "a list"
+        raise GraphError([(path, f"must be {kind}")])
+    return extra
+
+
+def merge_extra_pod_spec(
+    pod_spec: dict[str, Any], extra: dict[str, Any], path: str
+) -> dict[str, Any]:
+    unknown = sorted(set(extra) - _POD_SPEC_FIELDS)
+    if unknown:
+        raise GraphError(
+            [
+                (f"{path}.{key}", "not a PodSpec field (see `kubectl explain pod.spec`)")
+                for key in unknown
+            ]
+        )
+    for key in ("containers", "initContainers", "volumes", "tolerations"):
+        items = extra.get(key, [])
+        if not isinstance(items, list):
+            raise GraphError([(f"{path}.{key}", "must be a list")])
+        if key != "tolerations":
+            for index, item in enumerate(items):
+                if not isinstance(item, dict) or not item.get("name"):
+                    raise GraphError([(f"{path}.{key}[{index}]", "must be a mapping with a name")])
+    return _merge(pod_spec, copy.deepcopy(extra), path)
+
+
+# ---- objects -----------------------------------------------------------------------------
+
+
+def _deployment(
+    graph: DynamoGraph, owner: Owner, name: str, spec: ServiceSpec, config: OperatorConfig
+) -> dict[str, Any]:
+    kind = ComponentType(spec.component_type)
+    image = spec.image or config.image
+    labels = service_labels(graph.name, name, kind)
+    pod_labels = dict(labels)
+    annotations = {"prometheus.io/scrape": "true"}
+    volumes: list[dict[str, Any]] = []
+    if kind in ENGINE_TYPES:
+        containers = [_engine_container(graph, spec, image, config)]
+        annotations["prometheus.io/port"] = str(ENGINE_PORT)
+        if kind in SERVING_TYPES:
+            containers.append(_frontend_container(graph, owner, spec, image, config, sidecar=True))
+            pod_labels[LABEL_SERVING] = "true"
+    elif kind == ComponentType.EPP:
+        containers = [_epp_container(graph, owner, spec, image, config)]
+        annotations["prometheus.io/port"] = str(EPP_METRICS_PORT)
+        volumes.append(
+            {"name": "router-config", "configMap": {"name": router_config_name(graph.name)}}
+        )
+    else:  # standalone frontend
+        containers = [_frontend_container(graph, owner, spec, image, config, sidecar=False)]
+        annotations["prometheus.io/port"] = str(HTTP_PORT)
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": discovery_name(graph.name),
+        "containers": containers,
+        # Engines drain in-flight requests on SIGTERM before exiting.
+        "terminationGracePeriodSeconds": 60 if kind in ENGINE_TYPES else 30,
+    }
+    if volumes:
+        pod_spec["volumes"] = volumes
+    if spec.extra_pod_spec:
+        pod_spec = merge_extra_pod_spec(
+            pod_spec, spec.extra_pod_spec, f"spec.services.{name}.extraPodSpec"
+        )
+    deployment_spec: dict[str, Any] = {
+        "replicas": spec.replicas,
+        "selector": {"matchLabels": {LABEL_GRAPH: graph.name, LABEL_SERVICE: name}},
+        "template": {
+            "metadata": {"labels": pod_labels, "annotations": annotations},
+            "spec": pod_spec,
+        },
+    }
+    if spec.resources.gpu:
+        # No surge: a rollout must not need a spare GPU node; replace one pod at a time.
+        deployment_spec["strategy"] = {
+            "type": "RollingUpdate",
+            "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1},
+        }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(owner, deployment_name(graph.name, name), labels),
+        "spec": deployment_spec,
+    }
+
+
+def _rbac(graph: DynamoGraph, owner: Owner, labels: dict[str, str]) -> list[dict[str, Any]]:
+    name = discovery_name(graph.name)
+    return [
+        {
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": _meta(owner, name, labels),
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": _meta(owner, name, labels),
+            "rules": [
+                {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": _meta(owner, name, labels),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": owner.namespace}],
+        },
+    ]
+
+
+def _service(
+    owner: Owner, name: str, labels: dict[str, str], selector: dict[str, str], ports: list
+) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(owner, name, labels),
+        "spec": {"type": "ClusterIP", "selector": selector, "ports": ports},
+    }
+
+
+def _frontend_selector(graph: DynamoGraph) -> dict[str, str]:
+    if graph.spec.services_of(ComponentType.FRONTEND):
+        return {LABEL_GRAPH: graph.name, LABEL_COMPONENT: ComponentType.FRONTEND.value}
+    return {LABEL_GRAPH: graph.name, LABEL_SERVING: "true"}
+
+
+def _inference_pool(graph: DynamoGraph, owner: Owner) -> dict[str, Any]:
+    return {
+        "apiVersion": f"{POOL_GROUP}/v1",
+        "kind": "InferencePool",
+        "metadata": _meta(owner, graph.name, graph_labels(graph.name)),
+        "spec": {
+            "selector": {"matchLabels": {LABEL_GRAPH: graph.name, LABEL_SERVING: "true"}},
+            "targetPorts": [{"number": HTTP_PORT}],
+            "endpointPickerRef": {
+                "kind": "Service",
+                "name": epp_service_name(graph.name),
+                "port": {"number": EPP_GRPC_PORT},
+                "failureMode": str(graph.spec.gateway.failure_mode),
+            },
+        },
+    }
+
+
+def _http_route(graph: DynamoGraph, owner: Owner) -> dict[str, Any]:
+    parent = graph.spec.gateway.parent_ref
+    assert parent is not None
+    return {
+        "apiVersion": "gateway.networking.k8s.io/v1",
+        "kind": "HTTPRoute",
+        "metadata": _meta(owner, graph.name, graph_labels(graph.name)),
+        "spec": {
+            "parentRefs": [parent.model_dump(by_alias=True, exclude_none=True)],
+            "rules": [
+                {
+                    "matches": [{"path": {"type": "PathPrefix", "value": "/"}}],
+                    "backendRefs": [
+                        {"group": POOL_GROUP, "kind": "InferencePool", "name": graph.name}
+                    ],
+                }
+            ],
+        },
+    }
+
+
+def desired_objects(
+    graph: DynamoGraph, owner: Owner, config: OperatorConfig
+) -> list[dict[str, Any]]:
+    """Every object the graph should own, in creation order. Raises GraphError."""
+    objects: list[dict[str, Any]] = []
+    epps = graph.spec.services_of(ComponentType.EPP)
+    epp_name = next(iter(epps), None)
+    epp_labels = (
+        service_labels(graph.name, epp_name, ComponentType.EPP)
+        if epp_name
+        else graph_labels(graph.name)
+    )
+    objects += _rbac(graph, owner, epp_labels)
+    if epp_name is not None:
+        router = _router(graph)
+        objects.append(
+            {
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "metadata": _meta(owner, router_config_name(graph.name), epp_labels),
+                "data": {
+                    ROUTER_CONFIG_FILE: yaml.safe_dump(router_config(graph, router), sort_keys=True)
+                },
+            }
+        )
+        objects.append(
+            _service(
+                owner,
+                epp_service_name(graph.name),
+                epp_labels,
+                {LABEL_GRAPH: graph.name, LABEL_SERVICE: epp_name},
+                [
+                    {
+                        "name": "grpc",
+                        "port": EPP_GRPC_PORT,
+                        "targetPort": "grpc",
+                        "protocol": "TCP",
+                        "appProtocol": "kubernetes.io/h2c",
+                    },
+                    {
+                        "name": "grpc-health",
+                        "port": EPP_HEALTH_PORT,
+                        "targetPort": "grpc-health",
+                        "protocol": "TCP",
+                    },
+                    {
+                        "name": "metrics",
+                        "port": EPP_METRICS_PORT,
+                        "targetPort": "metrics",
+                        "protocol": "TCP",
+                    },
+                ],
+            )
+        )
+    objects.append(
+        _service(
+            owner,
+            frontend_service_name(graph.name),
+            graph_labels(graph.name),
+            _frontend_selector(graph),
+            [{"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"}],
+        )
+    )
+    errors: list[tuple[str, str]] = []
+    for name, spec in graph.spec.services.items():
+        try:
+            objects.append(_deployment(graph, owner, name, spec, config))
+        except GraphError as exc:
+            errors += exc.errors
+    if errors:
+        raise GraphError(errors)
+    if epp_name is not None:
+        objects.append(_inference_pool(graph, owner))
+        if graph.spec.gateway.parent_ref is not None:
+            objects.append(_http_route(graph, owner))
+    return objects
+
+
+def object_key(obj: dict[str, Any]) -> tuple[str, str, str]:
+    """(apiVersion, kind, name): identifies an object within the graph's namespace."""
+    return obj["apiVersion"], obj["kind"], obj["metadata"]["name"]
+
+
+def kinds_of(objects: Iterable[dict[str, Any]]) -> set[tuple[str, str]]:
+    return {(o["apiVersion"], o["kind"]) for o in objects}
