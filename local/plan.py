@@ -17,6 +17,7 @@ Mapping (the operator puts the same command lines into pod specs; contracts.md):
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,7 +25,13 @@ from pathlib import Path
 
 import yaml
 
-from dynamograph.operator.models import ComponentType, DynamoGraph, RouterSpec, ServiceSpec
+from dynamograph.operator.models import (
+    ComponentType,
+    DynamoGraph,
+    FailureMode,
+    RouterSpec,
+    ServiceSpec,
+)
 from dynamograph.protocol.engine import Role
 
 HOST = "127.0.0.1"
@@ -128,19 +135,22 @@ def plan_graph(
             notes.append(f"services.{name}: runs one EPP locally (replicas: {service.replicas})")
     if not epp_services:
         notes.append("no epp service in the graph: running one with the default router settings")
-    for name in spec.services_of(ComponentType.FRONTEND):
-        notes.append(
-            f"services.{name}: standalone frontends are not run locally; Envoy and the EPP route "
-            "to the workers' frontend sidecars"
-        )
+    for name, service in spec.services_of(ComponentType.FRONTEND).items():
+        standalone = _standalone_frontends(graph.name, name, service, engines, take_port, cli)
+        processes.extend(standalone)
+        urls = ", ".join(f"http://{HOST}:{p.ports['http']}/v1" for p in standalone)
+        notes.append(f"services.{name}: standalone frontend, OpenAI base URL {urls}")
 
     epp = _epp_process(graph.name, router, engines, take_port, cli, run_dir)
     processes.append(epp)
 
     listen, admin = take_port(1), take_port(1)
-    config_path = run_dir / "envoy.yaml"
+    config_path = run_dir / "envoy.json"
     config = envoy_config(
-        listen_port=listen, admin_port=admin, epp_address=f"{HOST}:{epp.ports['grpc']}"
+        listen_port=listen,
+        admin_port=admin,
+        epp_address=f"{HOST}:{epp.ports['grpc']}",
+        failure_mode_allow=spec.gateway.failure_mode == FailureMode.FAIL_OPEN,
     )
     processes.append(
         ProcessSpec(
@@ -159,7 +169,7 @@ def plan_graph(
             ports={"http": listen, "admin": admin},
         )
     )
-    files = {str(config_path): yaml.safe_dump(config, sort_keys=False)}
+    files = {str(config_path): json.dumps(config, indent=1)}
     if epp.argv.count("--config"):
         files[str(run_dir / "router.yaml")] = yaml.safe_dump(_router_config(router))
     return Plan(
@@ -281,6 +291,42 @@ def _with_prefill_workers(frontend: ProcessSpec, prefill_urls: list[str | None])
     return ProcessSpec(**{**frontend.__dict__, "argv": (*frontend.argv, *extra)})
 
 
+def _standalone_frontends(
+    graph: str,
+    service_name: str,
+    service: ServiceSpec,
+    engines: list[ProcessSpec],
+    take_port: Callable[[int], int],
+    cli: tuple[str, ...],
+) -> list[ProcessSpec]:
+    """A `frontend` service: frontends routing by themselves (kv or round-robin), no gateway."""
+    mode = service.router.mode if service.router else "kv"
+    out = []
+    for index in range(service.replicas):
+        port = take_port(1)
+        argv = [*cli, "frontend", "--host", HOST, "--port", str(port), "--mode", str(mode)]
+        argv += ["--discovery", "static"]
+        for engine in engines:
+            argv += ["--worker", _worker_arg(engine)]
+        out.append(
+            ProcessSpec(
+                name=f"{graph}-{service_name}-{index}",
+                kind="frontend",
+                argv=tuple(argv),
+                stage=STAGE_ROUTERS,
+                ready=Probe("http", f"http://{HOST}:{port}/health"),
+                ports={"http": port},
+                service=service_name,
+            )
+        )
+    return out
+
+
+def _worker_arg(engine: ProcessSpec) -> str:
+    """Static discovery entry: ENGINE_URL, then `=SERVING` when a sidecar serves it."""
+    return f"{engine.engine_url}={engine.serving}" if engine.serving else str(engine.engine_url)
+
+
 def _epp_process(
     graph: str,
     router: RouterSpec,
@@ -305,10 +351,7 @@ def _epp_process(
         "static",
     ]
     for engine in engines:
-        argv += [
-            "--worker",
-            f"{engine.engine_url}={engine.serving}" if engine.serving else str(engine.engine_url),
-        ]
+        argv += ["--worker", _worker_arg(engine)]
     argv += [
         "--overlap-weight",
         str(router.overlap_weight),

@@ -1,6 +1,7 @@
 """The pure plan: a DynamoGraph becomes the right processes, ports and command lines."""
 
 import argparse
+import json
 from pathlib import Path
 
 import pytest
@@ -128,9 +129,14 @@ def test_envoy_fronts_the_epp_and_is_the_base_url():
     epp = next(x for x in p.processes if x.kind == "epp")
     config_path = arg(envoy.argv, "-c")
     assert envoy.argv[0] == "/bin/envoy" and "--disable-hot-restart" in envoy.argv
-    assert config_path == str(RUN / "envoy.yaml")
-    assert f"epp_address: 127.0.0.1:{epp.ports['grpc']}" in p.files[config_path]
-    assert f"listen_port: {envoy.ports['http']}" in p.files[config_path]
+    assert config_path == str(RUN / "envoy.json")
+    config = json.loads(p.files[config_path])["envoy"]
+    assert config == {
+        "listen_port": envoy.ports["http"],
+        "admin_port": envoy.ports["admin"],
+        "epp_address": f"127.0.0.1:{epp.ports['grpc']}",
+        "failure_mode_allow": True,  # the example's gateway.failureMode: FailOpen
+    }
     assert p.base_url == f"http://127.0.0.1:{envoy.ports['http']}/v1"
     assert envoy.ready.target == f"http://127.0.0.1:{envoy.ports['admin']}/ready"
 
@@ -201,6 +207,36 @@ def test_router_settings_beyond_flags_go_to_a_config_file():
     assert "--enforce-disagg" in epp.argv
     config = arg(epp.argv, "--config")
     assert "mode: round-robin" in p.files[config]
+
+
+def test_standalone_frontend_service_routes_by_itself():
+    p = plan(
+        graph_dict(
+            w={"componentType": "worker", "replicas": 2},
+            fe={"componentType": "frontend", "router": {"mode": "round-robin"}},
+        )
+    )
+    front = next(x for x in p.processes if x.name == "t-fe-0")
+    assert arg(front.argv, "--mode") == "round-robin"
+    assert "--engine-url" not in front.argv
+    assert sorted(args_of(front.argv, "--worker")) == sorted(
+        f"{e.engine_url}={e.serving}" for e in p.engines()
+    )
+    assert any(f"http://127.0.0.1:{front.ports['http']}/v1" in n for n in p.notes)
+
+
+def test_fail_close_gateway():
+    p = plan(
+        {
+            **graph_dict(w={"componentType": "worker"}),
+            "spec": {
+                **graph_dict(w={"componentType": "worker"})["spec"],
+                "gateway": {"failureMode": "FailClose"},
+            },
+        }
+    )
+    envoy = next(x for x in p.processes if x.kind == "envoy")
+    assert json.loads(p.files[arg(envoy.argv, "-c")])["envoy"]["failure_mode_allow"] is False
 
 
 def test_service_env_reaches_the_engine():
