@@ -1,0 +1,116 @@
+"""DynamoGraph manifests for the e2e suites: load an example, patch it, read what it implies.
+
+Pure functions over plain dicts (what `kubectl apply` and the emulator take). Every patch returns
+a new manifest and leaves its input alone, so one example can feed several scenarios.
+"""
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples"
+
+GROUP = "dynamograph.io"
+VERSION = "v1alpha1"
+PLURAL = "dynamographs"
+ENGINE_TYPES = ("worker", "prefill", "decode")
+SERVING_TYPES = ("worker", "decode")
+
+Manifest = dict[str, Any]
+
+
+def load_example(name: str) -> Manifest:
+    """`examples/<name>.yaml` as a dict (one YAML document)."""
+    path = EXAMPLES / f"{name}.yaml"
+    docs = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+    if len(docs) != 1:
+        raise ValueError(f"{path}: expected one DynamoGraph document, found {len(docs)}")
+    return docs[0]
+
+
+def _service(graph: Manifest, service: str) -> dict[str, Any]:
+    services = graph["spec"]["services"]
+    if service not in services:
+        raise KeyError(f"graph {graph['metadata']['name']!r} has no service {service!r}")
+    return services[service]
+
+
+def renamed(graph: Manifest, name: str, namespace: str | None = None) -> Manifest:
+    out = copy.deepcopy(graph)
+    out["metadata"]["name"] = name
+    if namespace is not None:
+        out["metadata"]["namespace"] = namespace
+    return out
+
+
+def with_replicas(graph: Manifest, service: str, replicas: int) -> Manifest:
+    if replicas < 0:
+        raise ValueError(f"replicas must be >= 0, got {replicas}")
+    out = copy.deepcopy(graph)
+    _service(out, service)["replicas"] = replicas
+    return out
+
+
+def with_engine(graph: Manifest, **fields: Any) -> Manifest:
+    """Set engine arguments (camelCase keys, e.g. speedup=50) on every engine service."""
+    out = copy.deepcopy(graph)
+    for spec in out["spec"]["services"].values():
+        if spec["componentType"] in ENGINE_TYPES:
+            spec.setdefault("engine", {}).update(fields)
+    return out
+
+
+def with_image(graph: Manifest, image: str) -> Manifest:
+    """Run every service from `image` (the kind suite loads the image it just built)."""
+    out = copy.deepcopy(graph)
+    for spec in out["spec"]["services"].values():
+        spec["image"] = image
+    return out
+
+
+def with_gateway(graph: Manifest, gateway: str, namespace: str | None = None) -> Manifest:
+    """Attach the graph's HTTPRoute to a Gateway (the operator writes the route)."""
+    out = copy.deepcopy(graph)
+    ref: dict[str, Any] = {"name": gateway}
+    if namespace:
+        ref["namespace"] = namespace
+    out["spec"].setdefault("gateway", {})["parentRef"] = ref
+    return out
+
+
+def services_of(graph: Manifest, *component_types: str) -> list[str]:
+    return [
+        name
+        for name, spec in graph["spec"]["services"].items()
+        if spec["componentType"] in component_types
+    ]
+
+
+def deployment_name(graph: Manifest, service: str) -> str:
+    """Each service becomes a Deployment `<graph>-<service>` (DESIGN §3.7)."""
+    return f"{graph['metadata']['name']}-{service}"
+
+
+def expected_replicas(graph: Manifest) -> dict[str, int]:
+    """Deployment name -> replicas the graph asks for (a service without `replicas` has 1)."""
+    return {
+        deployment_name(graph, name): int(spec.get("replicas", 1))
+        for name, spec in graph["spec"]["services"].items()
+    }
+
+
+def served_model(graph: Manifest) -> str:
+    model = graph["spec"]["model"]
+    return model.get("servedModelName") or model["name"]
+
+
+def graph_selector(graph: Manifest) -> str:
+    """The label selector of every object the operator writes for this graph."""
+    return f"dynamograph.io/graph={graph['metadata']['name']}"
+
+
+def service_selector(graph: Manifest, service: str) -> str:
+    return f"{graph_selector(graph)},dynamograph.io/service={service}"
