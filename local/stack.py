@@ -39,6 +39,7 @@ class Running:
     log: Path
     popen: subprocess.Popen | None = None  # only in the process that started it
     exit_code: int | None = None
+    stopped: str | None = None  # why the supervisor stopped it on purpose, if it did
 
     def poll(self) -> int | None:
         """Exit code once the process has ended (negative: killed by that signal)."""
@@ -53,6 +54,8 @@ class Running:
         code = self.exit_code
         if code is None:
             return "running"
+        if self.stopped:
+            return f"stopped: {self.stopped}"
         if code < 0 and self.popen is not None:
             return f"killed by signal {-code}"
         return "exited" if self.popen is None else f"exited with code {code}"
@@ -165,6 +168,26 @@ class Stack:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.popen.wait(timeout=1.0)  # reap: no zombies left behind
         return [p.spec.name for p in mine if p.pid in left]
+
+    def stop_one(self, proc: Running, reason: str, grace: float = 5.0) -> None:
+        """Stop one process group on purpose (a sidecar whose engine died: the pod is gone)."""
+        proc.stopped = reason
+        procs.stop_groups([proc.pid], grace=grace)
+        if proc.popen is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.popen.wait(timeout=1.0)
+        proc.poll()
+
+    def sidecars_of(self, engine: Running) -> list[Running]:
+        """The frontend sidecars forwarding to this engine (its pod mates)."""
+        url = engine.spec.engine_url
+        return [
+            p
+            for p in self.running
+            if p.spec.kind == "frontend"
+            and "--engine-url" in p.spec.argv
+            and p.spec.argv[p.spec.argv.index("--engine-url") + 1] == url
+        ]
 
     def ports(self) -> list[int]:
         return sorted(

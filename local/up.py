@@ -222,7 +222,15 @@ async def _watch(console: Console, stack: Stack, stop: asyncio.Event) -> int:
         with view or contextlib.nullcontext():
             while not stop.is_set():
                 for proc in stack.reap():
+                    if proc.stopped:
+                        continue
                     event = _death_event(proc)
+                    if proc.spec.kind == "engine":
+                        # The pod is gone: its sidecar goes with it, as in Kubernetes.
+                        for sidecar in stack.sidecars_of(proc):
+                            await asyncio.to_thread(
+                                stack.stop_one, sidecar, f"its engine {proc.spec.name} is gone"
+                            )
                     events.append(event)
                     if not live:
                         print(event, flush=True)
