@@ -13,7 +13,15 @@ import openai
 import pytest
 import yaml
 
-from .conftest import SPEEDUP, assert_all_gone, dynamograph, engines, read_state, require_envoy
+from .conftest import (
+    SPEEDUP,
+    assert_all_gone,
+    dynamograph,
+    engine_ids,
+    engines,
+    read_state,
+    require_envoy,
+)
 
 pytestmark = pytest.mark.e2e
 
