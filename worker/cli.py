@@ -1,0 +1,217 @@
+"""`dynamograph worker`: run the simulated GPU engine (`--engine mock`) or launch vLLM.
+
+The command line is the cross-component contract (briefs/contracts.md): the operator writes it
+into pod specs and `dynamograph up` runs it locally.
+"""
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+
+from dynamograph.protocol.engine import Role
+from dynamograph.protocol.tokenization import tokenizer_for_model
+
+from .cost import CostModel
+from .handoff import DEFAULT_TRANSFER_TIMEOUT
+
+log = logging.getLogger(__name__)
+
+
+def default_name() -> str:
+    return os.environ.get("POD_NAME") or socket.gethostname()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    p = parser
+    p.add_argument(
+        "--engine",
+        choices=["mock", "vllm"],
+        default="mock",
+        help="mock: the simulated GPU engine; vllm: exec `vllm serve` (default: mock)",
+    )
+    p.add_argument("--model", default="Qwen/Qwen3-0.6B", help="model name or path")
+    p.add_argument(
+        "--served-model-name", default=None, help="name clients put in `model` (default: --model)"
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer spec: qwen, qwen:<vocabulary> or a tokenizer.json path "
+        "(default: derived from --model)",
+    )
+    p.add_argument("--role", choices=[r.value for r in Role], default=Role.AGGREGATED.value)
+    p.add_argument(
+        "--name",
+        default=None,
+        help="instance name the instance id derives from (default: $POD_NAME, else hostname)",
+    )
+    p.add_argument("--host", default="0.0.0.0", help="bind address (default: 0.0.0.0)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port, 0 = any free port")
+    p.add_argument(
+        "--advertise-host",
+        default=None,
+        help="address others reach this worker at (default: $POD_IP, else --host)",
+    )
+    p.add_argument(
+        "--kv-events-port",
+        type=int,
+        default=5557,
+        help="ZMQ PUB port of DP rank 0; rank r uses port + r (0 = free ports)",
+    )
+    p.add_argument(
+        "--kv-replay-port",
+        type=int,
+        default=5558,
+        help="ZMQ ROUTER replay port of DP rank 0; rank r uses port + r",
+    )
+    p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
+    p.add_argument(
+        "--num-gpu-blocks",
+        type=int,
+        default=None,
+        help="KV cache blocks per rank (mock default 8192; vllm sizes it from GPU memory)",
+    )
+    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences per batch")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens per step")
+    p.add_argument("--context-length", type=int, default=32768, help="max model length")
+    p.add_argument("--data-parallel-size", type=int, default=1, help="DP ranks in this process")
+    p.add_argument(
+        "--speedup",
+        type=float,
+        default=1.0,
+        help="mock: run simulated time this many times faster than real time",
+    )
+    p.add_argument("--seed", type=int, default=0, help="mock: seed of the output tokens")
+    p.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=128,
+        help="mock: output length when a request sets no max_tokens",
+    )
+    p.add_argument(
+        "--kv-transfer-timeout",
+        type=float,
+        default=DEFAULT_TRANSFER_TIMEOUT,
+        help="mock prefill: seconds to hold blocks for a decode that never pulls them",
+    )
+    cost = CostModel()
+    p.add_argument(
+        "--cost-overhead-ms",
+        type=float,
+        default=cost.overhead_s * 1e3,
+        help="mock cost model: fixed per-step overhead",
+    )
+    p.add_argument(
+        "--cost-weights-ms",
+        type=float,
+        default=cost.weights_read_s * 1e3,
+        help="mock cost model: time to stream the weights once (decode step floor)",
+    )
+    p.add_argument(
+        "--cost-token-us",
+        type=float,
+        default=cost.compute_per_token_s * 1e6,
+        help="mock cost model: compute per scheduled token",
+    )
+    p.add_argument(
+        "--cost-kv-read-ns",
+        type=float,
+        default=cost.kv_read_per_token_s * 1e9,
+        help="mock cost model: KV read per context token per decode step",
+    )
+    p.add_argument(
+        "--kv-transfer-gbps",
+        type=float,
+        default=cost.kv_transfer_bandwidth / 1e9,
+        help="mock cost model: prefill→decode KV link bandwidth, GB/s",
+    )
+    p.add_argument(
+        "--vllm-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="vllm: extra argument passed through to `vllm serve` (repeatable)",
+    )
+
+
+def _cost_model(args: argparse.Namespace) -> CostModel:
+    return CostModel(
+        overhead_s=args.cost_overhead_ms / 1e3,
+        weights_read_s=args.cost_weights_ms / 1e3,
+        compute_per_token_s=args.cost_token_us / 1e6,
+        kv_read_per_token_s=args.cost_kv_read_ns / 1e9,
+        kv_transfer_bandwidth=args.kv_transfer_gbps * 1e9,
+    )
+
+
+def mock_config(args: argparse.Namespace):
+    from .mock import MockConfig
+
+    return MockConfig(
+        model=args.model,
+        served_model_name=args.served_model_name,
+        tokenizer=args.tokenizer or tokenizer_for_model(args.model),
+        role=Role(args.role),
+        name=args.name or default_name(),
+        host=args.host,
+        advertise_host=args.advertise_host or os.environ.get("POD_IP") or None,
+        port=args.port,
+        kv_events_port=args.kv_events_port,
+        kv_replay_port=args.kv_replay_port,
+        block_size=args.block_size,
+        num_gpu_blocks=args.num_gpu_blocks or 8192,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        context_length=args.context_length,
+        data_parallel_size=args.data_parallel_size,
+        speedup=args.speedup,
+        seed=args.seed,
+        default_max_tokens=args.default_max_tokens,
+        transfer_timeout=args.kv_transfer_timeout,
+        cost=_cost_model(args),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.engine == "vllm":
+        from .vllm import run_vllm
+
+        return run_vllm(args)
+    try:
+        config = mock_config(args)
+        config.validate()
+    except ValueError as exc:
+        print(f"dynamograph worker: {exc}")
+        return 2
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    return asyncio.run(_serve(config))
+
+
+async def _serve(config) -> int:
+    from .mock import MockEngine
+    from .server import WorkerServer
+
+    server = WorkerServer(MockEngine(config), host=config.host, port=config.port)
+    try:
+        engine = await server.start(config.name)
+    except OSError as exc:
+        print(f"dynamograph worker: cannot start: {exc}")
+        return 1
+    log.info("mock worker %s (instance %d, %s) serving %s on %s, KV events %s",
+             engine.name, engine.instance_id, engine.role, engine.served_model_name,
+             server.url, engine.kv_events)  # fmt: skip
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.engine.drain(grace=5.0)
+    await server.stop()
+    return 0

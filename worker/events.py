@@ -1,0 +1,138 @@
+"""KV event publisher for one engine rank: vLLM's ZmqEventPublisher, byte for byte.
+
+- PUB socket: every batch goes out as `[topic, seq (8 bytes big-endian), msgpack EventBatch]`,
+  with seq increasing by one per batch from 0.
+- ROUTER replay socket: a DEALER sends `[b"", start_seq]`; the publisher answers one
+  `[b"", seq, payload]` per buffered batch with seq >= start_seq, then `[b"", END_SEQ, b""]`.
+  The buffer keeps the last `buffer_steps` batches (vLLM's default: 10,000).
+- With data parallelism, rank r binds `port + r` (protocol.kv_events.endpoint_for_rank).
+  Port 0 picks free ports (tests): the rank-0 ports are chosen by the OS and later ranks try
+  base + r, retrying with new bases until all ranks fit.
+"""
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+
+import zmq
+import zmq.asyncio
+
+from dynamograph.protocol.kv_events import (
+    DEFAULT_TOPIC,
+    END_SEQ,
+    EventBatch,
+    KvEvent,
+    decode_seq,
+    encode_batch,
+    encode_seq,
+)
+
+log = logging.getLogger(__name__)
+
+BUFFER_STEPS = 10_000
+
+
+def bind_address(host: str, port: int) -> str:
+    return f"tcp://{'*' if host in ('0.0.0.0', '', '::') else host}:{port}"
+
+
+class KvEventPublisher:
+    def __init__(
+        self,
+        pub: zmq.asyncio.Socket,
+        replay: zmq.asyncio.Socket,
+        dp_rank: int,
+        topic: str = DEFAULT_TOPIC,
+        buffer_steps: int = BUFFER_STEPS,
+    ):
+        self._pub = pub
+        self._replay = replay
+        self.dp_rank = dp_rank
+        self.topic = topic.encode()
+        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self.next_seq = 0
+        self._task = asyncio.get_running_loop().create_task(self._serve_replay())
+
+    def publish(self, events: list[KvEvent]) -> int:
+        """Send one batch now (never blocks: PUB drops when a subscriber is slow); returns seq."""
+        seq = self.next_seq
+        self.next_seq += 1
+        payload = encode_batch(
+            EventBatch(ts=time.time(), events=events, data_parallel_rank=self.dp_rank)
+        )
+        self.buffer.append((seq, payload))
+        try:
+            self._pub.send_multipart([self.topic, encode_seq(seq), payload], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("KV event batch %d dropped: PUB high-water mark reached", seq)
+        return seq
+
+    async def _serve_replay(self) -> None:
+        while True:
+            frames = await self._replay.recv_multipart()
+            if len(frames) != 3 or len(frames[2]) != 8:
+                log.warning("replay request with %d frames ignored", len(frames))
+                continue
+            client, _, raw = frames
+            start = decode_seq(raw)
+            for seq, payload in list(self.buffer):
+                if seq >= start:
+                    await self._replay.send_multipart([client, b"", encode_seq(seq), payload])
+            await self._replay.send_multipart([client, b"", END_SEQ, b""])
+
+    async def close(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self._pub.close(linger=0)
+        self._replay.close(linger=0)
+
+
+def bind_publishers(
+    ctx: zmq.asyncio.Context,
+    host: str,
+    events_port: int,
+    replay_port: int,
+    ranks: int,
+    topic: str = DEFAULT_TOPIC,
+    attempts: int = 20,
+) -> tuple[list[KvEventPublisher], int, int]:
+    """Bind PUB + ROUTER sockets for every rank; returns (publishers, events port, replay port)."""
+    last_error: Exception | None = None
+    for _ in range(attempts if 0 in (events_port, replay_port) else 1):
+        sockets: list[zmq.asyncio.Socket] = []
+        try:
+            pubs, ports = [], {}
+            for kind, base, sock_type in (
+                ("events", events_port, zmq.PUB),
+                ("replay", replay_port, zmq.ROUTER),
+            ):
+                bound = []
+                for rank in range(ranks):
+                    sock = ctx.socket(sock_type)
+                    sock.setsockopt(zmq.LINGER, 0)
+                    sockets.append(sock)
+                    if rank == 0 and base == 0:
+                        port = sock.bind_to_random_port(bind_address(host, 0).rsplit(":", 1)[0])
+                        base_port = port
+                    else:
+                        base_port = base if rank == 0 else ports[kind]
+                        sock.bind(bind_address(host, base_port + rank))
+                    ports.setdefault(kind, base_port)
+                    bound.append(sock)
+                pubs.append(bound)
+            publishers = [
+                KvEventPublisher(pubs[0][r], pubs[1][r], dp_rank=r, topic=topic)
+                for r in range(ranks)
+            ]
+            return publishers, ports["events"], ports["replay"]
+        except zmq.ZMQError as exc:
+            last_error = exc
+            for sock in sockets:
+                sock.close(linger=0)
+    raise OSError(
+        f"cannot bind KV event sockets on {host} (events port {events_port}, replay port "
+        f"{replay_port}, {ranks} rank(s)): {last_error}"
+    )

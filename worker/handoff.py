@@ -1,0 +1,114 @@
+"""vLLM's `kv_transfer_params` hand-off between a prefill and a decode engine (DESIGN §3.4).
+
+The prefill leg is a request with `kv_transfer_params: {do_remote_decode: true}` (and
+`max_tokens=1`, `stream=false`). The prefill engine computes the prompt, keeps its blocks and
+answers with the parameters vLLM's NixlConnector returns: `do_remote_prefill: true`,
+`remote_engine_id`, `remote_request_id`, `remote_block_ids`, `remote_host`, `remote_port`,
+`tp_size`. The decode leg carries those parameters; the decode engine pulls the KV (here:
+`POST http://remote_host:remote_port/v1/kv_transfer/pull`, which returns the blocks' hashes and
+releases them on the prefill side), checks them against its own prompt, and charges a simulated
+transfer time instead of recomputing. Blocks whose decode never comes are freed after a timeout
+(vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT, default 480 s).
+"""
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+PULL_PATH = "/v1/kv_transfer/pull"
+DEFAULT_TRANSFER_TIMEOUT = 480.0
+
+
+class HandoffError(ValueError):
+    pass
+
+
+def wants_remote_decode(params: dict[str, Any] | None) -> bool:
+    return bool(params) and params.get("do_remote_decode") is True
+
+
+def is_remote_prefill(params: dict[str, Any] | None) -> bool:
+    return bool(params) and params.get("do_remote_prefill") is True
+
+
+def validate_params(params: Any) -> dict[str, Any] | None:
+    """Check the shape of a request's `kv_transfer_params`; HandoffError names what is wrong."""
+    if params is None:
+        return None
+    if not isinstance(params, dict):
+        raise HandoffError(f"kv_transfer_params must be an object, got {type(params).__name__}")
+    if is_remote_prefill(params):
+        missing = [
+            k
+            for k in ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+            if params.get(k) in (None, "")
+        ]
+        if missing:
+            raise HandoffError(
+                f"kv_transfer_params with do_remote_prefill needs {', '.join(missing)}"
+            )
+        if not isinstance(params["remote_port"], int):
+            raise HandoffError("kv_transfer_params.remote_port must be an integer")
+    return params
+
+
+def engine_id(instance_id: int, dp_rank: int) -> str:
+    """vLLM names a DP rank's KV engine `<engine id>_dp<rank>`."""
+    return f"{instance_id}_dp{dp_rank}"
+
+
+def response_params(
+    *,
+    instance_id: int,
+    dp_rank: int,
+    request_id: str,
+    block_ids: list[int],
+    host: str,
+    port: int,
+) -> dict[str, Any]:
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": engine_id(instance_id, dp_rank),
+        "remote_request_id": request_id,
+        "remote_block_ids": block_ids,
+        "remote_host": host,
+        "remote_port": port,
+        "tp_size": 1,
+    }
+
+
+@dataclass(slots=True)
+class HeldBlocks:
+    blocks: list[int]
+    hashes: list[int]
+    num_tokens: int
+    deadline: float
+
+
+class PendingTransfers:
+    """Blocks a prefill holds for a decode that has not pulled them yet (per rank)."""
+
+    def __init__(self, timeout: float = DEFAULT_TRANSFER_TIMEOUT):
+        self.timeout = timeout
+        self._held: dict[str, HeldBlocks] = {}
+
+    def hold(self, request_id: str, blocks: list[int], hashes: list[int], num_tokens: int) -> None:
+        self._held[request_id] = HeldBlocks(
+            blocks, hashes, num_tokens, time.monotonic() + self.timeout
+        )
+
+    def take(self, request_id: str) -> HeldBlocks | None:
+        return self._held.pop(request_id, None)
+
+    def expired(self) -> list[HeldBlocks]:
+        now = time.monotonic()
+        gone = [rid for rid, h in self._held.items() if h.deadline <= now]
+        return [self._held.pop(rid) for rid in gone]
+
+    def drain_all(self) -> list[HeldBlocks]:
+        held, self._held = list(self._held.values()), {}
+        return held
+
+    def __len__(self) -> int:
+        return len(self._held)

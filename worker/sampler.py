@@ -1,0 +1,61 @@
+"""Deterministic output tokens from the real tokenizer's vocabulary, and their text.
+
+The mock engine does not run a model, but its outputs are real token ids of the served model's
+tokenizer that detokenize to readable words: the same (seed, prompt) always yields the same
+continuation, so tests and benchmarks are reproducible. Only tokens that decode on their own to
+a space followed by letters are drawn, so every token's text can be streamed as soon as it is
+produced (no partial UTF-8 sequences).
+"""
+
+import functools
+from collections.abc import Sequence
+
+import numpy as np
+import xxhash
+
+from dynamograph.protocol.tokenization import Tokenizer
+
+_SCAN_LIMIT = 60_000  # the most frequent BPE merges sit at low ids: plenty of words
+
+
+@functools.lru_cache(maxsize=8)
+def _word_pool(tokenizer: Tokenizer) -> tuple[np.ndarray, tuple[str, ...]]:
+    ids, texts = [], []
+    for token_id in range(min(tokenizer.vocab_size, _SCAN_LIMIT)):
+        try:
+            text = tokenizer.decode([token_id])
+        except Exception:  # ids a vocabulary leaves unassigned
+            continue
+        if len(text) >= 3 and text[0] == " " and text[1:].isascii() and text[1:].isalpha():
+            ids.append(token_id)
+            texts.append(text)
+    if not ids:
+        raise ValueError(f"tokenizer {tokenizer.identity} has no plain word tokens to sample")
+    return np.asarray(ids, dtype="<u4"), tuple(texts)
+
+
+class OutputSampler:
+    """Per-request token streams: `stream(prompt, seed)` then `next()` per step."""
+
+    def __init__(self, tokenizer: Tokenizer, seed: int = 0):
+        self.tokenizer = tokenizer
+        self.seed = seed
+        self.ids, self.texts = _word_pool(tokenizer)
+
+    def stream(self, prompt: np.ndarray, request_seed: int | None = None) -> "TokenStream":
+        key = xxhash.xxh3_64_intdigest(np.ascontiguousarray(prompt, dtype="<u4").tobytes())
+        seed = (self.seed if request_seed is None else request_seed, key)
+        return TokenStream(self, np.random.default_rng(seed))
+
+    def text(self, index: Sequence[int]) -> str:
+        return "".join(self.texts[i] for i in index)
+
+
+class TokenStream:
+    def __init__(self, sampler: OutputSampler, rng: np.random.Generator):
+        self._sampler = sampler
+        self._rng = rng
+
+    def next(self) -> tuple[int, str]:
+        i = int(self._rng.integers(len(self._sampler.ids)))
+        return int(self._sampler.ids[i]), self._sampler.texts[i]

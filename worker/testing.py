@@ -1,0 +1,126 @@
+"""Start real mock workers for tests and benchmarks (any component's).
+
+- `mock_worker(**config)`: the real HTTP server + engine in this event loop, on a free port of
+  127.0.0.1 with free ZMQ ports; yields a `RunningWorker` (url, EngineConfig, server).
+- `worker_process(*args)`: the same through the CLI (`python -m dynamograph.cli worker ...`) as
+  a subprocess; waits until `/v1/engine` answers and terminates it on exit.
+
+Both default to a high `speedup` so suites stay fast; override with `speedup=...`.
+"""
+
+import asyncio
+import contextlib
+import itertools
+import os
+import socket
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from dynamograph.protocol.engine import ENGINE_PATH, EngineConfig
+
+from .mock import MockConfig, MockEngine
+from .server import WorkerServer
+
+TEST_SPEEDUP = 100.0
+_names = itertools.count()
+
+
+@dataclass
+class RunningWorker:
+    url: str
+    config: EngineConfig
+    server: WorkerServer | None = None
+    process: asyncio.subprocess.Process | None = None
+
+    @property
+    def engine(self) -> MockEngine | None:
+        return self.server.engine if self.server else None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@asynccontextmanager
+async def mock_worker(**overrides: Any) -> AsyncIterator[RunningWorker]:
+    """Run a mock worker in-process; keyword arguments are `MockConfig` fields."""
+    fields: dict[str, Any] = {
+        "host": "127.0.0.1",
+        "port": 0,
+        "kv_events_port": 0,
+        "kv_replay_port": 0,
+        "speedup": TEST_SPEEDUP,
+        "name": f"mock-{os.getpid()}-{next(_names)}",
+    }
+    fields.update(overrides)
+    config = MockConfig(**fields)
+    server = WorkerServer(MockEngine(config), host=config.host, port=config.port)
+    engine_config = await server.start(config.name)
+    try:
+        yield RunningWorker(url=server.url, config=engine_config, server=server)
+    finally:
+        await server.stop()
+
+
+def worker_command(*args: str, port: int, name: str | None = None) -> list[str]:
+    return [
+        sys.executable, "-m", "dynamograph.cli", "worker",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--kv-events-port", "0", "--kv-replay-port", "0",
+        "--speedup", str(TEST_SPEEDUP),
+        "--name", name or f"mock-proc-{os.getpid()}-{next(_names)}",
+        *args,
+    ]  # fmt: skip
+
+
+@asynccontextmanager
+async def worker_process(
+    *args: str, name: str | None = None, startup_timeout: float = 60.0
+) -> AsyncIterator[RunningWorker]:
+    """Run `dynamograph worker` as a subprocess; later `args` override the defaults above."""
+    port = free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = await asyncio.create_subprocess_exec(
+        *worker_command(*args, port=port, name=name),
+        env=env,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        config = await wait_for_engine(url, startup_timeout, proc)
+        yield RunningWorker(url=url, config=config, process=proc)
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+            try:
+                await asyncio.wait_for(proc.wait(), 10)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+
+
+async def wait_for_engine(
+    url: str, within: float = 60.0, proc: asyncio.subprocess.Process | None = None
+) -> EngineConfig:
+    """Poll `GET /v1/engine` until it answers (or the process dies, or `within` s pass)."""
+    deadline = asyncio.get_running_loop().time() + within
+    async with aiohttp.ClientSession() as http:
+        while True:
+            if proc is not None and proc.returncode is not None:
+                err = (await proc.stderr.read()).decode(errors="replace") if proc.stderr else ""
+                raise RuntimeError(f"worker exited with {proc.returncode}: {err[-2000:]}")
+            with contextlib.suppress(aiohttp.ClientError, OSError):
+                async with http.get(url + ENGINE_PATH) as resp:
+                    if resp.status == 200:
+                        return EngineConfig.model_validate_json(await resp.read())
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"worker at {url} did not come up in {within} s")
+            await asyncio.sleep(0.1)

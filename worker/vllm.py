@@ -1,0 +1,96 @@
+"""`dynamograph worker --engine vllm`: exec a real `vllm serve` with the flags the graph needs.
+
+The same contract as the mock (DESIGN §3.4): OpenAI on `--port`, KV events over ZMQ (PUB on
+`--kv-events-port`, replay ROUTER on `--kv-replay-port`, vLLM adds the DP rank to both), prefix
+caching on with the graph's block size, data parallel ranks in one server, and for prefill /
+decode roles the NIXL connector for the `kv_transfer_params` hand-off. Our `/v1/engine` document
+is not served by vLLM; routers derive it from the same flags (the operator knows them).
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import sys
+from typing import Any
+
+from dynamograph.protocol.engine import Role
+
+
+def kv_events_config(args: argparse.Namespace) -> dict[str, Any]:
+    host = "*" if args.host in ("0.0.0.0", "", "::") else args.host
+    return {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://{host}:{args.kv_events_port}",
+        "replay_endpoint": f"tcp://{host}:{args.kv_replay_port}",
+        "topic": "",
+    }
+
+
+def kv_transfer_config(role: Role) -> dict[str, Any] | None:
+    """NIXL both ways on the prefill and decode sides (vLLM's disaggregated-serving recipe)."""
+    if role is Role.AGGREGATED:
+        return None
+    return {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+
+
+def vllm_argv(args: argparse.Namespace) -> list[str]:
+    role = Role(args.role)
+    argv = [
+        "vllm", "serve", args.model,
+        "--host", args.host,
+        "--port", str(args.port),
+        "--served-model-name", args.served_model_name or args.model,
+        "--block-size", str(args.block_size),
+        "--enable-prefix-caching",
+        "--max-num-seqs", str(args.max_num_seqs),
+        "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+        "--max-model-len", str(args.context_length),
+        "--data-parallel-size", str(args.data_parallel_size),
+        "--seed", str(args.seed),
+        "--kv-events-config", json.dumps(kv_events_config(args), separators=(",", ":")),
+    ]  # fmt: skip
+    if args.num_gpu_blocks is not None:
+        argv += ["--num-gpu-blocks-override", str(args.num_gpu_blocks)]
+    if args.tokenizer and os.path.exists(args.tokenizer):
+        argv += ["--tokenizer", args.tokenizer]
+    transfer = kv_transfer_config(role)
+    if transfer is not None:
+        argv += ["--kv-transfer-config", json.dumps(transfer, separators=(",", ":"))]
+    return argv + list(args.vllm_arg)
+
+
+def vllm_env(args: argparse.Namespace, base: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    if Role(args.role) is not Role.AGGREGATED:
+        # The NIXL side channel must be reachable by the other side of the hand-off.
+        advertise = args.advertise_host or env.get("POD_IP") or args.host
+        env.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", advertise)
+    return env
+
+
+def missing() -> list[str]:
+    problems = []
+    if importlib.util.find_spec("vllm") is None:
+        problems.append(f"the `vllm` Python package is not importable by {sys.executable}")
+    if shutil.which("vllm") is None:
+        problems.append("no `vllm` executable on PATH")
+    return problems
+
+
+def run_vllm(args: argparse.Namespace) -> int:
+    problems = missing()
+    if problems:
+        print(
+            "dynamograph worker --engine vllm: cannot launch vLLM: "
+            + "; ".join(problems)
+            + ". Install it (`pip install vllm`, needs a CUDA GPU) in this environment, "
+            "or use `--engine mock` for the simulated engine.",
+            file=sys.stderr,
+        )
+        return 2
+    argv = vllm_argv(args)
+    os.execvpe(argv[0], argv, vllm_env(args))
+    return 0  # not reached
