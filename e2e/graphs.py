@@ -63,6 +63,15 @@ def with_engine(graph: Manifest, **fields: Any) -> Manifest:
     return out
 
 
+def without_gpus(graph: Manifest) -> Manifest:
+    """Request no GPUs: mock engines run on any node (a kind node has no nvidia.com/gpu)."""
+    out = copy.deepcopy(graph)
+    for spec in out["spec"]["services"].values():
+        if "gpu" in (spec.get("resources") or {}):
+            spec["resources"]["gpu"] = 0
+    return out
+
+
 def with_image(graph: Manifest, image: str) -> Manifest:
     """Run every service from `image` (the kind suite loads the image it just built)."""
     out = copy.deepcopy(graph)
