@@ -5,8 +5,8 @@
   path, never imported: its wheel and `xds-protos` both own the `envoy` import package.
 - `envoy_config(listen_port, admin_port, epp_address, ...) -> dict`: the bootstrap (DESIGN §3.3).
   An ext_proc filter talking to the EPP over HTTP/2 with request/response headers SEND, bodies
-  FULL_DUPLEX_STREAMED, trailers SEND, no mode override, and `envoy.lb` accepted as dynamic
-  metadata; every route goes to an ORIGINAL_DST cluster that connects to the address in
+  FULL_DUPLEX_STREAMED sent without waiting for the header response, trailers SEND, no mode
+  override, and `envoy.lb` accepted as dynamic metadata; every route goes to an ORIGINAL_DST cluster that connects to the address in
   `x-gateway-destination-endpoint`, the header the EPP sets.
 - `run_envoy(config, ...)`: async context manager; starts Envoy with `--disable-hot-restart`
   (parallel runs must not share shared memory), waits for admin `/ready`, yields an
@@ -100,6 +100,9 @@ def envoy_config(
         "failure_mode_allow": failure_mode_allow,
         "message_timeout": f"{message_timeout_s}s",
         "allow_mode_override": False,
+        # The EPP answers the request headers only after the whole body: Envoy must not wait for
+        # that answer before sending the body (the EPP checks this in protocol_config).
+        "send_body_without_waiting_for_header_response": True,
         "processing_mode": {
             "request_header_mode": "SEND",
             "response_header_mode": "SEND",
