@@ -1,0 +1,57 @@
+"""Fixtures of the cluster-in-a-box suite.
+
+`api_server`: the stamping kmock emulator on 127.0.0.1 with the project's CRDs declared, and a
+KubeApi client for it (for tests of the infrastructure itself). The full cluster (operator,
+GC, kubelet) is built per test module by `e2e.local.cluster.local_cluster`.
+"""
+
+import os
+import shutil
+
+import kmock
+import pytest
+import pytest_asyncio
+
+from .emulator import StampingEmulator, declare_resources, load_crds
+from .kubeapi import KubeApi
+
+ENVOY_MISSING = None
+try:
+    from dynamograph.local.envoy import EnvoyNotFound, find_envoy
+
+    try:
+        find_envoy()
+    except EnvoyNotFound as exc:
+        ENVOY_MISSING = str(exc)
+except ImportError as exc:  # pragma: no cover - the local stack is part of this repo
+    ENVOY_MISSING = f"dynamograph.local.envoy is not importable: {exc}"
+
+
+def requires_loopback_range() -> None:
+    """Pods live on 127.a.b.N: Linux routes all of 127/8 to lo; macOS only 127.0.0.1."""
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.200.1.2", 0))
+        except OSError:
+            pytest.skip("this OS does not route 127.0.0.0/8 to loopback (needed for pod IPs)")
+
+
+@pytest_asyncio.fixture
+async def api_server():
+    requires_loopback_range()
+    async with StampingEmulator() as emulator, kmock.Server(emulator) as server:
+        declare_resources(emulator, load_crds())
+        url = str(server.url).rstrip("/")
+        async with KubeApi(url) as api:
+            yield url, api, emulator
+
+
+@pytest.fixture
+def keep_workdir(tmp_path_factory):
+    """A work directory for pod logs; kept after a failure for post-mortems (pytest's basetemp)."""
+    path = tmp_path_factory.mktemp("cluster")
+    yield path
+    if os.environ.get("E2E_KEEP_LOGS") != "1":
+        shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,104 @@
+"""The process kubelet against the emulator: real worker pods from the operator's manifests.
+
+The Deployment is exactly what the operator generates for `examples/agg.yaml` (engine plus
+frontend sidecar per pod, downward-API env, probes), so this pins the contract between the
+operator's pod specs and the cluster-in-a-box that runs them.
+"""
+
+import os
+
+import aiohttp
+import pytest
+
+from dynamograph.operator.config import OperatorConfig
+from dynamograph.operator.manifests import Owner, desired_objects
+from dynamograph.operator.models import load_graph
+from dynamograph.protocol.identity import instance_id
+
+from ..graphs import load_example, renamed, with_engine, with_replicas, without_gpus
+from ..waiting import wait_for
+from .kubeapi import DEPLOYMENTS, PODS, write_kubeconfig
+from .kubelet import ProcessKubelet
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+NS = "kubelet-test"
+
+
+def worker_deployment(replicas: int) -> dict:
+    manifest = renamed(load_example("agg"), "agg", NS)
+    manifest = with_replicas(with_engine(without_gpus(manifest), speedup=50.0), "worker", replicas)
+    graph = load_graph(manifest)
+    objects = desired_objects(graph, Owner("agg", NS, "graph-uid"), OperatorConfig(image="x:y"))
+    return next(
+        o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == "agg-worker"
+    )
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it is gone for our purposes once reaped or defunct.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+async def test_deployment_becomes_ready_loopback_pods_that_scale_and_go(api_server, tmp_path):
+    url, api, _ = api_server
+    kubelet = ProcessKubelet(api, tmp_path / "pods", write_kubeconfig(tmp_path / "kc.yaml", url))
+    async with kubelet, aiohttp.ClientSession() as http:
+
+        async def ready_pods(n: int):
+            pods = await api.list(PODS, NS)
+            ready = [
+                p
+                for p in pods
+                if any(
+                    c["type"] == "Ready" and c["status"] == "True"
+                    for c in p.get("status", {}).get("conditions", [])
+                )
+            ]
+            # A one-item tuple: truthy even when the expected set is empty.
+            return (ready,) if len(ready) == n and len(pods) == n else None
+
+        await api.create(DEPLOYMENTS, NS, worker_deployment(2))
+        (pods,) = await wait_for(
+            lambda: ready_pods(2), "2 ready pods", within=120, detail=kubelet.describe
+        )
+
+        ips = [p["status"]["podIP"] for p in pods]
+        assert len(set(ips)) == 2 and all(ip.startswith("127.") and ip != "127.0.0.1" for ip in ips)
+        for pod in pods:
+            name, ip = pod["metadata"]["name"], pod["status"]["podIP"]
+            assert pod["metadata"]["ownerReferences"][0]["kind"] == "Deployment"
+            async with http.get(f"http://{ip}:8000/v1/engine") as r:
+                engine = await r.json()
+            # POD_NAME from the downward API became the engine's name and instance id.
+            assert engine["name"] == name and engine["instance_id"] == instance_id(name)
+            assert ip in engine["kv_events"]["endpoint"]  # POD_IP advertised for KV events
+            async with http.get(f"http://{ip}:8080/health") as r:
+                assert r.status == 200  # the frontend sidecar on the same pod address
+
+        deployment = await api.get(DEPLOYMENTS, NS, "agg-worker")
+        assert deployment["status"]["readyReplicas"] == 2
+        assert deployment["status"]["updatedReplicas"] == 2
+
+        await api.patch(DEPLOYMENTS, NS, "agg-worker", {"spec": {"replicas": 3}})
+        (pods3,) = await wait_for(
+            lambda: ready_pods(3), "3 ready pods", within=120, detail=kubelet.describe
+        )
+        assert {p["metadata"]["name"] for p in pods} < {p["metadata"]["name"] for p in pods3}
+
+        await api.patch(DEPLOYMENTS, NS, "agg-worker", {"spec": {"replicas": 1}})
+        await wait_for(lambda: ready_pods(1), "1 pod left", within=60, detail=kubelet.describe)
+        assert kubelet.stopped_pids and not any(alive(pid) for pid in kubelet.stopped_pids)
+
+        await api.delete(DEPLOYMENTS, NS, "agg-worker")
+        await wait_for(lambda: ready_pods(0), "no pods", within=60, detail=kubelet.describe)
+        assert not kubelet.pods
+        assert not any(alive(pid) for pid in kubelet.stopped_pids)
