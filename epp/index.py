@@ -1,36 +1,387 @@
 """KV index: which (worker, dp_rank) slot holds which prefix of blocks (DESIGN §3.5).
 
-(Skeleton: API only; implementation follows.)
+Identity of a block. The router hashes each block's tokens itself (`protocol.hashing`, not
+chained). The index turns a sequence of those per-block hashes into *prefix keys*: key i
+identifies blocks 0..i as a whole, so a block is named by its position in its sequence, the
+role the path plays in Dynamo's radix tree. The chaining is a polynomial over Z/2^64,
+
+    key_i = P · key_{i-1} + h_i,   key_{-1} = 0,
+
+computed for a whole run of blocks at once with numpy (a cumulative sum of h_j · P^-j scaled by
+P^i; uint64 arithmetic wraps, P is odd so P^-1 exists). Keys 0 and 1 are reserved by the hash
+table and map to 2.
+
+Storage, for speed and memory (256 workers × 100k blocks):
+- one global table prefix key → row; per row the key and a bitmask of the slots holding it
+  (`_masks`, one bit per slot column, 64 slots per uint64 word);
+- per slot a table engine block hash → row, for BlockRemoved and for finding a BlockStored's
+  parent (the engine's hashes are opaque: we never compute them);
+- rows nobody holds any more are recycled.
+
+`find_matches` chains the request's hashes in growing chunks (32, 128, 512 … blocks), looks
+each chunk up in one vectorized probe, and ANDs the masks cumulatively: a slot's score is the
+length of the prefix it holds *contiguously*. It stops at the first block no remaining slot
+holds, so a miss costs one small chunk.
+
+Semantics versus Dynamo's RadixTree (the differential oracle): equal on event streams a vLLM
+engine produces — blocks stored under a parent the engine holds, evicted leaves first. Two
+corner cases differ on purpose: a BlockRemoved of a block whose descendants the slot still
+holds removes just that block here (Dynamo drops the whole subtree), so if the engine stores it
+again the descendants count again, as they do in the engine's own prefix cache; and a
+BlockStored whose parent is unknown is skipped in both.
 """
 
+import logging
+from collections import deque
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
-from dynamograph.protocol.kv_events import KvEvent
+import numpy as np
 
-Slot = tuple[int, int]
+from dynamograph.protocol.hashing import block_hashes
+from dynamograph.protocol.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KvEvent,
+    engine_hash_key,
+)
+
+from .table import MIN_KEY, MISSING, U64Table
+
+log = logging.getLogger(__name__)
+
+Slot = tuple[int, int]  # (worker_id, dp_rank)
+
+_P = 0xC2B2AE3D27D4EB4F  # odd: invertible mod 2^64
+_P_INV = pow(_P, -1, 1 << 64)
+_U64 = (1 << 64) - 1
+_FIRST_CHUNK = 32
+_CHUNK_GROWTH = 4
+
+
+class _Powers:
+    """P^i and P^-i mod 2^64 as uint64 arrays, grown on demand."""
+
+    def __init__(self) -> None:
+        self.pow = np.empty(0, np.uint64)
+        self.inv = np.empty(0, np.uint64)
+        self._grow(1024)
+
+    def _grow(self, n: int) -> None:
+        pw, iv, p, q = [], [], 1, 1
+        for _ in range(n):
+            pw.append(p)
+            iv.append(q)
+            p = p * _P & _U64
+            q = q * _P_INV & _U64
+        self.pow = np.array(pw, np.uint64)
+        self.inv = np.array(iv, np.uint64)
+
+    def ensure(self, n: int) -> None:
+        if n > self.pow.size:
+            self._grow(max(n, 2 * self.pow.size))
+
+
+_POWERS = _Powers()
+
+
+def as_u64(values: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Block hashes as a uint64 array (no copy when they already are one)."""
+    if isinstance(values, np.ndarray):
+        return values.astype(np.uint64, copy=False)
+    return np.array(values, dtype=np.uint64)
+
+
+def chain_keys(parent_key: int, hashes: np.ndarray) -> np.ndarray:
+    """Prefix keys of `hashes` continuing the prefix whose key is `parent_key` (0: none)."""
+    n = hashes.size
+    _POWERS.ensure(n + 1)
+    with np.errstate(over="ignore"):
+        acc = np.cumsum(hashes * _POWERS.inv[:n], dtype=np.uint64)
+        keys = acc * _POWERS.pow[:n]
+        if parent_key:
+            keys += _POWERS.pow[1 : n + 1] * np.uint64(parent_key)
+    return np.maximum(keys, np.uint64(MIN_KEY))
+
+
+def engine_keys(hashes: Sequence[int | bytes]) -> np.ndarray:
+    """Engine block hashes (ints, possibly negative or wider than 64 bits, or bytes) as uint64."""
+    try:
+        keys = np.array(hashes, dtype=np.uint64)
+    except (OverflowError, TypeError, ValueError):
+        keys = np.array([_fold64(engine_hash_key(h)) for h in hashes], dtype=np.uint64)
+    return np.maximum(keys, np.uint64(MIN_KEY))
+
+
+def _fold64(value: int) -> int:
+    out = 0
+    while value:
+        out ^= value & _U64
+        value >>= 64
+    return out
+
+
+@dataclass(slots=True)
+class _SlotState:
+    column: int
+    blocks: U64Table = field(default_factory=U64Table)  # engine hash (or prefix key) → row
+    expiry: dict[int, float] = field(default_factory=dict)  # approximate mode: key → deadline
 
 
 class KvIndex:
+    """Prefix keys per slot, from KV events or (approximate mode) from routing decisions."""
+
+    def __init__(self) -> None:
+        self._keys = U64Table(capacity=1024, max_load=0.5)
+        self._row_key = np.zeros(1024, np.uint64)
+        self._masks = np.zeros((1024, 1), np.uint64)
+        self._free_rows = np.arange(1023, 0, -1, dtype=np.int32)  # row 0 = "nobody", never used
+        self._nfree = self._free_rows.size
+        self._slots: dict[Slot, _SlotState] = {}
+        self._col_slot: list[Slot | None] = []
+        self._free_cols: list[int] = []
+        self._approx: deque[tuple[float, Slot, np.ndarray]] = deque()
+
+    # -- slots -----------------------------------------------------------------------------
+    def _slot(self, slot: Slot) -> _SlotState:
+        state = self._slots.get(slot)
+        if state is None:
+            if self._free_cols:
+                col = self._free_cols.pop()
+                self._col_slot[col] = slot
+            else:
+                col = len(self._col_slot)
+                self._col_slot.append(slot)
+                if col >= 64 * self._masks.shape[1]:
+                    words = self._masks.shape[1]
+                    self._masks = np.hstack([self._masks, np.zeros_like(self._masks)])
+                    log.debug("index masks widened from %d to %d words", words, 2 * words)
+            state = self._slots[slot] = _SlotState(col)
+        return state
+
+    def slots(self) -> list[Slot]:
+        return list(self._slots)
+
+    def block_count(self, slot: Slot) -> int:
+        state = self._slots.get(slot)
+        return 0 if state is None else len(state.blocks)
+
+    def total_blocks(self) -> int:
+        """(slot, block) pairs held."""
+        return sum(len(s.blocks) for s in self._slots.values())
+
+    def distinct_blocks(self) -> int:
+        return len(self._keys)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the index's arrays (the Python objects around them are small and few)."""
+        return (
+            self._keys.nbytes
+            + self._row_key.nbytes
+            + self._masks.nbytes
+            + self._free_rows.nbytes
+            + sum(s.blocks.nbytes for s in self._slots.values())
+        )
+
+    # -- rows ------------------------------------------------------------------------------
+    def _rows_for(self, keys: np.ndarray) -> np.ndarray:
+        """Rows of `keys`, allocating rows for keys not yet indexed."""
+        rows = self._keys.get(keys)
+        new = rows == MISSING
+        if new.any():
+            fresh = self._alloc_rows(int(new.sum()))
+            rows[new] = fresh
+            self._row_key[fresh] = keys[new]
+            self._keys.put(keys[new], fresh)
+        return rows
+
+    def _alloc_rows(self, n: int) -> np.ndarray:
+        if n > self._nfree:
+            old = self._row_key.size
+            size = max(2 * old, old + n)
+            self._row_key = np.concatenate([self._row_key, np.zeros(size - old, np.uint64)])
+            masks = np.zeros((size, self._masks.shape[1]), np.uint64)
+            masks[:old] = self._masks
+            self._masks = masks
+            added = np.arange(size - 1, old - 1, -1, dtype=np.int32)
+            self._free_rows = np.concatenate([self._free_rows[: self._nfree], added])
+            self._nfree = self._free_rows.size
+        self._nfree -= n
+        return self._free_rows[self._nfree : self._nfree + n][::-1].copy()
+
+    def _drop_bits(self, rows: np.ndarray, column: int) -> None:
+        """Clear `column` on `rows`; rows nobody holds any more are recycled."""
+        rows = rows[rows > 0]
+        if rows.size == 0:
+            return
+        word, bit = divmod(column, 64)
+        self._masks[rows, word] &= ~np.uint64(1 << bit)
+        empty = rows[~self._masks[rows].any(axis=1)]
+        if empty.size:
+            empty = np.unique(empty)
+            self._keys.pop(self._row_key[empty])
+            if self._nfree + empty.size > self._free_rows.size:
+                grown = np.empty(self._nfree + empty.size, np.int32)
+                grown[: self._nfree] = self._free_rows[: self._nfree]
+                self._free_rows = grown
+            self._free_rows[self._nfree : self._nfree + empty.size] = empty
+            self._nfree += empty.size
+
+    # -- events ----------------------------------------------------------------------------
     def apply_events(
         self, slot: Slot, events: Sequence[KvEvent], lora_names: Mapping[int, str] | None = None
     ) -> None:
-        """Apply vLLM events of one slot: BlockStored (token ids → our hashes), BlockRemoved
-        (engine hashes), AllBlocksCleared."""
-        raise NotImplementedError
+        """Apply vLLM events of one slot, in order. `lora_names` maps vLLM lora ids to adapter
+        names (an id missing there hashes as `lora-<id>`, so it matches no request)."""
+        for event in events:
+            if isinstance(event, BlockStored):
+                lora = None
+                if event.lora_id:
+                    lora = (lora_names or {}).get(event.lora_id) or f"lora-{event.lora_id}"
+                hashes = block_hashes(event.token_ids, event.block_size, lora)
+                n = min(len(hashes), len(event.block_hashes))
+                if n != len(event.block_hashes):
+                    log.warning(
+                        "slot %s: BlockStored with %d block hashes but %d full blocks of tokens",
+                        slot,
+                        len(event.block_hashes),
+                        len(hashes),
+                    )
+                self.store(slot, event.block_hashes[:n], event.parent_block_hash, hashes[:n])
+            elif isinstance(event, BlockRemoved):
+                self.remove(slot, event.block_hashes)
+            elif isinstance(event, AllBlocksCleared):
+                self.clear(slot)
+
+    def store(
+        self,
+        slot: Slot,
+        engine_hashes: Sequence[int | bytes],
+        parent_engine_hash: int | bytes | None,
+        local_hashes: Sequence[int] | np.ndarray,
+    ) -> bool:
+        """Record blocks stored on `slot` (our per-block hashes given); False when the parent is
+        unknown to this slot (the event is skipped, as Dynamo does)."""
+        if len(engine_hashes) == 0:
+            return True
+        state = self._slot(slot)
+        parent_key = 0
+        if parent_engine_hash is not None:
+            row = int(state.blocks.get(engine_keys([parent_engine_hash]))[0])
+            if row == MISSING:
+                log.debug("slot %s: BlockStored parent unknown; skipped", slot)
+                return False
+            parent_key = int(self._row_key[row])
+        keys = chain_keys(parent_key, as_u64(local_hashes))
+        self._hold(state, engine_keys(engine_hashes), keys)
+        return True
+
+    def _hold(self, state: _SlotState, engine: np.ndarray, keys: np.ndarray) -> None:
+        rows = self._rows_for(keys)
+        old = state.blocks.put(engine, rows)
+        word, bit = divmod(state.column, 64)
+        self._masks[rows, word] |= np.uint64(1 << bit)
+        moved = old[(old != MISSING) & (old != rows)]
+        if moved.size:  # an engine hash reused for other content: its old block is gone
+            self._drop_bits(moved, state.column)
+
+    def remove(self, slot: Slot, engine_hashes: Sequence[int | bytes]) -> None:
+        state = self._slots.get(slot)
+        if state is None or len(engine_hashes) == 0:
+            return
+        rows = state.blocks.pop(engine_keys(engine_hashes))
+        self._drop_bits(rows[rows != MISSING], state.column)
 
     def clear(self, slot: Slot) -> None:
-        raise NotImplementedError
+        """AllBlocksCleared: the slot holds nothing (it stays known)."""
+        state = self._slots.get(slot)
+        if state is None:
+            return
+        self._drop_bits(state.blocks.values(), state.column)
+        state.blocks = U64Table()
+        state.expiry.clear()
+
+    def remove_slot(self, slot: Slot) -> None:
+        state = self._slots.pop(slot, None)
+        if state is None:
+            return
+        self._drop_bits(state.blocks.values(), state.column)
+        self._col_slot[state.column] = None
+        self._free_cols.append(state.column)
 
     def remove_worker(self, worker_id: int) -> None:
-        raise NotImplementedError
+        for slot in [s for s in self._slots if s[0] == worker_id]:
+            self.remove_slot(slot)
 
-    def record(self, slot: Slot, block_hashes: Sequence[int], expires_at: float) -> None:
+    # -- approximate mode ------------------------------------------------------------------
+    def record(
+        self, slot: Slot, local_hashes: Sequence[int] | np.ndarray, expires_at: float
+    ) -> None:
         """Approximate mode: count these blocks as cached on `slot` until `expires_at`."""
-        raise NotImplementedError
+        hashes = as_u64(local_hashes)
+        if hashes.size == 0:
+            return
+        state = self._slot(slot)
+        keys = chain_keys(0, hashes)
+        self._hold(state, keys, keys)  # the prefix key doubles as the "engine hash"
+        for key in keys.tolist():
+            state.expiry[key] = expires_at
+        self._approx.append((expires_at, slot, keys))
 
     def expire(self, now: float) -> None:
-        raise NotImplementedError
+        """Drop recorded blocks whose deadline passed (and was not extended by a later record)."""
+        while self._approx and self._approx[0][0] <= now:
+            _, slot, keys = self._approx.popleft()
+            state = self._slots.get(slot)
+            if state is None:
+                continue
+            gone = [k for k in keys.tolist() if state.expiry.get(k, now + 1) <= now]
+            for key in gone:
+                del state.expiry[key]
+            if gone:
+                self.remove(slot, gone)
 
-    def find_matches(self, block_hashes: Sequence[int]) -> dict[Slot, int]:
+    # -- queries ---------------------------------------------------------------------------
+    def find_matches(self, local_hashes: Sequence[int] | np.ndarray) -> dict[Slot, int]:
         """{slot: number of leading blocks of the request the slot holds}, for slots with > 0."""
-        raise NotImplementedError
+        n = len(local_hashes)
+        scores: dict[Slot, int] = {}
+        if n == 0 or not self._slots:
+            return scores
+        is_array = isinstance(local_hashes, np.ndarray)
+        pos, size, parent = 0, _FIRST_CHUNK, 0
+        alive: np.ndarray | None = None  # slots holding every block so far (mask words)
+        while pos < n:
+            part = local_hashes[pos : pos + size]
+            keys = chain_keys(parent, part.astype(np.uint64) if is_array else as_u64(part))
+            masks = self._masks[self._keys.get(keys, default=0)]
+            if alive is None:
+                alive = masks[0].copy()
+            else:
+                masks[0] &= alive
+            held = np.bitwise_and.accumulate(masks, axis=0)
+            # A slot drops out at row r when it held row r-1 (or `alive`) but not row r.
+            before = np.vstack([alive[None, :], held[:-1]])
+            dropped = before & ~held
+            for r in np.flatnonzero(dropped.any(axis=1)).tolist():
+                if pos + r:
+                    self._credit(scores, dropped[r], pos + r)
+            alive = held[-1]
+            pos += keys.size
+            if not alive.any():
+                return scores
+            parent = int(keys[-1])
+            size *= _CHUNK_GROWTH
+        self._credit(scores, alive, pos)
+        return scores
+
+    def _credit(self, scores: dict[Slot, int], words: np.ndarray, depth: int) -> None:
+        for w, word in enumerate(words.tolist()):
+            while word:
+                low = word & -word
+                slot = self._col_slot[64 * w + low.bit_length() - 1]
+                if slot is not None:
+                    scores[slot] = depth
+                word ^= low

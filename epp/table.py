@@ -1,0 +1,166 @@
+"""A flat uint64 → int32 hash table on numpy arrays, with whole-batch (vectorized) operations.
+
+Why not a dict: the KV index holds tens of millions of entries (256 workers × 100k blocks); a
+Python dict spends ~100 bytes per int → int entry, these arrays ~20. And lookups of a whole
+request (hundreds of keys) run as a few numpy operations instead of a Python loop.
+
+Layout: `nb` buckets (a power of two) of `B` = 8 keys each (one 64-byte cache line), linear
+probing from bucket to bucket. A key's home bucket comes from Fibonacci hashing of the key. Key
+values 0 and 1 are reserved (EMPTY, TOMBSTONE): callers pass keys ≥ 2. A lookup stops at the
+first bucket that still has an EMPTY cell; deletions leave tombstones (so probe chains stay
+intact) and the table is rebuilt when live + dead cells pass `max_load` of the capacity.
+"""
+
+import numpy as np
+
+EMPTY = np.uint64(0)
+TOMB = np.uint64(1)
+MIN_KEY = 2
+B = 8
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+MISSING = -1
+
+
+class U64Table:
+    __slots__ = ("_keys", "_live", "_mask", "_max_load", "_shift", "_used", "_vals")
+
+    def __init__(self, capacity: int = 64, max_load: float = 0.6) -> None:
+        self._max_load = max_load
+        self._alloc(max(1, int(np.ceil(capacity / (B * max_load)))))
+
+    def __len__(self) -> int:
+        return self._live
+
+    @property
+    def nbytes(self) -> int:
+        return self._keys.nbytes + self._vals.nbytes
+
+    def _alloc(self, buckets: int) -> None:
+        nb = 1 << max(0, int(buckets - 1).bit_length())
+        self._keys = np.zeros((nb, B), np.uint64)
+        self._vals = np.full((nb, B), MISSING, np.int32)
+        self._mask = nb - 1
+        self._shift = np.uint64(64 - max(1, nb.bit_length() - 1)) if nb > 1 else np.uint64(63)
+        self._live = 0
+        self._used = 0
+
+    def _home(self, keys: np.ndarray) -> np.ndarray:
+        return ((keys * _GOLDEN) >> self._shift).astype(np.intp) & self._mask
+
+    def _locate(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(bucket, column) of every key; column -1 where the key is absent."""
+        n = keys.size
+        bucket = self._home(keys)
+        col = np.full(n, -1, np.intp)
+        pend = np.arange(n)
+        b = bucket
+        while True:
+            rows = self._keys[b]
+            eq = rows == keys[pend, None]
+            hit = eq.any(axis=1)
+            if hit.any():
+                col[pend[hit]] = eq[hit].argmax(axis=1)
+            go = ~hit & ~(rows == EMPTY).any(axis=1)
+            if not go.any():
+                return bucket, col
+            pend = pend[go]
+            b = (b[go] + 1) & self._mask
+            bucket[pend] = b
+
+    def get(self, keys: np.ndarray, default: int = MISSING) -> np.ndarray:
+        """Values of `keys` (uint64 array), `default` where absent."""
+        if keys.size == 0:
+            return np.empty(0, np.int32)
+        bucket, col = self._locate(keys)
+        found = col >= 0
+        out = np.full(keys.size, default, np.int32)
+        out[found] = self._vals[bucket[found], col[found]]
+        return out
+
+    def put(self, keys: np.ndarray, vals: np.ndarray) -> np.ndarray:
+        """Insert or overwrite; returns the previous values (-1 where new). Last duplicate wins."""
+        if keys.size == 0:
+            return np.empty(0, np.int32)
+        vals = np.asarray(vals, np.int32)
+        if keys.size > 1:
+            # keep the last occurrence of each key
+            rev_unique, rev_idx = np.unique(keys[::-1], return_index=True)
+            if rev_unique.size != keys.size:
+                keep = np.sort(keys.size - 1 - rev_idx)
+                old_all = np.full(keys.size, MISSING, np.int32)
+                old_all[keep] = self.put(keys[keep], vals[keep])
+                return old_all
+        bucket, col = self._locate(keys)
+        found = col >= 0
+        old = np.full(keys.size, MISSING, np.int32)
+        if found.any():
+            fb, fc = bucket[found], col[found]
+            old[found] = self._vals[fb, fc]
+            self._vals[fb, fc] = vals[found]
+        if not found.all():
+            new = ~found
+            self._insert(keys[new], vals[new], bucket[new])
+        return old
+
+    def pop(self, keys: np.ndarray) -> np.ndarray:
+        """Delete `keys`; returns their values (-1 where absent), one per distinct key."""
+        if keys.size == 0:
+            return np.empty(0, np.int32)
+        if keys.size > 1:
+            distinct = np.unique(keys)
+            if distinct.size != keys.size:
+                keys = distinct
+        bucket, col = self._locate(keys)
+        found = col >= 0
+        out = np.full(keys.size, MISSING, np.int32)
+        if found.any():
+            fb, fc = bucket[found], col[found]
+            out[found] = self._vals[fb, fc]
+            self._keys[fb, fc] = TOMB
+            self._vals[fb, fc] = MISSING
+            self._live -= int(found.sum())
+        return out
+
+    def items(self) -> tuple[np.ndarray, np.ndarray]:
+        live = self._keys >= MIN_KEY
+        return self._keys[live], self._vals[live]
+
+    def values(self) -> np.ndarray:
+        return self._vals[self._keys >= MIN_KEY]
+
+    def _insert(self, keys: np.ndarray, vals: np.ndarray, start: np.ndarray) -> None:
+        """Place keys known to be absent, starting their probe at bucket `start`."""
+        n = keys.size
+        if (self._used + n) > self._max_load * self._keys.size:
+            self._rebuild(self._live + n)
+            start = self._home(keys)
+        self._live += n
+        self._used += n
+        b = start
+        while True:
+            # Several keys may want the same bucket: the k-th of them takes its k-th free cell.
+            order = np.argsort(b, kind="stable")
+            keys, vals, b = keys[order], vals[order], b[order]
+            first = np.searchsorted(b, b, side="left")
+            rank = np.arange(b.size) - first
+            rows = self._keys[b]
+            free = rows < MIN_KEY
+            used_tomb = rows == TOMB
+            target = free & (free.cumsum(axis=1) == (rank + 1)[:, None])
+            ok = target.any(axis=1)
+            cols = target.argmax(axis=1)
+            ob, oc = b[ok], cols[ok]
+            # a tombstone reused is no new used cell
+            self._used -= int(used_tomb[ok, oc].sum())
+            self._keys[ob, oc] = keys[ok]
+            self._vals[ob, oc] = vals[ok]
+            if ok.all():
+                return
+            rest = ~ok
+            keys, vals, b = keys[rest], vals[rest], (b[rest] + 1) & self._mask
+
+    def _rebuild(self, live: int) -> None:
+        keys, vals = self.items()
+        self._alloc(max(1, int(np.ceil(2 * max(live, 1) / (B * self._max_load)))))
+        if keys.size:
+            self._insert(keys, vals, self._home(keys))

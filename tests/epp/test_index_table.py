@@ -1,0 +1,60 @@
+"""The flat uint64 hash table behaves like a dict under any mix of put / pop / get."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dynamograph.epp.table import MISSING, U64Table
+
+pytestmark = pytest.mark.unit
+
+# A small key space forces collisions, duplicates within a batch, reuse of tombstones.
+keys_st = st.lists(st.integers(2, 40) | st.integers(2, (1 << 64) - 1), max_size=40)
+ops_st = st.lists(st.tuples(st.sampled_from(["put", "pop", "get"]), keys_st), max_size=30)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops_st)
+def test_matches_a_dict(ops):
+    table, model = U64Table(capacity=8), {}
+    for n, (op, keys) in enumerate(ops):
+        arr = np.array(keys, dtype=np.uint64)
+        if op == "put":
+            vals = np.arange(len(keys), dtype=np.int32) + 100 * n
+            old = table.put(arr, vals)
+            expected_old = []
+            for k, v in zip(keys, vals.tolist(), strict=True):
+                expected_old.append(model.get(k, MISSING))
+                model[k] = v
+            # with duplicates in the batch only the last occurrence is written
+            assert all(
+                o == e
+                for o, e, k in zip(old, expected_old, keys, strict=True)
+                if keys.count(k) == 1
+            )
+        elif op == "pop":
+            got = table.pop(arr)
+            distinct = sorted(set(keys)) if len(set(keys)) != len(keys) else keys
+            assert got.tolist() == [model.pop(k, MISSING) for k in distinct]
+        else:
+            assert table.get(arr).tolist() == [model.get(k, MISSING) for k in keys]
+        assert len(table) == len(model)
+    k, v = table.items()
+    assert dict(zip(k.tolist(), v.tolist(), strict=True)) == model
+
+
+def test_grows_and_survives_heavy_churn():
+    rng = np.random.default_rng(0)
+    table, model = U64Table(), {}
+    for round_ in range(30):
+        keys = rng.integers(2, 5000, 400, dtype=np.uint64)
+        if round_ % 3 == 2:
+            table.pop(keys)
+            for k in set(keys.tolist()):
+                model.pop(k, None)
+        else:
+            table.put(keys, np.full(keys.size, round_, np.int32))
+            model.update(dict.fromkeys(keys.tolist(), round_))
+    probe = np.arange(2, 5000, dtype=np.uint64)
+    assert table.get(probe).tolist() == [model.get(k, MISSING) for k in probe.tolist()]
