@@ -1,6 +1,25 @@
-"""Shared fixtures and helpers for the EPP tests."""
+"""Shared fixtures and helpers for the EPP tests: real mock workers, a real EPP, an ext_proc
+client speaking with Envoy's message sequences (xds-protos types), and a real Envoy."""
 
 import asyncio
+import contextlib
+from collections.abc import Iterable
+
+import grpc
+import orjson
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+from dynamograph.epp.config import RouterConfig
+from dynamograph.epp.discovery import StaticSource, WorkerTarget
+from dynamograph.epp.server import Epp, EppSettings
+from dynamograph.worker.testing import mock_worker
+
+MODEL = "Qwen/Qwen3-0.6B"
+FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 
 
 async def eventually(predicate, within: float = 10.0, interval: float = 0.01):
@@ -8,3 +27,240 @@ async def eventually(predicate, within: float = 10.0, interval: float = 0.01):
     async with asyncio.timeout(within):
         while not predicate():  # noqa: ASYNC110 - polling state with no event to wait on
             await asyncio.sleep(interval)
+
+
+def endpoint_of(worker) -> str:
+    return worker.url.removeprefix("http://")
+
+
+# ---- Envoy's messages ---------------------------------------------------------------------
+
+
+def protocol_config(
+    request_mode=FULL_DUPLEX, response_mode=FULL_DUPLEX, without_waiting=True
+) -> pb.ProtocolConfiguration:
+    return pb.ProtocolConfiguration(
+        request_body_mode=request_mode,
+        response_body_mode=response_mode,
+        send_body_without_waiting_for_header_response=without_waiting,
+    )
+
+
+def request_headers(
+    path="/v1/chat/completions",
+    method="POST",
+    extra: Iterable[tuple[str, str]] = (),
+    *,
+    end_of_stream=False,
+    content_length: int | None = None,
+    subset: list[str] | str | None = None,
+    config: pb.ProtocolConfiguration | None = None,
+) -> pb.ProcessingRequest:
+    """The first message as Envoy 1.40 sends it: protocol_config, values in raw_value only."""
+    pairs = [
+        (":authority", "gateway.local"),
+        (":path", path),
+        (":method", method),
+        (":scheme", "http"),
+        *extra,
+    ]
+    if content_length is not None:
+        pairs += [("content-length", str(content_length)), ("content-type", "application/json")]
+    pairs += [("x-forwarded-proto", "http"), ("x-request-id", "rid-" + path)]
+    message = pb.ProcessingRequest(
+        request_headers=pb.HttpHeaders(
+            headers=base_pb2.HeaderMap(
+                headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs]
+            ),
+            end_of_stream=end_of_stream,
+        ),
+        protocol_config=config or protocol_config(),
+    )
+    if subset is not None:
+        fields = message.metadata_context.filter_metadata["envoy.lb.subset_hint"].fields
+        value = fields["x-gateway-destination-endpoint-subset"]
+        if isinstance(subset, str):
+            value.string_value = subset
+        else:
+            value.list_value.SetInParent()
+            value.list_value.values.extend([])
+            for item in subset:
+                value.list_value.values.add().string_value = item
+    return message
+
+
+def body_messages(body: bytes, chunk: int = 65536, *, trailing_empty=True):
+    """Body chunks as Envoy forwards them; with a Content-Length body Envoy ends with an empty
+    end_of_stream chunk."""
+    messages = [
+        pb.ProcessingRequest(request_body=pb.HttpBody(body=body[i : i + chunk]))
+        for i in range(0, len(body), chunk)
+    ]
+    if trailing_empty or not messages:
+        messages.append(pb.ProcessingRequest(request_body=pb.HttpBody(end_of_stream=True)))
+    else:
+        messages[-1].request_body.end_of_stream = True
+    return messages
+
+
+def response_headers(status=200, content_type="text/event-stream", served: str | None = None):
+    pairs = [(":status", str(status)), ("content-type", content_type)]
+    if served:
+        pairs.append(("x-gateway-destination-endpoint-served", served))
+    return pb.ProcessingRequest(
+        response_headers=pb.HttpHeaders(
+            headers=base_pb2.HeaderMap(
+                headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs]
+            )
+        )
+    )
+
+
+def response_body(data: bytes, end_of_stream=False):
+    return pb.ProcessingRequest(response_body=pb.HttpBody(body=data, end_of_stream=end_of_stream))
+
+
+def chat_body(content: str, model=MODEL, **extra) -> bytes:
+    return orjson.dumps(
+        {"model": model, "messages": [{"role": "user", "content": content}], **extra}
+    )
+
+
+def set_headers(response: pb.ProcessingResponse) -> dict[str, str]:
+    mutation = response.request_headers.response.header_mutation
+    return {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
+
+
+def removed_headers(response: pb.ProcessingResponse) -> list[str]:
+    return list(response.request_headers.response.header_mutation.remove_headers)
+
+
+def lb_metadata(response: pb.ProcessingResponse) -> dict:
+    fields = response.dynamic_metadata.fields
+    return {
+        ns: {k: v.string_value for k, v in fields[ns].struct_value.fields.items()} for ns in fields
+    }
+
+
+class ExtProcStream:
+    """One ext_proc stream to the EPP, as Envoy drives it."""
+
+    def __init__(self, call):
+        self.call = call
+
+    async def send(self, *messages: pb.ProcessingRequest) -> None:
+        for message in messages:
+            await self.call.write(message)
+
+    async def recv(self, within: float = 10.0) -> pb.ProcessingResponse:
+        async with asyncio.timeout(within):
+            response = await self.call.read()
+        assert response is not grpc.aio.EOF, "EPP closed the stream"
+        return response
+
+    async def recv_n(self, n: int) -> list[pb.ProcessingResponse]:
+        return [await self.recv() for _ in range(n)]
+
+    async def request(
+        self, body: bytes, path="/v1/chat/completions", extra=(), subset=None, chunk=65536
+    ) -> tuple[pb.ProcessingResponse, bytes, list[pb.ProcessingResponse]]:
+        """Headers + body; returns (headers response, re-streamed body, body responses)."""
+        await self.send(
+            request_headers(path, extra=extra, content_length=len(body), subset=subset),
+            *body_messages(body, chunk),
+        )
+        first = await self.recv()
+        if first.HasField("immediate_response"):
+            return first, b"", []
+        chunks = []
+        while True:
+            response = await self.recv()
+            chunks.append(response)
+            if response.request_body.response.body_mutation.streamed_response.end_of_stream:
+                break
+        data = b"".join(
+            r.request_body.response.body_mutation.streamed_response.body for r in chunks
+        )
+        return first, data, chunks
+
+    async def finish_response(self, chunks=(b'data: {"x": 1}\n\n', b"data: [DONE]\n\n")):
+        await self.send(response_headers())
+        ack = await self.recv()
+        assert ack.HasField("response_headers")
+        echoed = []
+        for i, data in enumerate(chunks):
+            await self.send(response_body(data, end_of_stream=i == len(chunks) - 1))
+            echoed.append(await self.recv())
+        return echoed
+
+
+class ExtProcClient:
+    def __init__(self, port: int):
+        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        self.stub = pb_grpc.ExternalProcessorStub(self.channel)
+
+    def stream(self) -> ExtProcStream:
+        return ExtProcStream(self.stub.Process())
+
+    async def close(self):
+        await self.channel.close()
+
+
+# ---- fixtures -----------------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def running_epp(workers, **settings):
+    """A real EPP on free ports in this loop, with the given workers discovered statically."""
+    router = settings.pop("router", RouterConfig())
+    targets = [
+        WorkerTarget(w.url, w.url, endpoint_of(w) if w.config.role.value != "prefill" else None)
+        for w in workers
+    ]
+    epp = Epp(
+        EppSettings(
+            host="127.0.0.1",
+            grpc_port=0,
+            health_port=0,
+            metrics_port=0,
+            router=router,
+            scrape_interval=0.1,
+            drain_grace=1.0,
+            **settings,
+        ),
+        StaticSource(targets),
+    )
+    await epp.start()
+    try:
+        ids = {w.config.instance_id for w in workers}
+        await eventually(lambda: ids <= set(epp.view.workers), within=20)
+        if epp.kv is not None:  # every subscriber has caught up with its worker once
+            await eventually(
+                lambda: all(s.replays > 0 for subs in epp.kv.subscribers.values() for s in subs),
+                within=20,
+            )
+        yield epp
+    finally:
+        await epp.stop()
+
+
+@pytest.fixture
+async def workers():
+    async with (
+        mock_worker(model=MODEL, name="epp-test-a") as a,
+        mock_worker(model=MODEL, name="epp-test-b") as b,
+    ):
+        yield [a, b]
+
+
+@pytest.fixture
+async def epp(workers):
+    async with running_epp(workers) as epp:
+        yield epp
+
+
+@pytest.fixture
+async def client(epp):
+    client = ExtProcClient(epp.grpc_port)
+    yield client
+    await client.close()

@@ -1,0 +1,150 @@
+"""`dynamograph epp`: the endpoint picker (Envoy ext_proc, KV-aware). See docs/epp.md.
+
+Flags follow the cross-component contract; `--config` is a YAML `RouterConfig` that single
+flags override. SIGTERM/SIGINT drain: readiness goes NOT_SERVING and streams in flight finish.
+"""
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+
+from .config import RouterConfig
+from .discovery import add_discovery_arguments, source_from_args
+from .extproc import DEFAULT_MAX_BODY_BYTES
+from .server import Epp, EppSettings
+
+log = logging.getLogger(__name__)
+
+
+def _env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--host",
+        default=os.environ.get("DYNAMOGRAPH_EPP_HOST", "0.0.0.0"),
+        help="address for every port (default 0.0.0.0)",
+    )
+    parser.add_argument(
+        "--grpc-port",
+        type=int,
+        default=_env_int("DYNAMOGRAPH_EPP_GRPC_PORT", 9002),
+        help="ext_proc gRPC port Envoy connects to (default 9002)",
+    )
+    parser.add_argument(
+        "--health-port",
+        type=int,
+        default=_env_int("DYNAMOGRAPH_EPP_HEALTH_PORT", 9003),
+        help="gRPC health port: liveness, readiness, the ext_proc service (default 9003)",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=_env_int("DYNAMOGRAPH_EPP_METRICS_PORT", 9090),
+        help="Prometheus /metrics port (default 9090)",
+    )
+    add_discovery_arguments(parser)
+    parser.add_argument(
+        "--config",
+        default=os.environ.get("DYNAMOGRAPH_EPP_CONFIG"),
+        help="YAML router config (RouterConfig fields); the flags below override it",
+    )
+    parser.add_argument(
+        "--overlap-weight", type=float, help="weight of prefill (uncached) blocks in the cost"
+    )
+    parser.add_argument(
+        "--temperature", type=float, help="0 = lowest cost wins; > 0 = softmax sampling"
+    )
+    parser.add_argument(
+        "--enforce-disagg",
+        action="store_true",
+        default=None,
+        help="with prefill workers, never fall back to aggregated serving (503 instead)",
+    )
+    parser.add_argument(
+        "--kv-events",
+        choices=["on", "off"],
+        default=os.environ.get("DYNAMOGRAPH_EPP_KV_EVENTS", "on"),
+        help="index workers' KV events (on), or approximate from routed requests (off)",
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=_env_int("DYNAMOGRAPH_EPP_MAX_BODY_BYTES", DEFAULT_MAX_BODY_BYTES),
+        help=f"largest request body, else 413 (default {DEFAULT_MAX_BODY_BYTES})",
+    )
+    parser.add_argument(
+        "--picker",
+        choices=["kv", "random"],
+        default="kv",
+        help="kv: KV-aware routing (default); random: any ready endpoint, body unread "
+        "(the pure-protocol floor, for measurement)",
+    )
+    parser.add_argument(
+        "--scrape-interval",
+        type=float,
+        default=float(os.environ.get("DYNAMOGRAPH_EPP_SCRAPE_INTERVAL", 0.5)),
+        help="seconds between /metrics scrapes of each worker (default 0.5)",
+    )
+    parser.add_argument(
+        "--drain-grace",
+        type=float,
+        default=float(os.environ.get("DYNAMOGRAPH_EPP_DRAIN_GRACE", 30)),
+        help="seconds streams in flight may take to finish on SIGTERM (default 30)",
+    )
+
+
+def settings_from_args(args: argparse.Namespace) -> EppSettings:
+    use_events = args.kv_events == "on"
+    router = RouterConfig.load(
+        args.config,
+        overlap_weight=args.overlap_weight,
+        temperature=args.temperature,
+        enforce_disagg=args.enforce_disagg,
+        use_kv_events=use_events,
+    )
+    return EppSettings(
+        host=args.host,
+        grpc_port=args.grpc_port,
+        health_port=args.health_port,
+        metrics_port=args.metrics_port,
+        router=router,
+        kv_events=use_events,
+        picker=args.picker,
+        max_body_bytes=args.max_body_bytes,
+        scrape_interval=args.scrape_interval,
+        drain_grace=args.drain_grace,
+    )
+
+
+async def serve(epp: Epp) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await epp.start()
+    try:
+        await stop.wait()
+        log.info("draining", extra={"grace_s": epp.settings.drain_grace})
+    finally:
+        await epp.drain()
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        settings = settings_from_args(args)
+        source = source_from_args(args)
+    except ValueError as exc:
+        print(f"dynamograph epp: {exc}", file=sys.stderr)
+        return 2
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    asyncio.run(serve(Epp(settings, source)))
+    return 0

@@ -1,0 +1,475 @@
+"""Envoy ext_proc: `envoy.service.ext_proc.v3.ExternalProcessor/Process` (DESIGN §3.3).
+
+One gRPC stream is one HTTP request and its response. `Exchange` is the per-stream state machine
+(pure: protobuf messages in, protobuf messages out) and `ExtProcService` the grpc.aio servicer
+that feeds it. The types are the google-protobuf ones of PyPI `xds-protos`.
+
+Request path, in the order Envoy expects it in FULL_DUPLEX_STREAMED mode:
+1. request headers: remember them; client-sent routing and `x-gateway-*` headers are marked for
+   removal. Header-only requests (end_of_stream on the headers) are routed at once to a random
+   ready endpoint.
+2. request body chunks: buffered until end_of_stream (413 past `max_body_bytes`); then the picker
+   decides and we send the headers response (clear_route_cache, destination and routing headers
+   with overwrite semantics, content-length) with the `envoy.lb` dynamic metadata on the SAME
+   message, then the body again in chunks of at most 62,000 bytes.
+3. trailers: acknowledged (they end the body when they arrive before its end_of_stream).
+Refusals are ImmediateResponses with an OpenAI error body (400/404/413/429 + Retry-After/503).
+
+Response path: headers and chunks pass through unchanged; the first non-empty body chunk marks
+the prefill done, end of stream frees the booking; `usage.prompt_tokens_details.cached_tokens`
+(when the worker reports it) is compared with the index's prediction. Whatever ends the stream
+(end of response, error, cancellation), `Exchange.close()` frees the booking.
+"""
+
+import logging
+import re
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+
+from dynamograph.protocol.headers import (
+    DESTINATION_ENDPOINT,
+    DESTINATION_SERVED,
+    DESTINATION_SUBSET,
+    is_spoofable,
+)
+from dynamograph.protocol.openai import OpenAIError
+
+from .active import RequestGuard
+from .metrics import OUTCOME_BY_STATUS, ROUTED, ROUTED_HEADER_ONLY, EppMetrics
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
+MAX_CHUNK_BYTES = 62_000
+DEFAULT_MAX_BODY_BYTES = 10 * 1024 * 1024
+LB_NAMESPACE = "envoy.lb"
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+_USAGE_TAIL_BYTES = 16 * 1024
+_CACHED_RE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+_PROMPT_RE = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+
+
+class ProtocolViolation(Exception):
+    """Envoy is configured in a way the EPP cannot work with (→ FAILED_PRECONDITION)."""
+
+
+class Refusal(OpenAIError):
+    """An OpenAI error answered as an ImmediateResponse, optionally with Retry-After."""
+
+    def __init__(self, status: int, message: str, *, retry_after_s: float | None = None):
+        super().__init__(status, message)
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(slots=True)
+class Route:
+    """A picker's decision: where the request goes and which headers tell the frontend."""
+
+    endpoint: str  # "ip:port[,ip:port…]"
+    headers: Mapping[str, str]  # routing headers (protocol.headers.routing_header_values)
+    guard: RequestGuard | None = None
+    worker_id: int | None = None
+    prompt_tokens: int = 0
+    predicted_cached_tokens: int = 0
+
+
+class Picker(Protocol):
+    def pick(
+        self, path: str, headers: Mapping[str, str], body: bytes, subset: frozenset[str] | None
+    ) -> Route:
+        """Route a request with a body; raises OpenAIError (or Refusal) to refuse it."""
+        ...
+
+    def pick_any(self, subset: frozenset[str] | None) -> Route:
+        """Route a header-only request (GET /v1/models) to a random ready endpoint."""
+        ...
+
+
+def check_protocol_config(config: pb.ProtocolConfiguration) -> None:
+    """The EPP answers the request headers only after the whole body has arrived, so Envoy must
+    stream bodies both ways in FULL_DUPLEX_STREAMED and send the body without waiting for the
+    header response; anything else would deadlock or drop the body."""
+    request_mode = config.request_body_mode
+    response_mode = config.response_body_mode
+    name = processing_mode_pb2.ProcessingMode.BodySendMode.Name
+    if request_mode != FULL_DUPLEX or response_mode != FULL_DUPLEX:
+        raise ProtocolViolation(
+            "the endpoint picker needs request_body_mode and response_body_mode "
+            f"FULL_DUPLEX_STREAMED (got {name(request_mode)} and {name(response_mode)}); "
+            "fix the ext_proc filter's processing_mode"
+        )
+    if not config.send_body_without_waiting_for_header_response:
+        raise ProtocolViolation(
+            "the endpoint picker needs send_body_without_waiting_for_header_response: true in "
+            "the ext_proc filter (it answers the headers only after the whole body)"
+        )
+
+
+def _subset_hint(metadata: base_pb2.Metadata) -> frozenset[str] | None:
+    """GAIE subset hint: filter_metadata["envoy.lb.subset_hint"]["x-gateway-destination-endpoint-
+    subset"], a list of "ip:port" (a comma-separated string is accepted too). None = no hint."""
+    if SUBSET_NAMESPACE not in metadata.filter_metadata:
+        return None
+    fields = metadata.filter_metadata[SUBSET_NAMESPACE].fields
+    if DESTINATION_SUBSET not in fields:
+        return None
+    value = fields[DESTINATION_SUBSET]
+    kind = value.WhichOneof("kind")
+    if kind == "list_value":
+        items = [v.string_value for v in value.list_value.values]
+    elif kind == "string_value":
+        items = value.string_value.split(",")
+    else:
+        items = []
+    return frozenset(item.strip() for item in items if item.strip())
+
+
+def immediate_response(error: OpenAIError) -> pb.ProcessingResponse:
+    headers = [
+        base_pb2.HeaderValueOption(
+            header=base_pb2.HeaderValue(key="content-type", raw_value=b"application/json"),
+            append_action=_OVERWRITE,
+        )
+    ]
+    retry_after = getattr(error, "retry_after_s", None)
+    if retry_after is not None:
+        headers.append(
+            base_pb2.HeaderValueOption(
+                header=base_pb2.HeaderValue(
+                    key="retry-after", raw_value=str(max(1, round(retry_after))).encode()
+                ),
+                append_action=_OVERWRITE,
+            )
+        )
+    return pb.ProcessingResponse(
+        immediate_response=pb.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=error.status),
+            headers=pb.HeaderMutation(set_headers=headers),
+            body=error.json(),
+            details=f"dynamograph_epp_{OUTCOME_BY_STATUS.get(error.status, 'error')}",
+        )
+    )
+
+
+def _headers_response(
+    route: Route, body_length: int | None, spoofed: list[str]
+) -> pb.ProcessingResponse:
+    set_headers = [
+        base_pb2.HeaderValueOption(
+            header=base_pb2.HeaderValue(
+                key=DESTINATION_ENDPOINT, raw_value=route.endpoint.encode()
+            ),
+            append_action=_OVERWRITE,
+        )
+    ]
+    for key, value in route.headers.items():
+        set_headers.append(
+            base_pb2.HeaderValueOption(
+                header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
+                append_action=_OVERWRITE,
+            )
+        )
+    if body_length is not None:
+        set_headers.append(
+            base_pb2.HeaderValueOption(
+                header=base_pb2.HeaderValue(
+                    key="content-length", raw_value=str(body_length).encode()
+                ),
+                append_action=_OVERWRITE,
+            )
+        )
+    # Names we set are overwritten anyway; the rest of the client's copies are removed.
+    ours = {DESTINATION_ENDPOINT, *route.headers}
+    remove = [name for name in spoofed if name not in ours]
+    metadata = struct_pb2.Struct()
+    metadata.fields[LB_NAMESPACE].struct_value.fields[
+        DESTINATION_ENDPOINT
+    ].string_value = route.endpoint
+    return pb.ProcessingResponse(
+        request_headers=pb.HeadersResponse(
+            response=pb.CommonResponse(
+                header_mutation=pb.HeaderMutation(set_headers=set_headers, remove_headers=remove),
+                clear_route_cache=True,
+            )
+        ),
+        dynamic_metadata=metadata,
+    )
+
+
+def _body_chunk(chunk: bytes, end_of_stream: bool, *, response: bool) -> pb.ProcessingResponse:
+    body = pb.BodyResponse(
+        response=pb.CommonResponse(
+            body_mutation=pb.BodyMutation(
+                streamed_response=pb.StreamedBodyResponse(body=chunk, end_of_stream=end_of_stream)
+            )
+        )
+    )
+    return (
+        pb.ProcessingResponse(response_body=body)
+        if response
+        else pb.ProcessingResponse(request_body=body)
+    )
+
+
+def body_chunks(body: bytes, *, end_of_stream: bool = True) -> list[pb.ProcessingResponse]:
+    """The request body re-streamed in chunks of at most 62,000 bytes (at least one chunk)."""
+    if not body:
+        return [_body_chunk(b"", end_of_stream, response=False)]
+    view = memoryview(body)
+    last = len(body) - 1
+    return [
+        _body_chunk(
+            bytes(view[i : i + MAX_CHUNK_BYTES]),
+            end_of_stream and i + MAX_CHUNK_BYTES > last,
+            response=False,
+        )
+        for i in range(0, len(body), MAX_CHUNK_BYTES)
+    ]
+
+
+_RESPONSE_HEADERS_ACK = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+_REQUEST_TRAILERS_ACK = pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+_RESPONSE_TRAILERS_ACK = pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+
+
+class Exchange:
+    """The state of one ext_proc stream: one HTTP request, its pick, and its response."""
+
+    __slots__ = (
+        "_body",
+        "_body_size",
+        "_first_token_seen",
+        "_headers",
+        "_metrics",
+        "_path",
+        "_picker",
+        "_routed",
+        "_spoofed",
+        "_subset",
+        "_tail",
+        "done",
+        "max_body_bytes",
+        "response_complete",
+        "route",
+        "status",
+    )
+
+    def __init__(self, picker: Picker, metrics: EppMetrics, max_body_bytes: int):
+        self._picker = picker
+        self._metrics = metrics
+        self.max_body_bytes = max_body_bytes
+        self._headers: dict[str, str] | None = None
+        self._spoofed: list[str] = []
+        self._path = ""
+        self._subset: frozenset[str] | None = None
+        self._body: list[bytes] = []
+        self._body_size = 0
+        self._routed = False
+        self._first_token_seen = False
+        self._tail = b""
+        self.route: Route | None = None
+        self.status: int | None = None  # upstream response status
+        self.done = False  # an ImmediateResponse was sent: nothing more to do
+        self.response_complete = False
+
+    # -- dispatch --
+    def on_message(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        if self._headers is None and message.HasField("protocol_config"):
+            check_protocol_config(message.protocol_config)
+        kind = message.WhichOneof("request")
+        try:
+            if kind == "request_headers":
+                return self._on_request_headers(message)
+            if kind == "request_body":
+                return self._on_request_body(message.request_body)
+            if kind == "request_trailers":
+                return [*self._end_of_body(trailers=True), _REQUEST_TRAILERS_ACK]
+            if kind == "response_headers":
+                return self._on_response_headers(message.response_headers)
+            if kind == "response_body":
+                return self._on_response_body(message.response_body)
+            if kind == "response_trailers":
+                self._end_of_response()
+                return [_RESPONSE_TRAILERS_ACK]
+        except OpenAIError as error:
+            return [self._refuse(error)]
+        raise ProtocolViolation(f"unexpected ProcessingRequest without a request kind ({kind})")
+
+    def _refuse(self, error: OpenAIError) -> pb.ProcessingResponse:
+        self.done = True
+        self._body.clear()
+        self._metrics.requests.labels(OUTCOME_BY_STATUS.get(error.status, "error")).inc()
+        log.info("request refused", extra={"status": error.status, "reason": error.message})
+        return immediate_response(error)
+
+    # -- request --
+    def _on_request_headers(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        if self._headers is None and not message.HasField("protocol_config"):
+            raise ProtocolViolation(
+                "the first ext_proc message carries no protocol_config: use Envoy >= 1.33 with "
+                "request/response body mode FULL_DUPLEX_STREAMED"
+            )
+        headers: dict[str, str] = {}
+        spoofed = self._spoofed
+        for header in message.request_headers.headers.headers:
+            key = header.key.lower()
+            if is_spoofable(key):
+                spoofed.append(key)
+                continue
+            headers[key] = header.raw_value.decode("latin-1") if header.raw_value else header.value
+        self._headers = headers
+        self._path = headers.get(":path", "/").split("?", 1)[0]
+        self._subset = _subset_hint(message.metadata_context)
+        if not message.request_headers.end_of_stream:
+            return []
+        # Header-only request (GET /v1/models, health checks): any ready endpoint will do.
+        route = self._picker.pick_any(self._subset)
+        self._routed = True
+        self.route = route
+        self._metrics.requests.labels(ROUTED_HEADER_ONLY).inc()
+        return [_headers_response(route, None, spoofed)]
+
+    def _on_request_body(self, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
+        if self._headers is None:
+            raise ProtocolViolation("request body before request headers")
+        if self._routed:
+            raise ProtocolViolation("request body after the request was routed")
+        chunk = body.body
+        if chunk:
+            self._body_size += len(chunk)
+            if self._body_size > self.max_body_bytes:
+                raise Refusal(
+                    413,
+                    f"request body exceeds {self.max_body_bytes} bytes; send a smaller request "
+                    "(the limit is the EPP's --max-body-bytes)",
+                )
+            self._body.append(chunk)
+        if body.end_of_stream or body.end_of_stream_without_message:
+            return self._end_of_body(trailers=False)
+        return []
+
+    def _end_of_body(self, *, trailers: bool) -> list[pb.ProcessingResponse]:
+        if self._routed:
+            return []
+        body = b"".join(self._body)
+        self._body.clear()
+        assert self._headers is not None
+        start = time.perf_counter()
+        route = self._picker.pick(self._path, self._headers, body, self._subset)
+        self._metrics.pick_seconds.observe(time.perf_counter() - start)
+        self._routed = True
+        self.route = route
+        self._metrics.requests.labels(ROUTED).inc()
+        if route.prompt_tokens:
+            self._metrics.prompt_tokens.inc(route.prompt_tokens)
+            self._metrics.predicted_cached_tokens.inc(route.predicted_cached_tokens)
+        return [
+            _headers_response(route, len(body), self._spoofed),
+            *body_chunks(body, end_of_stream=not trailers),
+        ]
+
+    # -- response --
+    def _on_response_headers(self, headers: pb.HttpHeaders) -> list[pb.ProcessingResponse]:
+        for header in headers.headers.headers:
+            key = header.key
+            if key == ":status":
+                value = header.raw_value or header.value.encode()
+                self.status = int(value) if value.isdigit() else None
+            elif key == DESTINATION_SERVED and self.route is not None:
+                served = (header.raw_value or header.value.encode()).decode("latin-1")
+                if served and served not in self.route.endpoint.split(","):
+                    self._metrics.served_mismatch.inc()
+                    log.info("served endpoint %s differs from pick %s", served, self.route.endpoint)
+        if self.status is not None:
+            self._metrics.responses.labels(f"{self.status // 100}xx").inc()
+        if headers.end_of_stream:
+            self._end_of_response()
+        return [_RESPONSE_HEADERS_ACK]
+
+    def _on_response_body(self, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
+        chunk = body.body
+        route = self.route
+        if chunk and route is not None and route.guard is not None:
+            if not self._first_token_seen:
+                self._first_token_seen = True
+                route.guard.mark_prefill_done()
+            # Keep only the tail: usage comes last (the final SSE event or the end of the JSON).
+            self._tail = (self._tail + chunk)[-_USAGE_TAIL_BYTES:]
+        end = body.end_of_stream or body.end_of_stream_without_message
+        if end:
+            self._observe_usage()
+            self._end_of_response()
+        return [_body_chunk(chunk, body.end_of_stream, response=True)]
+
+    def _observe_usage(self) -> None:
+        route = self.route
+        if route is None or not self._tail or self.status != 200:
+            return
+        cached = _CACHED_RE.findall(self._tail)
+        prompt = _PROMPT_RE.findall(self._tail)
+        if cached and prompt:
+            self._metrics.observe_usage(
+                route.predicted_cached_tokens, int(cached[-1]), int(prompt[-1])
+            )
+
+    def _end_of_response(self) -> None:
+        self.response_complete = True
+        self.close()
+
+    def close(self) -> None:
+        """End of the exchange, however it ended: free the booking (idempotent)."""
+        route = self.route
+        if route is not None and route.guard is not None:
+            route.guard.free()
+
+
+class ExtProcService(pb_grpc.ExternalProcessorServicer):
+    """grpc.aio servicer: one `Exchange` per stream, closed however the stream ends."""
+
+    def __init__(
+        self,
+        picker: Picker,
+        metrics: EppMetrics,
+        *,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    ):
+        self.picker = picker
+        self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
+
+    async def Process(
+        self,
+        request_iterator: AsyncIterator[pb.ProcessingRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[pb.ProcessingResponse]:
+        exchange = Exchange(self.picker, self.metrics, self.max_body_bytes)
+        self.metrics.active_streams.inc()
+        try:
+            async for message in request_iterator:
+                try:
+                    responses = exchange.on_message(message)
+                except ProtocolViolation as exc:
+                    log.error("ext_proc protocol: %s", exc)
+                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+                for response in responses:
+                    yield response
+                if exchange.done:
+                    break
+        finally:
+            if exchange.route is not None and not exchange.response_complete:
+                # Envoy ended the stream before the response did: client gone or upstream reset.
+                self.metrics.responses.labels("cancelled").inc()
+            exchange.close()
+            self.metrics.active_streams.dec()

@@ -1,0 +1,276 @@
+"""KV events from workers into the router's index: one ZMQ SUB per worker and DP rank.
+
+Each subscriber connects to the PUB endpoint the worker published at `/v1/engine` (rank r at
+`endpoint_for_rank(endpoint, r)`), decodes vLLM's frames `[topic, seq, payload]` with
+`protocol.kv_events` and feeds the router in order (`Router.apply_kv_batch`). Missed batches
+are asked again from the worker's replay socket (DEALER → ROUTER, `[b"", start_seq]` → `[b"",
+seq, payload]`… `[b"", -1, b""]`):
+- on connect and every reconnect, from the next expected sequence (0 the first time): a late
+  joiner or a restarted EPP gets the worker's buffered history before live batches (ZMQ drops
+  what a PUB sends before the subscription arrives);
+- on a sequence gap reported by the router; when the replay cannot fill the gap, the router
+  clears that slot (`Router.replay_failed`).
+A worker that goes away (discovery) has its subscribers cancelled; the router drops its state.
+"""
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from dynamograph.protocol.kv_events import (
+    END_SEQ,
+    EventBatch,
+    KvEventDecodeError,
+    decode_batch,
+    decode_seq,
+    encode_seq,
+    endpoint_for_rank,
+)
+
+from .discovery import WorkerRecord
+from .metrics import EppMetrics
+from .scheduler import GapInfo, Router
+
+log = logging.getLogger(__name__)
+
+
+class RankSubscriber:
+    """Events of one (worker, dp_rank): subscribe, replay, apply in order."""
+
+    def __init__(
+        self,
+        context: zmq.asyncio.Context,
+        router: Router,
+        worker_id: int,
+        dp_rank: int,
+        endpoint: str,
+        replay_endpoint: str | None,
+        topic: str = "",
+        *,
+        metrics: EppMetrics | None = None,
+        replay_timeout: float = 1.0,
+        on_disconnect: Callable[[int], None] | None = None,
+    ):
+        self.context = context
+        self.router = router
+        self.worker_id = worker_id
+        self.dp_rank = dp_rank
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.topic = topic
+        self.metrics = metrics
+        self.replay_timeout = replay_timeout
+        self.on_disconnect = on_disconnect
+        self.next_seq = 0  # the sequence we expect next (for replay after reconnects)
+        self.replays = 0
+        self.applied = 0
+
+    async def run(self) -> None:
+        sub = self.context.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt_string(zmq.SUBSCRIBE, self.topic)
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        sub.connect(self.endpoint)
+        poller = zmq.asyncio.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        try:
+            while True:
+                ready = dict(await poller.poll())
+                if monitor in ready:
+                    event = parse_monitor_message(await monitor.recv_multipart())
+                    if event["event"] == zmq.EVENT_CONNECTED:
+                        # Catch up before reading live batches (they queue in the SUB meanwhile).
+                        await self.catch_up()
+                    elif event["event"] == zmq.EVENT_DISCONNECTED and self.on_disconnect:
+                        self.on_disconnect(self.worker_id)
+                if sub in ready:
+                    frames = await sub.recv_multipart()
+                    if len(frames) < 3:
+                        log.warning(
+                            "KV event frame with %d parts from %s", len(frames), self.endpoint
+                        )
+                        continue
+                    await self.handle(decode_seq(frames[1]), frames[2])
+        finally:
+            sub.disable_monitor()
+            monitor.close(linger=0)
+            sub.close(linger=0)
+
+    def _decode(self, seq: int, payload: bytes) -> EventBatch | None:
+        try:
+            batch = decode_batch(payload)
+        except KvEventDecodeError as exc:
+            log.warning("bad KV event batch %d from worker %s: %s", seq, self.worker_id, exc)
+            return None
+        if batch.data_parallel_rank is None:
+            batch.data_parallel_rank = self.dp_rank
+        return batch
+
+    def _apply(self, seq: int, batch: EventBatch, source: str) -> GapInfo | None:
+        gap = self.router.apply_kv_batch(self.worker_id, seq, batch)
+        self.applied += 1
+        if self.metrics is not None:
+            self.metrics.kv_batches.labels(source).inc()
+            self.metrics.kv_event_lag.observe(max(0.0, time.time() - float(batch.ts)))
+        if gap is None:
+            self.next_seq = max(self.next_seq, seq + 1)
+        return gap
+
+    async def handle(self, seq: int, payload: bytes, source: str = "live") -> None:
+        batch = self._decode(seq, payload)
+        if batch is None:
+            return
+        gap = self._apply(seq, batch, source)
+        if gap is None:
+            return
+        log.info(
+            "KV event gap on worker %s rank %s: expected %d, got %d; replaying",
+            self.worker_id,
+            self.dp_rank,
+            gap.start_seq,
+            gap.got_seq,
+        )
+        if self.metrics is not None:
+            self.metrics.kv_gaps.inc()
+        frames = await self.fetch_replay(gap.start_seq)
+        if frames and frames[0][0] == gap.start_seq:
+            for replayed_seq, replayed in frames:
+                self._apply(replayed_seq, replayed, "replay")
+            if self.next_seq > seq:
+                return
+        # The replay could not fill the gap: start this slot over from the freshest state.
+        log.warning(
+            "replay of worker %s rank %s could not fill %d..%d; clearing its index state",
+            self.worker_id,
+            self.dp_rank,
+            gap.start_seq,
+            gap.got_seq - 1,
+        )
+        self._restart([(seq, batch), *(f for f in frames if f[0] > seq)])
+
+    def _restart(self, frames: list[tuple[int, EventBatch]]) -> None:
+        if self.metrics is not None:
+            self.metrics.kv_replay_failures.inc()
+        self.router.replay_failed(self.worker_id, self.dp_rank)
+        self.next_seq = 0
+        for seq, batch in frames:
+            self._apply(seq, batch, "replay")
+
+    async def catch_up(self) -> None:
+        """After (re)connecting: replay what we missed; notice a publisher that started over."""
+        start = self.next_seq
+        frames = await self.fetch_replay(start)
+        if not frames and start > 0:
+            # Nothing at or after what we expect: the publisher may have restarted at 0.
+            frames = await self.fetch_replay(0)
+            if frames and frames[-1][0] < start:
+                self._restart(frames)
+            return
+        if frames and start > 0 and frames[0][0] > start:
+            self._restart(frames)  # our next batch is no longer buffered: history lost
+            return
+        for seq, batch in frames:
+            self._apply(seq, batch, "replay")
+
+    async def fetch_replay(self, start_seq: int) -> list[tuple[int, EventBatch]]:
+        """Batches from `start_seq` on, as the worker's replay socket has them buffered."""
+        if not self.replay_endpoint:
+            return []
+        self.replays += 1
+        dealer = self.context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(self.replay_endpoint)
+        frames: list[tuple[int, EventBatch]] = []
+        try:
+            await dealer.send_multipart([b"", encode_seq(start_seq)])
+            while True:
+                if not await dealer.poll(self.replay_timeout * 1000):
+                    log.debug("replay from %s timed out", self.replay_endpoint)
+                    return frames
+                parts = await dealer.recv_multipart()
+                if len(parts) < 3 or parts[1] == END_SEQ:
+                    return frames
+                seq = decode_seq(parts[1])
+                batch = self._decode(seq, parts[2])
+                if batch is not None:
+                    frames.append((seq, batch))
+        finally:
+            dealer.close(linger=0)
+
+
+class KvEventIngest:
+    """Subscribers for every worker discovery reports; `add`/`remove` are discovery listeners."""
+
+    def __init__(
+        self,
+        router: Router,
+        metrics: EppMetrics | None = None,
+        *,
+        replay_timeout: float = 1.0,
+        on_disconnect: Callable[[int], None] | None = None,
+    ):
+        self.router = router
+        self.metrics = metrics
+        self.replay_timeout = replay_timeout
+        self.on_disconnect = on_disconnect
+        self.context = zmq.asyncio.Context()
+        self.subscribers: dict[int, list[RankSubscriber]] = {}
+        self._tasks: dict[int, list[asyncio.Task]] = {}
+
+    def add(self, record: WorkerRecord) -> None:
+        events = record.config.kv_events
+        if events is None:
+            log.info("worker %s publishes no KV events; routing it on load only", record.name)
+            return
+        self.remove(record)
+        subs = [
+            RankSubscriber(
+                self.context,
+                self.router,
+                record.instance_id,
+                rank,
+                endpoint_for_rank(events.endpoint, rank),
+                endpoint_for_rank(events.replay_endpoint, rank) if events.replay_endpoint else None,
+                events.topic,
+                metrics=self.metrics,
+                replay_timeout=self.replay_timeout,
+                on_disconnect=self.on_disconnect,
+            )
+            for rank in range(record.config.data_parallel_size)
+        ]
+        self.subscribers[record.instance_id] = subs
+        self._tasks[record.instance_id] = [
+            asyncio.create_task(self._run(s), name=f"kv-events {record.name}/{s.dp_rank}")
+            for s in subs
+        ]
+
+    async def _run(self, subscriber: RankSubscriber) -> None:
+        try:
+            await subscriber.run()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("KV event subscriber for worker %s failed", subscriber.worker_id)
+
+    def remove(self, record: WorkerRecord) -> None:
+        self.subscribers.pop(record.instance_id, None)
+        for task in self._tasks.pop(record.instance_id, []):
+            task.cancel()
+
+    async def close(self) -> None:
+        tasks = [t for ts in self._tasks.values() for t in ts]
+        self._tasks.clear()
+        self.subscribers.clear()
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self.context.term()

@@ -1,0 +1,148 @@
+"""Worker load from each engine's Prometheus `/metrics`, scraped on an interval.
+
+Reads vLLM's `vllm:num_requests_waiting`, `vllm:num_requests_running` and
+`vllm:kv_cache_usage_perc` (per DP rank: vLLM labels each engine core with `engine="<rank>"`)
+into `Router.update_load`. A worker that fails `failures_to_drop` scrapes in a row is reported
+to discovery as unreachable, which removes it from routing until its `/v1/engine` answers again.
+"""
+
+import asyncio
+import contextlib
+import logging
+import re
+from collections.abc import Callable
+
+import aiohttp
+
+from .discovery import WorkerRecord
+from .metrics import EppMetrics
+from .scheduler import Router
+
+log = logging.getLogger(__name__)
+
+_FIELDS = {
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:num_requests_running": "running",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+}
+_LINE = re.compile(r"^(vllm:[a-z_]+)(?:\{([^}]*)\})?\s+(\S+)")
+_RANK = re.compile(r'(?:^|,)\s*engine="(\d+)"')
+
+
+def parse_load(text: str) -> dict[int, dict[str, float]]:
+    """{dp_rank: {waiting, running, kv_usage}} from a Prometheus text page (vLLM names)."""
+    out: dict[int, dict[str, float]] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        match = _LINE.match(line)
+        if match is None or match.group(1) not in _FIELDS:
+            continue
+        rank_match = _RANK.search(match.group(2) or "")
+        rank = int(rank_match.group(1)) if rank_match else 0
+        try:
+            value = float(match.group(3))
+        except ValueError:
+            continue
+        slot = out.setdefault(rank, {})
+        key = _FIELDS[match.group(1)]
+        slot[key] = slot.get(key, 0.0) + value
+    return out
+
+
+class LoadScraper:
+    def __init__(
+        self,
+        router: Router,
+        *,
+        interval: float = 0.5,
+        timeout: float = 2.0,
+        failures_to_drop: int = 2,
+        on_unreachable: Callable[[int], None] | None = None,
+        metrics: EppMetrics | None = None,
+    ):
+        self.router = router
+        self.interval = interval
+        self.timeout = timeout
+        self.failures_to_drop = failures_to_drop
+        self.on_unreachable = on_unreachable
+        self.metrics = metrics
+        self.workers: dict[int, WorkerRecord] = {}
+        self._failures: dict[int, int] = {}
+        self._wake: dict[int, asyncio.Event] = {}
+        self._tasks: dict[int, asyncio.Task] = {}
+        self._session: aiohttp.ClientSession | None = None
+
+    def add(self, record: WorkerRecord) -> None:
+        self.remove(record)
+        self.workers[record.instance_id] = record
+        self._failures[record.instance_id] = 0
+        self._wake[record.instance_id] = asyncio.Event()
+        self._tasks[record.instance_id] = asyncio.create_task(
+            self._loop(record), name=f"scrape {record.name}"
+        )
+
+    def remove(self, record: WorkerRecord) -> None:
+        self.workers.pop(record.instance_id, None)
+        self._failures.pop(record.instance_id, None)
+        self._wake.pop(record.instance_id, None)
+        task = self._tasks.pop(record.instance_id, None)
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+
+    def probe_now(self, instance_id: int) -> None:
+        """Scrape this worker now (its KV event connection dropped: it may be gone)."""
+        wake = self._wake.get(instance_id)
+        if wake is not None:
+            wake.set()
+
+    async def _loop(self, record: WorkerRecord) -> None:
+        wake = self._wake[record.instance_id]
+        while record.instance_id in self.workers:
+            await self.scrape(record)
+            wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), self.interval)
+
+    async def scrape(self, record: WorkerRecord) -> bool:
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        wid = record.instance_id
+        try:
+            async with self._session.get(
+                record.engine_url + "/metrics", timeout=aiohttp.ClientTimeout(total=self.timeout)
+            ) as response:
+                response.raise_for_status()
+                text = await response.text()
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            if self.metrics is not None:
+                self.metrics.scrape_failures.inc()
+            failures = self._failures.get(wid, 0) + 1
+            self._failures[wid] = failures
+            log.info("scrape of %s failed (%d in a row): %s", record.engine_url, failures, exc)
+            if failures >= self.failures_to_drop and self.on_unreachable is not None:
+                self.on_unreachable(wid)
+            return False
+        self._failures[wid] = 0
+        for rank, values in parse_load(text).items():
+            self.router.update_load(
+                wid,
+                rank,
+                waiting=int(values["waiting"]) if "waiting" in values else None,
+                running=int(values["running"]) if "running" in values else None,
+                kv_usage=values.get("kv_usage"),
+            )
+        return True
+
+    async def close(self) -> None:
+        tasks = list(self._tasks.values())
+        self._tasks.clear()
+        self.workers.clear()
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._session is not None:
+            await self._session.close()
+            self._session = None

@@ -1,0 +1,216 @@
+"""The endpoint picker process: discovery → router ← KV events + load, behind ext_proc gRPC.
+
+`Epp(settings)` wires the parts and runs them on one event loop:
+- `Discovery` feeds worker add/remove into the router core, the KV event subscribers
+  (`kv_events.KvEventIngest`), the load scraper (`load.LoadScraper`) and the pickers' view;
+- the ext_proc service (`extproc.ExtProcService`) on the gRPC port;
+- gRPC health on the health port: `liveness`, `readiness` (ready once a worker is known) and
+  `envoy.service.ext_proc.v3.ExternalProcessor`;
+- Prometheus metrics on the metrics port (`/metrics`).
+`drain()` (SIGTERM) turns readiness NOT_SERVING, lets streams in flight finish for `grace`
+seconds, then stops everything.
+"""
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+from aiohttp import web
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+
+from .config import RouterConfig
+from .discovery import Discovery, KubernetesSource, StaticSource, WorkerRecord
+from .extproc import DEFAULT_MAX_BODY_BYTES, SERVICE_NAME, ExtProcService
+from .kv_events import KvEventIngest
+from .load import LoadScraper
+from .metrics import EppMetrics
+from .picker import KvPicker, RandomPicker, WorkerView
+from .scheduler import Router
+
+log = logging.getLogger(__name__)
+
+LIVENESS = "liveness"
+READINESS = "readiness"
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@dataclass
+class EppSettings:
+    host: str = "0.0.0.0"
+    grpc_port: int = 9002
+    health_port: int = 9003
+    metrics_port: int = 9090
+    router: RouterConfig = field(default_factory=RouterConfig)
+    kv_events: bool = True
+    picker: str = "kv"  # kv | random (no body parsing: the protocol floor)
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    scrape_interval: float = 0.5
+    drain_grace: float = 30.0
+
+
+class Epp:
+    def __init__(self, settings: EppSettings, source: StaticSource | KubernetesSource):
+        self.settings = settings
+        self.metrics = EppMetrics()
+        self.router = Router(settings.router)
+        self.discovery = Discovery(source)
+        self.view = WorkerView()
+        self.load = LoadScraper(
+            self.router,
+            interval=settings.scrape_interval,
+            on_unreachable=self.discovery.mark_unreachable,
+            metrics=self.metrics,
+        )
+        self.kv = (
+            KvEventIngest(self.router, self.metrics, on_disconnect=self.load.probe_now)
+            if settings.kv_events
+            else None
+        )
+        self.picker = (
+            RandomPicker(self.view, self.router)
+            if settings.picker == "random"
+            else KvPicker(self.router, self.view)
+        )
+        self.service = ExtProcService(
+            self.picker, self.metrics, max_body_bytes=settings.max_body_bytes
+        )
+        self.health = HealthServicer()
+        self.metrics.add_router_collector(self._snapshot)
+        self._grpc: grpc.aio.Server | None = None
+        self._health_server: grpc.aio.Server | None = None
+        self._metrics_runner: web.AppRunner | None = None
+        self.grpc_port = settings.grpc_port
+        self.health_port = settings.health_port
+        self.metrics_port = settings.metrics_port
+
+    # -- discovery listeners --
+    def _added(self, record: WorkerRecord) -> None:
+        config = record.config
+        try:
+            self.router.add_worker(
+                record.instance_id,
+                role=config.role,
+                dp_size=config.data_parallel_size,
+                block_size=config.kv_cache_block_size,
+                total_blocks=config.total_kv_blocks,
+            )
+        except ValueError as exc:
+            log.error("worker %s not added: %s", record.name, exc)
+            return
+        self.view.added(record)
+        self.load.add(record)
+        if self.kv is not None:
+            self.kv.add(record)
+        self._update_readiness()
+
+    def _removed(self, record: WorkerRecord) -> None:
+        self.view.removed(record)
+        self.load.remove(record)
+        if self.kv is not None:
+            self.kv.remove(record)
+        with contextlib.suppress(KeyError):
+            self.router.remove_worker(record.instance_id)
+        self._update_readiness()
+
+    def _update_readiness(self) -> None:
+        ready = any(w.endpoint for w in self.view.workers.values())
+        status = _SERVING if ready else _NOT_SERVING
+        asyncio.get_running_loop().create_task(self.health.set(READINESS, status))
+
+    def _snapshot(self) -> dict:
+        names = {r.instance_id: r.name for r in self.discovery.records.values()}
+        slots: dict = {}
+        workers: dict = {}
+        for wid, state in self.router.workers().items():
+            name = names.get(wid, str(wid))
+            key = (state.role.value, state.ready)
+            workers[key] = workers.get(key, 0) + 1
+            for rank in range(state.dp_size):
+                slots[(name, rank)] = {
+                    "waiting": _at(state.waiting, rank),
+                    "running": _at(state.running, rank),
+                    "kv_usage": _at(state.kv_usage, rank),
+                }
+        return {"slots": slots, "workers": workers, "index_blocks": _index_blocks(self.router)}
+
+    # -- lifecycle --
+    async def start(self) -> None:
+        s = self.settings
+        self._grpc = grpc.aio.server(
+            options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)]
+        )
+        pb_grpc.add_ExternalProcessorServicer_to_server(self.service, self._grpc)
+        self.grpc_port = self._grpc.add_insecure_port(f"{s.host}:{s.grpc_port}")
+        self._health_server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
+        self.health_port = self._health_server.add_insecure_port(f"{s.host}:{s.health_port}")
+        await self.health.set(LIVENESS, _SERVING)
+        await self.health.set(READINESS, _NOT_SERVING)
+        await self.health.set(SERVICE_NAME, _SERVING)
+        await self.health.set("", _SERVING)
+        await self._grpc.start()
+        await self._health_server.start()
+        app = web.Application()
+        app.router.add_get("/metrics", self._serve_metrics)
+        self._metrics_runner = web.AppRunner(app, access_log=None)
+        await self._metrics_runner.setup()
+        site = web.TCPSite(self._metrics_runner, s.host, s.metrics_port)
+        await site.start()
+        self.metrics_port = site._server.sockets[0].getsockname()[1]  # port 0 → the bound one
+        self.discovery.add_listener(self._added, self._removed)
+        await self.discovery.start()
+        log.info(
+            "endpoint picker listening",
+            extra={
+                "grpc": self.grpc_port,
+                "health": self.health_port,
+                "metrics": self.metrics_port,
+            },
+        )
+
+    async def _serve_metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), content_type="text/plain")
+
+    async def drain(self, grace: float | None = None) -> None:
+        """Stop taking streams (readiness NOT_SERVING), let the ones in flight finish, stop."""
+        grace = self.settings.drain_grace if grace is None else grace
+        await self.health.set(READINESS, _NOT_SERVING)
+        await self.health.set(SERVICE_NAME, _NOT_SERVING)
+        if self._grpc is not None:
+            await self._grpc.stop(grace)
+        await self.stop()
+
+    async def stop(self) -> None:
+        if self._grpc is not None:
+            await self._grpc.stop(0)
+            self._grpc = None
+        await self.discovery.stop()
+        await self.load.close()
+        if self.kv is not None:
+            await self.kv.close()
+        if self._health_server is not None:
+            await self._health_server.stop(0)
+            self._health_server = None
+        if self._metrics_runner is not None:
+            await self._metrics_runner.cleanup()
+            self._metrics_runner = None
+
+
+def _at(values: list, index: int):
+    return values[index] if index < len(values) else None
+
+
+def _index_blocks(router: Router) -> int | None:
+    """Index size, if the router core exposes it (`index.size()` / `index_blocks()`)."""
+    for getter in ("index_blocks",):
+        fn = getattr(router, getter, None)
+        if callable(fn):
+            return fn()
+    index = getattr(router, "index", None)
+    size = getattr(index, "size", None)
+    return size() if callable(size) else None

@@ -1,0 +1,281 @@
+"""The EPP driven with Envoy's exact ext_proc message sequences (xds-protos client), in front of
+real mock workers: ordering, chunking, header/metadata equality, subset hints, header-only
+requests, every refusal, spoofed headers, protocol config, and bookings freed on cancellation."""
+
+import asyncio
+
+import grpc
+import orjson
+import pytest
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from dynamograph.epp.config import RouterConfig
+from dynamograph.epp.extproc import MAX_CHUNK_BYTES
+from dynamograph.protocol.headers import DESTINATION_ENDPOINT, WORKER_INSTANCE_ID
+from dynamograph.worker.testing import mock_worker
+
+from .conftest import (
+    MODEL,
+    ExtProcClient,
+    body_messages,
+    chat_body,
+    endpoint_of,
+    eventually,
+    lb_metadata,
+    protocol_config,
+    removed_headers,
+    request_headers,
+    response_body,
+    response_headers,
+    running_epp,
+    set_headers,
+)
+
+pytestmark = pytest.mark.integration
+
+
+def booked(epp) -> int:
+    return epp.router.active.total_requests()
+
+
+def _immediate(response: pb.ProcessingResponse) -> tuple[int, dict, dict]:
+    immediate = response.immediate_response
+    headers = {h.header.key: h.header.raw_value.decode() for h in immediate.headers.set_headers}
+    return immediate.status.code, headers, orjson.loads(immediate.body)
+
+
+async def test_routed_request_full_sequence(epp, workers, client):
+    endpoints = {endpoint_of(w): w.config.instance_id for w in workers}
+    body = chat_body("hello " * 200)
+    stream = client.stream()
+    # Headers, then the body in three chunks; nothing may come back before the end of the body.
+    await stream.send(request_headers(content_length=len(body)))
+    await stream.send(*body_messages(body, chunk=len(body) // 3 + 1, trailing_empty=False))
+    first = await stream.recv()
+    # 1. the headers response: clear_route_cache, destination, routing headers, content-length,
+    #    and on the SAME message the envoy.lb dynamic metadata equal to the header.
+    assert first.HasField("request_headers")
+    assert first.request_headers.response.clear_route_cache
+    headers = set_headers(first)
+    destination = headers[DESTINATION_ENDPOINT]
+    assert destination in endpoints
+    assert lb_metadata(first) == {"envoy.lb": {DESTINATION_ENDPOINT: destination}}
+    assert headers[WORKER_INSTANCE_ID] == str(endpoints[destination])
+    assert headers["content-length"] == str(len(body))
+    for option in first.request_headers.response.header_mutation.set_headers:
+        assert option.append_action == option.OVERWRITE_IF_EXISTS_OR_ADD
+    # 2. then the body, unchanged, ending with end_of_stream.
+    second = await stream.recv()
+    streamed = second.request_body.response.body_mutation.streamed_response
+    assert streamed.body == body and streamed.end_of_stream
+    assert booked(epp) == 1
+    # 3. the response passes through unchanged; the end of it frees the booking.
+    await stream.send(response_headers(served=destination))
+    assert (await stream.recv()).HasField("response_headers")
+    for data, end in ((b"data: {}\n\n", False), (b"", False), (b"data: [DONE]\n\n", True)):
+        await stream.send(response_body(data, end))
+        echoed = (await stream.recv()).response_body.response.body_mutation.streamed_response
+        assert (echoed.body, echoed.end_of_stream) == (data, end)
+    await eventually(lambda: booked(epp) == 0)
+    await stream.call.done_writing()
+
+
+async def test_body_rechunked_at_most_62000_bytes(epp, client):
+    body = chat_body("lorem ipsum dolor " * 20_000)  # ~360 kB, arriving in 64 KiB chunks
+    assert len(body) > 5 * MAX_CHUNK_BYTES
+    first, data, chunks = await client.stream().request(body)
+    assert set_headers(first)["content-length"] == str(len(body))
+    assert data == body
+    sizes = [len(c.request_body.response.body_mutation.streamed_response.body) for c in chunks]
+    assert max(sizes) <= MAX_CHUNK_BYTES
+    assert len(chunks) == -(-len(body) // MAX_CHUNK_BYTES)
+    ends = [c.request_body.response.body_mutation.streamed_response.end_of_stream for c in chunks]
+    assert ends == [False] * (len(chunks) - 1) + [True]
+
+
+async def test_body_over_cap_answers_413(workers):
+    async with running_epp(workers, max_body_bytes=1024 * 1024) as epp:
+        client = ExtProcClient(epp.grpc_port)
+        try:
+            body = chat_body("x" * (3 * 1024 * 1024 // 2))  # 1.5 MiB > the 1 MiB cap
+            first, _, _ = await client.stream().request(body)
+            status, headers, error = _immediate(first)
+            assert status == 413
+            assert headers["content-type"] == "application/json"
+            assert "exceeds 1048576 bytes" in error["error"]["message"]
+            # Just under the cap still routes.
+            ok, data, _ = await client.stream().request(chat_body("y" * 1_000_000))
+            assert ok.HasField("request_headers") and len(data) > 1_000_000
+            assert booked(epp) == 1
+        finally:
+            await client.close()
+
+
+async def test_spoofed_routing_and_gateway_headers_removed(epp, workers, client):
+    spoofed = [
+        ("x-worker-instance-id", "1"),
+        ("x-dynamo-worker-instance-id", "2"),
+        ("x-prefill-instance-id", "3"),
+        ("x-dp-rank", "7"),
+        ("x-gateway-destination-endpoint", "10.9.9.9:80"),
+        ("x-gateway-anything", "evil"),
+    ]
+    first, _, _ = await client.stream().request(chat_body("hi"), extra=spoofed)
+    headers = set_headers(first)
+    assert headers[DESTINATION_ENDPOINT] in {endpoint_of(w) for w in workers}
+    assert headers[WORKER_INSTANCE_ID] in {str(w.config.instance_id) for w in workers}
+    removed = set(removed_headers(first))
+    # Everything the client sent that the EPP does not overwrite itself is removed.
+    assert {"x-dynamo-worker-instance-id", "x-prefill-instance-id", "x-gateway-anything"} <= removed
+    assert not removed & set(headers)
+    assert "x-dp-rank" in removed or headers.get("x-dp-rank") != "7"
+
+
+async def test_subset_hint_restricts_and_empty_subset_is_503(epp, workers, client):
+    only = endpoint_of(workers[1])
+    for _ in range(4):
+        first, _, _ = await client.stream().request(chat_body("subset"), subset=[only])
+        assert set_headers(first)[DESTINATION_ENDPOINT] == only
+        assert lb_metadata(first)["envoy.lb"][DESTINATION_ENDPOINT] == only
+    first, _, _ = await client.stream().request(chat_body("subset"), subset=only)  # string form
+    assert set_headers(first)[DESTINATION_ENDPOINT] == only
+    for subset in ([], ["10.1.1.1:8000"]):
+        first, _, _ = await client.stream().request(chat_body("subset"), subset=subset)
+        status, _, error = _immediate(first)
+        assert status == 503
+        assert "subset" in error["error"]["message"]
+
+
+async def test_header_only_get_goes_to_a_ready_endpoint(epp, workers, client):
+    stream = client.stream()
+    await stream.send(request_headers("/v1/models", "GET", end_of_stream=True))
+    first = await stream.recv()
+    headers = set_headers(first)
+    assert headers[DESTINATION_ENDPOINT] in {endpoint_of(w) for w in workers}
+    assert lb_metadata(first) == {"envoy.lb": {DESTINATION_ENDPOINT: headers[DESTINATION_ENDPOINT]}}
+    assert "content-length" not in headers
+    await stream.send(response_headers(content_type="application/json"))
+    assert (await stream.recv()).HasField("response_headers")
+    await stream.send(response_body(b'{"data": []}', end_of_stream=True))
+    assert (
+        await stream.recv()
+    ).response_body.response.body_mutation.streamed_response.end_of_stream
+
+
+@pytest.mark.parametrize(
+    ("body", "path", "status", "needle"),
+    [
+        (b"{not json", "/v1/chat/completions", 400, "not valid JSON"),
+        (b'{"messages": [{"role": "user", "content": "x"}]}', "/v1/chat/completions", 400, "model"),
+        (chat_body("x", model="no-such-model"), "/v1/chat/completions", 404, "no-such-model"),
+        (chat_body("x"), "/v1/embeddings", 404, "/v1/embeddings"),
+        (b'{"model": "' + MODEL.encode() + b'"}', "/v1/completions", 400, "prompt"),
+    ],
+)
+async def test_bad_requests_get_openai_errors(epp, client, body, path, status, needle):
+    first, _, _ = await client.stream().request(body, path=path)
+    code, headers, error = _immediate(first)
+    assert code == status
+    assert headers["content-type"] == "application/json"
+    assert needle in error["error"]["message"]
+    assert error["error"]["code"] == status
+    assert booked(epp) == 0
+
+
+async def test_no_eligible_worker_is_503():
+    # A worker that never answers /v1/engine: the EPP knows no endpoint.
+    async with running_epp([]) as epp:
+        client = ExtProcClient(epp.grpc_port)
+        try:
+            first, _, _ = await client.stream().request(chat_body("x"))
+            code, _, error = _immediate(first)
+            assert code in (404, 503)  # no worker serves the model yet
+            stream = client.stream()
+            await stream.send(request_headers("/v1/models", "GET", end_of_stream=True))
+            code, _, error = _immediate(await stream.recv())
+            assert code == 503 and "no ready worker" in error["error"]["message"]
+        finally:
+            await client.close()
+
+
+async def test_saturated_fleet_sheds_429_with_retry_after():
+    router = RouterConfig(busy_threshold=0.5, retry_after_s=2.0)
+    async with (
+        mock_worker(model=MODEL, name="epp-small", num_gpu_blocks=64) as worker,
+        running_epp([worker], router=router) as epp,
+    ):
+        client = ExtProcClient(epp.grpc_port)
+        try:
+            held = []
+            status = None
+            for i in range(10):  # each books ~40 of 64 blocks and never finishes
+                stream = client.stream()
+                first, _, _ = await stream.request(chat_body(f"{i} " + "word " * 600))
+                held.append(stream)
+                if first.HasField("immediate_response"):
+                    status, headers, error = _immediate(first)
+                    break
+            assert status == 429
+            assert headers["retry-after"] == "2"
+            assert error["error"]["type"] == "rate_limit_exceeded"
+        finally:
+            for stream in held:
+                stream.call.cancel()
+            await client.close()
+
+
+@pytest.mark.parametrize(
+    ("config", "needle"),
+    [
+        (protocol_config(request_mode=processing_mode_pb2.ProcessingMode.BUFFERED), "BUFFERED"),
+        (protocol_config(response_mode=processing_mode_pb2.ProcessingMode.STREAMED), "STREAMED"),
+        (protocol_config(without_waiting=False), "send_body_without_waiting"),
+    ],
+)
+async def test_wrong_processing_mode_fails_precondition(epp, client, config, needle):
+    stream = client.stream()
+    await stream.send(request_headers(config=config))
+    with pytest.raises(grpc.aio.AioRpcError) as failure:
+        await stream.call.read()
+    assert failure.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert needle in failure.value.details()
+
+
+async def test_trailers_end_the_body(epp, client):
+    body = chat_body("with trailers")
+    stream = client.stream()
+    await stream.send(
+        request_headers(content_length=len(body)),
+        pb.ProcessingRequest(request_body=pb.HttpBody(body=body)),
+        pb.ProcessingRequest(request_trailers=pb.HttpTrailers()),
+    )
+    first, second, third = await stream.recv_n(3)
+    assert first.HasField("request_headers")
+    streamed = second.request_body.response.body_mutation.streamed_response
+    assert streamed.body == body and not streamed.end_of_stream  # the trailers end the stream
+    assert third.HasField("request_trailers")
+
+
+async def test_cancelled_mid_response_frees_the_booking(epp, client):
+    stream = client.stream()
+    first, _, _ = await stream.request(chat_body("cancel me " * 50))
+    assert first.HasField("request_headers")
+    await stream.send(response_headers())
+    await stream.recv()
+    await stream.send(response_body(b"data: {}\n\n"))
+    await stream.recv()
+    assert booked(epp) == 1
+    stream.call.cancel()  # the client went away: Envoy resets the stream
+    await eventually(lambda: booked(epp) == 0)
+
+
+async def test_many_concurrent_streams_all_freed(epp, client):
+    async def one(i):
+        stream = client.stream()
+        first, _, _ = await stream.request(chat_body(f"concurrent {i} " * 30))
+        assert first.HasField("request_headers")
+        await stream.finish_response()
+
+    await asyncio.gather(*(one(i) for i in range(20)))
+    await eventually(lambda: booked(epp) == 0)

@@ -1,0 +1,84 @@
+"""Pure parts of the ext_proc server and the load scraper: chunking, subset hints, protocol
+config checks, immediate responses, vLLM metrics parsing."""
+
+import orjson
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+
+from dynamograph.epp.extproc import (
+    MAX_CHUNK_BYTES,
+    ProtocolViolation,
+    Refusal,
+    _subset_hint,
+    body_chunks,
+    check_protocol_config,
+    immediate_response,
+)
+from dynamograph.epp.load import parse_load
+
+from .conftest import protocol_config
+
+pytestmark = pytest.mark.unit
+Mode = processing_mode_pb2.ProcessingMode
+
+
+@pytest.mark.parametrize("size", [0, 1, MAX_CHUNK_BYTES, MAX_CHUNK_BYTES + 1, 5 * MAX_CHUNK_BYTES])
+def test_body_chunks_cover_body_within_limit(size):
+    body = bytes(range(256)) * (size // 256) + b"z" * (size % 256)
+    chunks = [c.request_body.response.body_mutation.streamed_response for c in body_chunks(body)]
+    assert b"".join(c.body for c in chunks) == body
+    assert all(len(c.body) <= MAX_CHUNK_BYTES for c in chunks)
+    assert [c.end_of_stream for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert len(chunks) == max(1, -(-size // MAX_CHUNK_BYTES))
+
+
+def test_protocol_config_check():
+    check_protocol_config(protocol_config())
+    for bad in (
+        protocol_config(request_mode=Mode.BUFFERED),
+        protocol_config(response_mode=Mode.NONE),
+        protocol_config(without_waiting=False),
+    ):
+        with pytest.raises(ProtocolViolation):
+            check_protocol_config(bad)
+
+
+def test_subset_hint_forms():
+    metadata = base_pb2.Metadata()
+    assert _subset_hint(metadata) is None
+    fields = metadata.filter_metadata["envoy.lb.subset_hint"].fields
+    assert _subset_hint(metadata) is None  # namespace without the key: no hint
+    fields["x-gateway-destination-endpoint-subset"].list_value.values.add().string_value = "a:1"
+    assert _subset_hint(metadata) == frozenset({"a:1"})
+    fields["x-gateway-destination-endpoint-subset"].string_value = "a:1, b:2"
+    assert _subset_hint(metadata) == frozenset({"a:1", "b:2"})
+    fields["x-gateway-destination-endpoint-subset"].list_value.Clear()
+    assert _subset_hint(metadata) == frozenset()
+
+
+def test_immediate_response_has_json_body_and_retry_after():
+    response = immediate_response(Refusal(429, "all workers are busy", retry_after_s=1.4))
+    immediate = response.immediate_response
+    assert immediate.status.code == 429
+    headers = {h.header.key: h.header.raw_value for h in immediate.headers.set_headers}
+    assert headers == {"content-type": b"application/json", "retry-after": b"1"}
+    assert orjson.loads(immediate.body)["error"]["message"] == "all workers are busy"
+
+
+def test_parse_vllm_load():
+    text = """# HELP vllm:num_requests_waiting x
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 3.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 1.0
+vllm:num_requests_running{engine="0",model_name="m"} 7.0
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.5
+vllm:prefix_cache_hits_total{engine="0"} 9
+other_metric 1
+"""
+    assert parse_load(text) == {
+        0: {"waiting": 3.0, "running": 7.0, "kv_usage": 0.25},
+        1: {"waiting": 1.0, "kv_usage": 0.5},
+    }
+    assert parse_load("vllm:num_requests_running 2\n") == {0: {"running": 2.0}}
