@@ -256,6 +256,8 @@ class MockEngine(LLMEngine):
             cancel_wait = asyncio.ensure_future(ctx.wait_cancelled())
             try:
                 while True:
+                    if ctx.cancelled:
+                        rank.abort(request.request_id)  # no-op once finished
                     get = asyncio.ensure_future(state.queue.get())
                     await asyncio.wait({get, cancel_wait}, return_when=asyncio.FIRST_COMPLETED)
                     if not get.done():

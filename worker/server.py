@@ -275,6 +275,7 @@ class WorkerServer:
             "prompt_tokens": len(tokens), "routing": _routing(request),
             "kv_transfer": bool(gen.kv_transfer_params), "received": time.time(),
         }  # fmt: skip
+        self.requests.record(entry)
         try:
             if body.get("stream"):
                 return await self._stream(request, stream, builder, body, gen, headers, entry)
@@ -293,12 +294,13 @@ class WorkerServer:
             extra["nvext"] = nv
         return extra
 
-    def _record(self, entry: dict[str, Any], last: EngineOutput | None) -> None:
+    @staticmethod
+    def _record(entry: dict[str, Any], last: EngineOutput | None) -> None:
+        """Complete a request's log entry (it was logged on arrival) with how it ended."""
         if last is not None and last.usage is not None:
             entry["cached_tokens"] = last.usage.cached_tokens
             entry["completion_tokens"] = last.usage.completion_tokens
         entry["finish_reason"] = last.finish_reason.value if last and last.finish_reason else None
-        self.requests.record(entry)
 
     async def _full(self, stream, builder: ResponseBuilder, gen, headers, entry) -> web.Response:
         texts: list[str] = []
@@ -327,27 +329,31 @@ class WorkerServer:
         except EngineError as exc:
             self._record(entry, None)
             return _error(exc)
-        await response.prepare(request)
-        opening = builder.first_chunk()
-        if opening:
-            await response.write(_sse(opening))
-        out = first
-        while True:
-            last = out
-            if out.finish_reason is FinishReason.ERROR:
-                err = OpenAIError(503, out.error or "engine error").body()
-                await response.write(_sse(err))
-                break
-            extra = self._extra(gen, out) if out.is_terminal else None
-            await response.write(_sse(builder.chunk(out, extra)))
-            if out.is_terminal:
-                if include_usage and out.usage is not None:
-                    await response.write(_sse(builder.usage_chunk(out.usage)))
-                break
-            out = await anext(stream)
-        self._record(entry, last)
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
+        try:
+            await response.prepare(request)
+            opening = builder.first_chunk()
+            if opening:
+                await response.write(_sse(opening))
+            out = first
+            while True:
+                last = out
+                if out.finish_reason is FinishReason.ERROR:
+                    err = OpenAIError(503, out.error or "engine error").body()
+                    await response.write(_sse(err))
+                    break
+                extra = self._extra(gen, out) if out.is_terminal else None
+                await response.write(_sse(builder.chunk(out, extra)))
+                if out.is_terminal:
+                    if include_usage and out.usage is not None:
+                        await response.write(_sse(builder.usage_chunk(out.usage)))
+                    break
+                out = await anext(stream)
+            self._record(entry, last)
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except ConnectionResetError:
+            # The client went away; closing the stream (generate's finally) aborts the request.
+            entry["finish_reason"] = FinishReason.CANCELLED.value
         return response
 
 

@@ -1,0 +1,178 @@
+"""KV events on ZMQ, decoded with plain msgpack (independent of our codec).
+
+The events must describe exactly the blocks the cache holds (stored, evicted, cleared), carry
+consecutive sequence numbers, and the replay socket must return batches a subscriber missed.
+"""
+
+import asyncio
+
+import msgpack
+import pytest
+import zmq
+import zmq.asyncio
+
+from dynamograph.protocol.hashing import block_hashes
+from dynamograph.worker.testing import mock_worker
+
+from .conftest import MODEL, post_json
+
+pytestmark = pytest.mark.integration
+
+BLOCK = 16
+BLOCKS = 48
+
+
+def decode(frames):
+    """[topic, seq, payload] with seq 8-byte big-endian and payload [ts, events, dp_rank]."""
+    _topic, seq, payload = frames
+    _ts, events, dp_rank = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    return int.from_bytes(seq, "big"), events, dp_rank
+
+
+async def replay(ctx, endpoint, start):
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        await sock.send_multipart([b"", start.to_bytes(8, "big")])
+        out = []
+        while True:
+            empty, seq, payload = await asyncio.wait_for(sock.recv_multipart(), 10)
+            assert empty == b""
+            if int.from_bytes(seq, "big", signed=True) == -1:
+                assert payload == b""
+                return out
+            out.append(decode([b"", seq, payload]))
+    finally:
+        sock.close()
+
+
+def apply(state: dict, events, block_size=BLOCK):
+    """Rebuild the cache's block set from events; checks each event's own consistency."""
+    for event in events:
+        tag = event[0]
+        if tag == "BlockStored":
+            hashes, parent, tokens, size = event[1], event[2], event[3], event[4]
+            assert size == block_size and len(tokens) == size * len(hashes)
+            assert parent is None or parent in state, "stored block's parent is not cached"
+            for i, h in enumerate(hashes):
+                assert h not in state, "block stored twice without removal"
+                state[h] = tokens[i * size : (i + 1) * size]
+        elif tag == "BlockRemoved":
+            for h in event[1]:
+                assert h in state, "removed a block that was never stored"
+                del state[h]
+        elif tag == "AllBlocksCleared":
+            state.clear()
+        else:
+            raise AssertionError(f"unknown event {tag}")
+
+
+async def wait_idle(engine):
+    for _ in range(500):
+        if all(r.load == 0 for r in engine.ranks):
+            await asyncio.sleep(0.05)  # the step's batch is published right after it ends
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("engine did not go idle")
+
+
+async def test_events_mirror_the_cache_and_replay_fills_gaps():
+    ctx = zmq.asyncio.Context()
+    async with mock_worker(model=MODEL, num_gpu_blocks=BLOCKS, block_size=BLOCK) as w:
+        kv = w.config.kv_events
+        cache = w.engine.ranks[0].cache
+        early = ctx.socket(zmq.SUB)
+        early.setsockopt(zmq.LINGER, 0)
+        early.setsockopt(zmq.SUBSCRIBE, b"")
+        early.connect(kv.endpoint)
+        await asyncio.sleep(0.3)  # let the subscription reach the publisher (slow joiner)
+        prompts = [f"prompt number {i}: " + "lorem ipsum dolor sit amet " * 30 for i in range(6)]
+        for p in prompts[:3]:
+            await post_json(
+                w.url, "/v1/completions", {"model": MODEL, "prompt": p, "max_tokens": 20}
+            )
+        late = ctx.socket(zmq.SUB)  # joins after the first batches: must replay them
+        late.setsockopt(zmq.LINGER, 0)
+        late.setsockopt(zmq.SUBSCRIBE, b"")
+        late.connect(kv.endpoint)
+        await asyncio.sleep(0.3)
+        # Enough distinct prompts to overflow 48 blocks: evictions follow.
+        for p in prompts[3:]:
+            await post_json(
+                w.url, "/v1/completions", {"model": MODEL, "prompt": p, "max_tokens": 20}
+            )
+        await wait_idle(w.engine)
+
+        received = []
+        while await early.poll(200):
+            received.append(decode(await early.recv_multipart()))
+        seqs = [s for s, _, _ in received]
+        assert seqs == list(range(len(seqs))), "sequence numbers must start at 0 with no gaps"
+        state: dict = {}
+        for _, events, rank in received:
+            assert rank == 0
+            apply(state, events)
+        assert set(state) == set(cache.cached), "events disagree with the cache's blocks"
+        assert any(e[0] == "BlockRemoved" for _, evs, _ in received for e in evs)
+        # The newest prompt's blocks are cached, and the events carry its exact token ids, so
+        # a router can rebuild its own content hashes (DESIGN §3.5) from them.
+        tokens = (await post_json(w.url, "/tokenize", {"model": MODEL, "prompt": prompts[-1]}))[
+            "tokens"
+        ]
+        stored = {tuple(t) for t in state.values()}
+        full = len(tokens) // BLOCK
+        assert all(tuple(tokens[i * BLOCK : (i + 1) * BLOCK]) in stored for i in range(full))
+        assert block_hashes(tokens, BLOCK) == [
+            block_hashes(tokens[i * BLOCK : (i + 1) * BLOCK], BLOCK)[0] for i in range(full)
+        ]
+
+        late_received = []
+        while await late.poll(200):
+            late_received.append(decode(await late.recv_multipart()))
+        first_late = late_received[0][0]
+        assert first_late > 0
+        missed = await replay(ctx, kv.replay_endpoint, 0)
+        assert [s for s, _, _ in missed] == seqs  # the whole buffer, in order
+        assert [e for _, e, _ in missed[:first_late]] == [e for _, e, _ in received[:first_late]]
+        partial = await replay(ctx, kv.replay_endpoint, first_late)
+        assert [s for s, _, _ in partial] == seqs[first_late:]
+
+        # Reset: one AllBlocksCleared, and the cache is empty.
+        status = await post_json(w.url, "/reset_prefix_cache", None, expect=200)
+        assert status is None
+        assert await early.poll(2000)
+        seq, events, _ = decode(await early.recv_multipart())
+        assert seq == seqs[-1] + 1 and events == [["AllBlocksCleared"]]
+        assert not cache.cached
+        early.close()
+        late.close()
+    ctx.term()
+
+
+async def test_data_parallel_ranks_publish_on_consecutive_ports():
+    ctx = zmq.asyncio.Context()
+    async with mock_worker(model=MODEL, data_parallel_size=2) as w:
+        from dynamograph.protocol.kv_events import endpoint_for_rank
+
+        subs = []
+        for rank in range(2):
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(endpoint_for_rank(w.config.kv_events.endpoint, rank))
+            subs.append(sub)
+        await asyncio.sleep(0.3)
+        prompt = "a prompt long enough to fill a few blocks of sixteen tokens " * 4
+        for rank in (1, 0):
+            await post_json(
+                w.url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2},
+                headers={"X-data-parallel-rank": str(rank)},
+            )  # fmt: skip
+        for rank, sub in enumerate(subs):
+            assert await sub.poll(3000)
+            seq, events, dp_rank = decode(await sub.recv_multipart())
+            assert (seq, dp_rank) == (0, rank)
+            assert events[0][0] == "BlockStored"
+            sub.close()
+    ctx.term()
