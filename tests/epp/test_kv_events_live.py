@@ -1,0 +1,108 @@
+"""KV events from real mock workers into the EPP's index: freshness, worker removal, replay of
+an injected sequence gap."""
+
+import signal
+import time
+
+import aiohttp
+import orjson
+import pytest
+
+from dynamograph.protocol.hashing import block_hashes
+from dynamograph.protocol.tokenization import get_tokenizer, request_tokens
+from dynamograph.worker.testing import mock_worker, worker_process
+
+from .conftest import MODEL, eventually, running_epp
+
+pytestmark = pytest.mark.integration
+
+
+def _chat(content: str) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 2}
+
+
+def _hashes(epp, body: dict) -> list[int]:
+    tokens = request_tokens(get_tokenizer("qwen"), "/v1/chat/completions", body)
+    return block_hashes(tokens, epp.router.block_size)
+
+
+def _held(epp, worker_id: int, hashes: list[int]) -> int:
+    matches = epp.router.index.find_matches(hashes)
+    return max((n for (w, _), n in matches.items() if w == worker_id), default=0)
+
+
+async def _complete(http, worker, body):
+    async with http.post(worker.url + "/v1/chat/completions", json=body) as response:
+        assert response.status == 200, await response.text()
+        await response.read()
+
+
+async def test_index_reflects_blocks_within_100ms():
+    async with (
+        mock_worker(model=MODEL, name="kv-fresh") as worker,
+        running_epp([worker]) as epp,
+        aiohttp.ClientSession() as http,
+    ):
+        wid = worker.config.instance_id
+        for i in range(3):
+            body = _chat(f"freshness probe {i}: " + "tokens " * 300)
+            hashes = _hashes(epp, body)
+            assert _held(epp, wid, hashes) == 0
+            await _complete(http, worker, body)
+            done = time.perf_counter()
+            await eventually(lambda h=hashes: _held(epp, wid, h) >= len(h) - 1, within=5)
+            assert time.perf_counter() - done <= 0.1
+
+
+async def test_killed_worker_is_removed_from_routing():
+    async with (
+        mock_worker(model=MODEL, name="kv-survivor") as survivor,
+        worker_process("--model", MODEL, name="kv-victim") as victim,
+        running_epp([survivor, victim]) as epp,
+        aiohttp.ClientSession() as http,
+    ):
+        vid = victim.config.instance_id
+        body = _chat("victim prefix " * 200)
+        await _complete(http, victim, body)
+        hashes = _hashes(epp, body)
+        await eventually(lambda: _held(epp, vid, hashes) > 0)
+        victim.process.send_signal(signal.SIGKILL)
+        await eventually(lambda: vid not in epp.router.workers(), within=20)
+        assert vid not in epp.view.workers
+        assert all(w != vid for (w, _) in epp.router.index.find_matches(hashes))
+        # Routing only ever picks the survivor now, even for the victim's prefix.
+        for _ in range(5):
+            route = epp.service.picker.pick("/v1/chat/completions", {}, orjson.dumps(body), None)
+            assert route.worker_id == survivor.config.instance_id
+            route.guard.free()
+
+
+async def test_injected_sequence_gap_triggers_replay():
+    async with (
+        mock_worker(model=MODEL, name="kv-gap") as worker,
+        running_epp([worker]) as epp,
+        aiohttp.ClientSession() as http,
+    ):
+        wid = worker.config.instance_id
+        (subscriber,) = epp.kv.subscribers[wid]
+        original = subscriber.handle
+        dropped: list[int] = []
+
+        async def lossy(seq, payload, source="live"):
+            if source == "live" and not dropped:
+                dropped.append(seq)  # this frame "never arrived"
+                return
+            await original(seq, payload, source)
+
+        subscriber.handle = lossy
+        replays_before = subscriber.replays
+        lost = _chat("this batch gets lost " * 100)
+        await _complete(http, worker, lost)
+        await eventually(lambda: dropped)
+        assert _held(epp, wid, _hashes(epp, lost)) == 0
+        # The next batch reveals the gap; the replay socket fills it.
+        await _complete(http, worker, _chat("this one arrives " * 100))
+        await eventually(lambda: _held(epp, wid, _hashes(epp, lost)) > 0)
+        assert subscriber.replays > replays_before
+        assert epp.metrics.kv_gaps._value.get() >= 1
+        assert epp.metrics.kv_replay_failures._value.get() == 0
