@@ -63,7 +63,7 @@ POLICIES: dict[str, Policy] = {
 DEFAULT_POLICIES = list(POLICIES)
 
 
-def _foreign_binary(name: str) -> str:
+def foreign_binary(name: str) -> str:
     beside = Path(sys.executable).with_name(name)
     found = str(beside) if beside.exists() else shutil.which(name)
     if not found:
@@ -91,7 +91,7 @@ async def _serve_foreign(
     policy: Policy, workers: Sequence[Worker], ports: PortPool, logs: Path
 ) -> AsyncIterator[str]:
     port, metrics = ports.take(), ports.take()
-    argv = [_foreign_binary(policy.kind)]
+    argv = [foreign_binary(policy.kind)]
     if policy.kind == "sglang-router":
         argv.append("launch")
     argv += [
@@ -119,7 +119,7 @@ async def _serve_foreign(
 async def _serve_epp(
     policy: Policy, workers: Sequence[Worker], ports: PortPool, logs: Path
 ) -> AsyncIterator[str]:
-    from dynamograph.local.envoy import run_envoy  # lazily: only our policies need Envoy
+    from dynamograph.local.envoy import envoy_config, run_envoy  # only our policies need Envoy
 
     grpc_port, health_port, metrics_port = ports.take(), ports.take(), ports.take()
     listen_port, admin_port = ports.take(), ports.take()
@@ -143,12 +143,8 @@ async def _serve_epp(
     epp.start()
     try:
         await wait_http(epp, f"http://127.0.0.1:{metrics_port}/metrics", within_s=60)
-        async with run_envoy(
-            listen_port=listen_port,
-            admin_port=admin_port,
-            epp_address=f"127.0.0.1:{grpc_port}",
-            log_path=logs / f"{policy.name}-envoy.log",
-        ):
+        gateway = envoy_config(listen_port, admin_port, f"127.0.0.1:{grpc_port}")
+        async with run_envoy(gateway, workdir=logs / f"{policy.name}-envoy"):
             url = f"http://127.0.0.1:{listen_port}"
             await wait_http(epp, url + "/v1/models", within_s=60)
             yield url

@@ -1,0 +1,79 @@
+"""`bench route` end to end on a tiny trace: two real mock workers, a real router in front.
+
+Small on purpose (< 30 s each): it proves the harness — fleet start, router start, open-loop
+streaming replay, usage and /metrics collection, table, JSON and plots — not routing quality.
+"""
+
+import argparse
+import json
+
+import pytest
+
+from dynamograph.bench import route
+from dynamograph.bench.route_fleet import LaunchError
+from dynamograph.bench.route_routers import foreign_binary
+from dynamograph.bench.trace import inherent_reuse, load_trace
+
+pytestmark = pytest.mark.integration
+
+FAMILIES = 4
+PER_FAMILY = 4
+
+
+@pytest.fixture
+def tiny_trace(tmp_path):
+    """16 requests: 4 families sharing a 2-id (1,024-token) prefix, each with its own tail."""
+    lines = []
+    for i in range(FAMILIES * PER_FAMILY):
+        family = i % FAMILIES
+        ids = [family * 2, family * 2 + 1, 1000 + i]
+        lines.append(
+            {"timestamp": 100 * i, "input_length": 1024 + 64, "output_length": 4, "hash_ids": ids}
+        )
+    path = tmp_path / "tiny.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    return path
+
+
+def bench_args(trace, out, policies):
+    parser = argparse.ArgumentParser()
+    route.add_arguments(parser)
+    return parser.parse_args(
+        ["--trace", str(trace), "--out", str(out), "--workers", "2", "--compression", "1",
+         "--num-gpu-blocks", "2048", "--policies", *policies]
+    )  # fmt: skip
+
+
+def check_results(out, trace, policy):
+    data = json.loads((out / "route.json").read_text())
+    m = data["policies"][policy]
+    n = FAMILIES * PER_FAMILY
+    assert data["inherent_reuse"] == pytest.approx(inherent_reuse(load_trace(trace)))
+    assert (m["ok"], m["shed"], m["errors"]) == (n, 0, 0), m["first_error"]
+    assert sum(m["per_worker_requests"].values()) == n
+    assert len(m["per_worker_requests"]) == 2
+    assert m["prompt_tokens"] == n * (1024 + 64)
+    assert 0 < m["hit_rate"] <= data["inherent_reuse"] + 1e-9
+    assert m["ttft_p50_s"] > 0 and m["e2e_p99_s"] >= m["ttft_p50_s"]
+    assert m["worker_hit_rate"] == pytest.approx(m["hit_rate"], abs=0.05)
+    for png in ("route_ttft_cdf", "route_latency", "route_reuse", "route_load"):
+        assert (out / f"{png}.png").stat().st_size > 1000
+    return m
+
+
+def test_route_through_epp_and_envoy(tmp_path, tiny_trace):
+    args = bench_args(tiny_trace, tmp_path / "out", ["round-robin"])
+    assert route.run(args) == 0
+    m = check_results(tmp_path / "out", tiny_trace, "round-robin")
+    assert sorted(m["per_worker_requests"].values()) == [8, 8]  # round-robin: exactly even
+
+
+@pytest.mark.anchor
+def test_route_through_sglang_router(tmp_path, tiny_trace):
+    try:
+        foreign_binary("sglang-router")
+    except LaunchError as exc:
+        pytest.skip(str(exc))
+    args = bench_args(tiny_trace, tmp_path / "out", ["sglang-cache-aware"])
+    assert route.run(args) == 0
+    check_results(tmp_path / "out", tiny_trace, "sglang-cache-aware")
