@@ -23,17 +23,6 @@ class Policy(StrEnum):
     LEAST_LOADED = "least-loaded"
 
 
-class ScorerWeights(BaseModel):
-    """Weights of the scorer plugins in the KV policy's cost (lower total cost wins)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    kv_overlap: float = Field(
-        default=1.0, ge=0, description="weight of the prefill term (uncached blocks to compute)"
-    )
-    load: float = Field(default=1.0, ge=0, description="weight of the decode term (active blocks)")
-
-
 class RouterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -41,7 +30,8 @@ class RouterConfig(BaseModel):
     overlap_weight: float = Field(
         default=1.0,
         ge=0,
-        description="Dynamo's kv_overlap_score_weight: weight of prefill blocks against decode blocks",
+        description="Dynamo's kv_overlap_score_weight: the weight of the KV-overlap scorer's "
+        "prefill blocks against the load scorer's decode blocks",
     )
     temperature: float = Field(
         default=0.0,
@@ -75,7 +65,6 @@ class RouterConfig(BaseModel):
         default=300.0, gt=0, description="sticky-session timeout when the request names none"
     )
     max_sessions: int = Field(default=100_000, ge=1, description="sticky-session table bound")
-    weights: ScorerWeights = Field(default_factory=ScorerWeights)
     seed: int | None = Field(default=None, description="seed of the picker's random choices")
 
     @classmethod

@@ -21,6 +21,7 @@ Errors are exceptions carrying the HTTP status a caller should answer with:
 import logging
 import random
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -29,9 +30,27 @@ from dynamograph.protocol.headers import RoutingHeaders
 from dynamograph.protocol.kv_events import EventBatch
 from dynamograph.protocol.nvext import NvExt, SessionAction, SessionControl
 
-from .active import RequestGuard, Slot
-from .config import RouterConfig
-from .seqtrack import GapInfo
+from .active import ActiveRequests, RequestGuard, Slot
+from .config import Policy, RouterConfig
+from .index import KvIndex
+from .plugins import BUSY, FILTERS, SCORERS, Candidate, Context, KvPicker, Phase, make_picker
+from .seqtrack import GapInfo, SequenceTracker, Verdict
+
+__all__ = [
+    "Decision",
+    "GapInfo",
+    "NoEligibleWorker",
+    "Overloaded",
+    "Pick",
+    "Policy",
+    "RequestGuard",
+    "RoutePins",
+    "RouteRequest",
+    "Router",
+    "RouterConfig",
+    "RoutingError",
+    "WorkerState",
+]
 
 log = logging.getLogger(__name__)
 
@@ -148,13 +167,29 @@ class WorkerState:
     kv_usage: list[float] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class _Binding:
+    slot: Slot
+    expires_at: float
+
+
 class Router:
     """Worker table + KV index + active requests + the plugin pipeline."""
 
     def __init__(
         self, config: RouterConfig | None = None, *, clock: Callable[[], float] = time.monotonic
     ) -> None:
-        raise NotImplementedError
+        self.config = config or RouterConfig()
+        self.index = KvIndex()
+        self.active = ActiveRequests(track_output_blocks=self.config.track_output_blocks)
+        self._clock = clock
+        self._rng = random.Random(self.config.seed)
+        self._picker = make_picker(self.config.policy)
+        self._workers: dict[int, WorkerState] = {}
+        self._lora_ids: dict[int, dict[int, str]] = {}
+        self._block_size: int | None = None
+        self._seqs = SequenceTracker()
+        self._sessions: OrderedDict[str, _Binding] = OrderedDict()
 
     # -- workers -------------------------------------------------------------------------
     def add_worker(
@@ -170,14 +205,58 @@ class Router:
         """Register (or update) a worker. `lora_names`: the adapters it serves, as a mapping
         vLLM lora_id → name, or names in load order (ids 1, 2, …, vLLM's assignment). All
         workers must share one block size (ValueError otherwise)."""
-        raise NotImplementedError
+        if dp_size < 1 or block_size < 1 or total_blocks < 1:
+            raise ValueError("dp_size, block_size and total_blocks must be positive")
+        others = {w.block_size for wid, w in self._workers.items() if wid != worker_id}
+        if others and block_size not in others:
+            raise ValueError(
+                f"worker {worker_id} has KV block size {block_size} but the pool uses "
+                f"{others.pop()}: one router indexes one block size"
+            )
+        ids = (
+            dict(lora_names) if isinstance(lora_names, Mapping) else dict(enumerate(lora_names, 1))
+        )
+        old = self._workers.get(worker_id)
+        state = WorkerState(
+            worker_id=worker_id,
+            role=Role(role),
+            dp_size=dp_size,
+            block_size=block_size,
+            total_blocks=total_blocks,
+            lora_names=frozenset(ids.values()),
+            ready=old.ready if old else True,
+            waiting=[0] * dp_size,
+            running=[0] * dp_size,
+            kv_usage=[0.0] * dp_size,
+        )
+        if old is not None:
+            for rank in range(dp_size, old.dp_size):  # ranks that went away
+                self._drop_slot((worker_id, rank))
+            for name in ("waiting", "running", "kv_usage"):
+                kept = getattr(old, name)[:dp_size]
+                getattr(state, name)[: len(kept)] = kept
+        self._workers[worker_id] = state
+        self._lora_ids[worker_id] = ids
+        self._block_size = block_size
 
     def remove_worker(self, worker_id: int) -> None:
-        """Forget a worker: its index state, sequence tracking, sessions and booked load."""
-        raise NotImplementedError
+        """Forget a worker: its index state, sequence tracking and booked load."""
+        state = self._workers.pop(worker_id, None)
+        self._lora_ids.pop(worker_id, None)
+        if state is None:
+            return
+        for rank in range(state.dp_size):
+            self._drop_slot((worker_id, rank))
+        if not self._workers:
+            self._block_size = None
+
+    def _drop_slot(self, slot: Slot) -> None:
+        self.index.remove_slot(slot)
+        self._seqs.forget(slot)
+        self.active.drop_slot(slot)
 
     def set_ready(self, worker_id: int, ready: bool) -> None:
-        raise NotImplementedError
+        self._worker(worker_id).ready = ready
 
     def update_load(
         self,
@@ -189,49 +268,257 @@ class Router:
         kv_usage: float | None = None,
     ) -> None:
         """Scraped engine metrics (vllm:num_requests_waiting/running, kv_cache_usage_perc)."""
-        raise NotImplementedError
+        state = self._worker(worker_id)
+        self._check_rank(state, dp_rank)
+        if waiting is not None:
+            state.waiting[dp_rank] = waiting
+        if running is not None:
+            state.running[dp_rank] = running
+        if kv_usage is not None:
+            state.kv_usage[dp_rank] = kv_usage
 
     @property
     def block_size(self) -> int | None:
-        """The fleet's KV block size (None before the first worker): hash requests with it."""
-        raise NotImplementedError
+        """The pool's KV block size (None before the first worker): hash requests with it."""
+        return self._block_size
 
     def workers(self) -> dict[int, WorkerState]:
-        raise NotImplementedError
+        return dict(self._workers)
+
+    def _worker(self, worker_id: int) -> WorkerState:
+        try:
+            return self._workers[worker_id]
+        except KeyError:
+            raise KeyError(f"worker {worker_id} is not registered") from None
+
+    @staticmethod
+    def _check_rank(state: WorkerState, dp_rank: int) -> None:
+        if not 0 <= dp_rank < state.dp_size:
+            raise ValueError(
+                f"worker {state.worker_id} has data-parallel ranks 0..{state.dp_size - 1}, "
+                f"not {dp_rank}"
+            )
 
     # -- KV events -----------------------------------------------------------------------
     def apply_kv_batch(self, worker_id: int, seq: int, batch: EventBatch) -> GapInfo | None:
         """Apply one ZMQ batch in sequence order. Returns GapInfo when batches were missed: the
         caller replays from `gap.start_seq` (feeding the replayed batches here); if replay
-        cannot fill the gap, it calls `replay_failed`."""
-        raise NotImplementedError
+        cannot fill the gap, it calls `replay_failed`. Batches of unknown workers are dropped."""
+        state = self._workers.get(worker_id)
+        if state is None:
+            log.debug("KV batch %d of unknown worker %d dropped", seq, worker_id)
+            return None
+        rank = batch.data_parallel_rank or 0
+        if rank >= state.dp_size:
+            log.warning(
+                "worker %d: KV batch for dp rank %d of %d dropped", worker_id, rank, state.dp_size
+            )
+            return None
+        slot = (worker_id, rank)
+        verdict = self._seqs.check(slot, seq)
+        if verdict is Verdict.GAP:
+            expected = self._seqs.expected(slot)
+            assert expected is not None
+            return GapInfo(worker_id, rank, expected, seq)
+        if verdict is Verdict.DUPLICATE:
+            return None
+        if verdict is Verdict.RESTART:
+            log.info("worker %d rank %d: KV event sequence restarted; clearing", worker_id, rank)
+            self.index.clear(slot)
+        self.index.apply_events(slot, batch.events, self._lora_ids.get(worker_id))
+        return None
 
     def replay_failed(self, worker_id: int, dp_rank: int | None = None) -> None:
         """Replay could not fill a gap: clear that worker's (rank's) blocks and restart tracking."""
-        raise NotImplementedError
+        state = self._workers.get(worker_id)
+        if state is None:
+            return
+        ranks = range(state.dp_size) if dp_rank is None else [dp_rank]
+        for rank in ranks:
+            self.index.clear((worker_id, rank))
+            self._seqs.forget((worker_id, rank))
 
     # -- scheduling ----------------------------------------------------------------------
     def schedule(self, request: RouteRequest) -> Decision:
         """Pick decode (and, disaggregated, prefill) slots and book them unless query-only.
 
         Raises NoEligibleWorker (503) or Overloaded (429)."""
-        raise NotImplementedError
+        if self._block_size is None:
+            raise NoEligibleWorker("no worker is registered")
+        now = self._clock()
+        if not self.config.use_kv_events:
+            self.index.expire(now)
+        overlaps = self.index.find_matches(request.block_hashes) if request.block_hashes else {}
+        prompt_blocks = -(-request.isl_tokens // self._block_size)
+        output_blocks = 0
+        if self.config.track_output_blocks and request.expected_output_tokens:
+            output_blocks = -(-request.expected_output_tokens // self._block_size)
 
+        def select(phase: Phase, pinned_worker: int | None, pinned_rank: int | None) -> Pick:
+            ctx = Context(
+                phase=phase,
+                prompt_blocks=prompt_blocks,
+                overlaps=overlaps,
+                lora_name=request.lora_name,
+                allowed_ids=request.allowed_ids,
+                output_blocks=output_blocks if phase != Phase.PREFILL else 0,
+                config=self.config,
+                rng=self._rng,
+            )
+            return self._select(ctx, pinned_worker, pinned_rank)
 
-__all__ = [
-    "Decision",
-    "GapInfo",
-    "NoEligibleWorker",
-    "Overloaded",
-    "Pick",
-    "RoutePins",
-    "RouteRequest",
-    "Router",
-    "RouterConfig",
-    "RoutingError",
-    "SessionAction",
-    "Slot",
-    "WorkerState",
-    "log",
-    "random",
-]
+        pins = request.pins
+        fallback = None
+        prefill: Pick | None = None
+        disagg = self._disaggregated(request)
+        if isinstance(disagg, str):
+            fallback, disagg = disagg, False
+        session = request.session
+        sticky = (
+            None if session is None or pins.worker_id is not None else self._sticky(session, now)
+        )
+        if disagg:
+            prefill = select(Phase.PREFILL, pins.prefill_worker_id, pins.prefill_dp_rank)
+            decode = sticky or select(Phase.DECODE, pins.worker_id, pins.dp_rank)
+        else:
+            decode = sticky or select(Phase.AGGREGATED, pins.worker_id, pins.dp_rank)
+        decision = Decision(decode=decode, prefill=prefill, fallback_reason=fallback)
+        if request.query_only:
+            return decision
+        if session is not None and pins.worker_id is None:
+            self._bind(session, (decode.worker_id, decode.dp_rank), now)
+        decision.guard = self._book(request, decision, prompt_blocks)
+        if not self.config.use_kv_events and request.block_hashes:
+            expires = now + self.config.approx_ttl_s
+            for pick in (prefill, decode):
+                if pick is not None:
+                    self.index.record((pick.worker_id, pick.dp_rank), request.block_hashes, expires)
+        return decision
+
+    def _disaggregated(self, request: RouteRequest) -> bool | str:
+        """True: pick prefill and decode; False: aggregated; a string: fallback, and why."""
+        prefill_workers = [w for w in self._workers.values() if w.role == Role.PREFILL]
+        if request.pins.prefill_worker_id is not None:
+            return True
+        if not prefill_workers:
+            if self.config.enforce_disagg:
+                raise NoEligibleWorker(
+                    "disaggregation is enforced but no prefill worker is registered"
+                )
+            return False
+        if any(w.ready for w in prefill_workers):
+            return True
+        if self.config.enforce_disagg:
+            raise NoEligibleWorker("disaggregation is enforced but no prefill worker is ready")
+        log.debug("no prefill worker is ready; serving aggregated")
+        return "no prefill worker is ready"
+
+    def _candidates(self, ctx: Context, worker_ids: Iterable[int]) -> list[Candidate]:
+        out = []
+        for wid in worker_ids:
+            w = self._workers[wid]
+            for rank in range(w.dp_size):
+                slot = (wid, rank)
+                out.append(
+                    Candidate(
+                        slot=slot,
+                        role=w.role,
+                        ready=w.ready,
+                        lora_names=w.lora_names,
+                        total_blocks=w.total_blocks,
+                        kv_usage=w.kv_usage[rank],
+                        load=self.active.load(slot),
+                    )
+                )
+        return out
+
+    def _select(self, ctx: Context, pinned_worker: int | None, pinned_rank: int | None) -> Pick:
+        if pinned_worker is not None:
+            return self._pinned(ctx, pinned_worker, pinned_rank)
+        candidates = self._candidates(ctx, self._workers)
+        for f in FILTERS:
+            kept = [c for c in candidates if f.keep(ctx, c)]
+            if not kept:
+                if f.name == BUSY:
+                    raise Overloaded(f.reason(ctx), self.config.retry_after_s)
+                raise NoEligibleWorker(f.reason(ctx))
+            candidates = kept
+        for scorer in SCORERS:
+            for c in candidates:
+                scorer.score(ctx, c)
+        chosen = self._picker.pick(ctx, candidates)
+        return Pick(chosen.slot[0], chosen.slot[1], chosen.overlap, chosen.cost)
+
+    def _pinned(self, ctx: Context, worker_id: int, dp_rank: int | None) -> Pick:
+        """A pinned phase skips the filters and the picker; an unpinned rank goes to the KV cost."""
+        state = self._workers.get(worker_id)
+        if state is None:
+            raise NoEligibleWorker(f"pinned {ctx.phase.value} worker {worker_id} is not registered")
+        if dp_rank is not None:
+            try:
+                self._check_rank(state, dp_rank)
+            except ValueError as exc:
+                raise NoEligibleWorker(f"pinned {exc}") from None
+        candidates = [
+            c for c in self._candidates(ctx, [worker_id]) if dp_rank is None or c.slot[1] == dp_rank
+        ]
+        for scorer in SCORERS:
+            for c in candidates:
+                scorer.score(ctx, c)
+        chosen = KvPicker().pick(ctx, candidates)
+        return Pick(chosen.slot[0], chosen.slot[1], chosen.overlap, chosen.cost, pinned=True)
+
+    # -- sticky sessions -----------------------------------------------------------------
+    def _sticky(self, session: SessionControl, now: float) -> Pick | None:
+        """The session's bound slot, if still alive and eligible (hard filters, not load)."""
+        binding = self._sessions.get(session.session_id)
+        if binding is None:
+            return None
+        if binding.expires_at <= now:
+            del self._sessions[session.session_id]
+            return None
+        wid, rank = binding.slot
+        state = self._workers.get(wid)
+        if state is None or rank >= state.dp_size or not state.ready or state.role == Role.PREFILL:
+            return None
+        return Pick(wid, rank, 0, None, sticky=True)
+
+    def _bind(self, session: SessionControl, slot: Slot, now: float) -> None:
+        sid = session.session_id
+        if session.action == SessionAction.CLOSE:
+            self._sessions.pop(sid, None)
+            return
+        ttl = (
+            session.timeout if "timeout" in session.model_fields_set else self.config.session_ttl_s
+        )
+        self._sessions[sid] = _Binding(slot, now + ttl)
+        self._sessions.move_to_end(sid)
+        while len(self._sessions) > self.config.max_sessions:
+            self._sessions.popitem(last=False)
+
+    def session_binding(self, session_id: str) -> Slot | None:
+        """Where a sticky session is bound (None when unbound or expired)."""
+        binding = self._sessions.get(session_id)
+        if binding is None or binding.expires_at <= self._clock():
+            return None
+        return binding.slot
+
+    # -- booking -------------------------------------------------------------------------
+    def _book(self, request: RouteRequest, decision: Decision, prompt_blocks: int) -> RequestGuard:
+        decode = decision.decode
+        prefill = decision.prefill
+        uncached = max(prompt_blocks - (prefill or decode).overlap_blocks, 0)
+        prefill_booking = None
+        if prefill is not None:
+            prefill_booking = self.active.book(
+                (prefill.worker_id, prefill.dp_rank),
+                prompt_blocks=prompt_blocks,
+                prefill_blocks=uncached,
+            )
+        decode_booking = self.active.book(
+            (decode.worker_id, decode.dp_rank),
+            prompt_blocks=prompt_blocks,
+            prefill_blocks=0 if prefill is not None else uncached,
+            expected_output_tokens=request.expected_output_tokens,
+        )
+        return RequestGuard(self.active, request.request_id, decode_booking, prefill_booking)
