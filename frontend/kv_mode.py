@@ -1,17 +1,21 @@
 """`--mode kv`: the frontend picks workers with the router core itself (no gateway in front).
 
 For users without an Envoy gateway and endpoint picker: the frontend runs the EPP's router core
-(`epp.scheduler.Router`) fed by the same discovery and, unless `--kv-events off`, the workers' KV
-events (`epp.kv_events`). Each request is tokenized with the workers' tokenizer, hashed per KV
-block and scheduled; the booking is released when the request ends.
+(`epp.scheduler.Router`) fed by the same discovery, the EPP's load scraper (`epp.load`) and,
+unless `--kv-events off`, the EPP's KV-event subscribers (`epp.kv_events`). Each request is
+tokenized with the workers' tokenizer, hashed per KV block and scheduled; the booking is
+released when the request ends.
 """
 
+import contextlib
 import itertools
 import logging
 from typing import Any
 
 from dynamograph.epp.config import RouterConfig
 from dynamograph.epp.discovery import WorkerRecord
+from dynamograph.epp.kv_events import KvEventIngest
+from dynamograph.epp.load import LoadScraper
 from dynamograph.epp.scheduler import (
     NoEligibleWorker,
     Overloaded,
@@ -46,41 +50,51 @@ class KvPicker:
         self.config = config or RouterConfig(enforce_disagg=enforce_disagg, use_kv_events=kv_events)
         self.router = Router(self.config)
         self._ids = itertools.count()
-        self._events = None
+        self.load: LoadScraper | None = None
+        self.events: KvEventIngest | None = None
 
     async def start(self) -> None:
-        self.directory.add_listener(self._added, self._removed)
+        # Created here: they bind to the running event loop.
+        self.load = LoadScraper(self.router, on_unreachable=self.directory.mark_unreachable)
         if self.config.use_kv_events:
-            from dynamograph.epp.kv_events import KvEventSubscriber
-
-            self._events = KvEventSubscriber(self.router)
-            await self._events.start()
-            for record in self.directory.records():
-                self._events.add_worker(record)
+            self.events = KvEventIngest(self.router, on_disconnect=self.load.probe_now)
+        self.directory.add_listener(self._added, self._removed)
 
     async def stop(self) -> None:
-        if self._events is not None:
-            await self._events.stop()
-            self._events = None
+        if self.events is not None:
+            await self.events.close()
+            self.events = None
+        if self.load is not None:
+            await self.load.close()
+            self.load = None
 
     def _added(self, record: WorkerRecord) -> None:
         config = record.config
-        self.router.add_worker(
-            record.instance_id,
-            role=config.role,
-            dp_size=config.data_parallel_size,
-            block_size=config.kv_cache_block_size,
-            total_blocks=config.total_kv_blocks,
-        )
-        if self._events is not None:
-            self._events.add_worker(record)
+        try:
+            self.router.add_worker(
+                record.instance_id,
+                role=config.role,
+                dp_size=config.data_parallel_size,
+                block_size=config.kv_cache_block_size,
+                total_blocks=config.total_kv_blocks,
+            )
+        except ValueError as exc:  # e.g. a block size different from the rest of the fleet
+            log.error("worker %s not added: %s", record.name, exc)
+            return
+        if self.load is not None:
+            self.load.add(record)
+        if self.events is not None:
+            self.events.add(record)
 
     def _removed(self, record: WorkerRecord) -> None:
         if self.directory.get(record.instance_id) is not None:
             return  # still known through the other discovery (local engine and graph)
-        if self._events is not None:
-            self._events.remove_worker(record.instance_id)
-        self.router.remove_worker(record.instance_id)
+        if self.load is not None:
+            self.load.remove(record)
+        if self.events is not None:
+            self.events.remove(record)
+        with contextlib.suppress(KeyError):
+            self.router.remove_worker(record.instance_id)
 
     def _tokens(self, path: str, body: dict[str, Any]):
         records = self.directory.records()

@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)
 
 JSON = "application/json"
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+# Engine response headers worth keeping: the request id and which worker / rank served it.
+PASSED_RESPONSE_HEADERS = ("x-request-id", "x-dynamograph-worker-id", "x-dynamograph-dp-rank")
 DEFAULT_MAX_BODY_BYTES = 10 * 1024 * 1024
 
 
@@ -344,11 +346,9 @@ class Frontend:
                 if want_ext and upstream.status == 200:
                     raw = nvext_out.add_to_body(raw, self._ext(nvext, trace))
                 self._first_byte(route, stream, trace)
-                return web.Response(
-                    body=raw,
-                    status=upstream.status,
-                    headers={"Content-Type": upstream.headers.get("Content-Type", JSON)},
-                )
+                headers = _passed_headers(upstream)
+                headers["Content-Type"] = upstream.headers.get("Content-Type", JSON)
+                return web.Response(body=raw, status=upstream.status, headers=headers)
             return await self._relay(request, upstream, route, nvext, trace, want_ext)
         finally:
             _finish(upstream)
@@ -376,7 +376,7 @@ class Frontend:
         """SSE pass-through, chunk by chunk; the final chunk gains `nvext` when asked."""
         record = route.decode
         injector = nvext_out.FinalChunkInjector(self._ext(nvext, trace)) if want_ext else None
-        response = web.StreamResponse(status=200, headers=SSE_HEADERS)
+        response = web.StreamResponse(status=200, headers=SSE_HEADERS | _passed_headers(upstream))
         await response.prepare(request)
         first = True
         while True:
@@ -427,6 +427,11 @@ class _ClientGone(Exception):
     def __init__(self, response: web.StreamResponse):
         super().__init__("client disconnected")
         self.response = response
+
+
+def _passed_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
+    found = upstream.headers
+    return {name: found[name] for name in PASSED_RESPONSE_HEADERS if name in found}
 
 
 def _finish(response: aiohttp.ClientResponse) -> None:
