@@ -2,7 +2,7 @@
 
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (SSE streaming and not),
 `GET /v1/models`, `GET /health`, `GET /metrics`, `GET /v1/engine` (protocol.engine.EngineConfig),
-vLLM's `POST /tokenize` / `POST /detokenize` / `POST /reset_prefix_cache` / `GET /version`,
+vLLM's `POST /tokenize` / `POST /detokenize` / `POST /v1/{chat/,}completions/render` / `POST /reset_prefix_cache` / `GET /version`,
 the hand-off's `POST /v1/kv_transfer/pull`, and `GET /debug/requests` (what this worker served,
 so tests and operators can check routing from the worker's side).
 
@@ -111,6 +111,8 @@ class WorkerServer:
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get(ENGINE_PATH, self.engine_info)
+        app.router.add_post(COMPLETIONS + "/render", self.render)
+        app.router.add_post(CHAT_COMPLETIONS + "/render", self.render)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
@@ -211,6 +213,50 @@ class WorkerServer:
             "count": len(tokens), "max_model_len": self.engine.config.context_length,
             "tokens": tokens.tolist(),
         })  # fmt: skip
+
+    async def render(self, request: web.Request) -> web.Response:
+        """vLLM's renderer API: the token-in request(s) a completion or chat body becomes.
+
+        Chat answers one GenerateRequest object; completions a list (one per prompt), as vLLM.
+        """
+        path = request.path.removesuffix("/render")
+        try:
+            body = await self._body(request)
+            self._check_model(body)
+            prompts = body.get("prompt")
+            if (
+                path == COMPLETIONS
+                and isinstance(prompts, list)
+                and prompts
+                and all(isinstance(p, str) for p in prompts)
+            ):
+                bodies = [{**body, "prompt": p} for p in prompts]
+            else:
+                bodies = [body]
+            rendered = [self._rendered(path, b) for b in bodies]
+        except OpenAIError as exc:
+            return _error(exc)
+        return _json(rendered if path == COMPLETIONS else rendered[0])
+
+    def _rendered(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        tokens = request_tokens(self.engine.tokenizer, path, body)
+        sampling = {
+            k: body[k]
+            for k in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+                      "frequency_penalty", "presence_penalty", "ignore_eos")
+            if k in body
+        }  # fmt: skip
+        prefix = "chatcmpl" if path == CHAT_COMPLETIONS else "cmpl"
+        return {
+            "request_id": f"{prefix}-{uuid.uuid4().hex}",
+            "token_ids": tokens.tolist(),
+            "sampling_params": sampling,
+            "model": body["model"],
+            "stream": bool(body.get("stream", False)),
+            "stream_options": body.get("stream_options"),
+            "kv_transfer_params": body.get("kv_transfer_params"),
+            "token_offsets": None,
+        }
 
     async def detokenize(self, request: web.Request) -> web.Response:
         try:

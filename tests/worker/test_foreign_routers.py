@@ -1,0 +1,135 @@
+"""Foreign routers route to our mock workers unmodified: PyPI `sglang-router` and `vllm-router`.
+
+Both are launched on 127.0.0.1 with Hugging Face offline (HF_ENDPOINT points at a closed port),
+in front of two in-process mock workers; requests go through them with the official `openai`
+client, and each worker's own request log shows what it served.
+"""
+
+import asyncio
+import contextlib
+import os
+import shutil
+import sys
+
+import aiohttp
+import openai
+import pytest
+
+from dynamograph.worker.testing import free_port, mock_worker
+
+from .conftest import MODEL
+
+pytestmark = pytest.mark.anchor
+
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"}
+
+
+def router_command(kind: str, port: int, metrics_port: int, workers: list[str], policy: str):
+    common = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers,
+              "--policy", policy, "--prometheus-host", "127.0.0.1",
+              "--prometheus-port", str(metrics_port), "--worker-startup-check-interval", "1",
+              "--worker-startup-timeout-secs", "60"]  # fmt: skip
+    if kind == "sglang":
+        return [sys.executable, "-m", "sglang_router.launch_router", *common]
+    exe = shutil.which("vllm-router", path=os.path.dirname(sys.executable))
+    return [exe, *common]
+
+
+def require(kind: str) -> None:
+    module = {"sglang": "sglang_router", "vllm": "vllm_router"}[kind]
+    pytest.importorskip(module, reason=f"PyPI {kind}-router is not installed")
+    if kind == "vllm" and not shutil.which("vllm-router", path=os.path.dirname(sys.executable)):
+        pytest.skip("the vllm-router executable is not installed beside this Python")
+
+
+@contextlib.asynccontextmanager
+async def router(kind: str, workers: list[str], policy: str):
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        *router_command(kind, port, free_port(), workers, policy),
+        env={**os.environ, **OFFLINE},
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        await wait_ready(url, proc)
+        yield url
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+            try:
+                await asyncio.wait_for(proc.wait(), 10)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+
+
+async def wait_ready(url: str, proc, within: float = 90.0) -> None:
+    """Ready when a completion goes through (both routers first health-check the workers)."""
+    body = {"model": MODEL, "prompt": "ready?", "max_tokens": 1}
+    deadline = asyncio.get_running_loop().time() + within
+    async with aiohttp.ClientSession() as http:
+        while asyncio.get_running_loop().time() < deadline:
+            assert proc.returncode is None, f"router exited with {proc.returncode}"
+            with contextlib.suppress(aiohttp.ClientError, OSError):
+                async with http.post(url + "/v1/completions", json=body) as resp:
+                    if resp.status == 200:
+                        return
+            await asyncio.sleep(0.25)
+    raise TimeoutError(f"router at {url} never routed a request")
+
+
+async def served(worker) -> int:
+    async with aiohttp.ClientSession() as http, http.get(worker.url + "/debug/requests") as r:
+        return (await r.json())["total"]
+
+
+async def exercise(url: str) -> None:
+    """Completions and chat, streaming and not, through the router with the openai client."""
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as c:
+        for i in range(4):
+            done = await c.completions.create(model=MODEL, prompt=f"route me {i}", max_tokens=4)
+            assert done.choices[0].finish_reason == "length" and done.usage.completion_tokens == 4
+        stream = await c.completions.create(
+            model=MODEL, prompt="stream me", max_tokens=3, stream=True
+        )
+        assert len([ch async for ch in stream if ch.choices and ch.choices[0].text]) == 3
+        chat = await c.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+        assert chat.choices[0].message.content and chat.usage.completion_tokens == 2
+        stream = await c.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True
+        )
+        deltas = [ch.choices[0].delta.content async for ch in stream if ch.choices]
+        assert len([d for d in deltas if d]) == 3
+
+
+@pytest.mark.parametrize("kind", ["sglang", "vllm"])
+async def test_round_robin_reaches_both_mock_workers(kind):
+    require(kind)
+    async with mock_worker(model=MODEL) as a, mock_worker(model=MODEL) as b:  # noqa: SIM117
+        async with router(kind, [a.url, b.url], "round_robin") as url:  # needs a.url, b.url
+            before = (await served(a), await served(b))
+            await exercise(url)
+            after = (await served(a), await served(b))
+    got = (after[0] - before[0], after[1] - before[1])
+    assert sum(got) == 7  # exercise() sends 7 requests
+    assert got[0] >= 3 and got[1] >= 3, f"round robin split 7 requests as {got}"
+
+
+async def test_vllm_router_cache_aware_reuses_the_cached_prefix():
+    """vllm-router's cache_aware policy tokenizes through our render/tokenize endpoints and
+    sends a repeated prefix back to the worker that caches it."""
+    require("vllm")
+    prompt = "Tell me about the history of the Roman empire in great detail. " * 20
+    async with mock_worker(model=MODEL) as a, mock_worker(model=MODEL) as b:  # noqa: SIM117
+        async with (
+            router("vllm", [a.url, b.url], "cache_aware") as url,
+            openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as c,
+        ):
+            first = await c.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+            second = await c.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens // 2
