@@ -358,7 +358,8 @@ def _epp_process(
         "--temperature",
         str(router.temperature),
     ]
-    argv += ["--kv-events", "on" if router.kv_events else "off"]
+    events = router.kv_events and str(router.mode) != "approx"
+    argv += ["--kv-events", "on" if events else "off"]
     if router.enforce_disagg:
         argv.append("--enforce-disagg")
     if _router_config(router):
@@ -374,10 +375,12 @@ def _epp_process(
 
 
 def _router_config(router: RouterSpec) -> dict:
-    """Router settings the EPP takes from its config file rather than flags."""
+    """Router settings the EPP takes from its config file (`epp.config.RouterConfig` fields)
+    rather than flags; empty when the flags say everything."""
     config = dict(router.config)
-    if router.mode != "kv":
-        config["mode"] = str(router.mode)
+    mode = str(router.mode)
+    if mode not in ("kv", "approx"):  # approx is the kv policy without events (--kv-events off)
+        config["policy"] = mode
     if router.busy_threshold is not None:
         config["busy_threshold"] = router.busy_threshold
     return config

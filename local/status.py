@@ -25,6 +25,7 @@ KV_USAGE = "vllm:kv_cache_usage_perc"
 PREFIX_QUERIES = "vllm:prefix_cache_queries"
 PREFIX_HITS = "vllm:prefix_cache_hits"
 REQUESTS = "vllm:request_success"
+TTFT = "vllm:time_to_first_token_seconds"
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,8 @@ class EngineSample:
     prefix_queries: float = 0.0  # tokens looked up in the prefix cache
     prefix_hits: float = 0.0  # of which found
     requests: float = 0.0  # finished requests
+    ttft_sum: float = 0.0  # seconds, engine side (queueing + prefill, no network)
+    ttft_count: float = 0.0
 
     @property
     def hit_rate(self) -> float | None:
@@ -62,6 +65,8 @@ def sample_from_metrics(text: str) -> EngineSample:
         prefix_queries=sums.get(PREFIX_QUERIES, 0.0),
         prefix_hits=sums.get(PREFIX_HITS, 0.0),
         requests=sums.get(REQUESTS, 0.0),
+        ttft_sum=sums.get(TTFT + "_sum", 0.0),
+        ttft_count=sums.get(TTFT + "_count", 0.0),
     )
 
 
@@ -95,6 +100,12 @@ def _state(proc: Running, sample: EngineSample | None) -> Text:
     return Text("up", style="green")
 
 
+def _port(proc: Running) -> str:
+    """The port a person would talk to: engine, frontend HTTP, EPP gRPC, Envoy listener."""
+    ports = proc.spec.ports
+    return str(ports.get("engine") or ports.get("http") or ports.get("grpc") or "")
+
+
 def render(
     graph: str,
     base_url: str,
@@ -113,36 +124,24 @@ def render(
         f"  model {model}",
     )
     table = Table(expand=False)
-    for column in (
-        "process",
-        "role",
-        "state",
-        "running",
-        "waiting",
-        "KV cache",
-        "hit rate",
-        "done",
-    ):
-        table.add_column(
-            column, justify="left" if column in ("process", "role", "state") else "right"
-        )
+    columns = ("process", "role", "port", "state", "running", "waiting", "KV cache", "hit rate")
+    for column in (*columns, "done"):
+        left = column in ("process", "role", "state")
+        table.add_column(column, justify="left" if left else "right", no_wrap=True)
     for proc in running:
         sample = samples.get(proc.spec.name)
         role = proc.spec.role or proc.spec.kind
+        cells = [proc.spec.name, role, _port(proc), _state(proc, sample)]
         if proc.spec.kind == "engine" and sample is not None and proc.exit_code is None:
             rate = sample.hit_rate
-            table.add_row(
-                proc.spec.name,
-                role,
-                _state(proc, sample),
+            cells += [
                 f"{sample.running:.0f}",
                 f"{sample.waiting:.0f}",
                 f"{sample.kv_usage:.1%}",
                 "-" if rate is None else f"{rate:.1%}",
                 f"{sample.requests:.0f}",
-            )
-        else:
-            table.add_row(proc.spec.name, role, _state(proc, sample), "", "", "", "", "")
+            ]
+        table.add_row(*cells)
     parts: list = [header, table]
     parts.extend(
         Text(e, style="red" if "exited" in e or "killed" in e else "") for e in events[-5:]

@@ -77,7 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from dynamograph.operator.models import GraphError, load_graph
 
-    console = Console()
+    # Off a terminal (pipes, CI logs) rich would wrap the tables at 80 columns.
+    console = Console() if sys.stdout.isatty() else Console(width=160)
     err = Console(stderr=True)
     path = args.graph or DEFAULT_GRAPH
     try:
@@ -274,8 +275,7 @@ async def _print_status(console: Console, stack: Stack) -> int:
             samples,
             events,
             footer=f"stop with: dynamograph down {stack.plan.graph}",
-        ),
-        width=max(console.width, 140),
+        )
     )
     return 0
 

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from dynamograph.local.plan import STAGE_ENGINES, STAGE_GATEWAY, STAGE_ROUTERS, plan_graph
 from dynamograph.local.up import DEFAULT_GRAPH, EXAMPLES
@@ -205,8 +206,22 @@ def test_router_settings_beyond_flags_go_to_a_config_file():
     assert arg(epp.argv, "--temperature") == "0.5"
     assert arg(epp.argv, "--kv-events") == "off"
     assert "--enforce-disagg" in epp.argv
-    config = arg(epp.argv, "--config")
-    assert "mode: round-robin" in p.files[config]
+    config = yaml.safe_load(p.files[arg(epp.argv, "--config")])
+    assert config == {"policy": "round-robin"}
+    router_config = pytest.importorskip("dynamograph.epp.config", reason="EPP not built yet")
+    router_config.RouterConfig.load(None, **config)  # the EPP accepts it
+
+
+def test_approx_mode_is_kv_without_events():
+    p = plan(
+        graph_dict(
+            w={"componentType": "worker"},
+            epp={"componentType": "epp", "router": {"mode": "approx", "busyThreshold": 0.9}},
+        )
+    )
+    epp = next(x for x in p.processes if x.kind == "epp")
+    assert arg(epp.argv, "--kv-events") == "off"
+    assert yaml.safe_load(p.files[arg(epp.argv, "--config")]) == {"busy_threshold": 0.9}
 
 
 def test_standalone_frontend_service_routes_by_itself():
