@@ -1,0 +1,222 @@
+"""One reconcile pass for one graph: read, decide (pure modules), write. The I/O glue.
+
+`sync_graph` is what every kopf handler calls: it validates the graph, builds the desired objects
+(`manifests`), lists what the graph owns, applies the plan (`reconcile`), computes the status
+(`status`), patches it when it changed and posts an Event when the graph newly becomes Degraded.
+Idempotent: running it twice in a row changes nothing the second time. Passes for one graph are
+serialised by a lock, because the create handler, the timer and Deployment events can overlap.
+"""
+
+import asyncio
+import datetime
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import OperatorConfig
+from .kube import ApiError, KubeApi
+from .manifests import (
+    HTTP_PORT,
+    LABEL_GRAPH,
+    LABEL_MANAGED_BY,
+    LABEL_SERVICE,
+    MANAGED_BY,
+    Owner,
+    deployment_name,
+    desired_objects,
+    frontend_service_name,
+    object_key,
+)
+from .models import API_VERSION, KIND, GraphError, load_graph
+from .reconcile import Conflict, Create, Delete, Patch, merge_patch, owned_by, plan
+from .status import Problem, ServiceObservation, degraded_message, graph_status, status_body
+
+log = logging.getLogger(__name__)
+
+# Every kind a graph may own, in creation order; the last two come from CRDs that may be absent.
+MANAGED_KINDS: list[tuple[str, str]] = [
+    ("v1", "ServiceAccount"),
+    ("rbac.authorization.k8s.io/v1", "Role"),
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"),
+    ("v1", "ConfigMap"),
+    ("v1", "Service"),
+    ("apps/v1", "Deployment"),
+    ("inference.networking.k8s.io/v1", "InferencePool"),
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"),
+]
+_CRD_SOURCES = {
+    "InferencePool": "the Gateway API Inference Extension CRDs (inference.networking.k8s.io)",
+    "HTTPRoute": "the Gateway API CRDs (gateway.networking.k8s.io)",
+}
+
+# Posts a Kubernetes Event about the graph: (graph body, reason, message).
+Announce = Callable[[dict[str, Any], str, str], None]
+
+
+@dataclass
+class Operator:
+    """What the handlers share (kept in kopf's memo)."""
+
+    api: KubeApi
+    config: OperatorConfig
+    locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
+
+    def lock(self, namespace: str, name: str) -> asyncio.Lock:
+        return self.locks.setdefault((namespace, name), asyncio.Lock())
+
+
+@dataclass
+class Outcome:
+    status: dict[str, Any]
+    problems: list[Problem]
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _verb(action: Create | Patch | Delete) -> str:
+    return {Create: "create", Patch: "patch", Delete: "delete"}[type(action)]
+
+
+async def reconcile(api: KubeApi, body: dict[str, Any], config: OperatorConfig) -> Outcome:
+    meta = body["metadata"]
+    owner = Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
+    problems: list[Problem] = []
+    graph = None
+    desired: list[dict[str, Any]] | None = None
+    try:
+        graph = load_graph(dict(body))
+        desired = desired_objects(graph, owner, config)
+    except GraphError as exc:
+        problems.append(
+            Problem("InvalidSpec", "; ".join(f"{path}: {message}" for path, message in exc.errors))
+        )
+
+    selector = {LABEL_GRAPH: owner.name, LABEL_MANAGED_BY: MANAGED_BY}
+    actual: list[dict[str, Any]] = []
+    missing: set[str] = set()
+    for api_version, kind in MANAGED_KINDS:
+        try:
+            found = await api.list(api_version, kind, owner.namespace, selector)
+        except ApiError as exc:
+            if exc.status != 404:
+                raise
+            missing.add(kind)
+            continue
+        actual += [o for o in found if owned_by(o, owner.uid)]
+
+    live = {object_key(o): o for o in actual}
+    if desired is not None:
+        for kind in sorted(missing & {o["kind"] for o in desired}):
+            problems.append(
+                Problem(
+                    "CRDMissing",
+                    f"{kind}: not served by this cluster; install {_CRD_SOURCES.get(kind, 'its CRD')}",
+                )
+            )
+        desired = [o for o in desired if o["kind"] not in missing]
+        for action in plan(desired, actual, owner.uid):
+            if isinstance(action, Conflict):
+                problems.append(Problem("NameConflict", action.message))
+                continue
+            try:
+                await _apply(api, owner.namespace, action, live)
+            except ApiError as exc:
+                key = object_key(action.obj) if isinstance(action, Create) else action.key
+                problems.append(Problem("ApplyFailed", f"{_verb(action)} {key[1]} {key[2]}: {exc}"))
+
+    observations = _observe(graph, owner.name, live)
+    status = graph_status(
+        observations,
+        problems,
+        generation=meta.get("generation"),
+        previous=body.get("status"),
+        endpoint=f"http://{frontend_service_name(owner.name)}.{owner.namespace}.svc:{HTTP_PORT}",
+        now=_now(),
+    )
+    return Outcome(status_body(status), problems)
+
+
+async def _apply(
+    api: KubeApi,
+    namespace: str,
+    action: Create | Patch | Delete,
+    live: dict[tuple[str, str, str], dict[str, Any]],
+) -> None:
+    if isinstance(action, Create):
+        key = object_key(action.obj)
+        log.info("creating %s %s/%s", key[1], namespace, key[2])
+        created = await api.create(action.obj)
+        live[key] = {"apiVersion": key[0], "kind": key[1], **created}
+    elif isinstance(action, Patch):
+        api_version, kind, name = action.key
+        log.info("patching %s %s/%s: %s", kind, namespace, name, sorted(action.patch))
+        patched = await api.patch(api_version, kind, namespace, name, action.patch)
+        live[action.key] = {"apiVersion": api_version, "kind": kind, **patched}
+    else:
+        api_version, kind, name = action.key
+        log.info("deleting %s %s/%s", kind, namespace, name)
+        await api.delete(api_version, kind, namespace, name)
+        live.pop(action.key, None)
+
+
+def _observe(graph, graph_name: str, live: dict) -> dict[str, ServiceObservation]:
+    """Per service: wanted replicas and its Deployment. With an invalid spec, the services are
+    those the existing Deployments belong to, wanting what they already have."""
+    deployments = {k[2]: o for k, o in live.items() if k[1] == "Deployment"}
+    if graph is not None:
+        return {
+            name: ServiceObservation(
+                desired=spec.replicas, deployment=deployments.get(deployment_name(graph_name, name))
+            )
+            for name, spec in graph.spec.services.items()
+        }
+    out = {}
+    for dep in deployments.values():
+        service = dep.get("metadata", {}).get("labels", {}).get(LABEL_SERVICE)
+        if service:
+            out[service] = ServiceObservation(
+                desired=dep.get("spec", {}).get("replicas", 1), deployment=dep
+            )
+    return out
+
+
+async def sync_graph(
+    operator: Operator, namespace: str, name: str, announce: Announce
+) -> Outcome | None:
+    """Reconcile one graph, patch its status if it changed, announce a new degradation.
+
+    The graph is read afresh under the lock: a handler's body may be older than the status the
+    previous pass wrote, and comparing with a stale status would rewrite it forever.
+    """
+    async with operator.lock(namespace, name):
+        body = await operator.api.get(API_VERSION, KIND, namespace, name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return None  # gone or going: garbage collection takes its objects
+        outcome = await reconcile(operator.api, body, operator.config)
+        previous = body.get("status") or {}
+        patch = merge_patch(previous, outcome.status, previous)
+        if patch:
+            await operator.api.patch(
+                API_VERSION, KIND, namespace, name, {"status": patch}, "status"
+            )
+        message = degraded_message(outcome.status)
+        if message and message != degraded_message(previous):
+            announce(body, outcome.problems[0].reason if outcome.problems else "Degraded", message)
+        return outcome
+
+
+async def sync_owner_of(
+    operator: Operator, owned: dict[str, Any], announce: Announce
+) -> Outcome | None:
+    """Something a graph owns changed (or vanished): reconcile that graph, if it owns it."""
+    meta = owned.get("metadata", {})
+    graph_name = (meta.get("labels") or {}).get(LABEL_GRAPH)
+    if not graph_name:
+        return None
+    graph = await operator.api.get(API_VERSION, KIND, meta["namespace"], graph_name)
+    if graph is None or not owned_by(owned, graph["metadata"]["uid"]):
+        return None  # no graph, or a leftover from an earlier graph of the same name
+    return await sync_graph(operator, meta["namespace"], graph_name, announce)

@@ -1,0 +1,110 @@
+"""The kopf handlers: thin wrappers that call `controller.sync_graph` (DESIGN §3.7).
+
+- create / update (spec) / resume of a DynamoGraph: reconcile now.
+- a timer per graph (`resync_seconds`): repair drift and refresh status even if no event came.
+- any event of a Deployment the operator manages (including its deletion): reconcile its graph,
+  so a deleted Deployment comes back and status follows rollouts as they happen.
+
+No deletion handler: every object carries an ownerReference, so Kubernetes' garbage collector
+deletes them with the graph. (kopf adds its finalizer because timers need one; it removes it
+as soon as the graph's timer has stopped.)
+
+kopf keeps its bookkeeping in annotations, not in status, because the CRD's structural schema
+would prune unknown status fields. `build_registry` makes a fresh registry per operator, so the
+timer period comes from the configuration and tests can run several operators in one process.
+"""
+
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+
+from .config import OperatorConfig
+from .controller import Operator, sync_graph, sync_owner_of
+from .kube import ApiError, KubeApi, default_login
+from .manifests import LABEL_MANAGED_BY, MANAGED_BY
+from .models import GROUP, PLURAL, VERSION
+
+ANNOTATION_PREFIX = "dynamograph.io"
+RETRY_SECONDS = 10
+
+
+def plain(value: Any) -> Any:
+    """kopf's body views as plain dicts and lists (the pure modules take JSON data)."""
+    if isinstance(value, Mapping):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    return value
+
+
+def configure(settings: kopf.OperatorSettings) -> None:
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
+        prefix=ANNOTATION_PREFIX
+    )
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
+    )
+    settings.persistence.finalizer = f"{ANNOTATION_PREFIX}/operator"
+    settings.posting.level = 30  # Events for warnings and errors only, not every log line
+    settings.watching.server_timeout = 300
+
+
+def _announce(body: dict[str, Any], reason: str, message: str) -> None:
+    kopf.warn(body, reason=reason, message=message)
+
+
+async def _sync(memo: kopf.Memo, body: Mapping[str, Any]) -> None:
+    try:
+        await sync_graph(
+            memo.operator, body["metadata"]["namespace"], body["metadata"]["name"], _announce
+        )
+    except ApiError as exc:
+        raise kopf.TemporaryError(f"Kubernetes API: {exc}", delay=RETRY_SECONDS) from exc
+
+
+def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
+    registry = kopf.OperatorRegistry()
+    resource = (GROUP, VERSION, PLURAL)
+
+    @kopf.on.startup(registry=registry)
+    async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+        configure(settings)
+        memo.operator = Operator(api=KubeApi(lambda: default_login(settings)), config=config)
+
+    @kopf.on.cleanup(registry=registry)
+    async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+        if getattr(memo, "operator", None) is not None:
+            await memo.operator.api.close()
+
+    @kopf.on.login(registry=registry)
+    def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
+        return default_login(settings)
+
+    @kopf.on.resume(*resource, id="resume", registry=registry)
+    @kopf.on.create(*resource, id="create", registry=registry)
+    @kopf.on.update(*resource, field="spec", id="update", registry=registry)
+    async def reconcile_graph(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+        await _sync(memo, body)
+
+    @kopf.timer(
+        *resource,
+        id="resync",
+        interval=config.resync_seconds,
+        initial_delay=config.resync_seconds,
+        registry=registry,
+    )
+    async def resync_graph(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+        await _sync(memo, body)
+
+    @kopf.on.event(
+        "apps", "v1", "deployments", labels={LABEL_MANAGED_BY: MANAGED_BY}, registry=registry
+    )
+    async def owned_deployment(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+        try:
+            await sync_owner_of(memo.operator, plain(body), _announce)
+        except ApiError as exc:
+            # Event handlers are not retried; the graph's timer catches up.
+            kopf.warn(body, reason="ReconcileFailed", message=str(exc))
+
+    return registry

@@ -1,0 +1,181 @@
+"""A small async Kubernetes REST client for the objects a graph owns (aiohttp, JSON merge patch).
+
+kopf watches and patches the DynamoGraph itself; this client does the rest: list, create, patch
+and delete the owned objects, and patch the graph's status. It knows only the kinds it is given
+in RESOURCES. Credentials come from kopf's login functions (service account in a pod, else
+kubeconfig), re-read once on a 401 so rotated service account tokens keep working.
+"""
+
+import ssl
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+import kopf
+import orjson
+
+from .models import API_VERSION, KIND, PLURAL
+
+# (apiVersion, kind) -> plural resource name.
+RESOURCES: dict[tuple[str, str], str] = {
+    ("v1", "ServiceAccount"): "serviceaccounts",
+    ("v1", "ConfigMap"): "configmaps",
+    ("v1", "Service"): "services",
+    ("v1", "Event"): "events",
+    ("rbac.authorization.k8s.io/v1", "Role"): "roles",
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
+    ("apps/v1", "Deployment"): "deployments",
+    ("inference.networking.k8s.io/v1", "InferencePool"): "inferencepools",
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"): "httproutes",
+    (API_VERSION, KIND): PLURAL,
+}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, reason: str, message: str):
+        self.status = status
+        self.reason = reason
+        super().__init__(f"{status} {reason}: {message}")
+
+
+def collection_path(api_version: str, kind: str, namespace: str) -> str:
+    try:
+        plural = RESOURCES[api_version, kind]
+    except KeyError:
+        raise ValueError(f"unknown resource {api_version} {kind}") from None
+    prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    return f"{prefix}/namespaces/{namespace}/{plural}"
+
+
+def matches_selector(obj: dict[str, Any], selector: dict[str, str]) -> bool:
+    labels = obj.get("metadata", {}).get("labels") or {}
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def default_login(settings: kopf.OperatorSettings) -> kopf.ConnectionInfo:
+    """kopf's own minimal login: the pod's service account, else $KUBECONFIG / ~/.kube/config."""
+    info = kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(
+        settings=settings
+    )
+    if info is None:
+        raise kopf.LoginError("no service account token and no kubeconfig found")
+    return info
+
+
+def _ssl_context(info: kopf.ConnectionInfo) -> ssl.SSLContext | bool:
+    if info.insecure:
+        return False
+    context = ssl.create_default_context()
+    if info.ca_path:
+        context.load_verify_locations(cafile=info.ca_path)
+    elif info.ca_data:
+        data = info.ca_data.decode() if isinstance(info.ca_data, bytes) else info.ca_data
+        context.load_verify_locations(cadata=data)
+    if info.certificate_path and info.private_key_path:
+        context.load_cert_chain(info.certificate_path, info.private_key_path)
+    return context
+
+
+class KubeApi:
+    def __init__(self, login: Callable[[], kopf.ConnectionInfo]):
+        self._login = login
+        self._info: kopf.ConnectionInfo | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    def _connect(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._info = self._login()
+            self._session = aiohttp.ClientSession(
+                base_url=self._info.server.rstrip("/") + "/",
+                headers={"Accept": "application/json", **self._info.as_http_headers()},
+                connector=aiohttp.TCPConnector(ssl=_ssl_context(self._info)),
+                timeout=aiohttp.ClientTimeout(total=30),
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _request(
+        self, method: str, path: str, body: Any = None, content_type: str = "application/json"
+    ) -> Any:
+        for attempt in (1, 2):
+            session = self._connect()
+            data = None if body is None else orjson.dumps(body)
+            headers = {"Content-Type": content_type} if body is not None else {}
+            async with session.request(
+                method, path.lstrip("/"), data=data, headers=headers
+            ) as response:
+                payload = await response.read()
+                if response.status == 401 and attempt == 1:
+                    await self.close()  # credentials rotated: log in again, once
+                    continue
+                if response.status >= 400:
+                    try:
+                        status = orjson.loads(payload)
+                        reason, message = status.get("reason", ""), status.get("message", "")
+                    except (orjson.JSONDecodeError, AttributeError):
+                        reason, message = (
+                            response.reason or "",
+                            payload[:200].decode(errors="replace"),
+                        )
+                    raise ApiError(response.status, reason, message)
+                return orjson.loads(payload) if payload else None
+        raise AssertionError("unreachable")
+
+    async def list(
+        self, api_version: str, kind: str, namespace: str, selector: dict[str, str]
+    ) -> list[dict[str, Any]]:
+        """Objects matching the label selector (checked here too: not every server filters)."""
+        path = collection_path(api_version, kind, namespace)
+        query = ",".join(f"{k}={v}" for k, v in selector.items())
+        result = await self._request("GET", f"{path}?labelSelector={query}")
+        items = (result or {}).get("items") or []
+        out = []
+        for item in items:
+            if matches_selector(item, selector):
+                # List items carry no apiVersion/kind; the caller keys objects by them.
+                out.append({"apiVersion": api_version, "kind": kind, **item})
+        return out
+
+    async def get(
+        self, api_version: str, kind: str, namespace: str, name: str
+    ) -> dict[str, Any] | None:
+        try:
+            return await self._request(
+                "GET", f"{collection_path(api_version, kind, namespace)}/{name}"
+            )
+        except ApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    async def create(self, obj: dict[str, Any]) -> dict[str, Any]:
+        meta = obj["metadata"]
+        path = collection_path(obj["apiVersion"], obj["kind"], meta["namespace"])
+        return await self._request("POST", path, obj) or obj
+
+    async def patch(
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str,
+        name: str,
+        patch: dict[str, Any],
+        subresource: str | None = None,
+    ) -> dict[str, Any]:
+        path = f"{collection_path(api_version, kind, namespace)}/{name}"
+        if subresource:
+            path += f"/{subresource}"
+        return await self._request("PATCH", path, patch, "application/merge-patch+json")
+
+    async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
+        path = f"{collection_path(api_version, kind, namespace)}/{name}"
+        body = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"}
+        try:
+            await self._request("DELETE", path, body)
+        except ApiError as exc:
+            if exc.status != 404:
+                raise
