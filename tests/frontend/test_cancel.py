@@ -1,0 +1,131 @@
+"""A client that goes away frees the engines: whichever leg is running is cancelled, and the
+workers' own gauges (running/waiting requests, KV usage) return to their idle baseline."""
+
+import asyncio
+
+import aiohttp
+import orjson
+import pytest
+
+from dynamograph.protocol.engine import Role
+from dynamograph.worker.testing import mock_worker
+
+from .conftest import (
+    client,
+    engine_gauges,
+    frontend_metric,
+    route,
+    run_frontend,
+    served,
+    wait_until,
+)
+
+pytestmark = pytest.mark.integration
+
+PROMPT = "Cancel me politely, and free my blocks. " * 12
+
+
+async def idle(*workers) -> bool:
+    for worker in workers:
+        gauges = await engine_gauges(worker)
+        if gauges["running"] or gauges["waiting"] or gauges["kv_usage"]:
+            return False
+    return True
+
+
+def _cut_short(entry: dict) -> bool:
+    """The worker's log entry of a request that did not run to its end."""
+    return (
+        entry.get("finish_reason") in (None, "cancelled")
+        and entry.get("completion_tokens", 0) < 5000
+    )
+
+
+async def busy(worker) -> bool:
+    gauges = await engine_gauges(worker)
+    return gauges["running"] > 0 and gauges["kv_usage"] > 0
+
+
+async def test_streaming_cancel_frees_both_legs(model):
+    async with (
+        mock_worker(role=Role.PREFILL) as prefill,
+        mock_worker(role=Role.DECODE, speedup=1.0) as decode,  # real-time decode: ~6 ms a token
+        run_frontend(decode, [prefill]) as fe,
+    ):
+        assert await idle(prefill, decode)
+        stream = await client(fe).completions.create(
+            model=model,
+            prompt=PROMPT,
+            max_tokens=5000,
+            stream=True,
+            extra_headers=route(decode, prefill=prefill),
+            extra_body={"ignore_eos": True},
+        )
+        received = 0
+        async for chunk in stream:
+            received += bool(chunk.choices)
+            if received == 3:
+                break
+        assert await busy(decode)  # mid-generation, holding the pulled prompt KV
+        await stream.close()  # the client goes away
+
+        await wait_until(lambda: idle(prefill, decode), what="both workers to return to idle")
+        (d,) = (await served(decode))["recent"]
+        assert d["kv_transfer"] and _cut_short(d)
+        await wait_until(
+            lambda: _metric_is(fe, "dynamograph_frontend_requests_total", 1, outcome="cancelled"),
+            what="the frontend to count the cancelled request",
+        )
+        assert await frontend_metric(fe, "dynamograph_frontend_inflight_requests") == 0
+
+
+async def _metric_is(fe, name, value, **labels) -> bool:
+    return await frontend_metric(fe, name, **labels) == value
+
+
+async def test_cancel_during_the_prefill_leg_frees_the_prefill_worker(model):
+    async with (
+        mock_worker(role=Role.PREFILL, speedup=0.02) as prefill,  # a slow prefill (~seconds)
+        mock_worker(role=Role.DECODE) as decode,
+        run_frontend(decode, [prefill]) as fe,
+    ):
+        body = orjson.dumps({"model": model, "prompt": PROMPT * 4, "max_tokens": 5})
+        headers = {"Content-Type": "application/json", **route(decode, prefill=prefill)}
+
+        async def request() -> None:
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(fe.url + "/v1/completions", data=body, headers=headers) as r,
+            ):
+                await r.read()
+
+        task = asyncio.create_task(request())
+        await wait_until(lambda: busy(prefill), what="the prefill leg to start")
+        task.cancel()  # the client hangs up while the prefill worker computes
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+        await wait_until(lambda: idle(prefill, decode), what="the prefill worker to free the leg")
+        assert (await served(decode))["total"] == 0  # the decode leg never started
+        (p,) = (await served(prefill))["recent"]
+        assert _cut_short(p)
+
+
+async def test_non_streaming_cancel_frees_the_aggregated_worker(model):
+    async with mock_worker(speedup=1.0) as local, run_frontend(local) as fe:
+        api = client(fe)
+        task = asyncio.create_task(
+            api.completions.create(
+                model=model,
+                prompt=PROMPT,
+                max_tokens=5000,
+                extra_headers=route(local),
+                extra_body={"ignore_eos": True},
+            )
+        )
+        await wait_until(lambda: busy(local), what="generation to start")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await wait_until(lambda: idle(local), what="the worker to abort the request")
+        assert _cut_short((await served(local))["recent"][0])
