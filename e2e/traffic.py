@@ -218,3 +218,21 @@ async def send_until(
         if any(done(r) for r in results):
             break
     return replies
+
+
+def metric_sum(text: str, sample: str, **labels: str) -> float:
+    """Sum of a Prometheus sample (e.g. `..._total`) over series matching `labels`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
+
+
+async def scrape(session: aiohttp.ClientSession, url: str) -> str:
+    async with session.get(url, timeout=aiohttp.ClientTimeout(total=10)) as response:
+        response.raise_for_status()
+        return await response.text()

@@ -31,7 +31,17 @@ OPERATOR_IMAGE = "dynamograph:e2e-local"  # never pulled: the process kubelet ig
 
 def operator_argv(python: str = sys.executable) -> list[str]:
     # -A: kmock cannot serve GET /api/v1/namespaces, which kopf needs for namespace patterns.
-    return [python, "-m", "dynamograph.cli", "operator", "--all-namespaces"]
+    return [
+        python,
+        "-m",
+        "dynamograph.cli",
+        "--log-level",
+        "info",
+        "operator",
+        "--all-namespaces",
+        "--liveness-port",
+        "0",
+    ]
 
 
 def operator_env(kubeconfig: Path) -> dict[str, str]:

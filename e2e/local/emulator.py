@@ -35,6 +35,7 @@ BUILTINS = (
     ("gateway.networking.k8s.io/v1/httproutes", "HTTPRoute", ("status",)),
     ("gateway.networking.k8s.io/v1/gateways", "Gateway", ("status",)),
 )
+CRD_RESOURCE = "apiextensions.k8s.io/v1/customresourcedefinitions"
 VERBS = ("create", "delete", "get", "list", "patch", "update", "watch")
 
 
@@ -113,6 +114,17 @@ def declare_resources(emulator: kmock.KubernetesEmulator, crds: list[dict[str, A
         emulator.resources[key] = kmock.ResourceInfo(
             kind=kind, namespaced=True, verbs=set(VERBS), subresources=set(subresources)
         )
+    # kopf's resource scanner watches CRDs, so they are served as objects too (as if
+    # `kubectl apply -f crds/` had run), not only announced in discovery.
+    # kopf waits for `namespaces` to appear in discovery before it watches anything, even
+    # cluster-wide (where it never lists them).
+    emulator.resources["v1/namespaces"] = kmock.ResourceInfo(
+        kind="Namespace", namespaced=False, verbs=set(VERBS), subresources={"status"}
+    )
+    emulator.resources[CRD_RESOURCE] = kmock.ResourceInfo(
+        kind="CustomResourceDefinition", namespaced=False, verbs=set(VERBS), subresources={"status"}
+    )
     for crd in crds:
         for key, info in crd_resources(crd):
             emulator.resources[key] = info
+        emulator.objects[CRD_RESOURCE, None, crd["metadata"]["name"]] = crd

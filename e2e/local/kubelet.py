@@ -34,7 +34,7 @@ from typing import Any, TextIO
 import aiohttp
 
 from . import pods as podlib
-from .kubeapi import CONFIGMAPS, DEPLOYMENTS, PODS, KubeApi
+from .kubeapi import CONFIGMAPS, DEPLOYMENTS, PODS, ApiError, KubeApi
 
 log = logging.getLogger(__name__)
 
@@ -385,7 +385,13 @@ class ProcessKubelet:
             {c.name: c.restarts for c in pod.containers},
         )
         if status != pod.reported:
-            await self.api.patch(PODS, pod.namespace, pod.name, {"status": status}, "status")
+            try:
+                await self.api.patch(PODS, pod.namespace, pod.name, {"status": status}, "status")
+            except ApiError as exc:
+                if exc.status != 404:
+                    raise
+                await self._stop_pod(pod, delete=False)  # deleted meanwhile (a test, the GC)
+                return
             pod.reported = status
 
     async def _probe(self, pod: Pod, container: Container) -> bool:

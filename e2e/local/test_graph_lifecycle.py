@@ -1,0 +1,202 @@
+"""The cluster-in-a-box end to end: DynamoGraph -> kopf operator -> pods -> EPP -> real Envoy.
+
+Per graph: apply it, wait for the operator to report it ready (its Deployments' pods run as
+loopback processes under the process kubelet), send requests through Envoy, where the EPP
+(discovering the pods by its Kubernetes watch) picks workers by KV overlap; scale a service
+and see the new pod take traffic; delete the graph and see every process gone.
+
+The same scenarios run on a real cluster in `e2e/kind`.
+"""
+
+import os
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+from dynamograph.protocol.identity import instance_id
+
+from ..graphs import load_example, renamed, with_engine, with_replicas, without_gpus
+from ..traffic import (
+    affinity_breaks,
+    failures,
+    metric_sum,
+    prompt_families,
+    run_families,
+    scrape,
+    send_until,
+)
+from ..waiting import wait_for
+from .cluster import local_cluster
+from .conftest import ENVOY_MISSING, requires_loopback_range
+from .gateway import run_gateway
+from .kubeapi import DEPLOYMENTS, INFERENCEPOOLS, PODS
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.timeout(420),
+    pytest.mark.skipif(ENVOY_MISSING is not None, reason=f"needs Envoy: {ENVOY_MISSING}"),
+]
+
+MODEL = "qwen"
+SPEEDUP = 100.0  # simulated GPU time runs 100x faster: requests take milliseconds
+READY_S = 180.0  # generous: a loaded 2-core box starts a dozen Python processes
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def cluster(tmp_path_factory):
+    requires_loopback_range()
+    workdir = tmp_path_factory.mktemp("cluster-in-a-box")
+    async with local_cluster(workdir) as c:
+        yield c
+
+
+def graph_manifest(example: str, namespace: str, **replicas: int) -> dict:
+    manifest = renamed(load_example(example), example, namespace)
+    manifest = with_engine(without_gpus(manifest), speedup=SPEEDUP)
+    for service, count in replicas.items():
+        manifest = with_replicas(manifest, service, count)
+    return manifest
+
+
+def is_ready(pod: dict) -> bool:
+    return any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in (pod.get("status") or {}).get("conditions") or []
+    )
+
+
+async def service_pods(cluster, namespace: str, graph: str, service: str) -> list[dict]:
+    labels = {"dynamograph.io/graph": graph, "dynamograph.io/service": service}
+    return [p for p in await cluster.pods(namespace, labels) if is_ready(p)]
+
+
+async def ids_of(cluster, namespace: str, graph: str, service: str) -> set[int]:
+    return {
+        instance_id(p["metadata"]["name"])
+        for p in await service_pods(cluster, namespace, graph, service)
+    }
+
+
+async def direct_requests_served(http, pods: list[dict]) -> float:
+    """Requests the pods' frontend sidecars served in direct mode (routing headers present)."""
+    total = 0.0
+    for pod in pods:
+        text = await scrape(http, f"http://{pod['status']['podIP']}:8080/metrics")
+        total += metric_sum(
+            text, "dynamograph_frontend_requests_total", mode="direct", outcome="ok"
+        )
+    return total
+
+
+async def delete_and_wait_gone(cluster, namespace: str, graph: str) -> None:
+    pids = {
+        pid
+        for pod in cluster.kubelet.pods.values()
+        if pod.namespace == namespace
+        for pid in pod.pids()
+    }
+    assert pids, "the graph's pods had no processes to begin with"
+    await cluster.delete_graph(namespace, graph)
+
+    async def gone():
+        left = (
+            await cluster.api.list(PODS, namespace),
+            await cluster.api.list(DEPLOYMENTS, namespace),
+            await cluster.api.list(INFERENCEPOOLS, namespace),
+            await cluster.get_graph(namespace, graph),
+        )
+        return not any(left) and not any(
+            p.namespace == namespace for p in cluster.kubelet.pods.values()
+        )
+
+    await wait_for(
+        gone, f"graph {graph} and everything it owns deleted", within=90, detail=cluster.describe
+    )
+    still = [pid for pid in pids if _alive(pid)]
+    assert not still, f"processes of deleted pods still running: {still}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+async def test_aggregated_graph_routes_by_kv_overlap(cluster, tmp_path):
+    ns, name = "e2e-agg", "agg"
+    await cluster.apply_graph(graph_manifest("agg", ns, worker=3))
+    graph = await cluster.wait_graph_state(ns, name, "ready", READY_S)
+    assert graph["status"]["services"]["worker"]["readyReplicas"] == 3
+
+    workers = await ids_of(cluster, ns, name, "worker")
+    assert len(workers) == 3
+    async with (
+        run_gateway(cluster.api, ns, name, tmp_path / "envoy") as envoy,
+        aiohttp.ClientSession() as http,
+    ):
+        replies = await run_families(http, envoy.url, MODEL, prompt_families(4, variants=3))
+        flat = [r for family in replies for r in family]
+        assert not failures(flat), failures(flat)
+        # Every request was served by one of the graph's workers, named by the frontend.
+        assert {r.decode_worker for r in flat} <= workers
+        # KV overlap: prompts sharing a prefix follow the worker that cached it.
+        assert not affinity_breaks(replies, lambda r: r.decode_worker)
+        # The routing headers reached the sidecars: they served every request in direct mode.
+        pods = await service_pods(cluster, ns, name, "worker")
+        assert await direct_requests_served(http, pods) == len(flat)
+
+    await delete_and_wait_gone(cluster, ns, name)
+
+
+async def test_disaggregated_graph_scales_and_cleans_up(cluster, tmp_path):
+    ns, name = "e2e-disagg", "disagg"
+    await cluster.apply_graph(graph_manifest("disagg", ns, prefill=2, decode=2))
+    await cluster.wait_graph_state(ns, name, "ready", READY_S)
+    prefills = await ids_of(cluster, ns, name, "prefill")
+    decodes = await ids_of(cluster, ns, name, "decode")
+    assert len(prefills) == 2 and len(decodes) == 2
+
+    async with (
+        run_gateway(cluster.api, ns, name, tmp_path / "envoy") as envoy,
+        aiohttp.ClientSession() as http,
+    ):
+        replies = await run_families(
+            http, envoy.url, MODEL, prompt_families(4, variants=3, seed=11)
+        )
+        flat = [r for family in replies for r in family]
+        assert not failures(flat), failures(flat)
+        assert all(r.prefill_worker in prefills for r in flat), "every request had a prefill leg"
+        assert {r.decode_worker for r in flat} <= decodes
+        # KV overlap decides the prefill worker (the decode pick ignores the prompt's cache).
+        assert not affinity_breaks(replies, lambda r: r.prefill_worker)
+
+        # Scale decode 2 -> 3: the operator updates the Deployment, the kubelet starts a pod,
+        # the EPP's pod watch adds it, and it takes traffic.
+        await cluster.patch_graph(ns, name, {"spec": {"services": {"decode": {"replicas": 3}}}})
+
+        async def three_decodes():
+            ids = await ids_of(cluster, ns, name, "decode")
+            return ids if len(ids) == 3 else None
+
+        grown = await wait_for(
+            three_decodes, "3 ready decode pods", within=READY_S, detail=cluster.describe
+        )
+        (new,) = grown - decodes
+        more = await send_until(http, envoy.url, MODEL, lambda r: r.decode_worker == new)
+        assert not failures(more), failures(more)
+        assert new in {r.decode_worker for r in more}, (
+            f"the new decode pod never received traffic in {len(more)} requests: "
+            f"{sorted({r.decode_worker for r in more})}"
+        )
+        status = await cluster.wait_graph_state(ns, name, "ready", 60)
+        assert status["status"]["services"]["decode"]["readyReplicas"] == 3
+
+    await delete_and_wait_gone(cluster, ns, name)
