@@ -1,0 +1,205 @@
+"""Unit tests of the cluster-in-a-box's pure parts: pod specs -> argv/env/files, GC, gateway."""
+
+import random
+
+import pytest
+
+from ..graphs import load_example, renamed
+from . import pods as podlib
+from .emulator import crd_resources, load_crds
+from .gateway import epp_endpoint, fail_open
+from .gc import orphans
+from .kubelet import AddressPool
+
+pytestmark = pytest.mark.unit
+
+IP = "127.9.8.7"
+
+
+def test_template_hash_is_stable_and_changes_with_the_template():
+    a = {"metadata": {"labels": {"x": "1"}}, "spec": {"containers": [{"name": "c"}]}}
+    b = {"spec": {"containers": [{"name": "c"}]}, "metadata": {"labels": {"x": "1"}}}
+    assert podlib.template_hash(a) == podlib.template_hash(b)
+    c = {"metadata": {"labels": {"x": "2"}}, "spec": {"containers": [{"name": "c"}]}}
+    assert podlib.template_hash(a) != podlib.template_hash(c)
+    assert len(podlib.template_hash(a)) == 10
+
+
+def test_label_selectors():
+    labels = {"app": "a", "tier": "web"}
+    assert podlib.selector_matches({"matchLabels": {"app": "a"}}, labels)
+    assert not podlib.selector_matches({"matchLabels": {"app": "b"}}, labels)
+    assert not podlib.selector_matches({}, labels)  # empty selects nothing
+    expr = {"matchExpressions": [{"key": "tier", "operator": "In", "values": ["web", "db"]}]}
+    assert podlib.selector_matches(expr, labels)
+    expr = {"matchExpressions": [{"key": "tier", "operator": "DoesNotExist"}]}
+    assert not podlib.selector_matches(expr, labels)
+    assert podlib.service_selects({"app": "a"}, labels)
+    assert not podlib.service_selects({}, labels)
+
+
+def test_argv_puts_loopback_and_wildcard_hosts_on_the_pod_address():
+    container = {
+        "name": "frontend",
+        "command": ["dynamograph"],
+        "args": ["frontend", "--host", "0.0.0.0", "--engine-url", "http://127.0.0.1:8000",
+                 "--worker=localhost:9000"],
+    }  # fmt: skip
+    argv = podlib.container_argv(container, IP, python="/py")
+    assert argv[:3] == ["/py", "-m", "dynamograph.cli"]
+    assert argv[3:] == [
+        "frontend", "--host", IP, "--engine-url", f"http://{IP}:8000", f"--worker={IP}:9000",
+    ]  # fmt: skip
+
+
+def test_argv_binds_the_pod_address_when_no_host_is_given():
+    container = {"name": "engine", "args": ["--log-level", "info", "worker", "--port", "8000"]}
+    argv = podlib.container_argv(container, IP, python="/py")
+    # No `command`: the image's entrypoint (dynamograph) runs the args.
+    assert argv[3:] == ["--log-level", "info", "worker", "--host", IP, "--port", "8000"]
+
+
+def test_argv_rewrites_paths_under_mount_points():
+    container = {
+        "name": "epp",
+        "command": ["dynamograph"],
+        "args": ["epp", "--host", "0.0.0.0", "--config", "/etc/dg/router/router.yaml",
+                 "--other=/etc/dg/router", "/etc/dg/routerx"],
+    }  # fmt: skip
+    argv = podlib.container_argv(container, IP, {"/etc/dg/router": "/tmp/v"}, python="/py")
+    assert argv[-4:] == ["--config", "/tmp/v/router.yaml", "--other=/tmp/v", "/etc/dg/routerx"]
+
+
+def test_argv_refuses_foreign_commands():
+    with pytest.raises(podlib.PodSpecError, match="only the project's `dynamograph`"):
+        podlib.container_argv({"name": "x", "command": ["nginx"]}, IP)
+
+
+def test_env_resolves_the_downward_api():
+    container = {
+        "env": [
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            {"name": "N", "value": 3},
+        ]
+    }
+    refs = podlib.PodRefs("p-1", "ns", IP, "uid")
+    env = podlib.container_env(container, refs, {"BASE": "1"})
+    assert env == {"BASE": "1", "POD_NAME": "p-1", "POD_IP": IP, "N": "3"}
+    secret = {"env": [{"name": "S", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]}
+    with pytest.raises(podlib.PodSpecError, match="S: only literal values and fieldRef"):
+        podlib.container_env(secret, refs, {})
+
+
+def test_pod_manifest_and_status():
+    deployment = {
+        "metadata": {"name": "g-decode", "namespace": "ns", "uid": "d-uid"},
+        "spec": {
+            "replicas": 1,
+            "template": {
+                "metadata": {"labels": {"dynamograph.io/service": "decode"}},
+                "spec": {
+                    "containers": [
+                        {"name": "engine", "ports": [{"name": "engine", "containerPort": 8000}]}
+                    ]
+                },
+            },
+        },
+    }
+    pod = podlib.pod_manifest(deployment, "g-decode-h-abcde", IP, "p-uid", "h")
+    assert pod["metadata"]["labels"] == {
+        "dynamograph.io/service": "decode",
+        "pod-template-hash": "h",
+    }
+    assert pod["metadata"]["ownerReferences"][0]["uid"] == "d-uid"
+    assert pod["status"]["podIP"] == IP and pod["status"]["phase"] == "Pending"
+    status = podlib.pod_status(pod["spec"], IP, {"engine": True}, {"engine": 2})
+    ready = {c["type"]: c["status"] for c in status["conditions"]}
+    assert ready["Ready"] == "True" and status["containerStatuses"][0]["restartCount"] == 2
+    status = podlib.pod_status(pod["spec"], IP, {"engine": False}, {})
+    assert {c["type"]: c["status"] for c in status["conditions"]}["Ready"] == "False"
+    assert podlib.resolve_port("engine", pod["spec"]) == 8000
+    assert podlib.resolve_port(9003, pod["spec"]) == 9003
+    with pytest.raises(podlib.PodSpecError, match="not a named container port"):
+        podlib.resolve_port("http", pod["spec"])
+
+
+def test_volumes_and_configmap_files():
+    spec = {
+        "volumes": [{"name": "cfg", "configMap": {"name": "c"}}, {"name": "tmp", "emptyDir": {}}]
+    }
+    assert set(podlib.volume_dirs(spec)) == {"cfg", "tmp"}
+    with pytest.raises(podlib.PodSpecError, match="only configMap and emptyDir"):
+        podlib.volume_dirs({"volumes": [{"name": "s", "secret": {"secretName": "x"}}]})
+    cm = {"metadata": {"name": "c"}, "data": {"a.yaml": "a: 1", "b": "2"}}
+    assert podlib.configmap_files({"configMap": {"name": "c"}}, cm) == cm["data"]
+    items = {"configMap": {"name": "c", "items": [{"key": "b", "path": "sub/b.txt"}]}}
+    assert podlib.configmap_files(items, cm) == {"sub/b.txt": "2"}
+
+
+def test_address_pool_never_repeats_and_stays_in_loopback():
+    pool = AddressPool(random.Random(3))
+    seen = [pool.next() for _ in range(600)]
+    assert len(set(seen)) == 600
+    assert all(a.startswith("127.") and not a.endswith(".0") and not a.endswith(".1") for a in seen)
+
+
+def test_orphans_are_objects_whose_owners_are_all_gone():
+    objs = [
+        {"metadata": {"name": "a", "ownerReferences": [{"uid": "live"}]}},
+        {"metadata": {"name": "b", "ownerReferences": [{"uid": "dead"}]}},
+        {"metadata": {"name": "c"}},  # unowned: never collected
+        {"metadata": {"name": "d", "ownerReferences": [{"uid": "dead"}, {"uid": "live"}]}},
+    ]
+    assert [o["metadata"]["name"] for o in orphans(objs, {"live"})] == ["b"]
+
+
+def _epp_pod(name: str, ip: str, ready: bool) -> dict:
+    return {
+        "metadata": {"name": name, "labels": {"dynamograph.io/service": "epp"}},
+        "spec": {
+            "containers": [{"name": "epp", "ports": [{"name": "grpc", "containerPort": 9002}]}]
+        },
+        "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": str(ready)}]},
+    }
+
+
+def test_epp_endpoint_follows_pool_service_and_ready_pod():
+    pool = {
+        "spec": {
+            "endpointPickerRef": {
+                "name": "g-epp",
+                "port": {"number": 9002},
+                "failureMode": "FailOpen",
+            }
+        }
+    }
+    service = {
+        "metadata": {"name": "g-epp"},
+        "spec": {
+            "selector": {"dynamograph.io/service": "epp"},
+            "ports": [{"port": 9002, "targetPort": "grpc"}],
+        },
+    }
+    assert epp_endpoint(pool, [service], [_epp_pod("a", "127.1.1.2", False)]) is None
+    assert epp_endpoint(pool, [], [_epp_pod("a", "127.1.1.2", True)]) is None
+    pods = [_epp_pod("b", "127.1.1.3", True), _epp_pod("a", "127.1.1.2", False)]
+    assert epp_endpoint(pool, [service], pods) == "127.1.1.3:9002"
+    assert fail_open(pool)
+    bad = {"spec": {"endpointPickerRef": {"name": "g-epp", "port": {"number": 1}}}}
+    with pytest.raises(ValueError, match="has no port 1"):
+        epp_endpoint(bad, [service], pods)
+
+
+def test_crd_discovery_info_comes_from_the_generated_crd():
+    (crd,) = [c for c in load_crds() if c["spec"]["group"] == "dynamograph.io"]
+    resources = dict(crd_resources(crd))
+    info = resources["dynamograph.io/v1alpha1/dynamographs"]
+    assert info.kind == "DynamoGraph" and info.namespaced and "status" in info.subresources
+    assert "dg" in info.shortnames
+
+
+def test_examples_parse_as_graphs():
+    for name in ("agg", "disagg"):
+        graph = renamed(load_example(name), name, "ns")
+        assert graph["kind"] == "DynamoGraph" and graph["metadata"]["namespace"] == "ns"
