@@ -40,6 +40,7 @@ class Running:
     popen: subprocess.Popen | None = None  # only in the process that started it
     exit_code: int | None = None
     stopped: str | None = None  # why the supervisor stopped it on purpose, if it did
+    recorded_exit: str | None = None  # how it ended, as the supervisor wrote in the state file
 
     def poll(self) -> int | None:
         """Exit code once the process has ended (negative: killed by that signal)."""
@@ -56,6 +57,8 @@ class Running:
             return "running"
         if self.stopped:
             return f"stopped: {self.stopped}"
+        if self.recorded_exit:
+            return self.recorded_exit
         if code < 0 and self.popen is not None:
             return f"killed by signal {-code}"
         return "exited" if self.popen is None else f"exited with code {code}"
@@ -215,6 +218,7 @@ class Stack:
                     "pid": p.pid,
                     "started": p.started,
                     "log": str(p.log),
+                    "exit": None if p.exit_code is None else p.describe_exit(),
                 }
                 for p in self.running
             ],
@@ -239,7 +243,10 @@ class Stack:
                 **{**raw, "argv": tuple(raw["argv"]), "ready": Probe(**raw["ready"])}
             )
             specs.append(spec)
-            running.append(Running(spec, entry["pid"], entry["started"], Path(entry["log"])))
+            proc = Running(spec, entry["pid"], entry["started"], Path(entry["log"]))
+            if entry.get("exit"):
+                proc.exit_code, proc.recorded_exit = -1, entry["exit"]
+            running.append(proc)
         plan = Plan(
             graph=data["graph"],
             model=data["model"],

@@ -236,6 +236,7 @@ async def _watch(console: Console, stack: Stack, stop: asyncio.Event) -> int:
                     if not live:
                         print(event, flush=True)
                     fatal = fatal or proc.spec.kind in ("envoy", "epp")
+                    stack.save_state(supervisor=os.getpid())  # `up --status` shows it too
                 if fatal:
                     events.append("the gateway cannot route any more: stopping")
                     print(events[-1], flush=True)

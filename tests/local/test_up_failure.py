@@ -90,7 +90,7 @@ def test_killed_worker_is_reported_and_routing_continues(tmp_path):
 
         status = dynamograph("up", str(path), "--status", state_dir=tmp_path)
         row = next(x for x in status.stdout.splitlines() if victim["spec"]["name"] + " " in x)
-        assert "exited" in row
+        assert "killed by signal 9" in row
         sidecar = next(
             x for x in status.stdout.splitlines() if victim["spec"]["name"] + "-frontend" in x
         )
