@@ -109,11 +109,14 @@ async def exercise(url: str) -> None:
 @pytest.mark.parametrize("kind", ["sglang", "vllm"])
 async def test_round_robin_reaches_both_mock_workers(kind):
     require(kind)
-    async with mock_worker(model=MODEL) as a, mock_worker(model=MODEL) as b:  # noqa: SIM117
-        async with router(kind, [a.url, b.url], "round_robin") as url:  # needs a.url, b.url
-            before = (await served(a), await served(b))
-            await exercise(url)
-            after = (await served(a), await served(b))
+    async with (
+        mock_worker(model=MODEL) as a,
+        mock_worker(model=MODEL) as b,
+        router(kind, [a.url, b.url], "round_robin") as url,
+    ):
+        before = (await served(a), await served(b))
+        await exercise(url)
+        after = (await served(a), await served(b))
     got = (after[0] - before[0], after[1] - before[1])
     assert sum(got) == 7  # exercise() sends 7 requests
     assert got[0] >= 3 and got[1] >= 3, f"round robin split 7 requests as {got}"
@@ -124,12 +127,13 @@ async def test_vllm_router_cache_aware_reuses_the_cached_prefix():
     sends a repeated prefix back to the worker that caches it."""
     require("vllm")
     prompt = "Tell me about the history of the Roman empire in great detail. " * 20
-    async with mock_worker(model=MODEL) as a, mock_worker(model=MODEL) as b:  # noqa: SIM117
-        async with (
-            router("vllm", [a.url, b.url], "cache_aware") as url,
-            openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as c,
-        ):
-            first = await c.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
-            second = await c.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    async with (
+        mock_worker(model=MODEL) as a,
+        mock_worker(model=MODEL) as b,
+        router("vllm", [a.url, b.url], "cache_aware") as url,
+        openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as c,
+    ):
+        first = await c.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+        second = await c.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert second.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens // 2

@@ -1,0 +1,183 @@
+"""Pure logic of the mock engine: KV cache, scheduler, cost model, stream contract, vLLM argv."""
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+
+from dynamograph.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from dynamograph.worker import cli as worker_cli
+from dynamograph.worker.cost import CostModel
+from dynamograph.worker.engine import (
+    EngineOutput,
+    FinishReason,
+    StreamContractError,
+    Usage,
+    validate_stream,
+)
+from dynamograph.worker.kv_cache import KvCache, chained_hashes
+from dynamograph.worker.scheduler import Scheduler, Sequence, Status
+from dynamograph.worker.vllm import missing, vllm_argv
+
+pytestmark = pytest.mark.unit
+
+BS = 4
+
+
+def seq(rid, tokens, max_tokens=4):
+    return Sequence(rid, np.asarray(tokens, dtype="<u4"), max_tokens, BS)
+
+
+def test_chained_hashes_depend_on_the_prefix():
+    a = chained_hashes(np.arange(8, dtype="<u4"), BS)
+    b = chained_hashes(np.r_[np.arange(4, 8), np.arange(4, 8)].astype("<u4"), BS)
+    assert len(a) == 2 and a[1] != b[1]  # same second block, different first block
+    assert chained_hashes(np.arange(8, dtype="<u4"), BS) == a  # deterministic
+
+
+def test_cache_commit_hit_release_and_lru_eviction():
+    cache = KvCache(num_blocks=4, block_size=BS)
+    tokens = np.arange(8, dtype="<u4")
+    hashes = chained_hashes(tokens, BS)
+    blocks = cache.allocate(2)
+    assert cache.commit(blocks, hashes, tokens, 0, None) == 2
+    (stored,) = cache.take_events()
+    assert isinstance(stored, BlockStored)
+    assert stored.block_hashes == hashes and stored.parent_block_hash is None
+    assert stored.token_ids == list(range(8)) and stored.block_size == BS
+    assert cache.cached_prefix(hashes) == blocks
+    cache.release(blocks)
+    assert cache.usage == 0.0 and cache.cached_prefix(hashes) == blocks  # free but cached
+    cache.touch(blocks[:1])  # a prefix hit takes the block out of the free queue
+    assert cache.num_free == 3
+    fresh = cache.allocate(3)  # uncached blocks go first, then the LRU cached one (blocks[1])
+    assert blocks[1] in fresh and blocks[0] not in fresh
+    (removed,) = cache.take_events()
+    assert isinstance(removed, BlockRemoved) and removed.block_hashes == [hashes[1]]
+    assert cache.cached_prefix(hashes) == blocks[:1]
+    with pytest.raises(Exception, match="need 1 blocks"):
+        cache.allocate(1)
+    assert cache.reset() is False  # blocks in use
+    cache.release(fresh)
+    cache.release(blocks[:1])
+    assert cache.reset() is True
+    assert isinstance(cache.take_events()[0], AllBlocksCleared) and not cache.cached
+
+
+def test_scheduler_prefix_hit_caps_one_token_short_and_chunks_prefill():
+    cache = KvCache(num_blocks=16, block_size=BS)
+    sched = Scheduler(cache, max_num_seqs=4, max_num_batched_tokens=6)
+    first = seq("a", range(12))
+    sched.add(first)
+    plan = sched.schedule(0.0)
+    assert [(s.seq.request_id, s.num_tokens) for s in plan.scheduled] == [("a", 6)]  # chunked
+    assert sched.complete(plan) == []  # prompt not finished: no token yet
+    plan = sched.schedule(0.0)
+    assert sched.complete(plan) == [first]
+    first.append(99)
+    sched.remove(first)
+    cache.release(first.blocks or [])
+    # Same 12-token prompt: 2 of 3 blocks hit (the last block holds the token to compute).
+    again = seq("b", range(12))
+    sched.add(again)
+    plan = sched.schedule(0.0)
+    assert plan.scheduled[0].computed_before == 8 and plan.scheduled[0].num_tokens == 4
+    assert again.num_cached_tokens == 8
+
+
+def test_scheduler_respects_max_num_seqs_and_preempts_when_full():
+    cache = KvCache(num_blocks=4, block_size=BS)
+    sched = Scheduler(cache, max_num_seqs=2, max_num_batched_tokens=100)
+    a, b, c = seq("a", range(4), 8), seq("b", range(10, 14), 8), seq("c", range(20, 24), 8)
+    for s in (a, b, c):
+        sched.add(s)
+    plan = sched.schedule(0.0)
+    assert {s.seq.request_id for s in plan.scheduled} == {"a", "b"} and c.status is Status.WAITING
+    for s in sched.complete(plan):
+        s.append(1)
+    # Both grow one token per step; the 9th token of each needs a third block: 6 > 4 blocks.
+    for _ in range(10):
+        plan = sched.schedule(0.0)
+        for s in sched.complete(plan):
+            s.append(1)
+        if plan.preempted:
+            break
+    assert plan.preempted == [b] and b.status is Status.WAITING and b.blocks == []
+    assert sched.stats.preemptions == 1
+
+
+def test_cost_model_shape():
+    cost = CostModel()
+    assert cost.step_time(0, 0, []) == 0.0
+    one = cost.step_time(1, 100, [])
+    batch = cost.step_time(32, 3200, [])
+    assert batch < 2 * one  # decode is memory-bound: batching is nearly free
+    assert cost.step_time(2000, 0, [(0, 2000)]) > 5 * cost.step_time(200, 0, [(0, 200)])
+    assert cost.step_time(64, 0, [(4000, 64)]) > cost.step_time(64, 0, [(0, 64)])
+    assert 0 < cost.transfer_time(1000) < cost.step_time(1000, 0, [(0, 1000)])
+
+
+def out(tokens=1, reason=None, usage=None, error=None):
+    return EngineOutput(token_ids=[1] * tokens, finish_reason=reason, usage=usage, error=error)
+
+
+def test_stream_validator():
+    ok = [out(), out(), out(1, FinishReason.LENGTH, Usage(5, 3, 0))]
+    assert validate_stream(ok, max_tokens=3).completion_tokens == 3
+    bad = {
+        "got 0": [out()],
+        "without a terminal": [],
+        "exactly one terminal": [out(1, FinishReason.STOP, Usage(1, 1, 0))] * 2,
+        "usage says": [out(2, FinishReason.STOP, Usage(1, 1, 0))],
+        "must say what went wrong": [out(0, FinishReason.ERROR, Usage(1, 0, 0))],
+        "max_tokens": [out(3, FinishReason.LENGTH, Usage(1, 3, 0))],
+        "no usage": [out(0, FinishReason.CANCELLED)],
+        "cached tokens": [out(0, FinishReason.STOP, Usage(1, 0, 2))],
+    }
+    for fragment, chunks in bad.items():
+        with pytest.raises(StreamContractError, match=fragment):
+            validate_stream(chunks, max_tokens=2)
+
+
+def worker_args(*argv):
+    parser = argparse.ArgumentParser()
+    worker_cli.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_vllm_argv_by_role():
+    args = worker_args("--engine", "vllm", "--model", "Qwen/Qwen3-8B", "--served-model-name", "qwen",
+                       "--port", "8001", "--block-size", "32", "--data-parallel-size", "2",
+                       "--kv-events-port", "6000", "--kv-replay-port", "6100")  # fmt: skip
+    argv = vllm_argv(args)
+    assert argv[:3] == ["vllm", "serve", "Qwen/Qwen3-8B"]
+    flags = {argv[i]: argv[i + 1] for i in range(3, len(argv) - 1) if argv[i].startswith("--")}
+    assert flags["--port"] == "8001" and flags["--served-model-name"] == "qwen"
+    assert flags["--block-size"] == "32" and flags["--data-parallel-size"] == "2"
+    events = json.loads(flags["--kv-events-config"])
+    assert events == {
+        "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:6000",
+        "replay_endpoint": "tcp://*:6100", "topic": "",
+    }  # fmt: skip
+    assert "--kv-transfer-config" not in argv and "--num-gpu-blocks-override" not in argv
+    for role in ("prefill", "decode"):
+        argv = vllm_argv(worker_args("--engine", "vllm", "--role", role, "--num-gpu-blocks", "100"))
+        transfer = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+        assert transfer == {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+        assert argv[argv.index("--num-gpu-blocks-override") + 1] == "100"
+
+
+def test_mock_rejects_bad_flags(capsys):
+    assert worker_cli.run(worker_args("--speedup", "0")) == 2
+    assert "--speedup must be positive" in capsys.readouterr().out
+    assert worker_cli.run(worker_args("--max-num-seqs", "0")) == 2
+
+
+def test_vllm_engine_explains_what_is_missing(capsys):
+    problems = missing()
+    if not problems:
+        pytest.skip("vLLM is installed here; the missing-vLLM path cannot be exercised")
+    assert worker_cli.run(worker_args("--engine", "vllm")) == 2
+    err = capsys.readouterr().err
+    assert "vllm" in err and "--engine mock" in err
