@@ -1,0 +1,139 @@
+"""Active-request tracking: bookings add exact loads and every exit path takes them away again."""
+
+import gc
+import logging
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dynamograph.epp.active import ActiveRequests, RequestGuard, SlotLoad
+
+pytestmark = pytest.mark.unit
+
+SLOTS = [(1, 0), (1, 1), (2, 0)]
+
+
+def guard_for(active: ActiveRequests, n: int, disagg: bool, prompt: int, uncached: int, osl):
+    prefill = None
+    if disagg:
+        prefill = active.book(SLOTS[2], prompt_blocks=prompt, prefill_blocks=uncached)
+    decode = active.book(
+        SLOTS[n % 2],
+        prompt_blocks=prompt,
+        prefill_blocks=0 if disagg else uncached,
+        expected_output_tokens=osl,
+    )
+    return RequestGuard(active, f"req-{n}", decode, prefill)
+
+
+op = st.one_of(
+    st.tuples(
+        st.just("book"),
+        st.booleans(),
+        st.integers(0, 64),
+        st.integers(0, 64),
+        st.none() | st.integers(1, 500),
+    ),
+    st.tuples(st.just("prefill_done"), st.integers(0, 30)),
+    st.tuples(st.just("output"), st.integers(0, 30), st.integers(0, 200)),
+    st.tuples(st.just("free"), st.integers(0, 30)),
+    st.tuples(st.just("cancel"), st.integers(0, 30)),  # an exception inside `with guard`
+    st.tuples(st.just("drop"), st.integers(0, 30)),  # the caller loses the guard (GC)
+    st.tuples(st.just("remove_slot"), st.sampled_from(SLOTS)),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(op, max_size=60), st.booleans())
+def test_any_lifecycle_ends_with_zero_load(ops, track_output):
+    logging.getLogger("dynamograph.epp.active").setLevel(logging.ERROR)  # GC warnings expected
+    active = ActiveRequests(block_size=16, track_output_blocks=track_output)
+    guards: list[RequestGuard] = []
+    for step in ops:
+        kind = step[0]
+        if kind == "book":
+            _, disagg, prompt, uncached, osl = step
+            guards.append(
+                guard_for(active, len(guards), disagg, prompt, min(uncached, prompt), osl)
+            )
+        elif not guards:
+            continue
+        elif kind == "prefill_done":
+            guards[step[1] % len(guards)].mark_prefill_done()
+        elif kind == "output":
+            guards[step[1] % len(guards)].add_output_tokens(step[2])
+        elif kind == "free":
+            guards[step[1] % len(guards)].free()
+        elif kind == "cancel":
+            with pytest.raises(RuntimeError), guards[step[1] % len(guards)]:
+                raise RuntimeError("client went away")
+        elif kind == "drop":  # no cycles: CPython finalises the guard right here
+            guards.pop(step[1] % len(guards))
+        elif kind == "remove_slot":
+            active.drop_slot(step[1])
+        # loads never go negative on the way
+        for load in active.loads().values():
+            assert load.prefill_blocks >= 0 and load.decode_blocks >= 0 and load.requests >= 0
+    for guard in guards:
+        guard.free()
+    guards.clear()
+    assert active.loads() == {}
+    assert active.total_requests() == 0
+
+
+def test_book_prefill_done_free_exact_loads():
+    active = ActiveRequests()
+    guard = guard_for(active, 0, disagg=True, prompt=10, uncached=6, osl=None)
+    assert active.load(SLOTS[2]) == SlotLoad(prefill_blocks=6, decode_blocks=10, requests=1)
+    assert active.load(SLOTS[0]) == SlotLoad(prefill_blocks=0, decode_blocks=10, requests=1)
+    guard.mark_prefill_done()
+    guard.mark_prefill_done()  # idempotent
+    assert active.load(SLOTS[2]) == SlotLoad()
+    assert active.load(SLOTS[0]) == SlotLoad(0, 10, 1)
+    assert guard.prefill_done and guard.booked
+    guard.free()
+    guard.free()  # idempotent
+    assert not guard.booked
+    assert active.loads() == {}
+
+
+def test_context_manager_frees_on_error():
+    active = ActiveRequests()
+    with pytest.raises(ValueError), guard_for(active, 0, False, 8, 8, None):
+        assert active.load(SLOTS[0]).requests == 1
+        raise ValueError("boom")
+    assert active.loads() == {}
+
+
+def test_collected_guard_frees_and_warns(caplog):
+    active = ActiveRequests()
+    with caplog.at_level(logging.WARNING, logger="dynamograph.epp.active"):
+        guard_for(active, 7, disagg=True, prompt=5, uncached=2, osl=None)  # dropped at once
+        gc.collect()
+    assert "req-7" in caplog.text and "still booked" in caplog.text
+    assert active.loads() == {}
+
+
+def test_output_blocks_grow_then_decay_with_expected_length():
+    active = ActiveRequests(block_size=16, track_output_blocks=True)
+    decode = active.book(SLOTS[0], prompt_blocks=4, prefill_blocks=0, expected_output_tokens=320)
+    guard = RequestGuard(active, "r", decode)
+    assert active.load(SLOTS[0]).decode_blocks == 4
+    guard.add_output_tokens(64)  # 4 blocks generated, 80% of the output still to come
+    assert active.load(SLOTS[0]).decode_blocks == 4 + round(4 * 0.8)
+    guard.add_output_tokens(256)  # all expected output generated: the request is about to end
+    assert active.load(SLOTS[0]).decode_blocks == 4
+    guard.free()
+    assert active.loads() == {}
+
+
+def test_output_blocks_without_expected_length_just_grow():
+    active = ActiveRequests(block_size=16, track_output_blocks=True)
+    guard = RequestGuard(active, "r", active.book(SLOTS[0], prompt_blocks=2, prefill_blocks=2))
+    guard.add_output_tokens(17)
+    assert active.load(SLOTS[0]).decode_blocks == 2 + 2
+    untracked = ActiveRequests(block_size=16)
+    g2 = RequestGuard(untracked, "u", untracked.book(SLOTS[0], prompt_blocks=2, prefill_blocks=2))
+    g2.add_output_tokens(100)
+    assert untracked.load(SLOTS[0]).decode_blocks == 2

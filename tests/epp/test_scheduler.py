@@ -1,0 +1,473 @@
+"""Scheduler behaviour: cost, pins, query-only, approximate mode, disaggregation, sticky sessions,
+backpressure, policies and KV-event sequencing (DESIGN §3.5, §3.6)."""
+
+import math
+from collections import Counter
+
+import pytest
+
+from dynamograph.epp.config import Policy, RouterConfig
+from dynamograph.epp.plugins import kv_cost
+from dynamograph.epp.scheduler import (
+    NoEligibleWorker,
+    Overloaded,
+    RoutePins,
+    Router,
+    RouteRequest,
+)
+from dynamograph.protocol.engine import Role
+from dynamograph.protocol.hashing import block_hashes
+from dynamograph.protocol.headers import parse_routing_headers
+from dynamograph.protocol.kv_events import AllBlocksCleared, BlockStored, EventBatch
+from dynamograph.protocol.nvext import NvExt, SessionControl
+
+pytestmark = pytest.mark.unit
+
+BS = 4
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def tokens(n: int, start: int = 0) -> list[int]:
+    return list(range(start, start + n))
+
+
+def make_router(workers=(1, 2, 3), clock=None, **config) -> Router:
+    router = Router(RouterConfig(seed=7, **config), clock=clock or Clock())
+    for w in workers:
+        router.add_worker(w, block_size=BS, total_blocks=1000)
+    return router
+
+
+def request(toks, rid="r", lora=None, **kw) -> RouteRequest:
+    return RouteRequest(rid, block_hashes(toks, BS, lora), len(toks), lora_name=lora, **kw)
+
+
+_seq: Counter = Counter()
+
+
+def cache(router: Router, worker: int, toks, rank: int = 0, lora_id=None) -> None:
+    """Worker `worker` reports the full blocks of `toks` as stored (one chain, from the root)."""
+    n = len(toks) // BS
+    engine = [hash((worker, rank, tuple(toks[: (i + 1) * BS]))) & (2**63 - 1) for i in range(n)]
+    batch = EventBatch(
+        0.0, [BlockStored(engine, None, toks[: n * BS], BS, lora_id)], data_parallel_rank=rank
+    )
+    seq = _seq[(id(router), worker, rank)]
+    _seq[(id(router), worker, rank)] += 1
+    assert router.apply_kv_batch(worker, seq, batch) is None
+
+
+# -- cost and temperature -------------------------------------------------------------------
+
+
+def test_prefers_the_worker_holding_the_prefix():
+    router = make_router()
+    prompt = tokens(64)
+    cache(router, 2, prompt[:48])
+    d = router.schedule(request(prompt))
+    assert (d.decode.worker_id, d.decode.overlap_blocks) == (2, 12)
+    # cost = overlap_weight · prefill + decode: 4 uncached blocks + 16 prompt blocks
+    assert d.decode.cost == kv_cost(4, 16, 1.0) == 20
+
+
+def test_load_outweighs_a_small_overlap():
+    router = make_router(workers=(1, 2))
+    prompt = tokens(40)
+    cache(router, 1, prompt[:8])  # 2 of 10 blocks cached on worker 1
+    router.active.book((1, 0), prompt_blocks=30, prefill_blocks=0)  # but it is busy
+    assert router.schedule(request(prompt)).decode.worker_id == 2
+    # with no weight on prefill, only the decode load counts
+    router2 = make_router(workers=(1, 2), overlap_weight=0.0)
+    cache(router2, 2, prompt)
+    router2.active.book((2, 0), prompt_blocks=1, prefill_blocks=0)
+    assert router2.schedule(request(prompt)).decode.worker_id == 1
+
+
+def test_temperature_zero_is_deterministic_and_ties_go_to_the_least_loaded():
+    prompt = tokens(32)
+    picks = set()
+    for seed in range(5):
+        router = Router(RouterConfig(seed=seed), clock=Clock())
+        for w in (1, 2, 3):
+            router.add_worker(w, block_size=BS, total_blocks=1000)
+        cache(router, 3, prompt)
+        picks.add(router.schedule(request(prompt, query_only=True)).decode.worker_id)
+    assert picks == {3}
+    # equal cost (no cache, no booked blocks), but worker 2 has more booked requests: the tie
+    # goes to the least loaded
+    router = make_router(workers=(1, 2))
+    router.active.book((1, 0), prompt_blocks=0, prefill_blocks=0)
+    router.active.book((2, 0), prompt_blocks=0, prefill_blocks=0)
+    router.active.book((2, 0), prompt_blocks=0, prefill_blocks=0)
+    assert {
+        router.schedule(request(prompt, query_only=True)).decode.worker_id for _ in range(20)
+    } == {1}
+
+
+def test_exact_ties_are_broken_at_random_but_reproducibly():
+    def picks(seed):
+        router = Router(RouterConfig(seed=seed), clock=Clock())
+        for w in range(1, 9):
+            router.add_worker(w, block_size=BS, total_blocks=1000)
+        return [
+            router.schedule(request(tokens(8), query_only=True)).decode.worker_id for _ in range(30)
+        ]
+
+    assert picks(1) == picks(1)
+    assert len(set(picks(1))) > 3
+
+
+def test_softmax_sampling_follows_normalised_costs():
+    router = make_router(workers=(1, 2, 3), temperature=0.5)
+    prompt = tokens(40)
+    cache(router, 1, prompt)  # cost 10 (nothing to prefill)
+    cache(router, 2, prompt[:20])  # cost 15
+    counts = Counter(
+        router.schedule(request(prompt, query_only=True)).decode.worker_id for _ in range(3000)
+    )
+    costs = {1: 10.0, 2: 15.0, 3: 20.0}
+    weights = {w: math.exp(-((c - 10) / 10) / 0.5) for w, c in costs.items()}
+    total = sum(weights.values())
+    for w, weight in weights.items():
+        assert counts[w] / 3000 == pytest.approx(weight / total, abs=0.03)
+
+
+# -- pins -----------------------------------------------------------------------------------
+
+
+def test_decode_pin_bypasses_selection_and_is_booked():
+    router = make_router()
+    prompt = tokens(32)
+    cache(router, 1, prompt)
+    router.set_ready(3, False)  # pins skip the filters, readiness included
+    d = router.schedule(request(prompt, pins=RoutePins(worker_id=3)))
+    assert (d.decode.worker_id, d.decode.pinned, d.prefill) == (3, True, None)
+    assert router.active.load((3, 0)).requests == 1
+    d.guard.free()
+    assert router.active.loads() == {}
+
+
+def test_dp_rank_pin_and_best_rank_of_a_pinned_worker():
+    router = Router(RouterConfig(seed=1), clock=Clock())
+    router.add_worker(5, dp_size=4, block_size=BS, total_blocks=1000)
+    prompt = tokens(32)
+    cache(router, 5, prompt, rank=2)
+    assert router.schedule(request(prompt, pins=RoutePins(worker_id=5))).decode.dp_rank == 2
+    d = router.schedule(request(prompt, pins=RoutePins(worker_id=5, dp_rank=3)))
+    assert (d.decode.dp_rank, d.decode.overlap_blocks) == (3, 0)
+    with pytest.raises(NoEligibleWorker, match=r"ranks 0\.\.3, not 4"):
+        router.schedule(request(prompt, pins=RoutePins(worker_id=5, dp_rank=4)))
+    with pytest.raises(NoEligibleWorker, match="worker 9 is not registered") as err:
+        router.schedule(request(prompt, pins=RoutePins(worker_id=9)))
+    assert err.value.status == 503
+
+
+def test_pins_per_phase_in_disaggregated_mode():
+    router = make_router(workers=(1, 2))
+    for w in (10, 11):
+        router.add_worker(w, role=Role.PREFILL, block_size=BS, total_blocks=1000)
+    prompt = tokens(32)
+    cache(router, 11, prompt)
+    only_prefill = router.schedule(request(prompt, pins=RoutePins(prefill_worker_id=10)))
+    assert only_prefill.prefill.worker_id == 10 and only_prefill.prefill.pinned
+    assert not only_prefill.decode.pinned
+    only_decode = router.schedule(request(prompt, pins=RoutePins(worker_id=2)))
+    assert only_decode.prefill.worker_id == 11 and not only_decode.prefill.pinned  # KV overlap
+    assert only_decode.decode.worker_id == 2 and only_decode.decode.pinned
+    loads = router.active.loads()
+    assert loads[(10, 0)].requests == loads[(11, 0)].requests == 1
+
+
+def test_pins_from_nvext_and_headers():
+    nvext = NvExt(backend_instance_id=4, prefill_worker_id=6, dp_rank=1, prefill_dp_rank=0)
+    assert RoutePins.from_nvext(nvext) == RoutePins(4, 1, 6, 0)
+    assert RoutePins.from_nvext(NvExt(decode_worker_id=8, backend_instance_id=4)).worker_id == 8
+    assert RoutePins.from_nvext(None) == RoutePins()
+    headers = parse_routing_headers({"x-worker-instance-id": "12", "x-dp-rank": "2"})
+    assert RoutePins.from_headers(headers) == RoutePins(12, 2, None, None)
+
+
+# -- query-only and approximate mode --------------------------------------------------------
+
+
+def test_query_only_books_and_records_nothing():
+    router = make_router(use_kv_events=False)
+    session = SessionControl(session_id="s1")
+    d = router.schedule(request(tokens(32), query_only=True, session=session))
+    assert d.guard is None
+    assert router.active.loads() == {}
+    assert router.index.total_blocks() == 0
+    assert router.session_binding("s1") is None
+
+
+def test_approximate_mode_records_routed_blocks_for_a_ttl():
+    clock = Clock()
+    router = make_router(clock=clock, use_kv_events=False, approx_ttl_s=120)
+    prompt = tokens(64)
+    first = router.schedule(request(prompt))
+    first.guard.free()
+    again = router.schedule(request(prompt + tokens(8, 500), rid="again"))
+    assert again.decode.worker_id == first.decode.worker_id
+    assert again.decode.overlap_blocks == 16
+    again.guard.free()
+    clock.now += 119
+    assert router.index.find_matches(block_hashes(prompt, BS))  # refreshed by `again`
+    clock.now += 121
+    router.schedule(request(tokens(4, 9000), rid="tick", query_only=True))  # expiry runs here
+    assert router.index.find_matches(block_hashes(prompt, BS)) == {}
+
+
+# -- disaggregation --------------------------------------------------------------------------
+
+
+def disagg_router(**config) -> Router:
+    router = make_router(workers=(1, 2), **config)
+    for w in (10, 11):
+        router.add_worker(w, role=Role.PREFILL, block_size=BS, total_blocks=1000)
+    return router
+
+
+def test_disaggregated_picks_prefill_by_overlap_and_decode_by_load_only():
+    router = disagg_router()
+    prompt = tokens(64)
+    cache(router, 11, prompt)
+    cache(router, 1, prompt)  # decode ignores the cache (overlap weight 0)
+    router.active.book((1, 0), prompt_blocks=1, prefill_blocks=0)
+    # prompt-side load on decode worker 2 (a prefill it would compute) does not count
+    router.active.book((2, 0), prompt_blocks=0, prefill_blocks=500)
+    d = router.schedule(request(prompt))
+    assert d.disaggregated and d.prefill.worker_id == 11 and d.prefill.overlap_blocks == 16
+    assert d.decode.worker_id == 2
+    assert d.decode.cost == 16  # decode blocks only
+    # the prefill booking ends with the prefill, the decode booking with the request
+    assert router.active.load((11, 0)).prefill_blocks == 0  # fully cached: nothing to compute
+    d.guard.mark_prefill_done()
+    assert (11, 0) not in router.active.loads()
+    assert router.active.load((2, 0)).requests == 2
+    d.guard.free()
+    assert router.active.load((2, 0)).requests == 1
+
+
+def test_falls_back_to_aggregated_without_ready_prefill_workers():
+    router = disagg_router()
+    router.set_ready(10, False)
+    router.set_ready(11, False)
+    d = router.schedule(request(tokens(16)))
+    assert d.prefill is None and not d.disaggregated
+    assert d.fallback_reason == "no prefill worker is ready"
+    assert d.decode.worker_id in (1, 2)
+
+
+def test_enforced_disaggregation_refuses_with_the_reason():
+    router = disagg_router(enforce_disagg=True)
+    router.set_ready(10, False)
+    router.set_ready(11, False)
+    with pytest.raises(NoEligibleWorker, match="enforced but no prefill worker is ready"):
+        router.schedule(request(tokens(16)))
+    aggregated_only = make_router(enforce_disagg=True)
+    with pytest.raises(NoEligibleWorker, match="no prefill worker is registered"):
+        aggregated_only.schedule(request(tokens(16)))
+
+
+# -- sticky sessions -------------------------------------------------------------------------
+
+
+def test_sticky_session_binds_refreshes_and_closes():
+    clock = Clock()
+    router = make_router(clock=clock)
+    open_ = SessionControl(session_id="chat", action="open", timeout=60)
+    first = router.schedule(request(tokens(16), session=open_))
+    bound = (first.decode.worker_id, 0)
+    assert router.session_binding("chat") == bound
+    other = next(w for w in (1, 2, 3) if w != bound[0])
+    cache(router, other, tokens(64))  # a much better KV match elsewhere
+    follow = SessionControl(session_id="chat", timeout=60)
+    d = router.schedule(request(tokens(64), session=follow))
+    assert (d.decode.worker_id, d.decode.sticky) == (bound[0], True)
+    clock.now += 50
+    router.schedule(request(tokens(64), session=follow))  # refreshes the timeout
+    clock.now += 50
+    assert router.session_binding("chat") == bound
+    close = SessionControl(session_id="chat", action="close")
+    assert router.schedule(request(tokens(64), session=close)).decode.worker_id == bound[0]
+    assert router.session_binding("chat") is None
+    assert router.schedule(request(tokens(64))).decode.worker_id == other
+
+
+def test_sticky_session_expires_and_rebinds_when_worker_goes():
+    clock = Clock()
+    router = make_router(clock=clock, session_ttl_s=30)
+    s = SessionControl(session_id="a")  # no timeout given: the router's default applies
+    bound = router.schedule(request(tokens(16), session=s)).decode.worker_id
+    clock.now += 31
+    assert router.session_binding("a") is None
+    bound = router.schedule(request(tokens(16), session=s)).decode.worker_id
+    router.remove_worker(bound)
+    moved = router.schedule(request(tokens(16), session=s))
+    assert moved.decode.worker_id != bound and not moved.decode.sticky
+    assert router.session_binding("a") == (moved.decode.worker_id, 0)
+
+
+def test_explicit_pin_disables_stickiness_for_that_phase():
+    router = make_router()
+    s = SessionControl(session_id="p")
+    bound = router.schedule(request(tokens(16), session=s)).decode.worker_id
+    other = next(w for w in (1, 2, 3) if w != bound)
+    d = router.schedule(request(tokens(16), session=s, pins=RoutePins(worker_id=other)))
+    assert d.decode.worker_id == other and d.decode.pinned and not d.decode.sticky
+    assert router.session_binding("p") == (bound, 0)  # the pin did not rebind
+
+
+# -- filters and backpressure ----------------------------------------------------------------
+
+
+def test_backpressure_when_every_worker_is_saturated():
+    router = make_router(busy_threshold=0.9, retry_after_s=2)
+    for w in (1, 2, 3):
+        router.update_load(w, kv_usage=0.95, waiting=4, running=10)
+    with pytest.raises(Overloaded) as err:
+        router.schedule(request(tokens(16)))
+    assert err.value.status == 429 and err.value.retry_after_s == 2
+    router.update_load(2, kv_usage=0.5)
+    assert router.schedule(request(tokens(16))).decode.worker_id == 2
+    # booked blocks count too: 1000 total, 950 booked on worker 2
+    router.active.book((2, 0), prompt_blocks=950, prefill_blocks=0)
+    with pytest.raises(Overloaded):
+        router.schedule(request(tokens(16)))
+
+
+def test_filters_name_the_reason():
+    router = make_router(workers=(1, 2))
+    router.add_worker(3, block_size=BS, total_blocks=1000, lora_names=["sql"])
+    d = router.schedule(request(tokens(16), lora="sql"))
+    assert d.decode.worker_id == 3
+    with pytest.raises(NoEligibleWorker, match="LoRA adapter 'chat'"):
+        router.schedule(request(tokens(16), lora="chat"))
+    assert router.schedule(request(tokens(16), allowed_ids=frozenset({2}))).decode.worker_id == 2
+    with pytest.raises(NoEligibleWorker, match="subset"):
+        router.schedule(request(tokens(16), allowed_ids=frozenset({99})))
+    for w in (1, 2, 3):
+        router.set_ready(w, False)
+    with pytest.raises(NoEligibleWorker, match="no aggregated worker is ready"):
+        router.schedule(request(tokens(16)))
+    with pytest.raises(NoEligibleWorker, match="no worker is registered"):
+        Router().schedule(request(tokens(16)))
+
+
+def test_lora_blocks_match_only_requests_for_that_adapter():
+    router = make_router(workers=(1, 2))
+    router.add_worker(2, block_size=BS, total_blocks=1000, lora_names={3: "sql"})
+    prompt = tokens(32)
+    cache(router, 2, prompt, lora_id=3)
+    assert router.schedule(request(prompt, lora="sql", query_only=True)).decode.overlap_blocks == 8
+    assert router.index.find_matches(block_hashes(prompt, BS)) == {}
+
+
+# -- policies --------------------------------------------------------------------------------
+
+
+def test_round_robin_random_and_least_loaded_policies():
+    rr = make_router(policy=Policy.ROUND_ROBIN)
+    assert [rr.schedule(request(tokens(8))).decode.worker_id for _ in range(6)] == [1, 2, 3] * 2
+    rnd = make_router(policy=Policy.RANDOM)
+    assert {rnd.schedule(request(tokens(8))).decode.worker_id for _ in range(60)} == {1, 2, 3}
+    ll = make_router(policy=Policy.LEAST_LOADED)
+    cache(ll, 1, tokens(64))  # ignored by this policy
+    guards = [ll.schedule(request(tokens(64), rid=str(i))).guard for i in range(6)]
+    assert Counter(g._decode.slot[0] for g in guards) == {1: 2, 2: 2, 3: 2}
+    assert ll.schedule(request(tokens(64), query_only=True)).decode.worker_id in (1, 2, 3)
+    guards[0].free()
+    freed = guards[0]._decode.slot[0]
+    assert ll.schedule(request(tokens(64), query_only=True)).decode.worker_id == freed
+
+
+# -- KV event sequencing ----------------------------------------------------------------------
+
+
+def stored_batch(toks, worker=1, rank=0):
+    n = len(toks) // BS
+    engine = [hash((worker, tuple(toks[: (i + 1) * BS]))) & (2**63 - 1) for i in range(n)]
+    return EventBatch(0.0, [BlockStored(engine, None, toks[: n * BS], BS)], rank)
+
+
+def test_gap_asks_for_replay_and_replay_fills_it():
+    router = make_router(workers=(1,))
+    a, b, c = tokens(8), tokens(8, 100), tokens(8, 200)
+    assert router.apply_kv_batch(1, 10, stored_batch(a)) is None
+    gap = router.apply_kv_batch(1, 13, stored_batch(c))
+    assert (gap.worker_id, gap.dp_rank, gap.start_seq, gap.got_seq) == (1, 0, 11, 13)
+    assert router.index.find_matches(block_hashes(c, BS)) == {}  # held back
+    for seq, toks in ((11, b), (12, tokens(4, 300)), (13, c)):
+        assert router.apply_kv_batch(1, seq, stored_batch(toks)) is None
+    assert router.apply_kv_batch(1, 12, stored_batch(tokens(8, 999))) is None  # duplicate
+    assert router.index.find_matches(block_hashes(tokens(8, 999), BS)) == {}
+    for toks in (a, b, c):
+        assert router.index.find_matches(block_hashes(toks, BS)) == {(1, 0): 2}
+
+
+def test_replay_failure_clears_the_worker_and_restarts_tracking():
+    router = Router(RouterConfig(), clock=Clock())
+    router.add_worker(1, dp_size=2, block_size=BS, total_blocks=100)
+    router.apply_kv_batch(1, 0, stored_batch(tokens(8), rank=0))
+    router.apply_kv_batch(1, 0, stored_batch(tokens(8), rank=1))
+    assert router.apply_kv_batch(1, 5, stored_batch(tokens(8, 50), rank=1)) is not None
+    router.replay_failed(1, dp_rank=1)
+    assert router.index.find_matches(block_hashes(tokens(8), BS)) == {(1, 0): 2}
+    assert router.apply_kv_batch(1, 6, stored_batch(tokens(8, 50), rank=1)) is None
+    assert router.index.find_matches(block_hashes(tokens(8, 50), BS)) == {(1, 1): 2}
+
+
+def test_publisher_restart_clears_and_unknown_workers_are_ignored():
+    router = make_router(workers=(1,))
+    router.apply_kv_batch(1, 0, stored_batch(tokens(8)))
+    router.apply_kv_batch(1, 1, stored_batch(tokens(8, 50)))
+    router.apply_kv_batch(1, 0, EventBatch(0.0, []))  # seq back to 0: a new engine process
+    assert router.index.total_blocks() == 0
+    assert router.apply_kv_batch(42, 0, stored_batch(tokens(8), worker=42)) is None
+    assert router.index.slots() == [(1, 0)]
+    router.apply_kv_batch(1, 1, stored_batch(tokens(8)))
+    router.apply_kv_batch(1, 2, EventBatch(0.0, [AllBlocksCleared()]))
+    assert router.index.total_blocks() == 0
+
+
+# -- workers and config ----------------------------------------------------------------------
+
+
+def test_worker_table_rules():
+    router = make_router(workers=(1,))
+    with pytest.raises(ValueError, match="block size 16 but the pool uses 4"):
+        router.add_worker(2, block_size=16, total_blocks=10)
+    router.add_worker(1, dp_size=2, block_size=BS, total_blocks=10)  # update keeps the worker
+    router.update_load(1, 1, running=3)
+    assert router.workers()[1].running == [0, 3]
+    with pytest.raises(ValueError, match=r"ranks 0\.\.1"):
+        router.update_load(1, 2, running=1)
+    guard = router.schedule(request(tokens(8))).guard
+    cache(router, 1, tokens(8))
+    router.remove_worker(1)
+    assert router.active.loads() == {} and router.index.total_blocks() == 0
+    guard.free()  # freeing after the worker left is harmless
+    assert router.block_size is None
+
+
+def test_router_config_from_yaml_with_overrides(tmp_path):
+    path = tmp_path / "router.yaml"
+    path.write_text("overlap_weight: 2.5\ntemperature: 0.3\npolicy: least-loaded\n")
+    config = RouterConfig.load(path, temperature=0.0, enforce_disagg=None)
+    assert (config.overlap_weight, config.temperature, config.policy) == (
+        2.5,
+        0.0,
+        Policy.LEAST_LOADED,
+    )
+    path.write_text("overlap_wieght: 2\n")
+    with pytest.raises(ValueError, match="overlap_wieght: unknown field"):
+        RouterConfig.load(path)
+    with pytest.raises(ValueError, match="busy_threshold"):
+        RouterConfig.load(None, busy_threshold=1.5)
