@@ -25,6 +25,7 @@ from pathlib import Path
 
 import yaml
 
+from dynamograph.operator.manifests import worker_args
 from dynamograph.operator.models import (
     ComponentType,
     DynamoGraph,
@@ -108,6 +109,8 @@ def plan_graph(
     cli = (python, "-m", "dynamograph.cli")
     notes: list[str] = []
     processes: list[ProcessSpec] = []
+    epp_services = spec.services_of(ComponentType.EPP)
+    router = next((s.router for s in epp_services.values() if s.router), None) or RouterSpec()
 
     for service_name, service in spec.services.items():
         kind = ComponentType(service.component_type)
@@ -116,7 +119,14 @@ def plan_graph(
         for index in range(service.replicas):
             processes.extend(
                 _engine_processes(
-                    graph, service_name, service, index, take_port, cli, speedup=speedup
+                    graph,
+                    service_name,
+                    service,
+                    index,
+                    take_port,
+                    cli,
+                    speedup=speedup,
+                    enforce_disagg=router.enforce_disagg,
                 )
             )
 
@@ -128,8 +138,6 @@ def plan_graph(
     if not any(p.serving for p in engines):
         notes.append("no worker or decode replicas: Envoy has nothing to route to")
 
-    epp_services = spec.services_of(ComponentType.EPP)
-    router = next((s.router for s in epp_services.values() if s.router), None) or RouterSpec()
     for name, service in epp_services.items():
         if service.replicas != 1:
             notes.append(f"services.{name}: runs one EPP locally (replicas: {service.replicas})")
@@ -191,54 +199,26 @@ def _engine_processes(
     cli: tuple[str, ...],
     *,
     speedup: float | None,
+    enforce_disagg: bool,
 ) -> list[ProcessSpec]:
-    spec = graph.spec
     kind = ComponentType(service.component_type)
     role = _ROLES[kind]
     name = f"{graph.name}-{service_name}-{index}"
     dp = service.data_parallel_size
     port, events, replay = take_port(1), take_port(dp), take_port(dp)
     engine_url = f"http://{HOST}:{port}"
-    argv = [
-        *cli,
-        "worker",
-        "--engine",
-        str(spec.backend),
-        "--model",
-        spec.model.name,
-        "--served-model-name",
-        spec.served_model_name,
-        "--role",
-        str(role),
-        "--name",
-        name,
-        "--host",
-        HOST,
-        "--port",
-        str(port),
-        "--kv-events-port",
-        str(events),
-        "--kv-replay-port",
-        str(replay),
-        "--block-size",
-        str(spec.kv_block_size),
-    ]
-    if spec.model.tokenizer:
-        argv += ["--tokenizer", spec.model.tokenizer]
-    if dp != 1:
-        argv += ["--data-parallel-size", str(dp)]
-    args = service.engine
-    engine_flags = {
-        "--num-gpu-blocks": args.num_gpu_blocks if args else None,
-        "--max-num-seqs": args.max_num_seqs if args else None,
-        "--max-num-batched-tokens": args.max_num_batched_tokens if args else None,
-        "--context-length": args.context_length if args else None,
-        "--speedup": speedup if speedup is not None else (args.speedup if args else None),
-        "--seed": args.seed if args else None,
+    # The operator's own engine command line (one mapping of graph fields to flags), with the
+    # local addresses in place of the pod's fixed ports.
+    local = {
+        "--host": HOST,
+        "--port": str(port),
+        "--kv-events-port": str(events),
+        "--kv-replay-port": str(replay),
+        "--name": name,
     }
-    for flag, value in engine_flags.items():
-        if value is not None:
-            argv += [flag, str(value)]
+    if speedup is not None:
+        local["--speedup"] = str(speedup)
+    argv = [*cli, *_set_flags(worker_args(graph, service), local)]
     env = {e.name: e.value for e in service.envs if e.value is not None}
     processes = []
     serving = None
@@ -258,6 +238,7 @@ def _engine_processes(
                     str(front_port),
                     "--engine-url",
                     engine_url,
+                    *(["--enforce-disagg"] if enforce_disagg else []),
                 ),
                 stage=STAGE_ROUTERS,
                 ready=Probe("http", f"http://{serving}/health"),
@@ -279,6 +260,17 @@ def _engine_processes(
         env=env,
     )
     return [engine, *processes]
+
+
+def _set_flags(args: list[str], values: dict[str, str]) -> list[str]:
+    """`args` with each flag's value replaced, or the flag appended when absent."""
+    out = list(args)
+    for flag, value in values.items():
+        if flag in out:
+            out[out.index(flag) + 1] = value
+        else:
+            out += [flag, value]
+    return out
 
 
 def _with_prefill_workers(frontend: ProcessSpec, prefill_urls: list[str | None]) -> ProcessSpec:

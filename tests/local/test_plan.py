@@ -206,6 +206,8 @@ def test_router_settings_beyond_flags_go_to_a_config_file():
     assert arg(epp.argv, "--temperature") == "0.5"
     assert arg(epp.argv, "--kv-events") == "off"
     assert "--enforce-disagg" in epp.argv
+    sidecar = next(x for x in p.processes if x.kind == "frontend")
+    assert "--enforce-disagg" in sidecar.argv
     config = yaml.safe_load(p.files[arg(epp.argv, "--config")])
     assert config == {"policy": "round-robin"}
     router_config = pytest.importorskip("dynamograph.epp.config", reason="EPP not built yet")
