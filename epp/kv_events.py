@@ -68,6 +68,7 @@ class RankSubscriber:
         self.replay_timeout = replay_timeout
         self.on_disconnect = on_disconnect
         self.next_seq = 0  # the sequence we expect next (for replay after reconnects)
+        self.synced = False  # next_seq is known (a batch applied or a complete replay)
         self.replays = 0
         self.applied = 0
 
@@ -121,26 +122,32 @@ class RankSubscriber:
             self.metrics.kv_event_lag.observe(max(0.0, time.time() - float(batch.ts)))
         if gap is None:
             self.next_seq = max(self.next_seq, seq + 1)
+            self.synced = True
         return gap
 
     async def handle(self, seq: int, payload: bytes, source: str = "live") -> None:
         batch = self._decode(seq, payload)
         if batch is None:
             return
-        gap = self._apply(seq, batch, source)
-        if gap is None:
-            return
+        if self.synced and seq > self.next_seq:
+            # We know what comes next even when the router has not seen this slot yet.
+            start = self.next_seq
+        else:
+            gap = self._apply(seq, batch, source)
+            if gap is None:
+                return
+            start = gap.start_seq
         log.info(
             "KV event gap on worker %s rank %s: expected %d, got %d; replaying",
             self.worker_id,
             self.dp_rank,
-            gap.start_seq,
-            gap.got_seq,
+            start,
+            seq,
         )
         if self.metrics is not None:
             self.metrics.kv_gaps.inc()
-        frames = await self.fetch_replay(gap.start_seq)
-        if frames and frames[0][0] == gap.start_seq:
+        frames, _ = await self.fetch_replay(start)
+        if frames and frames[0][0] == start:
             for replayed_seq, replayed in frames:
                 self._apply(replayed_seq, replayed, "replay")
             if self.next_seq > seq:
@@ -150,8 +157,8 @@ class RankSubscriber:
             "replay of worker %s rank %s could not fill %d..%d; clearing its index state",
             self.worker_id,
             self.dp_rank,
-            gap.start_seq,
-            gap.got_seq - 1,
+            start,
+            seq - 1,
         )
         self._restart([(seq, batch), *(f for f in frames if f[0] > seq)])
 
@@ -159,30 +166,32 @@ class RankSubscriber:
         if self.metrics is not None:
             self.metrics.kv_replay_failures.inc()
         self.router.replay_failed(self.worker_id, self.dp_rank)
-        self.next_seq = 0
+        self.next_seq, self.synced = 0, False
         for seq, batch in frames:
             self._apply(seq, batch, "replay")
 
     async def catch_up(self) -> None:
         """After (re)connecting: replay what we missed; notice a publisher that started over."""
         start = self.next_seq
-        frames = await self.fetch_replay(start)
-        if not frames and start > 0:
+        frames, complete = await self.fetch_replay(start)
+        if not frames and start > 0 and complete:
             # Nothing at or after what we expect: the publisher may have restarted at 0.
-            frames = await self.fetch_replay(0)
+            frames, complete = await self.fetch_replay(0)
             if frames and frames[-1][0] < start:
                 self._restart(frames)
-            return
-        if frames and start > 0 and frames[0][0] > start:
+        elif frames and start > 0 and frames[0][0] > start:
             self._restart(frames)  # our next batch is no longer buffered: history lost
-            return
-        for seq, batch in frames:
-            self._apply(seq, batch, "replay")
+        else:
+            for seq, batch in frames:
+                self._apply(seq, batch, "replay")
+        # A complete replay tells us the next sequence number even when it was empty.
+        self.synced = self.synced or complete
 
-    async def fetch_replay(self, start_seq: int) -> list[tuple[int, EventBatch]]:
-        """Batches from `start_seq` on, as the worker's replay socket has them buffered."""
+    async def fetch_replay(self, start_seq: int) -> tuple[list[tuple[int, EventBatch]], bool]:
+        """Batches from `start_seq` on, as the worker's replay socket has them buffered, and
+        whether the replay ended properly (False: timed out or no replay socket)."""
         if not self.replay_endpoint:
-            return []
+            return [], False
         self.replays += 1
         dealer = self.context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
@@ -193,10 +202,10 @@ class RankSubscriber:
             while True:
                 if not await dealer.poll(self.replay_timeout * 1000):
                     log.debug("replay from %s timed out", self.replay_endpoint)
-                    return frames
+                    return frames, False
                 parts = await dealer.recv_multipart()
                 if len(parts) < 3 or parts[1] == END_SEQ:
-                    return frames
+                    return frames, True
                 seq = decode_seq(parts[1])
                 batch = self._decode(seq, parts[2])
                 if batch is not None:

@@ -205,12 +205,5 @@ def _at(values: list, index: int):
     return values[index] if index < len(values) else None
 
 
-def _index_blocks(router: Router) -> int | None:
-    """Index size, if the router core exposes it (`index.size()` / `index_blocks()`)."""
-    for getter in ("index_blocks",):
-        fn = getattr(router, getter, None)
-        if callable(fn):
-            return fn()
-    index = getattr(router, "index", None)
-    size = getattr(index, "size", None)
-    return size() if callable(size) else None
+def _index_blocks(router: Router) -> int:
+    return router.index.total_blocks()

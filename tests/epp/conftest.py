@@ -165,11 +165,20 @@ class ExtProcStream:
         self, body: bytes, path="/v1/chat/completions", extra=(), subset=None, chunk=65536
     ) -> tuple[pb.ProcessingResponse, bytes, list[pb.ProcessingResponse]]:
         """Headers + body; returns (headers response, re-streamed body, body responses)."""
-        await self.send(
+        messages = [
             request_headers(path, extra=extra, content_length=len(body), subset=subset),
             *body_messages(body, chunk),
-        )
-        first = await self.recv()
+        ]
+        # Like Envoy, stop sending once the EPP answered early (an ImmediateResponse ends it).
+        reader = asyncio.create_task(self.recv())
+        for message in messages:
+            if reader.done():
+                break
+            try:
+                await self.call.write(message)
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                break
+        first = await reader
         if first.HasField("immediate_response"):
             return first, b"", []
         chunks = []

@@ -1,0 +1,354 @@
+"""`dynamograph bench epp`: what one EPP core routes, and how long a pick takes.
+
+A fleet of real mock workers (64 by default, all in one helper process to spare the machine)
+has its KV caches warmed with shared-prefix prompts, so the EPP's index holds real blocks from
+real KV events. Then the EPP runs as its own process (`dynamograph epp`, static discovery of the
+fleet) and this process drives it over gRPC exactly as Envoy does (request headers, 8k-token
+chat body in 64 KiB chunks, response headers and body), in two modes measured in the same run:
+
+- `kv`: the full pick: parse, tokenize, hash, score 64 workers, book, free;
+- `floor`: `--picker random`: the same ext_proc exchange with the body left unread and no
+  scoring: the pure-protocol floor.
+
+Reported per mode: pick latency p50/p99 (client side, last body chunk → headers response, one
+stream at a time), then EPP CPU per routed request and routed requests/s per EPP core at
+`--concurrency` streams (EPP process CPU time from /proc, divided by requests).
+Target: ≤ 2.0 ms EPP CPU per routed request (kv mode, all in).
+"""
+
+import argparse
+import asyncio
+import contextlib
+import multiprocessing
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import grpc
+import numpy as np
+import orjson
+import yaml
+
+from .report import add_output_argument, print_table, write_json
+
+TARGET_CPU_MS = 2.0
+MODEL = "Qwen/Qwen3-0.6B"
+_WORDS = [
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "kernel",
+    "cache",
+    "block",
+    "prefix",
+    "router",
+    "worker",
+    "token",
+    "decode",
+    "prefill",
+    "latency",
+    "batch",
+    "tensor",
+    "gateway",
+    "envoy",
+    "metric",
+    "shard",
+    "replica",
+    "memory",
+    "bandwidth",
+    "queue",
+]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workers", type=int, default=64, help="mock workers (default 64)")
+    parser.add_argument(
+        "--prompt-tokens", type=int, default=8192, help="prompt length in tokens (default 8192)"
+    )
+    parser.add_argument(
+        "--prefix-groups", type=int, default=32, help="distinct shared prefixes (default 32)"
+    )
+    parser.add_argument(
+        "--latency-requests", type=int, default=200, help="sequential requests per mode (200)"
+    )
+    parser.add_argument(
+        "--load-requests", type=int, default=600, help="requests per mode under load (600)"
+    )
+    parser.add_argument(
+        "--concurrency", type=int, default=8, help="parallel streams under load (default 8)"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    add_output_argument(parser)
+
+
+# ---- the fleet (a child process) ------------------------------------------------------------
+
+
+def _fleet_main(count: int, conn) -> None:
+    """Run `count` real mock workers in one event loop; send their URLs; serve until told."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    async def serve() -> None:
+        from dynamograph.worker.testing import mock_worker
+
+        async with contextlib.AsyncExitStack() as stack:
+            urls = []
+            for i in range(count):
+                worker = await stack.enter_async_context(
+                    mock_worker(model=MODEL, name=f"bench-epp-{os.getpid()}-{i}", speedup=1e4)
+                )
+                urls.append(worker.url)
+            conn.send(urls)
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, conn.recv)  # any message: stop
+
+    asyncio.run(serve())
+
+
+# ---- prompts --------------------------------------------------------------------------------
+
+
+def _text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(_WORDS) + str(rng.randrange(1000)) for _ in range(words))
+
+
+def _prompts(args) -> tuple[list[str], list[bytes]]:
+    """Prefix documents (¾ of the prompt) and request bodies: a prefix plus a unique question."""
+    rng = random.Random(args.seed)
+    # ~2.3 tokens per word with these words and numbers (checked against the Qwen tokenizer).
+    prefix_words = int(args.prompt_tokens * 0.75 / 2.3)
+    tail_words = int(args.prompt_tokens * 0.25 / 2.3)
+    prefixes = [_text(rng, prefix_words) for _ in range(args.prefix_groups)]
+    total = args.latency_requests + args.load_requests + 50
+    bodies = [
+        orjson.dumps(
+            {
+                "model": MODEL,
+                "messages": [
+                    {"role": "system", "content": rng.choice(prefixes)},
+                    {"role": "user", "content": _text(rng, tail_words)},
+                ],
+                "max_tokens": 16,
+            }
+        )
+        for _ in range(total)
+    ]
+    return prefixes, bodies
+
+
+async def _warm(urls: list[str], prefixes: list[str]) -> None:
+    """Each prefix prefilled on one worker, so its KV events put real blocks in the index."""
+    async with aiohttp.ClientSession() as http:
+
+        async def one(i: int, prefix: str) -> None:
+            body = {"model": MODEL, "messages": [{"role": "system", "content": prefix}]}
+            body["max_tokens"] = 1
+            async with http.post(urls[i % len(urls)] + "/v1/chat/completions", json=body) as r:
+                await r.read()
+
+        await asyncio.gather(*(one(i, p) for i, p in enumerate(prefixes)))
+
+
+# ---- the EPP process and the Envoy-like client ---------------------------------------------
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _start_epp(workers_file: Path, picker: str, count: int):
+    grpc_port, health_port, metrics_port = _free_port(), _free_port(), _free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "dynamograph.cli", "epp",
+        "--host", "127.0.0.1", "--grpc-port", str(grpc_port),
+        "--health-port", str(health_port), "--metrics-port", str(metrics_port),
+        "--workers-file", str(workers_file), "--picker", picker,
+        "--scrape-interval", "1.0",
+        stdin=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    async with aiohttp.ClientSession() as http:
+        while True:
+            if proc.returncode is not None:
+                raise RuntimeError(f"the EPP exited with {proc.returncode}")
+            with contextlib.suppress(aiohttp.ClientError, OSError):
+                async with http.get(f"http://127.0.0.1:{metrics_port}/metrics") as r:
+                    text = await r.text()
+                known = sum(
+                    float(line.rsplit(" ", 1)[1])
+                    for line in text.splitlines()
+                    if line.startswith("dynamograph_epp_workers{")
+                )
+                if known >= count:
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError("the EPP did not discover the fleet in 120 s")
+            await asyncio.sleep(0.2)
+    await asyncio.sleep(1.0)  # KV subscribers connect and replay the warmed history
+    return proc, grpc_port
+
+
+async def _exchange(stub, body: bytes) -> float:
+    """One request as Envoy sends it; seconds from the last body chunk to the headers answer."""
+    from envoy.config.core.v3 import base_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+    from dynamograph.epp.extproc import FULL_DUPLEX
+
+    call = stub.Process()
+    headers = [
+        (":authority", "bench"), (":path", "/v1/chat/completions"), (":method", "POST"),
+        (":scheme", "http"), ("content-type", "application/json"),
+        ("content-length", str(len(body))), ("x-request-id", os.urandom(8).hex()),
+    ]  # fmt: skip
+    await call.write(
+        pb.ProcessingRequest(
+            request_headers=pb.HttpHeaders(
+                headers=base_pb2.HeaderMap(
+                    headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers]
+                )
+            ),
+            protocol_config=pb.ProtocolConfiguration(
+                request_body_mode=FULL_DUPLEX,
+                response_body_mode=FULL_DUPLEX,
+                send_body_without_waiting_for_header_response=True,
+            ),
+        )
+    )
+    chunk = 65536
+    for i in range(0, len(body), chunk):
+        await call.write(pb.ProcessingRequest(request_body=pb.HttpBody(body=body[i : i + chunk])))
+    start = time.perf_counter()
+    await call.write(pb.ProcessingRequest(request_body=pb.HttpBody(end_of_stream=True)))
+    first = await call.read()
+    elapsed = time.perf_counter() - start
+    if not first.HasField("request_headers"):
+        raise RuntimeError(f"EPP refused a bench request: {first}")
+    received = 0
+    while received < len(body):
+        response = await call.read()
+        received += len(response.request_body.response.body_mutation.streamed_response.body)
+    status = base_pb2.HeaderValue(key=":status", raw_value=b"200")
+    await call.write(
+        pb.ProcessingRequest(
+            response_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[status]))
+        )
+    )
+    await call.read()
+    await call.write(
+        pb.ProcessingRequest(response_body=pb.HttpBody(body=b'{"choices": []}', end_of_stream=True))
+    )
+    await call.read()
+    await call.done_writing()
+    return elapsed
+
+
+async def _measure(args, workers_file: Path, picker: str, bodies: list[bytes]) -> dict:
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+    proc, port = await _start_epp(workers_file, picker, args.workers)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.ExternalProcessorStub(channel)
+            body_iter = iter(bodies)
+            for _ in range(30):  # warm-up: tokenizer, caches, connections
+                await _exchange(stub, next(body_iter))
+            latencies = np.array(
+                [await _exchange(stub, next(body_iter)) for _ in range(args.latency_requests)]
+            )
+            load = [next(body_iter) for _ in range(args.load_requests)]
+            queue = iter(load)
+            cpu0, wall0 = _cpu_seconds(proc.pid), time.perf_counter()
+
+            async def client() -> None:
+                for body in queue:
+                    await _exchange(stub, body)
+
+            await asyncio.gather(*(client() for _ in range(args.concurrency)))
+            cpu, wall = _cpu_seconds(proc.pid) - cpu0, time.perf_counter() - wall0
+    finally:
+        proc.terminate()
+        await proc.wait()
+    cpu_ms = cpu / len(load) * 1e3
+    return {
+        "mode": "kv" if picker == "kv" else "floor",
+        "pick_p50_ms": float(np.percentile(latencies, 50) * 1e3),
+        "pick_p99_ms": float(np.percentile(latencies, 99) * 1e3),
+        "cpu_ms_per_request": cpu_ms,
+        "requests_per_core_s": len(load) / cpu if cpu else float("inf"),
+        "requests_per_s_wall": len(load) / wall,
+        "requests": len(load),
+        "concurrency": args.concurrency,
+    }
+
+
+async def _main(args) -> int:
+    prefixes, bodies = _prompts(args)
+    spawn = multiprocessing.get_context("spawn")
+    parent, child = spawn.Pipe()
+    fleet = spawn.Process(target=_fleet_main, args=(args.workers, child), daemon=True)
+    fleet.start()
+    try:
+        loop = asyncio.get_running_loop()
+        urls = await loop.run_in_executor(None, parent.recv)
+        await _warm(urls, prefixes)
+        with tempfile.TemporaryDirectory() as tmp:
+            workers_file = Path(tmp) / "workers.yaml"
+            entries = [{"engine": u, "endpoint": u.removeprefix("http://")} for u in urls]
+            workers_file.write_text(yaml.safe_dump(entries))
+            rows = [
+                await _measure(args, workers_file, "kv", bodies),
+                await _measure(args, workers_file, "random", bodies),
+            ]
+    finally:
+        with contextlib.suppress(BrokenPipeError, OSError):
+            parent.send("stop")
+        fleet.join(30)
+        if fleet.is_alive():
+            fleet.kill()
+    columns = [
+        "mode", "pick p50 ms", "pick p99 ms", "EPP CPU ms/req", "routed req/s per core",
+        "req/s wall", "requests", "concurrency",
+    ]  # fmt: skip
+    keys = [
+        "mode", "pick_p50_ms", "pick_p99_ms", "cpu_ms_per_request", "requests_per_core_s",
+        "requests_per_s_wall", "requests", "concurrency",
+    ]  # fmt: skip
+    print_table(
+        f"EPP: {args.workers} workers, {args.prompt_tokens}-token chat prompts "
+        f"(target ≤ {TARGET_CPU_MS} ms CPU/request)",
+        columns,
+        [[row[k] for k in keys] for row in rows],
+    )
+    kv = rows[0]
+    verdict = "meets" if kv["cpu_ms_per_request"] <= TARGET_CPU_MS else "misses"
+    print(f"kv mode {verdict} the {TARGET_CPU_MS} ms CPU/request target")
+    write_json(
+        args.out,
+        "epp",
+        {
+            "workers": args.workers,
+            "prompt_tokens": args.prompt_tokens,
+            "target_cpu_ms": TARGET_CPU_MS,
+            "rows": rows,
+        },
+    )
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    return asyncio.run(_main(args))
