@@ -155,7 +155,8 @@ def _new_stack(graph, run_dir: Path, speedup: float | None) -> Stack:
 async def _run(console: Console, err: Console, stack: Stack, args: argparse.Namespace) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    # Ctrl-C, `kill`, or the terminal closing (SIGHUP): all stop the graph cleanly.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         loop.add_signal_handler(sig, stop.set)
     detached = args.detach
     try:
