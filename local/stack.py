@@ -56,7 +56,7 @@ class Running:
         if code is None:
             return "running"
         if self.stopped:
-            return f"stopped: {self.stopped}"
+            return f"stopped {self.stopped}"
         if self.recorded_exit:
             return self.recorded_exit
         if code < 0 and self.popen is not None:

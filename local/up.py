@@ -230,9 +230,7 @@ async def _watch(console: Console, stack: Stack, stop: asyncio.Event) -> int:
                     if proc.spec.kind == "engine":
                         # The pod is gone: its sidecar goes with it, as in Kubernetes.
                         for sidecar in stack.sidecars_of(proc):
-                            await asyncio.to_thread(
-                                stack.stop_one, sidecar, f"its engine {proc.spec.name} is gone"
-                            )
+                            await asyncio.to_thread(stack.stop_one, sidecar, "with its engine")
                     events.append(event)
                     if not live:
                         print(event, flush=True)
