@@ -92,9 +92,21 @@ class RequestContext:
     def __init__(self, request_id: str):
         self.request_id = request_id
         self._cancelled = asyncio.Event()
+        self._callbacks: list = []
 
     def cancel(self) -> None:
+        if self._cancelled.is_set():
+            return
         self._cancelled.set()
+        for callback in self._callbacks:
+            callback()
+
+    def on_cancel(self, callback) -> None:
+        """Run `callback()` when the request is cancelled (at once if it already is)."""
+        if self._cancelled.is_set():
+            callback()
+        else:
+            self._callbacks.append(callback)
 
     @property
     def cancelled(self) -> bool:

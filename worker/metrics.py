@@ -133,8 +133,29 @@ class WorkerMetrics:
         )
         self.prefill_time = Histogram("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.", labels, buckets=REQUEST_BUCKETS, registry=r)  # fmt: skip
 
-    def labels(self, rank: int) -> tuple[str, str]:
-        return (self.model_name, str(rank))
+    def for_rank(self, rank: int) -> "RankMetrics":
+        return RankMetrics(self, (self.model_name, str(rank)))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class RankMetrics:
+    """One rank's labelled children, bound once (label lookups cost more than the increments)."""
+
+    def __init__(self, m: WorkerMetrics, labels: tuple[str, str]):
+        self.prompt_tokens = m.prompt_tokens.labels(*labels)
+        self.generation_tokens = m.generation_tokens.labels(*labels)
+        self.preemptions = m.preemptions.labels(*labels)
+        self.prefix_queries = m.prefix_queries.labels(*labels)
+        self.prefix_hits = m.prefix_hits.labels(*labels)
+        self.ttft = m.ttft.labels(*labels)
+        self.itl = m.itl.labels(*labels)
+        self.e2e = m.e2e.labels(*labels)
+        self.queue_time = m.queue_time.labels(*labels)
+        self.prefill_time = m.prefill_time.labels(*labels)
+        self._success = m.success
+        self._labels = labels
+
+    def success(self, reason: str):
+        return self._success.labels(*self._labels, reason)

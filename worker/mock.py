@@ -253,25 +253,16 @@ class MockEngine(LLMEngine):
             if role is Role.DECODE and is_remote_prefill(params):
                 remote_tokens = await self._pull(request, params)
             state = rank.submit(request, ctx, remote_tokens=remote_tokens, hold_for_decode=hold)
-            cancel_wait = asyncio.ensure_future(ctx.wait_cancelled())
+            ctx.on_cancel(lambda: rank.cancel(state))
             try:
                 while True:
-                    if ctx.cancelled:
-                        rank.abort(request.request_id)  # no-op once finished
-                    get = asyncio.ensure_future(state.queue.get())
-                    await asyncio.wait({get, cancel_wait}, return_when=asyncio.FIRST_COMPLETED)
-                    if not get.done():
-                        get.cancel()
-                        rank.abort(request.request_id)
-                        continue
-                    chunk = get.result()
+                    chunk = await state.queue.get()
                     yield chunk
                     if chunk.is_terminal:
                         return
             finally:
-                cancel_wait.cancel()
-                # Closed early (client went away) or cancelled: free the request's blocks.
-                rank.abort(request.request_id)
+                # Closed early (the client went away): free the request's blocks.
+                rank.cancel(state)
         finally:
             self._inflight -= 1
             if self._inflight == 0:

@@ -34,6 +34,7 @@ from .sessions import SessionPins
 log = logging.getLogger(__name__)
 
 SWEEP_INTERVAL = 0.5
+MIN_SLEEP = 0.001
 
 
 class SimClock:
@@ -60,7 +61,9 @@ class SimClock:
     async def advance(self, seconds: float) -> None:
         self.now += seconds
         delay = self.wall_delay(self.now)
-        await asyncio.sleep(max(0.0, delay))
+        # The event loop's timers are as coarse as epoll's 1 ms: shorter waits only yield, and
+        # the absolute deadline of the next step absorbs the difference (no drift builds up).
+        await asyncio.sleep(delay if delay >= MIN_SLEEP else 0)
 
 
 @dataclass(eq=False)
@@ -107,7 +110,7 @@ class EngineRank:
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    transfer_time=cost.transfer_time)  # fmt: skip
         self.publisher = publisher
-        self.metrics = metrics
+        self._m = metrics.for_rank(rank) if metrics is not None else None
         self.transfers = PendingTransfers(transfer_timeout)
         self.sessions = SessionPins()
         self._handoff_params = handoff_params
@@ -115,6 +118,7 @@ class EngineRank:
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self.steps = 0
+        self.busy_time = 0.0  # simulated seconds spent computing steps
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -187,6 +191,10 @@ class EngineRank:
         self._finish(state, FinishReason.CANCELLED, "request cancelled")
         return True
 
+    def cancel(self, state: RequestState) -> None:
+        """Abort this request (no-op once it finished)."""
+        self._finish(state, FinishReason.CANCELLED, "request cancelled")
+
     def take_transfer(self, request_id: str) -> HeldBlocks | None:
         """A decode engine pulls a held prefill: hand over the hashes and free the blocks."""
         held = self.transfers.take(request_id)
@@ -214,8 +222,10 @@ class EngineRank:
                 await self._idle_step()
                 self._publish()
                 continue
-            await self.clock.advance(self.cost.step_time(*plan.cost_inputs()))
+            step = self.cost.step_time(*plan.cost_inputs())
+            await self.clock.advance(step)
             self.steps += 1
+            self.busy_time += step
             for seq in self.scheduler.complete(plan):
                 self._emit_token(seq.handle)
             self._publish()
@@ -265,16 +275,14 @@ class EngineRank:
         for seq in plan.loaded:
             state = seq.handle
             state.timing.transfer_time = self.cost.transfer_time(seq.num_remote_loaded)
-        if self.metrics is not None:
-            labels = self.metrics.labels(self.rank)
+        m = self._m
+        if m is not None:
             if plan.preempted:
-                self.metrics.preemptions.labels(*labels).inc(len(plan.preempted))
+                m.preemptions.inc(len(plan.preempted))
             stats = self.scheduler.stats
-            self.metrics.prefix_queries.labels(*labels).inc(stats.queries)
-            self.metrics.prefix_hits.labels(*labels).inc(stats.hits)
-            self.metrics.prompt_tokens.labels(*labels).inc(
-                sum(s.num_tokens for s in plan.scheduled if s.computed_before < s.seq.prompt_len)
-            )
+            if stats.queries:
+                m.prefix_queries.inc(stats.queries)
+                m.prefix_hits.inc(stats.hits)
         self.scheduler.stats.queries = self.scheduler.stats.hits = 0
 
     def _emit_token(self, state: RequestState) -> None:
@@ -282,13 +290,14 @@ class EngineRank:
         seq = state.seq
         seq.append(token)
         now = self.clock.now
-        if self.metrics is not None:
-            labels = self.metrics.labels(self.rank)
-            self.metrics.generation_tokens.labels(*labels).inc()
+        if self._m is not None:
+            self._m.generation_tokens.inc()
             if state.last_token_at is not None:
-                self.metrics.itl.labels(*labels).observe(now - state.last_token_at)
+                self._m.itl.observe(now - state.last_token_at)
         if state.timing.first_token is None:
             state.timing.first_token = now
+            if self._m is not None:
+                self._m.prompt_tokens.inc(seq.prompt_len)  # as vLLM: once, cached included
             state.timing.prefill_time = now - (state.first_scheduled or now)
         state.last_token_at = now
         if seq.num_output >= seq.max_tokens:
@@ -348,17 +357,17 @@ class EngineRank:
         self.cache.release(self.sessions.pin(session.session_id, blocks, session.timeout))
 
     def _observe_finished(self, state: RequestState, reason: FinishReason) -> None:
-        if self.metrics is None or reason is FinishReason.CANCELLED:
+        m = self._m
+        if m is None or reason is FinishReason.CANCELLED:
             return
-        labels = self.metrics.labels(self.rank)
-        self.metrics.success.labels(*labels, reason.value).inc()
+        m.success(reason.value).inc()
         t = state.timing
         if t.ttft is not None:
-            self.metrics.ttft.labels(*labels).observe(t.ttft)
-            self.metrics.queue_time.labels(*labels).observe(t.queue_time)
-            self.metrics.prefill_time.labels(*labels).observe(t.prefill_time)
+            m.ttft.observe(t.ttft)
+            m.queue_time.observe(t.queue_time)
+            m.prefill_time.observe(t.prefill_time)
         if t.e2e is not None:
-            self.metrics.e2e.labels(*labels).observe(t.e2e)
+            m.e2e.observe(t.e2e)
 
     def _publish(self) -> None:
         events = self.cache.take_events()
