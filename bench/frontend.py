@@ -4,13 +4,15 @@ One mock worker and one frontend (direct mode, its sidecar) run as real processe
 The same request goes alternately straight to the engine and through the frontend (with the
 routing header the endpoint picker would set), round by round, so machine noise hits both
 paths alike; at concurrency c, c clients send in parallel. Reported per (c, stream): p50/p99 of
-both paths and the added p50 (frontend − direct), plus time to first byte for streams. Target:
-≤ 0.5 ms added at p50, c=1.
+both paths and the added p50 (frontend − direct), time to first byte for streams, and the
+frontend process's CPU time per request (from /proc: the hop's own cost, which unlike wall-clock
+latency does not depend on how busy the machine is). Target: ≤ 0.5 ms added at p50, c=1.
 """
 
 import argparse
 import asyncio
 import contextlib
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -88,7 +90,13 @@ async def _phase(
     await asyncio.gather(*(client() for _ in range(clients)))
 
 
-async def _measure(args, engine: str, frontend: str, worker_id: int) -> list[dict]:
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process so far (Linux /proc): the hop's cost, whatever the load."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _measure(args, engine: str, frontend: str, worker_id: int, fe_pid: int) -> list[dict]:
     paths = {
         "direct": (engine + "/v1/completions", {"Content-Type": "application/json"}),
         "frontend": (
@@ -105,12 +113,18 @@ async def _measure(args, engine: str, frontend: str, worker_id: int) -> list[dic
                 samples: dict[str, list[tuple[float, float]]] = {name: [] for name in paths}
                 for url, headers in paths.values():  # warm connections and caches
                     await _phase(session, url, body, headers, clients, 4, [])
+                fe_cpu = 0.0
                 for _ in range(args.rounds):
                     for name, (url, headers) in paths.items():
+                        before = _cpu_seconds(fe_pid)
                         await _phase(
                             session, url, body, headers, clients, args.per_round, samples[name]
                         )
-                results.append(_summarise(clients, stream, samples))
+                        if name == "frontend":
+                            fe_cpu += _cpu_seconds(fe_pid) - before
+                row = _summarise(clients, stream, samples)
+                row["frontend_cpu_us_per_request"] = fe_cpu / len(samples["frontend"]) * 1e6
+                results.append(row)
     return results
 
 
@@ -160,7 +174,8 @@ async def _bench(args) -> dict:
             session.get(worker.url + "/v1/engine") as response,
         ):
             worker_id = (await response.json())["instance_id"]
-        rows = await _measure(args, worker.url, fe_url, worker_id)
+        assert frontend.popen is not None
+        rows = await _measure(args, worker.url, fe_url, worker_id, frontend.popen.pid)
     finally:
         stop_all(procs)
     return {"rows": rows, "logs": str(logs)}
@@ -184,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
             "direct p99",
             "frontend p99",
             "added 1st byte p50",
+            "frontend CPU µs/req",
         ],
         [
             [
@@ -195,6 +211,7 @@ def run(args: argparse.Namespace) -> int:
                 r["direct"]["total_ms"]["p99"],
                 r["frontend"]["total_ms"]["p99"],
                 r["added_first_byte_p50_ms"] if r["stream"] else "",
+                r["frontend_cpu_us_per_request"],
             ]
             for r in rows
         ],

@@ -83,5 +83,29 @@ class FrontendMetrics:
             registry=r,
         )
 
+        # Labelled children looked up once: `labels()` costs more than the increment itself.
+        self._done: dict[tuple[str, str, str, bool], tuple[Counter, Histogram]] = {}
+        self._first: dict[tuple[str, bool], Histogram] = {}
+
+    def finished(self, mode: str, outcome: str, disagg: str, stream: bool, seconds: float) -> None:
+        key = (mode, outcome, disagg, stream)
+        children = self._done.get(key)
+        if children is None:
+            flag = "true" if stream else "false"
+            children = self._done[key] = (
+                self.requests.labels(mode, outcome, disagg),
+                self.latency.labels(mode, flag),
+            )
+        children[0].inc()
+        children[1].observe(seconds)
+
+    def first_byte(self, mode: str, stream: bool, seconds: float) -> None:
+        child = self._first.get((mode, stream))
+        if child is None:
+            child = self._first[(mode, stream)] = self.ttft.labels(
+                mode, "true" if stream else "false"
+            )
+        child.observe(seconds)
+
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

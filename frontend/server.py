@@ -250,8 +250,7 @@ class Frontend:
             return gone.response
         finally:
             metrics.inflight.dec()
-            metrics.requests.labels(mode, outcome, disagg).inc()
-            metrics.latency.labels(mode, str(stream).lower()).observe(trace.elapsed())
+            metrics.finished(mode, outcome, disagg, stream, trace.elapsed())
             if route is not None and route.booking is not None:
                 route.booking.free()
 
@@ -360,8 +359,8 @@ class Frontend:
     def _first_byte(self, route: Route, stream: bool, trace: nvext_out.Trace) -> None:
         if route.booking is not None:
             route.booking.mark_prefill_done()
-        self.metrics.ttft.labels(self.config.mode.value, str(stream).lower()).observe(
-            trace.first_token_s or trace.elapsed()
+        self.metrics.first_byte(
+            self.config.mode.value, stream, trace.first_token_s or trace.elapsed()
         )
 
     async def _relay(

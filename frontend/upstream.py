@@ -9,6 +9,7 @@ cancelled) closes its connection, so the engine sees the disconnect and frees th
 from collections.abc import Mapping
 
 import aiohttp
+from yarl import URL
 
 from dynamograph.epp.discovery import WorkerRecord
 from dynamograph.protocol.headers import VLLM_DP_RANK
@@ -36,6 +37,7 @@ class EngineClient:
         self.request_timeout = request_timeout
         self.connect_timeout = connect_timeout
         self._session: aiohttp.ClientSession | None = None
+        self._urls: dict[tuple[str, str], URL] = {}  # parsed once: yarl parsing is not free
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(
@@ -51,6 +53,15 @@ class EngineClient:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+    def _url(self, record: WorkerRecord, path: str) -> URL:
+        key = (record.engine_url, path)
+        url = self._urls.get(key)
+        if url is None:
+            if len(self._urls) > 4096:  # workers come and go: keep the cache bounded
+                self._urls.clear()
+            url = self._urls[key] = URL(record.engine_url + path)
+        return url
 
     @staticmethod
     def headers(client_headers: Mapping[str, str], dp_rank: int | None) -> dict[str, str]:
@@ -74,7 +85,7 @@ class EngineClient:
         """POST and wait for the response headers; the caller reads the body and closes it."""
         assert self._session is not None, "EngineClient.start() first"
         try:
-            return await self._session.post(record.engine_url + path, data=payload, headers=headers)
+            return await self._session.post(self._url(record, path), data=payload, headers=headers)
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise self.failure(exc, record, leg) from exc
 
@@ -95,7 +106,7 @@ class EngineClient:
     async def get(self, record: WorkerRecord, path: str, leg: str) -> tuple[int, bytes]:
         assert self._session is not None, "EngineClient.start() first"
         try:
-            async with self._session.get(record.engine_url + path) as response:
+            async with self._session.get(self._url(record, path)) as response:
                 return response.status, await response.read()
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise self.failure(exc, record, leg) from exc
