@@ -119,10 +119,13 @@ def _text(rng: random.Random, words: int) -> str:
 
 def _prompts(args) -> tuple[list[str], list[bytes]]:
     """Prefix documents (¾ of the prompt) and request bodies: a prefix plus a unique question."""
+    from dynamograph.protocol.tokenization import get_tokenizer
+
     rng = random.Random(args.seed)
-    # ~2.3 tokens per word with these words and numbers (checked against the Qwen tokenizer).
-    prefix_words = int(args.prompt_tokens * 0.75 / 2.3)
-    tail_words = int(args.prompt_tokens * 0.25 / 2.3)
+    # Size the texts with the real tokenizer: tokens per word of this vocabulary.
+    per_word = len(get_tokenizer("qwen").encode(_text(random.Random(-1), 2000))) / 2000
+    prefix_words = int(args.prompt_tokens * 0.75 / per_word)
+    tail_words = int(args.prompt_tokens * 0.25 / per_word)
     prefixes = [_text(rng, prefix_words) for _ in range(args.prefix_groups)]
     total = args.latency_requests + args.load_requests + 50
     bodies = [
