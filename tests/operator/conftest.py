@@ -18,10 +18,12 @@ cluster-wide), admission/validation, server-side apply. Merge patches follow RFC
 import asyncio
 import datetime
 import itertools
+import json
 import os
 import uuid
 from pathlib import Path
 
+import aiohttp.web
 import kmock as kmock_lib
 import pytest
 import yaml
@@ -52,9 +54,12 @@ class ClusterEmulator(kmock_lib.KubernetesEmulator):
         if request.resource is not None and request.action == kmock_enums.action.LIST:
             return await self._list_selected(request)
         response = await super()._handle(request)
-        if request.resource is not None and request.resource.plural == "deployments":
-            if request.action in (kmock_enums.action.CREATE, kmock_enums.action.UPDATE):
-                await self._finish_rollout(request)
+        if (
+            request.resource is not None
+            and request.resource.plural == "deployments"
+            and request.action in (kmock_enums.action.CREATE, kmock_enums.action.UPDATE)
+        ):
+            await self._finish_rollout(request)
         if request.resource is not None and request.action in _WRITES:
             await self._collect_garbage()
         return response
@@ -100,10 +105,6 @@ class ClusterEmulator(kmock_lib.KubernetesEmulator):
         response = await super()._handle(request)
         if not selector or response.status != 200:
             return response
-        import json
-
-        import aiohttp.web
-
         body = json.loads(response.body)
         body["items"] = [
             item
@@ -213,13 +214,13 @@ def cluster(kmock, tmp_path, monkeypatch):
     return kmock
 
 
-async def wait_for(predicate, timeout: float = 20.0, what: str = "condition"):
-    """Poll `predicate` (sync) until it returns a truthy value; fail after `timeout` seconds."""
-    deadline = asyncio.get_running_loop().time() + timeout
+async def wait_for(predicate, limit: float = 20.0, what: str = "condition"):
+    """Poll `predicate` (sync) until it returns a truthy value; fail after `limit` seconds."""
+    deadline = asyncio.get_running_loop().time() + limit
     while True:
         value = predicate()
         if value:
             return value
         if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+            raise AssertionError(f"timed out after {limit}s waiting for {what}")
         await asyncio.sleep(0.1)

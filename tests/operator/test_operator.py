@@ -1,6 +1,13 @@
-"""The kopf operator end to end against the API emulator (kmock + the layer in conftest.py)."""
+"""The kopf operator end to end against the API emulator (kmock + the layer in conftest.py).
+
+Each test starts the real operator (`build_registry` + kopf's KopfRunner) against an emulated
+API server on 127.0.0.1, acts like a user or a cluster would, and waits (bounded polling) for
+the operator to converge.
+"""
 
 import asyncio
+import contextlib
+import copy
 
 import kopf
 import pytest
@@ -12,65 +19,296 @@ from dynamograph.operator.handlers import build_registry
 
 from .conftest import EXAMPLES, NAMESPACE, wait_for
 
-pytestmark = pytest.mark.operator
+pytestmark = [
+    pytest.mark.operator,
+    pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning"),
+]
 
 GRAPHS = "dynamograph.io/v1alpha1/dynamographs"
+DEPLOYMENTS = "apps/v1/deployments"
+GRAPH_PATH = f"/apis/dynamograph.io/v1alpha1/namespaces/{NAMESPACE}/dynamographs"
+DEPLOYMENT_PATH = f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments"
+IMAGE = "example.com/dynamograph:test"
+
+OWNED = {
+    "v1/serviceaccounts": ["g-discovery"],
+    "rbac.authorization.k8s.io/v1/roles": ["g-discovery"],
+    "rbac.authorization.k8s.io/v1/rolebindings": ["g-discovery"],
+    "v1/configmaps": ["g-router"],
+    "v1/services": ["g-epp", "g-frontend"],
+    DEPLOYMENTS: ["g-prefill", "g-decode", "g-epp"],
+    "inference.networking.k8s.io/v1/inferencepools": ["g"],
+    "gateway.networking.k8s.io/v1/httproutes": ["g"],
+}
 
 
-def operator_runner(resync: float = 1.0) -> KopfRunner:
+@contextlib.contextmanager
+def running_operator(resync: float = 600.0):
     settings = kopf.OperatorSettings()
     settings.scanning.disabled = True
-    config = OperatorConfig(image="example.com/dynamograph:test", resync_seconds=resync)
-    return KopfRunner(
+    config = OperatorConfig(image=IMAGE, resync_seconds=resync)
+    runner = KopfRunner(
         ["run", "-A", "--standalone"],
         registry=build_registry(config),
         settings=settings,
         timeout=30,
     )
+    with runner:
+        yield runner
+    assert runner.exception is None
+    # No handler failed along the way (kopf logs and retries failures instead of raising).
+    assert "failed with an exception" not in runner.output, runner.output[-4000:]
 
 
-def graph_body(name: str = "agg", example: str = "agg.yaml") -> dict:
-    body = yaml.safe_load((EXAMPLES / example).read_text())
-    body["metadata"] = {"name": name, "namespace": NAMESPACE}
+def disagg_graph() -> dict:
+    body = yaml.safe_load((EXAMPLES / "disagg.yaml").read_text())
+    body["metadata"] = {"name": "g", "namespace": NAMESPACE}
+    body["spec"]["gateway"]["parentRef"] = {"name": "inference-gateway"}
     return body
 
 
-async def test_smoke(cluster):
-    with operator_runner() as runner:
-        await asyncio.sleep(1)
-        await cluster.post(
-            f"/apis/dynamograph.io/v1alpha1/namespaces/{NAMESPACE}/dynamographs", json=graph_body()
+def live(cluster, resource: str, name: str) -> dict | None:
+    try:
+        obj = cluster.objects[resource, NAMESPACE, name]
+    except KeyError:
+        return None
+    return None if obj.deleted else obj.raw
+
+
+def graph_status(cluster) -> dict:
+    return (live(cluster, GRAPHS, "g") or {}).get("status") or {}
+
+
+def condition(status: dict, kind: str) -> dict:
+    return next((c for c in status.get("conditions", []) if c["type"] == kind), {})
+
+
+async def create_graph(cluster, body: dict) -> None:
+    response = await cluster.post(GRAPH_PATH, json=body)
+    assert response.status in (200, 201), await response.text()
+
+
+async def patch_graph(cluster, patch: dict) -> None:
+    response = await cluster.patch(
+        f"{GRAPH_PATH}/g", json=patch, headers={"Content-Type": "application/merge-patch+json"}
+    )
+    assert response.status == 200, await response.text()
+
+
+async def wait_ready(cluster, generation: int = 1) -> dict:
+    def ready():
+        status = graph_status(cluster)
+        return (
+            status
+            if status.get("state") == "ready" and status.get("observedGeneration") == generation
+            else None
         )
 
-        def ready():
-            key = (GRAPHS, NAMESPACE, "agg")
-            try:
-                return (cluster.objects[key].raw.get("status") or {}).get("state") == "ready"
-            except KeyError:
-                return None
+    return await wait_for(ready, 30, f"graph ready at generation {generation}")
 
-        try:
-            await wait_for(ready, 15, "ready")
-        finally:
-            with open("/tmp/dbg3.txt", "w") as f:
-                import json
 
-                for v in cluster.objects[(GRAPHS, NAMESPACE, "agg")].history:
-                    print(
-                        json.dumps(
-                            v
-                            and [
-                                v.raw["metadata"]["resourceVersion"],
-                                v.raw.get("status", {}).get("state"),
-                                [
-                                    (c["type"], c["status"], c["message"][:80])
-                                    for c in v.raw.get("status", {}).get("conditions", [])
-                                ],
-                            ]
-                        ),
-                        file=f,
-                    )
-            with open("/tmp/dbg.txt", "w") as f:
-                for r in list(cluster._requests)[:120]:
-                    print(r.method, r.url.path_qs, str(r.data)[:300], file=f)
-    open("/tmp/dbg2.txt", "w").write(runner.output)
+def writes(cluster) -> int:
+    return len([r for r in list(cluster) if r.method in ("POST", "PATCH", "DELETE")])
+
+
+async def wait_quiet(cluster, quiet: float = 1.5, limit: float = 30.0) -> None:
+    """Wait until nobody has written to the API for `quiet` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit
+    count = writes(cluster)
+    while True:
+        await asyncio.sleep(quiet)
+        if writes(cluster) == count:
+            return
+        count = writes(cluster)
+        if loop.time() > deadline:
+            raise AssertionError(f"still writing to the API after {limit}s")
+
+
+def deployment_patches(cluster, name: str) -> list:
+    path = f"{DEPLOYMENT_PATH}/{name}"
+    return [r for r in list(cluster) if r.method == "PATCH" and r.url.path == path]
+
+
+async def test_create_makes_every_object_and_reports_ready(cluster):
+    with running_operator():
+        await create_graph(cluster, disagg_graph())
+        status = await wait_ready(cluster)
+
+        uid = live(cluster, GRAPHS, "g")["metadata"]["uid"]
+        for resource, names in OWNED.items():
+            for name in names:
+                obj = live(cluster, resource, name)
+                assert obj is not None, f"{resource} {name} was not created"
+                refs = obj["metadata"]["ownerReferences"]
+                assert refs == [
+                    {
+                        "apiVersion": "dynamograph.io/v1alpha1",
+                        "kind": "DynamoGraph",
+                        "name": "g",
+                        "uid": uid,
+                        "controller": True,
+                        "blockOwnerDeletion": True,
+                    }
+                ]
+                assert obj["metadata"]["labels"]["dynamograph.io/graph"] == "g"
+        decode = live(cluster, DEPLOYMENTS, "g-decode")
+        assert decode["spec"]["template"]["spec"]["containers"][0]["image"] == IMAGE
+
+        assert status["services"] == {
+            "prefill": {
+                "replicas": 2,
+                "readyReplicas": 2,
+                "updatedReplicas": 2,
+                "availableReplicas": 2,
+            },
+            "decode": {
+                "replicas": 2,
+                "readyReplicas": 2,
+                "updatedReplicas": 2,
+                "availableReplicas": 2,
+            },
+            "epp": {
+                "replicas": 1,
+                "readyReplicas": 1,
+                "updatedReplicas": 1,
+                "availableReplicas": 1,
+            },
+        }
+        assert (status["replicas"], status["readyReplicas"]) == (5, 5)
+        assert condition(status, "Ready")["status"] == "True"
+        assert condition(status, "Available")["status"] == "True"
+        assert condition(status, "Progressing") | {"lastTransitionTime": None} == {
+            "type": "Progressing",
+            "status": "False",
+            "reason": "RolloutComplete",
+            "message": "every Deployment is rolled out",
+            "lastTransitionTime": None,
+            "observedGeneration": 1,
+        }
+        assert condition(status, "Degraded")["status"] == "False"
+        assert status["endpoint"] == f"http://g-frontend.{NAMESPACE}.svc:8080"
+
+        # Converged: the operator stops writing (its own changes' events cause no more writes).
+        await wait_quiet(cluster, limit=10)
+
+
+async def test_scale_and_image_change_touch_only_what_changed(cluster):
+    with running_operator():
+        await create_graph(cluster, disagg_graph())
+        await wait_ready(cluster)
+        templates = {
+            name: copy.deepcopy(live(cluster, DEPLOYMENTS, name)["spec"]["template"])
+            for name in OWNED[DEPLOYMENTS]
+        }
+        patched_before = {name: len(deployment_patches(cluster, name)) for name in templates}
+
+        # Scale decode 2 -> 3: spec.replicas only, the pod template (so the pods) untouched.
+        await patch_graph(cluster, {"spec": {"services": {"decode": {"replicas": 3}}}})
+        status = await wait_ready(cluster, generation=2)
+        assert status["services"]["decode"]["replicas"] == 3
+        decode = live(cluster, DEPLOYMENTS, "g-decode")
+        assert decode["spec"]["replicas"] == 3
+        assert decode["spec"]["template"] == templates["g-decode"]
+        scale_patches = deployment_patches(cluster, "g-decode")[patched_before["g-decode"] :]
+        assert scale_patches and all(
+            "template" not in p.data.get("spec", {}) for p in scale_patches
+        )
+
+        # New image for prefill only: its template changes (a rolling update), nothing else does.
+        counts = {name: len(deployment_patches(cluster, name)) for name in templates}
+        await patch_graph(
+            cluster, {"spec": {"services": {"prefill": {"image": "example.com/other:2"}}}}
+        )
+        await wait_ready(cluster, generation=3)
+        prefill = live(cluster, DEPLOYMENTS, "g-prefill")
+        assert (
+            prefill["spec"]["template"]["spec"]["containers"][0]["image"] == "example.com/other:2"
+        )
+        assert prefill["metadata"]["generation"] > 1
+        assert len(deployment_patches(cluster, "g-decode")) == counts["g-decode"]
+        assert len(deployment_patches(cluster, "g-epp")) == counts["g-epp"]
+        assert live(cluster, DEPLOYMENTS, "g-epp")["spec"]["template"] == templates["g-epp"]
+
+
+async def test_deleted_deployment_is_recreated(cluster):
+    with running_operator():
+        await create_graph(cluster, disagg_graph())
+        await wait_ready(cluster)
+        old_uid = live(cluster, DEPLOYMENTS, "g-decode")["metadata"]["uid"]
+
+        response = await cluster.delete(f"{DEPLOYMENT_PATH}/g-decode")
+        assert response.status == 200
+
+        def recreated():
+            dep = live(cluster, DEPLOYMENTS, "g-decode")
+            return dep if dep and dep["metadata"]["uid"] != old_uid else None
+
+        dep = await wait_for(recreated, 20, "the decode Deployment to come back")
+        assert dep["spec"]["replicas"] == 2
+        await wait_ready(cluster)
+
+
+async def test_invalid_spec_is_degraded_with_an_event(cluster):
+    body = disagg_graph()
+    # Valid for the CRD schema (extraPodSpec keeps unknown fields), not for a PodSpec.
+    body["spec"]["services"]["decode"]["extraPodSpec"] = {"nodeSelectr": {"gpu": "h100"}}
+    field = "spec.services.decode.extraPodSpec.nodeSelectr"
+    with running_operator():
+        await create_graph(cluster, body)
+
+        def degraded():
+            cond = condition(graph_status(cluster), "Degraded")
+            return cond if cond.get("status") == "True" else None
+
+        cond = await wait_for(degraded, 20, "Degraded=True")
+        assert cond["reason"] == "InvalidSpec"
+        assert field in cond["message"]
+        status = graph_status(cluster)
+        assert status["state"] == "failed"
+        assert condition(status, "Ready")["status"] == "False"
+        # Nothing was created from a spec the operator could not understand.
+        assert live(cluster, DEPLOYMENTS, "g-prefill") is None
+
+        def event():
+            posts = [
+                r.data
+                for r in list(cluster)
+                if r.method == "POST" and r.url.path.endswith("/events")
+            ]
+            return [e for e in posts if e.get("reason") == "InvalidSpec"]
+
+        events = await wait_for(event, 15, "an InvalidSpec Event")
+        assert field in events[0]["message"]
+        assert events[0]["type"] == "Warning"
+        assert events[0]["involvedObject"]["name"] == "g"
+
+        # Fixing the spec heals the graph.
+        await patch_graph(cluster, {"spec": {"services": {"decode": {"extraPodSpec": None}}}})
+        await wait_ready(cluster, generation=2)
+        assert condition(graph_status(cluster), "Degraded")["status"] == "False"
+
+
+async def test_deleting_the_graph_finishes_cleanly(cluster):
+    with running_operator():
+        await create_graph(cluster, disagg_graph())
+        await wait_ready(cluster)
+        assert live(cluster, GRAPHS, "g")["metadata"]["finalizers"]
+
+        response = await cluster.delete(f"{GRAPH_PATH}/g")
+        assert response.status == 200
+        await wait_for(lambda: live(cluster, GRAPHS, "g") is None, 20, "the graph to be deleted")
+
+        # The emulator's garbage collector follows the ownerReferences, as Kubernetes' does. (A
+        # pass already under way when the graph went may still create an object; its owner is
+        # gone, so the collector removes it again, here as in a real cluster.)
+        def all_collected():
+            return all(
+                live(cluster, resource, name) is None
+                for resource, names in OWNED.items()
+                for name in names
+            )
+
+        # The operator goes quiet (no handler keeps acting on the deleted graph) with nothing left.
+        await wait_quiet(cluster)
+        assert all_collected()
