@@ -13,12 +13,11 @@ raise `GraphError` naming the field.
 """
 
 import copy
-from collections.abc import Iterable
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import yaml
-from kubernetes.client import V1PodSpec
 
 from .config import OperatorConfig
 from .models import (
@@ -61,7 +60,15 @@ _ROLES = {
     ComponentType.PREFILL: "prefill",
     ComponentType.DECODE: "decode",
 }
-_POD_SPEC_FIELDS = frozenset(V1PodSpec.attribute_map.values())
+
+
+@functools.cache
+def _pod_spec_fields() -> frozenset[str]:
+    """PodSpec's field names, from the Kubernetes client's model (imported only when needed:
+    the client package is slow to import)."""
+    from kubernetes.client import V1PodSpec
+
+    return frozenset(V1PodSpec.attribute_map.values())
 
 
 @dataclass(frozen=True)
@@ -425,7 +432,7 @@ def _merge(base: Any, extra: Any, path: str) -> Any:
 def merge_extra_pod_spec(
     pod_spec: dict[str, Any], extra: dict[str, Any], path: str
 ) -> dict[str, Any]:
-    unknown = sorted(set(extra) - _POD_SPEC_FIELDS)
+    unknown = sorted(set(extra) - _pod_spec_fields())
     if unknown:
         raise GraphError(
             [
@@ -668,7 +675,3 @@ def desired_objects(
 def object_key(obj: dict[str, Any]) -> tuple[str, str, str]:
     """(apiVersion, kind, name): identifies an object within the graph's namespace."""
     return obj["apiVersion"], obj["kind"], obj["metadata"]["name"]
-
-
-def kinds_of(objects: Iterable[dict[str, Any]]) -> set[tuple[str, str]]:
-    return {(o["apiVersion"], o["kind"]) for o in objects}

@@ -17,6 +17,7 @@ cluster-wide), admission/validation, server-side apply. Merge patches follow RFC
 
 import asyncio
 import datetime
+import functools
 import itertools
 import json
 import os
@@ -164,17 +165,24 @@ def kmock_options(kmock_options):
     return {**kmock_options, "cls": ClusterEmulator}
 
 
+UPSTREAM_CRDS = {
+    "InferencePool": "inference.networking.k8s.io_inferencepools.yaml",
+    "HTTPRoute": "gateway.networking.k8s.io_httproutes.yaml",
+}
+
+
+@functools.cache
+def upstream_crd(kind: str) -> dict:
+    """An upstream CRD from the test data (parsed once: the HTTPRoute CRD is 400 kB of YAML)."""
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    return yaml.load((DATA / "upstream-crds" / UPSTREAM_CRDS[kind]).read_text(), Loader=loader)
+
+
 def declare_resources(emulator) -> None:
     """Builtin kinds plus the CRDs the operator uses, as the real cluster's discovery shows them."""
     emulator.resources.load_bundled()
     all_verbs = {"get", "list", "watch", "create", "patch", "update", "delete"}
-    crd_docs = [crds.build_crd()]
-    for name in (
-        "inference.networking.k8s.io_inferencepools.yaml",
-        "gateway.networking.k8s.io_httproutes.yaml",
-    ):
-        crd_docs.append(yaml.safe_load((DATA / "upstream-crds" / name).read_text()))
-    for crd in crd_docs:
+    for crd in [crds.build_crd(), *(upstream_crd(kind) for kind in UPSTREAM_CRDS)]:
         spec = crd["spec"]
         for version in spec["versions"]:
             if not version.get("served"):

@@ -1,0 +1,65 @@
+{{/* Names and labels shared by the chart's templates. */}}
+
+{{- define "dynamograph.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "dynamograph.selectorLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}-operator
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "dynamograph.labels" -}}
+{{ include "dynamograph.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: dynamograph
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
+
+{{- define "dynamograph.serviceAccountName" -}}
+{{- default (include "dynamograph.fullname" .) .Values.serviceAccount.name -}}
+{{- end -}}
+
+{{- define "dynamograph.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/*
+The operator's permissions on the namespaced objects a graph owns. Least privilege: it never
+updates (PUT) or lists across kinds it does not manage. It holds pods get/list/watch because
+Kubernetes only lets it grant (in each graph's discovery Role) what it holds itself.
+*/}}
+{{- define "dynamograph.namespacedRules" -}}
+- apiGroups: [dynamograph.io]
+  resources: [dynamographs]
+  verbs: [get, list, watch, patch]
+- apiGroups: [dynamograph.io]
+  resources: [dynamographs/status]
+  verbs: [get, patch]
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [""]
+  resources: [services, configmaps, serviceaccounts]
+  verbs: [get, list, create, patch, delete]
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [roles, rolebindings]
+  verbs: [get, list, create, patch, delete]
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [get, list, watch]
+- apiGroups: [inference.networking.k8s.io]
+  resources: [inferencepools]
+  verbs: [get, list, create, patch, delete]
+- apiGroups: [gateway.networking.k8s.io]
+  resources: [httproutes]
+  verbs: [get, list, create, patch, delete]
+- apiGroups: ["", events.k8s.io]
+  resources: [events]
+  verbs: [create]
+{{- end -}}

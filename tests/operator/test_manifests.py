@@ -1,0 +1,385 @@
+"""Spec -> desired objects on the example graphs: contents, and validity against real schemas."""
+
+import copy
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from dynamograph.operator import crds
+from dynamograph.operator.config import OperatorConfig
+from dynamograph.operator.manifests import Owner, desired_objects, merge_extra_pod_spec
+from dynamograph.operator.models import GraphError, load_graph
+
+from .conftest import EXAMPLES, upstream_crd
+from .schemas import validate_against_crd
+
+pytestmark = [
+    pytest.mark.unit,
+    pytest.mark.filterwarnings("ignore::DeprecationWarning:kubernetes_validate"),
+]
+
+CONFIG = OperatorConfig(image="registry.example/dynamograph:1.2.3")
+OWNER_UID = "0c6b3a8e-1111-2222-3333-444455556666"
+K8S_VERSION = "1.33"
+
+
+def build(example: str, mutate=None, name: str | None = None):
+    body = yaml.safe_load((EXAMPLES / example).read_text())
+    if mutate:
+        mutate(body)
+    graph = load_graph(body)
+    owner = Owner(name=graph.name, namespace="serving", uid=OWNER_UID)
+    return graph, {
+        (o["kind"], o["metadata"]["name"]): o for o in desired_objects(graph, owner, CONFIG)
+    }
+
+
+def with_gateway(body):
+    body["spec"]["gateway"]["parentRef"] = {"name": "inference-gateway", "namespace": "gw"}
+
+
+def args_of(container) -> dict[str, str | bool]:
+    """`--flag value` pairs (and bare `--flag`s) of a container's args after the subcommand."""
+    args = container["args"][1:]
+    out: dict[str, str | bool] = {}
+    i = 0
+    while i < len(args):
+        if i + 1 < len(args) and not args[i + 1].startswith("--"):
+            out[args[i]] = args[i + 1]
+            i += 2
+        else:
+            out[args[i]] = True
+            i += 1
+    return out
+
+
+def container(obj, name):
+    return next(c for c in obj["spec"]["template"]["spec"]["containers"] if c["name"] == name)
+
+
+def test_disagg_objects():
+    _, objs = build("disagg.yaml", with_gateway)
+    assert set(objs) == {
+        ("ServiceAccount", "disagg-discovery"),
+        ("Role", "disagg-discovery"),
+        ("RoleBinding", "disagg-discovery"),
+        ("ConfigMap", "disagg-router"),
+        ("Service", "disagg-epp"),
+        ("Service", "disagg-frontend"),
+        ("Deployment", "disagg-prefill"),
+        ("Deployment", "disagg-decode"),
+        ("Deployment", "disagg-epp"),
+        ("InferencePool", "disagg"),
+        ("HTTPRoute", "disagg"),
+    }
+    for obj in objs.values():
+        meta = obj["metadata"]
+        assert meta["namespace"] == "serving"
+        assert meta["ownerReferences"] == [
+            {
+                "apiVersion": "dynamograph.io/v1alpha1",
+                "kind": "DynamoGraph",
+                "name": "disagg",
+                "uid": OWNER_UID,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
+        assert meta["labels"]["app.kubernetes.io/name"] == "dynamograph"
+        assert meta["labels"]["app.kubernetes.io/instance"] == "disagg"
+        assert meta["labels"]["app.kubernetes.io/managed-by"] == "dynamograph-operator"
+        assert meta["labels"]["dynamograph.io/graph"] == "disagg"
+
+
+def test_worker_pods_follow_the_contract():
+    _, objs = build("disagg.yaml")
+    decode = objs["Deployment", "disagg-decode"]
+    pod = decode["spec"]["template"]
+    labels = pod["metadata"]["labels"]
+    assert labels["dynamograph.io/service"] == "decode"
+    assert labels["dynamograph.io/component-type"] == "decode"
+    assert labels["dynamograph.io/serving"] == "true"
+    assert decode["spec"]["replicas"] == 2
+    assert decode["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+    engine = container(decode, "engine")
+    assert engine["command"] == ["dynamograph"] and engine["args"][0] == "worker"
+    assert engine["image"] == CONFIG.image
+    assert args_of(engine) == {
+        "--engine": "mock",
+        "--model": "Qwen/Qwen3-0.6B",
+        "--served-model-name": "qwen",
+        "--role": "decode",
+        "--host": "0.0.0.0",
+        "--port": "8000",
+        "--kv-events-port": "5557",
+        "--kv-replay-port": "5558",
+        "--block-size": "16",
+        "--data-parallel-size": "1",
+        "--num-gpu-blocks": "2048",
+        "--max-num-seqs": "64",
+    }
+    assert {p["name"]: p["containerPort"] for p in engine["ports"]} == {
+        "engine": 8000,
+        "kv-events": 5557,
+        "kv-replay": 5558,
+    }
+    assert engine["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    env = {e["name"]: e for e in engine["env"]}
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert engine[probe]["httpGet"] == {"path": "/health", "port": "engine"}
+
+    frontend = container(decode, "frontend")
+    assert frontend["args"][0] == "frontend"
+    assert args_of(frontend) == {
+        "--host": "0.0.0.0",
+        "--port": "8080",
+        "--engine-url": "http://127.0.0.1:8000",
+        "--mode": "direct",
+        "--discovery": "kubernetes",
+        "--namespace": "serving",
+        "--selector": "dynamograph.io/graph=disagg",
+    }
+    assert frontend["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]
+    assert frontend["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert {"POD_NAME", "POD_IP"} <= {e["name"] for e in frontend["env"]}
+    assert "nvidia.com/gpu" not in str(frontend["resources"])
+
+    # Prefill pods: an engine only, no sidecar, not in the pool.
+    prefill = objs["Deployment", "disagg-prefill"]
+    assert [c["name"] for c in prefill["spec"]["template"]["spec"]["containers"]] == ["engine"]
+    assert args_of(container(prefill, "engine"))["--role"] == "prefill"
+    assert "dynamograph.io/serving" not in prefill["spec"]["template"]["metadata"]["labels"]
+    # A GPU rollout must not need a spare GPU.
+    assert prefill["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+
+
+def test_epp_pod_service_and_config():
+    _, objs = build("disagg.yaml")
+    epp = objs["Deployment", "disagg-epp"]
+    main = container(epp, "epp")
+    args = args_of(main)
+    assert args["--grpc-port"] == "9002" and args["--health-port"] == "9003"
+    assert args["--metrics-port"] == "9090"
+    assert args["--discovery"] == "kubernetes" and args["--namespace"] == "serving"
+    assert args["--selector"] == "dynamograph.io/graph=disagg"
+    assert args["--config"] == "/etc/dynamograph/router/router.yaml"
+    assert args["--overlap-weight"] == "1.0" and args["--temperature"] == "0.0"
+    assert args["--kv-events"] == "on"
+    assert {p["name"]: p["containerPort"] for p in main["ports"]} == {
+        "grpc": 9002,
+        "grpc-health": 9003,
+        "metrics": 9090,
+    }
+    assert main["readinessProbe"]["grpc"] == {"port": 9003}
+    pod = epp["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "disagg-discovery"
+    assert pod["volumes"] == [{"name": "router-config", "configMap": {"name": "disagg-router"}}]
+
+    config = yaml.safe_load(objs["ConfigMap", "disagg-router"]["data"]["router.yaml"])
+    assert config == {
+        "mode": "kv",
+        "block_size": 16,
+        "overlap_weight": 1.0,
+        "temperature": 0.0,
+        "enforce_disagg": False,
+        "kv_events": True,
+    }
+    service = objs["Service", "disagg-epp"]
+    assert service["spec"]["selector"] == {
+        "dynamograph.io/graph": "disagg",
+        "dynamograph.io/service": "epp",
+    }
+    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {
+        "grpc": 9002,
+        "grpc-health": 9003,
+        "metrics": 9090,
+    }
+    role = objs["Role", "disagg-discovery"]
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+    ]
+    binding = objs["RoleBinding", "disagg-discovery"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "disagg-discovery", "namespace": "serving"}
+    ]
+
+
+def test_inference_pool_and_route():
+    _, objs = build("disagg.yaml", with_gateway)
+    pool = objs["InferencePool", "disagg"]
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    assert pool["spec"]["selector"]["matchLabels"] == {
+        "dynamograph.io/graph": "disagg",
+        "dynamograph.io/serving": "true",
+    }
+    assert pool["spec"]["targetPorts"] == [{"number": 8080}]
+    assert pool["spec"]["endpointPickerRef"] == {
+        "kind": "Service",
+        "name": "disagg-epp",
+        "port": {"number": 9002},
+        "failureMode": "FailOpen",
+    }
+    route = objs["HTTPRoute", "disagg"]
+    assert route["spec"]["parentRefs"] == [
+        {
+            "name": "inference-gateway",
+            "namespace": "gw",
+            "group": "gateway.networking.k8s.io",
+            "kind": "Gateway",
+        }
+    ]
+    assert route["spec"]["rules"][0]["backendRefs"] == [
+        {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "disagg"}
+    ]
+    # The pool selects exactly the pods carrying the frontend sidecar on its targetPort.
+    for (kind, _), obj in objs.items():
+        if kind != "Deployment":
+            continue
+        labels = obj["spec"]["template"]["metadata"]["labels"]
+        selected = pool["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        names = [c["name"] for c in obj["spec"]["template"]["spec"]["containers"]]
+        assert selected == ("frontend" in names)
+
+
+def test_no_route_without_parent_ref():
+    _, objs = build("agg.yaml")
+    assert ("HTTPRoute", "agg") not in objs
+    assert objs["InferencePool", "agg"]["spec"]["endpointPickerRef"]["failureMode"] == "FailOpen"
+    worker = objs["Deployment", "agg-worker"]
+    assert worker["spec"]["replicas"] == 4
+    assert args_of(container(worker, "engine"))["--role"] == "aggregated"
+    assert args_of(container(worker, "engine"))["--speedup"] == "1.0"
+
+
+def all_examples():
+    for example in ("agg.yaml", "disagg.yaml"):
+        for mutate in (None, with_gateway):
+            _, objs = build(example, mutate)
+            yield from objs.values()
+
+
+def test_builtin_objects_validate_strictly():
+    checked = 0
+    for obj in all_examples():
+        if obj["kind"] in ("InferencePool", "HTTPRoute"):
+            continue
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+        checked += 1
+    assert checked >= 30
+
+
+def test_custom_objects_validate_against_upstream_crds():
+    kinds = set()
+    for obj in all_examples():
+        if obj["kind"] in ("InferencePool", "HTTPRoute"):
+            validate_against_crd(obj, upstream_crd(obj["kind"]))
+            kinds.add(obj["kind"])
+    assert kinds == {"InferencePool", "HTTPRoute"}
+
+
+def test_service_features_render_and_validate():
+    def mutate(body):
+        worker = body["spec"]["services"]["worker"]
+        worker["dataParallelSize"] = 2
+        worker["resources"] = {"gpu": 2, "cpu": 8, "memory": "64Gi"}
+        worker["envs"] = [
+            {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}},
+            {"name": "LOG", "value": "debug"},
+        ]
+        worker["image"] = "registry.example/custom:9"
+        worker["extraPodSpec"] = {
+            "nodeSelector": {"nvidia.com/gpu.product": "H100"},
+            "tolerations": [
+                {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+            ],
+            "volumes": [{"name": "cache", "emptyDir": {}}],
+            "containers": [
+                {"name": "engine", "volumeMounts": [{"name": "cache", "mountPath": "/cache"}]}
+            ],
+        }
+        body["spec"]["backend"] = "vllm"
+        body["spec"]["model"]["tokenizer"] = "qwen"
+
+    _, objs = build("agg.yaml", mutate)
+    worker = objs["Deployment", "agg-worker"]
+    pod = worker["spec"]["template"]["spec"]
+    engine = container(worker, "engine")
+    assert engine["image"] == "registry.example/custom:9"
+    assert args_of(engine)["--engine"] == "vllm"
+    assert args_of(engine)["--data-parallel-size"] == "2"
+    assert args_of(engine)["--tokenizer"] == "qwen"
+    assert engine["resources"] == {
+        "requests": {"cpu": "8", "memory": "64Gi"},
+        "limits": {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": "2"},
+    }
+    assert engine["volumeMounts"] == [{"name": "cache", "mountPath": "/cache"}]
+    assert engine["startupProbe"]["failureThreshold"] > 100  # vLLM loads for minutes
+    assert {e["name"] for e in engine["env"]} >= {"POD_NAME", "POD_IP", "HF_TOKEN", "LOG"}
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "H100"}
+    assert pod["volumes"] == [{"name": "cache", "emptyDir": {}}]
+    assert [c["name"] for c in pod["containers"]] == ["engine", "frontend"]
+    kubernetes_validate.validate(worker, K8S_VERSION, strict=True)
+
+
+def test_enforce_disagg_reaches_epp_and_sidecars():
+    def mutate(body):
+        body["spec"]["services"]["epp"]["router"]["enforceDisagg"] = True
+
+    _, objs = build("disagg.yaml", mutate)
+    assert args_of(container(objs["Deployment", "disagg-epp"], "epp"))["--enforce-disagg"] is True
+    sidecar = container(objs["Deployment", "disagg-decode"], "frontend")
+    assert args_of(sidecar)["--enforce-disagg"] is True
+
+
+def test_standalone_frontend_service():
+    def mutate(body):
+        body["spec"]["services"]["frontend"] = {
+            "componentType": "frontend",
+            "replicas": 2,
+            "router": {"mode": "round-robin"},
+        }
+
+    _, objs = build("agg.yaml", mutate)
+    frontend = objs["Deployment", "agg-frontend"]
+    main = container(frontend, "frontend")
+    assert "--engine-url" not in args_of(main)
+    assert args_of(main)["--mode"] == "round-robin"
+    assert objs["Service", "agg-frontend"]["spec"]["selector"] == {
+        "dynamograph.io/graph": "agg",
+        "dynamograph.io/component-type": "frontend",
+    }
+    kubernetes_validate.validate(frontend, K8S_VERSION, strict=True)
+
+
+def test_unknown_pod_spec_field_names_the_field():
+    def mutate(body):
+        body["spec"]["services"]["worker"]["extraPodSpec"] = {"nodeSelectr": {}, "tolerations": {}}
+
+    with pytest.raises(GraphError) as info:
+        build("agg.yaml", mutate)
+    paths = [path for path, _ in info.value.errors]
+    assert paths == ["spec.services.worker.extraPodSpec.nodeSelectr"]
+    assert "not a PodSpec field" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("extra", "path"),
+    [
+        ({"tolerations": {"key": "x"}}, "x.tolerations"),
+        ({"containers": [{"image": "nameless"}]}, "x.containers[0]"),
+        ({"nodeSelector": ["a"]}, "x.nodeSelector"),
+    ],
+)
+def test_malformed_extra_pod_spec(extra, path):
+    base = {"containers": [{"name": "engine"}], "nodeSelector": {"a": "b"}}
+    with pytest.raises(GraphError) as info:
+        merge_extra_pod_spec(copy.deepcopy(base), extra, "x")
+    assert info.value.field == path
+
+
+def test_crd_itself_validates():
+    kubernetes_validate.validate(crds.build_crd(), K8S_VERSION, strict=True)
