@@ -113,6 +113,11 @@ async def test_repeated_prefix_lands_on_the_worker_holding_it(gateway):
         assert status == 200
         assert int(headers[WORKER_HEADER]) == holder
     assert len(set(picks)) > 1  # the unrelated requests did not all go to one place
+    # The workers' reported cached tokens came back through the response path.
+    metrics = epp.metrics
+    assert metrics.predicted_cached_tokens._value.get() > 0
+    assert metrics.reported_cached_tokens._value.get() > 0
+    assert 0 < metrics.reuse_captured._value.get() < 1
 
 
 async def test_gateway_returns_epp_refusals_and_routes_gets(gateway):

@@ -19,12 +19,22 @@ import random
 
 import pytest
 
+from dynamograph.epp import index as index_module
 from dynamograph.epp.index import KvIndex
 from dynamograph.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 dynamo = pytest.importorskip("dynamo._core", reason="needs PyPI ai-dynamo-runtime (dev extra)")
 
 pytestmark = [pytest.mark.unit, pytest.mark.anchor]
+
+
+@pytest.fixture(params=["default", "vectorized", "scalar"])
+def paths(request, monkeypatch):
+    """Run with the index's default split, everything as arrays, everything one by one."""
+    limit = {"default": index_module.SCALAR_BLOCKS, "vectorized": 0, "scalar": 1 << 20}
+    monkeypatch.setattr(index_module, "SCALAR_BLOCKS", limit[request.param])
+    return request.param
+
 
 BLOCK = 4
 
@@ -160,8 +170,8 @@ class Fleet:
         return matched
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_overlaps_equal_dynamo_on_random_interleavings(seed):
+@pytest.mark.parametrize("seed", range(3))
+def test_overlaps_equal_dynamo_on_random_interleavings(seed, paths):
     rng = random.Random(seed)
     fleet = Fleet(rng, workers=rng.choice([3, 9, 70]), ranks=rng.choice([1, 2, 4]), alphabet=5)
     matched = 0
@@ -173,7 +183,7 @@ def test_overlaps_equal_dynamo_on_random_interleavings(seed):
     assert fleet.ours.total_blocks() == sum(len(e.held) for e in fleet.engines.values())
 
 
-def test_salted_engine_hashes_match_the_engines_caches():
+def test_salted_engine_hashes_match_the_engines_caches(paths):
     rng = random.Random(7)
     fleet = Fleet(rng, workers=12, ranks=2, alphabet=4, salted=True)
     matched = 0
@@ -184,7 +194,7 @@ def test_salted_engine_hashes_match_the_engines_caches():
     assert matched > 50
 
 
-def test_long_sequences_cross_chunk_boundaries():
+def test_long_sequences_cross_chunk_boundaries(paths):
     """Matches longer than find_matches' first chunks (32, 128 …) still count exactly."""
     rng = random.Random(42)
     fleet = Fleet(rng, workers=4, ranks=2, alphabet=3)

@@ -58,3 +58,22 @@ def test_grows_and_survives_heavy_churn():
             model.update(dict.fromkeys(keys.tolist(), round_))
     probe = np.arange(2, 5000, dtype=np.uint64)
     assert table.get(probe).tolist() == [model.get(k, MISSING) for k in probe.tolist()]
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops_st)
+def test_scalar_and_batch_operations_agree(ops):
+    """put1/get1/pop1 on the same table as the batch operations, against a dict."""
+    table, model = U64Table(capacity=8), {}
+    for n, (op, keys) in enumerate(ops):
+        for i, k in enumerate(keys):
+            if op == "put":
+                assert table.put1(k, n * 100 + i) == model.get(k, MISSING)
+                model[k] = n * 100 + i
+            elif op == "pop":
+                assert table.pop1(k) == model.pop(k, MISSING)
+            else:
+                assert table.get1(k) == model.get(k, MISSING)
+        arr = np.array(list(model) + keys, dtype=np.uint64)
+        assert table.get(arr).tolist() == [model.get(k, MISSING) for k in arr.tolist()]
+        assert len(table) == len(model)

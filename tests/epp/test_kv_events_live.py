@@ -106,3 +106,24 @@ async def test_injected_sequence_gap_triggers_replay():
         assert subscriber.replays > replays_before
         assert epp.metrics.kv_gaps._value.get() >= 1
         assert epp.metrics.kv_replay_failures._value.get() == 0
+
+
+async def test_each_data_parallel_rank_feeds_its_own_slot():
+    async with (
+        mock_worker(model=MODEL, name="kv-dp", data_parallel_size=2) as worker,
+        running_epp([worker]) as epp,
+        aiohttp.ClientSession() as http,
+    ):
+        wid = worker.config.instance_id
+        assert [s.dp_rank for s in epp.kv.subscribers[wid]] == [0, 1]
+        for rank in (0, 1):
+            body = _chat(f"rank {rank} only " * 150)
+            headers = {"X-data-parallel-rank": str(rank)}
+            url = worker.url + "/v1/chat/completions"
+            async with http.post(url, json=body, headers=headers) as response:
+                assert response.status == 200
+            hashes = _hashes(epp, body)
+            await eventually(
+                lambda h=hashes, r=rank: epp.router.index.find_matches(h).get((wid, r), 0) > 0
+            )
+            assert epp.router.index.find_matches(hashes).get((wid, 1 - rank), 0) == 0
