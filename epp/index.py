@@ -18,10 +18,12 @@ Storage, for speed and memory (256 workers × 100k blocks):
   parent (the engine's hashes are opaque: we never compute them);
 - rows nobody holds any more are recycled.
 
-`find_matches` chains the request's hashes in growing chunks (32, 128, 512 … blocks), looks
-each chunk up in one vectorized probe, and ANDs the masks cumulatively: a slot's score is the
-length of the prefix it holds *contiguously*. It stops at the first block no remaining slot
-holds, so a miss costs one small chunk.
+`find_matches` walks the first blocks one by one (a miss costs a few dict-like lookups), then
+chains the rest in growing chunks (64, 256, 1024 … blocks), looks each chunk up in one
+vectorized probe and ANDs the masks cumulatively: a slot's score is the length of the prefix
+it holds *contiguously*. It stops at the first block no remaining slot holds. Events work the
+same way: a few blocks go one by one through the tables' scalar operations, many as whole
+arrays (a numpy call costs about a microsecond before it does anything).
 
 Semantics versus Dynamo's RadixTree (the differential oracle): equal on event streams a vLLM
 engine produces — blocks stored under a parent the engine holds, evicted leaves first. Two
@@ -56,7 +58,8 @@ Slot = tuple[int, int]  # (worker_id, dp_rank)
 _P = 0xC2B2AE3D27D4EB4F  # odd: invertible mod 2^64
 _P_INV = pow(_P, -1, 1 << 64)
 _U64 = (1 << 64) - 1
-_FIRST_CHUNK = 32
+SCALAR_BLOCKS = 32  # events up to this many blocks, and the first blocks of a query, go one by one
+_FIRST_CHUNK = 64
 _CHUNK_GROWTH = 4
 
 
@@ -114,6 +117,13 @@ def engine_keys(hashes: Sequence[int | bytes]) -> np.ndarray:
     return np.maximum(keys, np.uint64(MIN_KEY))
 
 
+def engine_key(value: int | bytes) -> int:
+    """One engine block hash as a table key (the scalar twin of `engine_keys`)."""
+    if type(value) is not int or not 0 <= value <= _U64:
+        value = _fold64(engine_hash_key(value))
+    return value if value >= MIN_KEY else MIN_KEY
+
+
 def _fold64(value: int) -> int:
     out = 0
     while value:
@@ -142,6 +152,15 @@ class KvIndex:
         self._col_slot: list[Slot | None] = []
         self._free_cols: list[int] = []
         self._approx: deque[tuple[float, Slot, np.ndarray]] = deque()
+        self._views()
+
+    def _views(self) -> None:
+        """Memoryviews for the scalar paths; renewed whenever an array is reallocated."""
+        self._words = self._masks.shape[1]
+        self._mask_mv = memoryview(self._masks.reshape(-1))
+        self._mask_bytes = self._mask_mv.cast("B")
+        self._row_key_mv = memoryview(self._row_key)
+        self._free_mv = memoryview(self._free_rows)
 
     # -- slots -----------------------------------------------------------------------------
     def _slot(self, slot: Slot) -> _SlotState:
@@ -153,10 +172,10 @@ class KvIndex:
             else:
                 col = len(self._col_slot)
                 self._col_slot.append(slot)
-                if col >= 64 * self._masks.shape[1]:
-                    words = self._masks.shape[1]
+                if col >= 64 * self._words:
                     self._masks = np.hstack([self._masks, np.zeros_like(self._masks)])
-                    log.debug("index masks widened from %d to %d words", words, 2 * words)
+                    self._views()
+                    log.debug("index masks widened to %d words", self._words)
             state = self._slots[slot] = _SlotState(col)
         return state
 
@@ -197,19 +216,44 @@ class KvIndex:
             self._keys.put(keys[new], fresh)
         return rows
 
+    def _row_for(self, key: int) -> int:
+        row = self._keys.get1(key)
+        if row == MISSING:
+            if self._nfree == 0:
+                self._grow_rows(1)
+            self._nfree -= 1
+            row = self._free_mv[self._nfree]
+            self._row_key_mv[row] = key
+            self._keys.put1(key, row)
+        return row
+
+    def _grow_rows(self, n: int) -> None:
+        old = self._row_key.size
+        size = max(2 * old, old + n)
+        self._row_key = np.concatenate([self._row_key, np.zeros(size - old, np.uint64)])
+        masks = np.zeros((size, self._words), np.uint64)
+        masks[:old] = self._masks
+        self._masks = masks
+        added = np.arange(size - 1, old - 1, -1, dtype=np.int32)
+        self._free_rows = np.concatenate([self._free_rows[: self._nfree], added])
+        self._nfree = self._free_rows.size
+        self._views()
+
     def _alloc_rows(self, n: int) -> np.ndarray:
         if n > self._nfree:
-            old = self._row_key.size
-            size = max(2 * old, old + n)
-            self._row_key = np.concatenate([self._row_key, np.zeros(size - old, np.uint64)])
-            masks = np.zeros((size, self._masks.shape[1]), np.uint64)
-            masks[:old] = self._masks
-            self._masks = masks
-            added = np.arange(size - 1, old - 1, -1, dtype=np.int32)
-            self._free_rows = np.concatenate([self._free_rows[: self._nfree], added])
-            self._nfree = self._free_rows.size
+            self._grow_rows(n)
         self._nfree -= n
         return self._free_rows[self._nfree : self._nfree + n][::-1].copy()
+
+    def _release_rows(self, rows: np.ndarray) -> None:
+        self._keys.pop(self._row_key[rows])
+        if self._nfree + rows.size > self._free_rows.size:
+            grown = np.empty(self._nfree + rows.size, np.int32)
+            grown[: self._nfree] = self._free_rows[: self._nfree]
+            self._free_rows = grown
+            self._free_mv = memoryview(self._free_rows)
+        self._free_rows[self._nfree : self._nfree + rows.size] = rows
+        self._nfree += rows.size
 
     def _drop_bits(self, rows: np.ndarray, column: int) -> None:
         """Clear `column` on `rows`; rows nobody holds any more are recycled."""
@@ -220,14 +264,21 @@ class KvIndex:
         self._masks[rows, word] &= ~np.uint64(1 << bit)
         empty = rows[~self._masks[rows].any(axis=1)]
         if empty.size:
-            empty = np.unique(empty)
-            self._keys.pop(self._row_key[empty])
-            if self._nfree + empty.size > self._free_rows.size:
-                grown = np.empty(self._nfree + empty.size, np.int32)
-                grown[: self._nfree] = self._free_rows[: self._nfree]
-                self._free_rows = grown
-            self._free_rows[self._nfree : self._nfree + empty.size] = empty
-            self._nfree += empty.size
+            self._release_rows(np.unique(empty))
+
+    def _drop_bit(self, row: int, column: int) -> None:
+        """`_drop_bits` for one row."""
+        word, bit = divmod(column, 64)
+        words, mv = self._words, self._mask_mv
+        base = row * words
+        mv[base + word] = mv[base + word] & ~(1 << bit)
+        if not any(mv[base : base + words]):
+            self._keys.pop1(self._row_key_mv[row])
+            if self._nfree == self._free_rows.size:
+                self._release_rows(np.array([row], np.int32))
+                return
+            self._free_mv[self._nfree] = row
+            self._nfree += 1
 
     # -- events ----------------------------------------------------------------------------
     def apply_events(
@@ -264,18 +315,36 @@ class KvIndex:
     ) -> bool:
         """Record blocks stored on `slot` (our per-block hashes given); False when the parent is
         unknown to this slot (the event is skipped, as Dynamo does)."""
-        if len(engine_hashes) == 0:
+        n = len(engine_hashes)
+        if n == 0:
             return True
         state = self._slot(slot)
         parent_key = 0
         if parent_engine_hash is not None:
-            row = int(state.blocks.get(engine_keys([parent_engine_hash]))[0])
+            row = state.blocks.get1(engine_key(parent_engine_hash))
             if row == MISSING:
                 log.debug("slot %s: BlockStored parent unknown; skipped", slot)
                 return False
-            parent_key = int(self._row_key[row])
-        keys = chain_keys(parent_key, as_u64(local_hashes))
-        self._hold(state, engine_keys(engine_hashes), keys)
+            parent_key = self._row_key_mv[row]
+        if n > SCALAR_BLOCKS:
+            keys = chain_keys(parent_key, as_u64(local_hashes))
+            self._hold(state, engine_keys(engine_hashes), keys)
+            return True
+        if isinstance(local_hashes, np.ndarray):
+            local_hashes = local_hashes.tolist()
+        column, blocks, mv = state.column, state.blocks, self._mask_mv
+        word, bit = divmod(column, 64)
+        bit = 1 << bit
+        key = parent_key
+        for engine, local in zip(engine_hashes, local_hashes, strict=True):
+            key = (key * _P + local) & _U64
+            row = self._row_for(key if key >= MIN_KEY else MIN_KEY)
+            old = blocks.put1(engine_key(engine), row)
+            if old != MISSING and old != row:
+                self._drop_bit(old, column)
+            mv = self._mask_mv  # _row_for may have grown the arrays
+            cell = row * self._words + word
+            mv[cell] = mv[cell] | bit
         return True
 
     def _hold(self, state: _SlotState, engine: np.ndarray, keys: np.ndarray) -> None:
@@ -291,8 +360,14 @@ class KvIndex:
         state = self._slots.get(slot)
         if state is None or len(engine_hashes) == 0:
             return
-        rows = state.blocks.pop(engine_keys(engine_hashes))
-        self._drop_bits(rows[rows != MISSING], state.column)
+        if len(engine_hashes) > SCALAR_BLOCKS:
+            rows = state.blocks.pop(engine_keys(engine_hashes))
+            self._drop_bits(rows[rows != MISSING], state.column)
+            return
+        for engine in engine_hashes:
+            row = state.blocks.pop1(engine_key(engine))
+            if row != MISSING:
+                self._drop_bit(row, state.column)
 
     def clear(self, slot: Slot) -> None:
         """AllBlocksCleared: the slot holds nothing (it stays known)."""
@@ -350,38 +425,65 @@ class KvIndex:
         scores: dict[Slot, int] = {}
         if n == 0 or not self._slots:
             return scores
+        # The first blocks one by one: masks as Python ints over all words.
+        head = local_hashes[:SCALAR_BLOCKS]
+        if isinstance(head, np.ndarray):
+            head = head.tolist()
+        width = 8 * self._words
+        mask_bytes, get1 = self._mask_bytes, self._keys.get1
+        key, alive = 0, -1
+        for depth, local in enumerate(head):
+            key = (key * _P + local) & _U64
+            row = get1(key if key >= MIN_KEY else MIN_KEY)
+            held = (
+                0
+                if row == MISSING
+                else int.from_bytes(mask_bytes[row * width : (row + 1) * width], "little")
+            )
+            dropped = alive & ~held
+            alive &= held
+            if dropped and depth:
+                self._credit_int(scores, dropped, depth)
+            if not alive:
+                return scores
+        pos = len(head)
+        if pos == n:
+            self._credit_int(scores, alive, n)
+            return scores
+        # The rest in growing vectorized chunks.
+        alive &= (1 << (8 * width)) - 1  # -1 ("everyone") when no block went one by one
+        words = np.frombuffer(alive.to_bytes(width, "little"), np.uint64).copy()
         is_array = isinstance(local_hashes, np.ndarray)
-        pos, size, parent = 0, _FIRST_CHUNK, 0
-        alive: np.ndarray | None = None  # slots holding every block so far (mask words)
+        size, parent = _FIRST_CHUNK, max(key, MIN_KEY) if pos else 0
         while pos < n:
             part = local_hashes[pos : pos + size]
             keys = chain_keys(parent, part.astype(np.uint64) if is_array else as_u64(part))
             masks = self._masks[self._keys.get(keys, default=0)]
-            if alive is None:
-                alive = masks[0].copy()
-            else:
-                masks[0] &= alive
+            masks[0] &= words
             held = np.bitwise_and.accumulate(masks, axis=0)
-            # A slot drops out at row r when it held row r-1 (or `alive`) but not row r.
-            before = np.vstack([alive[None, :], held[:-1]])
+            # A slot drops out at row r when it held row r-1 (or `words`) but not row r.
+            before = np.vstack([words[None, :], held[:-1]])
             dropped = before & ~held
             for r in np.flatnonzero(dropped.any(axis=1)).tolist():
                 if pos + r:
                     self._credit(scores, dropped[r], pos + r)
-            alive = held[-1]
+            words = held[-1]
             pos += keys.size
-            if not alive.any():
+            if not words.any():
                 return scores
             parent = int(keys[-1])
             size *= _CHUNK_GROWTH
-        self._credit(scores, alive, pos)
+        self._credit(scores, words, pos)
         return scores
 
     def _credit(self, scores: dict[Slot, int], words: np.ndarray, depth: int) -> None:
-        for w, word in enumerate(words.tolist()):
-            while word:
-                low = word & -word
-                slot = self._col_slot[64 * w + low.bit_length() - 1]
-                if slot is not None:
-                    scores[slot] = depth
-                word ^= low
+        self._credit_int(scores, int.from_bytes(words.tobytes(), "little"), depth)
+
+    def _credit_int(self, scores: dict[Slot, int], bits: int, depth: int) -> None:
+        col_slot = self._col_slot
+        while bits:
+            low = bits & -bits
+            slot = col_slot[low.bit_length() - 1]
+            if slot is not None:
+                scores[slot] = depth
+            bits ^= low

@@ -1,14 +1,18 @@
-"""A flat uint64 → int32 hash table on numpy arrays, with whole-batch (vectorized) operations.
+"""A flat uint64 → int32 hash table on numpy arrays: whole-batch (vectorized) operations for many
+keys, and scalar ones (through memoryviews of the same arrays) for one key at a time.
 
 Why not a dict: the KV index holds tens of millions of entries (256 workers × 100k blocks); a
-Python dict spends ~100 bytes per int → int entry, these arrays ~20. And lookups of a whole
-request (hundreds of keys) run as a few numpy operations instead of a Python loop.
+Python dict spends ~100 bytes per int → int entry, these arrays ~20. Lookups of a whole request
+(hundreds of keys) run as a few numpy operations instead of a Python loop, while a single key
+costs no more than a dict lookup (a numpy call costs a microsecond before doing anything).
 
 Layout: `nb` buckets (a power of two) of `B` = 8 keys each (one 64-byte cache line), linear
 probing from bucket to bucket. A key's home bucket comes from Fibonacci hashing of the key. Key
 values 0 and 1 are reserved (EMPTY, TOMBSTONE): callers pass keys ≥ 2. A lookup stops at the
 first bucket that still has an EMPTY cell; deletions leave tombstones (so probe chains stay
 intact) and the table is rebuilt when live + dead cells pass `max_load` of the capacity.
+Inserts always take the first free cell of a bucket, so within a bucket no key follows an EMPTY
+cell: a scalar scan may stop at the first EMPTY it meets.
 """
 
 import numpy as np
@@ -17,12 +21,26 @@ EMPTY = np.uint64(0)
 TOMB = np.uint64(1)
 MIN_KEY = 2
 B = 8
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_GOLD = 0x9E3779B97F4A7C15
+_GOLDEN = np.uint64(_GOLD)
+_U64 = (1 << 64) - 1
 MISSING = -1
 
 
 class U64Table:
-    __slots__ = ("_keys", "_live", "_mask", "_max_load", "_shift", "_used", "_vals")
+    __slots__ = (
+        "_cells",
+        "_keys",
+        "_kmv",
+        "_live",
+        "_mask",
+        "_max_load",
+        "_shift",
+        "_shift_i",
+        "_used",
+        "_vals",
+        "_vmv",
+    )
 
     def __init__(self, capacity: int = 64, max_load: float = 0.6) -> None:
         self._max_load = max_load
@@ -40,9 +58,66 @@ class U64Table:
         self._keys = np.zeros((nb, B), np.uint64)
         self._vals = np.full((nb, B), MISSING, np.int32)
         self._mask = nb - 1
-        self._shift = np.uint64(64 - max(1, nb.bit_length() - 1)) if nb > 1 else np.uint64(63)
+        self._cells = nb * B
+        self._shift_i = 64 - max(1, nb.bit_length() - 1) if nb > 1 else 63
+        self._shift = np.uint64(self._shift_i)
         self._live = 0
         self._used = 0
+        self._kmv = memoryview(self._keys.reshape(-1))
+        self._vmv = memoryview(self._vals.reshape(-1))
+
+    # -- one key at a time (Python ints) ---------------------------------------------------
+    def _start(self, key: int) -> int:
+        return (((key * _GOLD) & _U64) >> self._shift_i & self._mask) * B
+
+    def get1(self, key: int) -> int:
+        kmv, i, cells = self._kmv, self._start(key), self._cells - 1
+        while True:
+            k = kmv[i]
+            if k == key:
+                return self._vmv[i]
+            if k == 0:
+                return MISSING
+            i = (i + 1) & cells
+
+    def put1(self, key: int, val: int) -> int:
+        """Insert or overwrite one key; returns the previous value (-1 when new)."""
+        kmv, i, cells, free = self._kmv, self._start(key), self._cells - 1, -1
+        while True:
+            k = kmv[i]
+            if k == key:
+                old = self._vmv[i]
+                self._vmv[i] = val
+                return old
+            if k < MIN_KEY:
+                if free < 0:
+                    free = i
+                if k == 0:
+                    break
+            i = (i + 1) & cells
+        if kmv[free] == 0:
+            if self._used + 1 > self._max_load * self._cells:
+                self._rebuild(self._live + 1)
+                return self.put1(key, val)
+            self._used += 1
+        kmv[free] = key
+        self._vmv[free] = val
+        self._live += 1
+        return MISSING
+
+    def pop1(self, key: int) -> int:
+        kmv, i, cells = self._kmv, self._start(key), self._cells - 1
+        while True:
+            k = kmv[i]
+            if k == key:
+                val = self._vmv[i]
+                kmv[i] = 1
+                self._vmv[i] = MISSING
+                self._live -= 1
+                return val
+            if k == 0:
+                return MISSING
+            i = (i + 1) & cells
 
     def _home(self, keys: np.ndarray) -> np.ndarray:
         return ((keys * _GOLDEN) >> self._shift).astype(np.intp) & self._mask
