@@ -305,6 +305,12 @@ class Exchange:
                 return [_RESPONSE_TRAILERS_ACK]
         except OpenAIError as error:
             return [self._refuse(error)]
+        except ProtocolViolation:
+            raise
+        except Exception as exc:  # a bug must not hang the client: answer 500 and say so
+            log.exception("endpoint picker failed on a %s message", kind)
+            self.close()
+            return [self._refuse(OpenAIError(500, f"endpoint picker error: {exc!r:.200}"))]
         raise ProtocolViolation(f"unexpected ProcessingRequest without a request kind ({kind})")
 
     def _refuse(self, error: OpenAIError) -> pb.ProcessingResponse:

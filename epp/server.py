@@ -84,6 +84,7 @@ class Epp:
         self._grpc: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None
         self._metrics_runner: web.AppRunner | None = None
+        self._background: set[asyncio.Task] = set()
         self.grpc_port = settings.grpc_port
         self.health_port = settings.health_port
         self.metrics_port = settings.metrics_port
@@ -120,7 +121,9 @@ class Epp:
     def _update_readiness(self) -> None:
         ready = any(w.endpoint for w in self.view.workers.values())
         status = _SERVING if ready else _NOT_SERVING
-        asyncio.get_running_loop().create_task(self.health.set(READINESS, status))
+        task = asyncio.get_running_loop().create_task(self.health.set(READINESS, status))
+        self._background.add(task)  # keep a reference until it ran
+        task.add_done_callback(self._background.discard)
 
     def _snapshot(self) -> dict:
         names = {r.instance_id: r.name for r in self.discovery.records.values()}

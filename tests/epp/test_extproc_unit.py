@@ -82,3 +82,26 @@ other_metric 1
         1: {"waiting": 1.0, "kv_usage": 0.5},
     }
     assert parse_load("vllm:num_requests_running 2\n") == {0: {"running": 2.0}}
+
+
+def test_a_picker_bug_answers_500_not_a_hang():
+    from dynamograph.epp.extproc import Exchange
+    from dynamograph.epp.metrics import EppMetrics
+
+    from .conftest import body_messages, request_headers
+
+    class Broken:
+        def pick(self, path, headers, body, subset):
+            raise RuntimeError("boom")
+
+        def pick_any(self, subset):
+            raise RuntimeError("boom")
+
+    exchange = Exchange(Broken(), EppMetrics(), 1 << 20)
+    assert exchange.on_message(request_headers(content_length=2)) == []
+    (start, end) = body_messages(b"{}", trailing_empty=True)
+    assert exchange.on_message(start) == []
+    (response,) = exchange.on_message(end)
+    assert response.immediate_response.status.code == 500
+    assert b"boom" in response.immediate_response.body
+    assert exchange.done
