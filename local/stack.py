@@ -22,7 +22,7 @@ from pathlib import Path
 import aiohttp
 
 from . import procs
-from .plan import Plan, Probe, ProcessSpec
+from .spec import Plan, Probe, ProcessSpec
 
 STATE_FILE = "state.json"
 

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dynamograph.local.plan import STAGE_ENGINES, STAGE_GATEWAY, STAGE_ROUTERS, plan_graph
+from dynamograph.local.plan import plan_graph
+from dynamograph.local.spec import STAGE_ENGINES, STAGE_GATEWAY, STAGE_ROUTERS
 from dynamograph.local.up import DEFAULT_GRAPH, EXAMPLES
 from dynamograph.operator.models import load_graph
 

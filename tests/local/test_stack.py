@@ -10,7 +10,7 @@ import pytest
 
 from dynamograph.local import procs
 from dynamograph.local.down import stop_run
-from dynamograph.local.plan import Plan, Probe, ProcessSpec
+from dynamograph.local.spec import Plan, Probe, ProcessSpec
 from dynamograph.local.stack import STATE_FILE, Stack, StackError, recorded_runs
 
 pytestmark = pytest.mark.integration

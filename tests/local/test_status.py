@@ -4,7 +4,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from rich.console import Console
 
-from dynamograph.local.plan import Probe, ProcessSpec
+from dynamograph.local.spec import Probe, ProcessSpec
 from dynamograph.local.stack import Running
 from dynamograph.local.status import EngineSample, render, sample_from_metrics
 

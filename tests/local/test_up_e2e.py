@@ -130,6 +130,14 @@ def test_up_refuses_a_second_copy_of_a_running_graph(agg_stack):
     assert result.returncode == 1 and "already running" in result.stderr
 
 
+def test_bench_compares_kv_routing_with_round_robin(agg_stack):
+    result = dynamograph("up", str(agg_stack.path), "--bench", state_dir=agg_stack.state_dir)
+    rows = [line for line in result.stdout.splitlines() if "64/64" in line]
+    assert len(rows) == 2, result.stdout  # both passes, every request answered
+    assert "kv (Envoy + EPP)" in rows[0] and "round-robin" in rows[1]
+    assert all("%" in row for row in rows)  # hit rates measured on the engines
+
+
 def test_down_stops_everything_and_frees_the_ports(agg_stack):
     state = agg_stack.state
     result = agg_stack.down()
