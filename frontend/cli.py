@@ -92,6 +92,11 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
 def graph_from_args(args: argparse.Namespace) -> Discovery | None:
     """The graph's workers; a static frontend with no --worker knows only its own engine."""
     if args.discovery == "static" and not args.worker and not args.workers_file:
+        if args.engine_url is None:
+            raise ValueError(
+                f"--mode {args.mode} without --engine-url needs workers: --worker ENGINE_URL, "
+                "--workers-file FILE or --discovery kubernetes"
+            )
         return None
     return Discovery(source_from_args(args))
 

@@ -1,0 +1,68 @@
+"""`--mode kv`: without a gateway the frontend picks with the router core itself, fed by the
+workers' KV events (or, with `--kv-events off`, by what it routed)."""
+
+import pytest
+
+from dynamograph.frontend.routing import Mode
+from dynamograph.protocol.engine import Role
+from dynamograph.protocol.hashing import block_hashes
+from dynamograph.protocol.tokenization import get_tokenizer
+from dynamograph.worker.testing import mock_worker
+
+from .conftest import client, route, run_frontend, served, wait_until
+
+pytestmark = pytest.mark.integration
+
+PROMPT = "A shared system prompt that many requests repeat, word for word. " * 10
+
+
+def cached_blocks(fe, prompt: str) -> int:
+    """How many of the prompt's blocks the frontend's router believes are cached somewhere."""
+    from dynamograph.epp.scheduler import RouteRequest
+
+    router = fe.picker.router
+    tokens = get_tokenizer("qwen").encode(prompt, add_special_tokens=True)
+    decision = router.schedule(
+        RouteRequest("probe", block_hashes(tokens, router.block_size), len(tokens), query_only=True)
+    )
+    return decision.decode.overlap_blocks
+
+
+@pytest.mark.parametrize("kv_events", [True, False])
+async def test_repeated_prefix_sticks_to_the_worker_that_cached_it(model, kv_events):
+    async with (
+        mock_worker() as a,
+        mock_worker() as b,
+        run_frontend(None, [a, b], mode=Mode.KV, kv_events=kv_events) as fe,
+    ):
+        api = client(fe)
+        await api.completions.create(model=model, prompt=PROMPT, max_tokens=1)
+        first = a if (await served(a))["total"] else b
+        await wait_until(
+            lambda: cached_blocks(fe, PROMPT) > 0, what="the router to learn the cached prefix"
+        )
+        for _ in range(4):
+            out = await api.completions.create(model=model, prompt=PROMPT, max_tokens=1)
+            assert out.usage.prompt_tokens_details.cached_tokens > 0
+        assert (await served(first))["total"] == 5
+        # Bookings are released when requests end: nothing stays active in the router.
+        assert fe.picker.router.active.total_requests() == 0
+
+
+async def test_kv_mode_runs_the_handoff_and_honours_pins(model):
+    async with (
+        mock_worker(role=Role.PREFILL) as prefill,
+        mock_worker(role=Role.DECODE) as decode,
+        mock_worker() as pinned,
+        run_frontend(None, [prefill, decode, pinned], mode=Mode.KV) as fe,
+    ):
+        api = client(fe)
+        out = await api.completions.create(
+            model=model, prompt=PROMPT, max_tokens=2, extra_headers=route(decode)
+        )
+        assert out.usage.prompt_tokens_details.cached_tokens > 0  # pulled from the prefill
+        assert (await served(prefill))["total"] == 1 and (await served(decode))["total"] == 1
+        await api.completions.create(
+            model=model, prompt="x", max_tokens=1, extra_headers=route(pinned)
+        )
+        assert (await served(pinned))["total"] == 1
