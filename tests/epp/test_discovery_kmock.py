@@ -129,3 +129,31 @@ async def test_watch_410_gone_relists(kmock, api):
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+
+
+async def test_discovery_records_come_from_the_pods_engine(kmock, api):
+    from dynamograph.epp.discovery import Discovery
+    from dynamograph.worker.testing import mock_worker
+
+    configuration, v1 = api
+    async with mock_worker(model="Qwen/Qwen3-0.6B", name="pod-w-0") as worker:
+        engine_port = int(worker.url.rsplit(":", 1)[1])
+        discovery = Discovery(KubernetesSource(NS, SELECTOR, configuration, watch_timeout=5))
+        added, removed = [], []
+        discovery.add_listener(added.append, removed.append)
+        await discovery.start()
+        try:
+            await v1.create_namespaced_pod(NS, _pod("w-0", ready=True, engine=engine_port))
+            await eventually(lambda: added)
+            record = added[0]
+            assert record.instance_id == worker.config.instance_id
+            assert record.engine_url == worker.url
+            assert record.serving_endpoint == "127.0.0.1:8080"
+            assert record.config.kv_cache_block_size == worker.config.kv_cache_block_size
+            assert discovery.endpoint_of(record.instance_id) == "127.0.0.1:8080"
+            await v1.delete_namespaced_pod("w-0", NS)
+            await eventually(lambda: removed)
+            assert removed[0].instance_id == record.instance_id
+            assert discovery.get(record.instance_id) is None
+        finally:
+            await discovery.stop()
