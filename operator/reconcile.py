@@ -81,7 +81,10 @@ def merge_patch(actual: Any, desired: Any, last: Any) -> dict[str, Any]:
             if sub:
                 patch[key] = sub
         elif isinstance(want, list):
-            if not contains(have, want) or (key in last and last[key] != want):
+            # Replace when the live list lacks something, or when it may hold what we stopped
+            # wanting (the desired list changed since last time and the live one is not it).
+            changed = key in last and last[key] != want and have != want
+            if changed or not contains(have, want):
                 patch[key] = want
         elif have != want:
             patch[key] = want
