@@ -25,6 +25,7 @@ _FIELDS = {
     "vllm:num_requests_running": "running",
     "vllm:kv_cache_usage_perc": "kv_usage",
 }
+_PREFIXES = tuple(_FIELDS)
 _LINE = re.compile(r"^(vllm:[a-z_]+)(?:\{([^}]*)\})?\s+(\S+)")
 _RANK = re.compile(r'(?:^|,)\s*engine="(\d+)"')
 
@@ -33,7 +34,7 @@ def parse_load(text: str) -> dict[int, dict[str, float]]:
     """{dp_rank: {waiting, running, kv_usage}} from a Prometheus text page (vLLM names)."""
     out: dict[int, dict[str, float]] = {}
     for line in text.splitlines():
-        if not line.startswith("vllm:"):
+        if not line.startswith(_PREFIXES):
             continue
         match = _LINE.match(line)
         if match is None or match.group(1) not in _FIELDS:
