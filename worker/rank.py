@@ -219,6 +219,8 @@ class EngineRank:
             plan = self.scheduler.schedule(self.clock.now)
             self._account_schedule(plan)
             if not plan.scheduled:
+                if plan.preempted:  # the last runner gave way: admit from the queue next
+                    continue
                 await self._idle_step()
                 self._publish()
                 continue

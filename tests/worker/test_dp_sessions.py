@@ -91,3 +91,35 @@ async def test_session_times_out():
             await asyncio.sleep(0.05)
         assert "s2" not in rank.sessions
         assert rank.cache.usage == 0.0
+
+
+async def test_pins_give_way_when_they_alone_block_a_request():
+    config = MockConfig(model=MODEL, kv_events=False, speedup=500.0, num_gpu_blocks=24, port=0)
+    engine = MockEngine(config)
+    await engine.start(1)
+    try:
+        from dynamograph.protocol.nvext import parse_nvext
+
+        rng = np.random.default_rng(1)
+        opened = parse_nvext({"session_control": {"session_id": "s9", "action": "open"}})
+        pinned = GenerateRequest(
+            "pin", rng.integers(1000, 50000, 160).astype("<u4"), 2, nvext=opened
+        )
+        validate_stream(await collect(engine.generate(pinned, RequestContext("pin"))))
+        rank = engine.ranks[0]
+        assert "s9" in rank.sessions
+        # 300 + 60 tokens need 23 of 24 blocks: only the session's 10 pinned blocks stand in the way.
+        big = GenerateRequest("big", rng.integers(1000, 50000, 300).astype("<u4"), 60)
+        usage = validate_stream(await collect(engine.generate(big, RequestContext("big"))))
+        assert usage.completion_tokens == 60
+        assert "s9" not in rank.sessions
+        # Same again, but the request fits at admission and outgrows the unpinned blocks while
+        # decoding: it preempts itself, then the pin gives way.
+        validate_stream(await collect(engine.generate(pinned, RequestContext("pin"))))
+        assert "s9" in rank.sessions
+        grows = GenerateRequest("grows", rng.integers(1000, 50000, 100).astype("<u4"), 150)
+        usage = validate_stream(await collect(engine.generate(grows, RequestContext("grows"))))
+        assert usage.completion_tokens == 150 and "s9" not in rank.sessions
+        assert all(rc == 0 for rc in rank.cache.ref_count)
+    finally:
+        await engine.cleanup()
