@@ -28,6 +28,7 @@ from .models import (
     ComponentType,
     DynamoGraph,
     GraphError,
+    RouterMode,
     RouterSpec,
     ServiceSpec,
 )
@@ -294,22 +295,30 @@ def epp_args(graph: DynamoGraph, owner: Owner, router: RouterSpec) -> list[str]:
         "--temperature",
         str(router.temperature),
         "--kv-events",
-        "on" if router.kv_events else "off",
+        "on" if uses_kv_events(router) else "off",
     ]
     if router.enforce_disagg:
         args.append("--enforce-disagg")
     return args
 
 
-def router_config(graph: DynamoGraph, router: RouterSpec) -> dict[str, Any]:
-    """The EPP's router config file (the router core's RouterConfig fields, snake_case)."""
+def uses_kv_events(router: RouterSpec) -> bool:
+    """`approx` is KV routing without KV events: routed prefixes count as cached for a while."""
+    return router.kv_events and router.mode != RouterMode.APPROX
+
+
+def router_config(router: RouterSpec) -> dict[str, Any]:
+    """The EPP's `--config` file: the router core's RouterConfig fields (epp/config.py).
+
+    `router.config` entries are passed through verbatim (e.g. approx_ttl_s, session_ttl_s); the
+    EPP refuses unknown ones at start-up, which its pod's logs and readiness will show.
+    """
     config: dict[str, Any] = {
-        "mode": str(router.mode),
-        "block_size": graph.spec.kv_block_size,
+        "policy": "kv" if router.mode == RouterMode.APPROX else str(router.mode),
         "overlap_weight": router.overlap_weight,
         "temperature": router.temperature,
+        "use_kv_events": uses_kv_events(router),
         "enforce_disagg": router.enforce_disagg,
-        "kv_events": router.kv_events,
     }
     if router.busy_threshold is not None:
         config["busy_threshold"] = router.busy_threshold
@@ -614,9 +623,7 @@ def desired_objects(
                 "apiVersion": "v1",
                 "kind": "ConfigMap",
                 "metadata": _meta(owner, router_config_name(graph.name), epp_labels),
-                "data": {
-                    ROUTER_CONFIG_FILE: yaml.safe_dump(router_config(graph, router), sort_keys=True)
-                },
+                "data": {ROUTER_CONFIG_FILE: yaml.safe_dump(router_config(router), sort_keys=True)},
             }
         )
         objects.append(

@@ -195,10 +195,15 @@ class RouterSpec(_Model):
         description="refuse (503) instead of serving aggregated when no prefill worker is ready",
     )
     kv_events: bool = Field(
-        default=True, description="consume the engines' KV events (off: approximate from routing)"
+        default=True,
+        description="index the engines' KV events (false, or mode approx: assume routed "
+        "prefixes are cached for a while)",
     )
     busy_threshold: float | None = Field(
-        default=None, gt=0, description="shed load when every worker is above this load"
+        default=None,
+        gt=0,
+        le=1,
+        description="KV usage fraction at which a worker counts as busy; all busy: 429",
     )
     config: dict[str, Any] = Field(
         default_factory=dict,

@@ -181,12 +181,11 @@ def test_epp_pod_service_and_config():
 
     config = yaml.safe_load(objs["ConfigMap", "disagg-router"]["data"]["router.yaml"])
     assert config == {
-        "mode": "kv",
-        "block_size": 16,
+        "policy": "kv",
         "overlap_weight": 1.0,
         "temperature": 0.0,
+        "use_kv_events": True,
         "enforce_disagg": False,
-        "kv_events": True,
     }
     service = objs["Service", "disagg-epp"]
     assert service["spec"]["selector"] == {
@@ -323,6 +322,32 @@ def test_service_features_render_and_validate():
     assert pod["volumes"] == [{"name": "cache", "emptyDir": {}}]
     assert [c["name"] for c in pod["containers"]] == ["engine", "frontend"]
     kubernetes_validate.validate(worker, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize(
+    ("router", "policy", "events"),
+    [
+        ({"mode": "kv"}, "kv", True),
+        ({"mode": "approx", "config": {"approx_ttl_s": 30}}, "kv", False),
+        ({"mode": "least-loaded", "kvEvents": False, "busyThreshold": 0.9}, "least-loaded", False),
+        ({"mode": "round-robin", "config": {"session_ttl_s": 60, "seed": 7}}, "round-robin", True),
+    ],
+)
+def test_router_config_is_what_the_epp_loads(router, policy, events):
+    """Contract test: the ConfigMap's router.yaml loads as the EPP's own RouterConfig."""
+    epp_config = pytest.importorskip("dynamograph.epp.config", reason="the EPP is not built")
+
+    def mutate(body):
+        body["spec"]["services"]["epp"]["router"] = router
+
+    _, objs = build("disagg.yaml", mutate)
+    data = yaml.safe_load(objs["ConfigMap", "disagg-router"]["data"]["router.yaml"])
+    loaded = epp_config.RouterConfig.model_validate(data)
+    assert (str(loaded.policy), loaded.use_kv_events) == (policy, events)
+    for key, value in router.get("config", {}).items():
+        assert getattr(loaded, key) == value
+    epp = container(objs["Deployment", "disagg-epp"], "epp")
+    assert args_of(epp)["--kv-events"] == ("on" if events else "off")
 
 
 def test_enforce_disagg_reaches_epp_and_sidecars():
