@@ -268,6 +268,9 @@ class MockEngine(LLMEngine):
             if self._inflight == 0:
                 self._idle.set()
 
+    def has_request(self, request_id: str) -> bool:
+        return any(rank.has_request(request_id) for rank in self.ranks)
+
     async def abort(self, request_id: str) -> bool:
         return any(rank.abort(request_id) for rank in self.ranks)
 

@@ -148,6 +148,9 @@ class EngineRank:
         s = self.scheduler
         return RankGauges(len(s.running), len(s.waiting) + len(s.loading), self.cache.usage)
 
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._states
+
     def has_session(self, session_id: str) -> bool:
         return session_id in self.sessions
 

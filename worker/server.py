@@ -298,6 +298,8 @@ class WorkerServer:
             tokens = await asyncio.to_thread(request_tokens, self.engine.tokenizer, path, body)
             prefix = "chatcmpl" if path == CHAT_COMPLETIONS else "cmpl"
             request_id = request.headers.get(REQUEST_ID_HEADER) or f"{prefix}-{uuid.uuid4().hex}"
+            if self.engine.has_request(request_id):  # a client reusing an id: keep ours unique
+                request_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
             gen = build_request(
                 request_id, path, body, tokens, nvext,
                 dp_rank=_dp_rank_header(request),

@@ -88,3 +88,16 @@ async def test_models_lists_the_served_name(worker):
     async with client(worker) as c:
         models = await c.models.list()
     assert [m.id for m in models.data] == [MODEL]
+
+
+async def test_reused_request_ids_do_not_collide(worker):
+    import asyncio
+
+    headers = {"x-request-id": "same-id"}
+    async with client(worker) as c:
+        outs = await asyncio.gather(*(
+            c.completions.create(model=MODEL, prompt=f"p{i}", max_tokens=3, extra_headers=headers)
+            for i in range(3)
+        ))  # fmt: skip
+    assert all(o.usage.completion_tokens == 3 for o in outs)
+    assert all(o.id.startswith("same-id") for o in outs) and len({o.id for o in outs}) == 3
