@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import aiohttp
 import numpy as np
 import orjson
+from rich.table import Table
 
 from dynamograph.protocol.engine import ENGINE_PATH, EngineConfig
 from dynamograph.protocol.headers import WORKER_INSTANCE_ID
@@ -245,19 +246,21 @@ async def compare(
     return [kv, rr]
 
 
-def table_rows(results: list[PassResult]) -> list[list]:
-    return [
-        [
+def results_table(results: list[PassResult]) -> Table:
+    table = Table(title="KV-aware routing vs round-robin, same workload shape")
+    for column in COLUMNS:
+        table.add_column(column, justify="left" if column == COLUMNS[0] else "right", no_wrap=True)
+    for r in results:
+        table.add_row(
             r.name,
             f"{r.requests - r.errors}/{r.requests}",
             "-" if r.hit_rate is None else f"{r.hit_rate:.1%}",
-            "-" if r.engine_ttft_ms is None else r.engine_ttft_ms,
-            r.ttft(50),
-            r.ttft(90),
-            r.workers_per_prefix,
-        ]
-        for r in results
-    ]
+            "-" if r.engine_ttft_ms is None else f"{r.engine_ttft_ms:.1f}",
+            f"{r.ttft(50):.1f}",
+            f"{r.ttft(90):.1f}",
+            f"{r.workers_per_prefix:.2f}",
+        )
+    return table
 
 
 COLUMNS = [

@@ -281,16 +281,11 @@ async def _print_status(console: Console, stack: Stack) -> int:
 
 
 async def _bench(console: Console, stack: Stack) -> int:
-    from dynamograph.bench.report import print_table
-
-    from .load import COLUMNS, Workload, compare, table_rows
+    from .load import Workload, compare, results_table
 
     console.print("sending a prefix-heavy workload twice: KV routing, then round-robin …")
     results = await compare(
         stack.plan.base_url, stack.plan.model, stack.running, Workload(), seed=int(time.time())
     )
-    print_table(
-        "KV-aware routing vs round-robin, same workload shape", COLUMNS, table_rows(results)
-    )
-    sys.stdout.flush()
+    console.print(results_table(results))
     return 1 if any(r.errors == r.requests for r in results) else 0
