@@ -231,7 +231,7 @@ async def test_scale_and_image_change_touch_only_what_changed(cluster):
         assert live(cluster, DEPLOYMENTS, "g-epp")["spec"]["template"] == templates["g-epp"]
 
 
-async def test_deleted_deployment_is_recreated(cluster):
+async def test_deleted_or_edited_deployment_is_repaired(cluster):
     with running_operator():
         await create_graph(cluster, disagg_graph())
         await wait_ready(cluster)
@@ -247,6 +247,24 @@ async def test_deleted_deployment_is_recreated(cluster):
         dep = await wait_for(recreated, 20, "the decode Deployment to come back")
         assert dep["spec"]["replicas"] == 2
         await wait_ready(cluster)
+
+        # Someone edits a pod template by hand: the operator puts the spec's version back.
+        hand_edit = {
+            "spec": {"template": {"spec": {"containers": [{"name": "engine", "image": "x/y:z"}]}}}
+        }
+        response = await cluster.patch(
+            f"{DEPLOYMENT_PATH}/g-prefill",
+            json=hand_edit,
+            headers={"Content-Type": "application/merge-patch+json"},
+        )
+        assert response.status == 200
+
+        def reverted():
+            dep = live(cluster, DEPLOYMENTS, "g-prefill")
+            containers = dep["spec"]["template"]["spec"]["containers"]
+            return containers[0].get("image") == IMAGE and len(containers[0]["args"]) > 10
+
+        await wait_for(reverted, 20, "the hand edit to be reverted")
 
 
 async def test_invalid_spec_is_degraded_with_an_event(cluster):
