@@ -119,6 +119,8 @@ def engine_keys(hashes: Sequence[int | bytes]) -> np.ndarray:
 
 def engine_key(value: int | bytes) -> int:
     """One engine block hash as a table key (the scalar twin of `engine_keys`)."""
+    if isinstance(value, np.integer):
+        value = int(value)
     if type(value) is not int or not 0 <= value <= _U64:
         value = _fold64(engine_hash_key(value))
     return value if value >= MIN_KEY else MIN_KEY
@@ -206,25 +208,20 @@ class KvIndex:
 
     # -- rows ------------------------------------------------------------------------------
     def _rows_for(self, keys: np.ndarray) -> np.ndarray:
-        """Rows of `keys`, allocating rows for keys not yet indexed."""
-        rows = self._keys.get(keys)
-        new = rows == MISSING
-        if new.any():
-            fresh = self._alloc_rows(int(new.sum()))
-            rows[new] = fresh
-            self._row_key[fresh] = keys[new]
-            self._keys.put(keys[new], fresh)
+        """Rows of `keys` (distinct), allocating rows for keys not yet indexed."""
+        rows, new = self._keys.add(keys, self._alloc_rows)
+        if new is not None:
+            self._row_key[rows[new]] = keys[new]
         return rows
 
-    def _row_for(self, key: int) -> int:
-        row = self._keys.get1(key)
-        if row == MISSING:
-            if self._nfree == 0:
-                self._grow_rows(1)
-            self._nfree -= 1
-            row = self._free_mv[self._nfree]
-            self._row_key_mv[row] = key
-            self._keys.put1(key, row)
+    def _new_row(self, key: int) -> int:
+        """Allocate a row for a key not yet indexed."""
+        if self._nfree == 0:
+            self._grow_rows(1)
+        self._nfree -= 1
+        row = self._free_mv[self._nfree]
+        self._row_key_mv[row] = key
+        self._keys.put1(key, row)
         return row
 
     def _grow_rows(self, n: int) -> None:
@@ -328,23 +325,34 @@ class KvIndex:
             parent_key = self._row_key_mv[row]
         if n > SCALAR_BLOCKS:
             keys = chain_keys(parent_key, as_u64(local_hashes))
-            self._hold(state, engine_keys(engine_hashes), keys)
+            engine = engine_keys(engine_hashes)
+            if np.unique(engine).size != n:  # a malformed event: the last one of a hash wins
+                _, last = np.unique(engine[::-1], return_index=True)
+                keep = np.sort(n - 1 - last)
+                engine, keys = engine[keep], keys[keep]
+            self._hold(state, engine, keys)
             return True
         if isinstance(local_hashes, np.ndarray):
             local_hashes = local_hashes.tolist()
+        if isinstance(engine_hashes, np.ndarray):
+            engine_hashes = engine_hashes.tolist()
         column, blocks, mv = state.column, state.blocks, self._mask_mv
         word, bit = divmod(column, 64)
         bit = 1 << bit
-        key = parent_key
+        key, get1 = parent_key, self._keys.get1
         for engine, local in zip(engine_hashes, local_hashes, strict=True):
             key = (key * _P + local) & _U64
-            row = self._row_for(key if key >= MIN_KEY else MIN_KEY)
-            old = blocks.put1(engine_key(engine), row)
+            row = get1(key if key >= MIN_KEY else MIN_KEY)
+            if row == MISSING:
+                row = self._new_row(key if key >= MIN_KEY else MIN_KEY)
+                mv = self._mask_mv  # the arrays may have grown
+            if type(engine) is not int or not MIN_KEY <= engine <= _U64:
+                engine = engine_key(engine)
+            old = blocks.put1(engine, row)
             if old != MISSING and old != row:
                 self._drop_bit(old, column)
-            mv = self._mask_mv  # _row_for may have grown the arrays
             cell = row * self._words + word
-            mv[cell] = mv[cell] | bit
+            mv[cell] |= bit
         return True
 
     def _hold(self, state: _SlotState, engine: np.ndarray, keys: np.ndarray) -> None:
@@ -364,10 +372,15 @@ class KvIndex:
             rows = state.blocks.pop(engine_keys(engine_hashes))
             self._drop_bits(rows[rows != MISSING], state.column)
             return
+        if isinstance(engine_hashes, np.ndarray):
+            engine_hashes = engine_hashes.tolist()
+        pop1, column = state.blocks.pop1, state.column
         for engine in engine_hashes:
-            row = state.blocks.pop1(engine_key(engine))
+            if type(engine) is not int or not MIN_KEY <= engine <= _U64:
+                engine = engine_key(engine)
+            row = pop1(engine)
             if row != MISSING:
-                self._drop_bit(row, state.column)
+                self._drop_bit(row, column)
 
     def clear(self, slot: Slot) -> None:
         """AllBlocksCleared: the slot holds nothing (it stays known)."""

@@ -42,7 +42,7 @@ class U64Table:
         "_vmv",
     )
 
-    def __init__(self, capacity: int = 64, max_load: float = 0.6) -> None:
+    def __init__(self, capacity: int = 64, max_load: float = 0.7) -> None:
         self._max_load = max_load
         self._alloc(max(1, int(np.ceil(capacity / (B * max_load)))))
 
@@ -67,11 +67,9 @@ class U64Table:
         self._vmv = memoryview(self._vals.reshape(-1))
 
     # -- one key at a time (Python ints) ---------------------------------------------------
-    def _start(self, key: int) -> int:
-        return (((key * _GOLD) & _U64) >> self._shift_i & self._mask) * B
-
     def get1(self, key: int) -> int:
-        kmv, i, cells = self._kmv, self._start(key), self._cells - 1
+        kmv, cells = self._kmv, self._cells - 1
+        i = (((key * _GOLD) & _U64) >> self._shift_i & self._mask) * B
         while True:
             k = kmv[i]
             if k == key:
@@ -82,7 +80,8 @@ class U64Table:
 
     def put1(self, key: int, val: int) -> int:
         """Insert or overwrite one key; returns the previous value (-1 when new)."""
-        kmv, i, cells, free = self._kmv, self._start(key), self._cells - 1, -1
+        kmv, cells, free = self._kmv, self._cells - 1, -1
+        i = (((key * _GOLD) & _U64) >> self._shift_i & self._mask) * B
         while True:
             k = kmv[i]
             if k == key:
@@ -106,7 +105,8 @@ class U64Table:
         return MISSING
 
     def pop1(self, key: int) -> int:
-        kmv, i, cells = self._kmv, self._start(key), self._cells - 1
+        kmv, cells = self._kmv, self._cells - 1
+        i = (((key * _GOLD) & _U64) >> self._shift_i & self._mask) * B
         while True:
             k = kmv[i]
             if k == key:
@@ -153,18 +153,10 @@ class U64Table:
         return out
 
     def put(self, keys: np.ndarray, vals: np.ndarray) -> np.ndarray:
-        """Insert or overwrite; returns the previous values (-1 where new). Last duplicate wins."""
+        """Insert or overwrite distinct `keys`; returns the previous values (-1 where new)."""
         if keys.size == 0:
             return np.empty(0, np.int32)
         vals = np.asarray(vals, np.int32)
-        if keys.size > 1:
-            # keep the last occurrence of each key
-            rev_unique, rev_idx = np.unique(keys[::-1], return_index=True)
-            if rev_unique.size != keys.size:
-                keep = np.sort(keys.size - 1 - rev_idx)
-                old_all = np.full(keys.size, MISSING, np.int32)
-                old_all[keep] = self.put(keys[keep], vals[keep])
-                return old_all
         bucket, col = self._locate(keys)
         found = col >= 0
         old = np.full(keys.size, MISSING, np.int32)
@@ -172,10 +164,26 @@ class U64Table:
             fb, fc = bucket[found], col[found]
             old[found] = self._vals[fb, fc]
             self._vals[fb, fc] = vals[found]
-        if not found.all():
-            new = ~found
-            self._insert(keys[new], vals[new], bucket[new])
+            if found.all():
+                return old
+        new = ~found
+        self._insert(keys[new], vals[new], bucket[new])
         return old
+
+    def add(self, keys: np.ndarray, make_vals) -> tuple[np.ndarray, np.ndarray | None]:
+        """Values of distinct `keys`, inserting `make_vals(count)` for the absent ones; also
+        which keys were new (None when none was)."""
+        bucket, col = self._locate(keys)
+        found = col >= 0
+        out = np.empty(keys.size, np.int32)
+        out[found] = self._vals[bucket[found], col[found]]
+        if found.all():
+            return out, None
+        new = ~found
+        vals = np.asarray(make_vals(int(new.sum())), np.int32)
+        out[new] = vals
+        self._insert(keys[new], vals, bucket[new])
+        return out, new
 
     def pop(self, keys: np.ndarray) -> np.ndarray:
         """Delete `keys`; returns their values (-1 where absent), one per distinct key."""
@@ -204,7 +212,11 @@ class U64Table:
         return self._vals[self._keys >= MIN_KEY]
 
     def _insert(self, keys: np.ndarray, vals: np.ndarray, start: np.ndarray) -> None:
-        """Place keys known to be absent, starting their probe at bucket `start`."""
+        """Place keys known to be absent (and distinct), probing from bucket `start`.
+
+        Each key writes itself into the first free cell of its bucket; where several keys of
+        the batch picked the same cell one of them won, and the others try again.
+        """
         n = keys.size
         if (self._used + n) > self._max_load * self._keys.size:
             self._rebuild(self._live + n)
@@ -213,29 +225,29 @@ class U64Table:
         self._used += n
         b = start
         while True:
-            # Several keys may want the same bucket: the k-th of them takes its k-th free cell.
-            order = np.argsort(b, kind="stable")
-            keys, vals, b = keys[order], vals[order], b[order]
-            first = np.searchsorted(b, b, side="left")
-            rank = np.arange(b.size) - first
             rows = self._keys[b]
             free = rows < MIN_KEY
-            used_tomb = rows == TOMB
-            target = free & (free.cumsum(axis=1) == (rank + 1)[:, None])
-            ok = target.any(axis=1)
-            cols = target.argmax(axis=1)
-            ob, oc = b[ok], cols[ok]
-            # a tombstone reused is no new used cell
-            self._used -= int(used_tomb[ok, oc].sum())
-            self._keys[ob, oc] = keys[ok]
-            self._vals[ob, oc] = vals[ok]
-            if ok.all():
+            col = free.argmax(axis=1)
+            fits = free[np.arange(b.size), col]
+            cb, cc = b[fits], col[fits]
+            was = rows[fits, cc]
+            self._keys[cb, cc] = keys[fits]
+            won = self._keys[cb, cc] == keys[fits]
+            wb, wc = cb[won], cc[won]
+            self._vals[wb, wc] = vals[fits][won]
+            self._used -= int((was[won] == TOMB).sum())  # a reused tombstone is no new cell
+            if won.all() and fits.all():
                 return
-            rest = ~ok
-            keys, vals, b = keys[rest], vals[rest], (b[rest] + 1) & self._mask
+            again = ~fits
+            again[np.flatnonzero(fits)[~won]] = True
+            keys, vals = keys[again], vals[again]
+            # a key whose bucket filled up moves on; one that lost a race retries its bucket
+            b = np.where(fits[again], b[again], (b[again] + 1) & self._mask)
 
     def _rebuild(self, live: int) -> None:
+        """Re-insert the live keys into the smallest power-of-two table that holds `live` keys
+        within `max_load` (so growth doubles, and a table full of tombstones does not grow)."""
         keys, vals = self.items()
-        self._alloc(max(1, int(np.ceil(2 * max(live, 1) / (B * self._max_load)))))
+        self._alloc(max(1, int(np.ceil(max(live, 1) / (B * self._max_load)))))
         if keys.size:
             self._insert(keys, vals, self._home(keys))

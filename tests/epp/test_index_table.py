@@ -20,19 +20,12 @@ def test_matches_a_dict(ops):
     table, model = U64Table(capacity=8), {}
     for n, (op, keys) in enumerate(ops):
         arr = np.array(keys, dtype=np.uint64)
-        if op == "put":
-            vals = np.arange(len(keys), dtype=np.int32) + 100 * n
+        if op == "put":  # batch writes take distinct keys
+            arr = np.array(list(dict.fromkeys(keys)), dtype=np.uint64)
+            vals = np.arange(arr.size, dtype=np.int32) + 100 * n
             old = table.put(arr, vals)
-            expected_old = []
-            for k, v in zip(keys, vals.tolist(), strict=True):
-                expected_old.append(model.get(k, MISSING))
-                model[k] = v
-            # with duplicates in the batch only the last occurrence is written
-            assert all(
-                o == e
-                for o, e, k in zip(old, expected_old, keys, strict=True)
-                if keys.count(k) == 1
-            )
+            assert old.tolist() == [model.get(k, MISSING) for k in arr.tolist()]
+            model.update(zip(arr.tolist(), vals.tolist(), strict=True))
         elif op == "pop":
             got = table.pop(arr)
             distinct = sorted(set(keys)) if len(set(keys)) != len(keys) else keys
@@ -42,6 +35,15 @@ def test_matches_a_dict(ops):
         assert len(table) == len(model)
     k, v = table.items()
     assert dict(zip(k.tolist(), v.tolist(), strict=True)) == model
+
+
+def test_add_inserts_only_the_absent_keys():
+    table = U64Table()
+    table.put(np.array([5, 6], np.uint64), np.array([50, 60], np.int32))
+    vals, new = table.add(np.array([6, 7, 8], np.uint64), lambda n: np.arange(n) + 70)
+    assert vals.tolist() == [60, 70, 71] and new.tolist() == [False, True, True]
+    assert table.add(np.array([5, 7], np.uint64), lambda n: 1 / 0)[1] is None
+    assert table.get(np.array([5, 6, 7, 8, 9], np.uint64)).tolist() == [50, 60, 70, 71, MISSING]
 
 
 def test_grows_and_survives_heavy_churn():
@@ -54,6 +56,7 @@ def test_grows_and_survives_heavy_churn():
             for k in set(keys.tolist()):
                 model.pop(k, None)
         else:
+            keys = np.unique(keys)
             table.put(keys, np.full(keys.size, round_, np.int32))
             model.update(dict.fromkeys(keys.tolist(), round_))
     probe = np.arange(2, 5000, dtype=np.uint64)
