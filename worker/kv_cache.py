@@ -162,7 +162,7 @@ class KvCache:
             self.cached[h] = b
             self.block_hash[b] = h
             stored_hashes.append(h)
-            stored_tokens.extend(int(t) for t in token_ids[i * bs : (i + 1) * bs])
+            stored_tokens.extend(token_ids[i * bs : (i + 1) * bs].tolist())
         if stored_hashes:
             self._stored(stored_hashes, first_parent, stored_tokens)
         return len(hashes) - start
