@@ -193,6 +193,48 @@ async def test_create_makes_every_object_and_reports_ready(cluster):
         await wait_quiet(cluster, limit=10)
 
 
+async def test_status_follows_the_deployments(cluster):
+    """Status is kept current by the watch on owned Deployments (the timer is 10 minutes away)."""
+    cluster.rollouts_complete = False  # pods come up only when this test says so
+    with running_operator():
+        await create_graph(cluster, disagg_graph())
+
+        def state(expected):
+            return lambda: graph_status(cluster).get("state") == expected
+
+        await wait_for(state("pending"), 20, "state pending")
+        assert condition(graph_status(cluster), "Available")["status"] == "False"
+
+        async def report(name: str, ready: int) -> None:
+            dep = live(cluster, DEPLOYMENTS, name)
+            status = {
+                "observedGeneration": dep["metadata"]["generation"],
+                "replicas": dep["spec"]["replicas"],
+                "updatedReplicas": dep["spec"]["replicas"],
+                "readyReplicas": ready,
+                "availableReplicas": ready,
+            }
+            response = await cluster.patch(
+                f"{DEPLOYMENT_PATH}/{name}/status",
+                json={"status": status},
+                headers={"Content-Type": "application/merge-patch+json"},
+            )
+            assert response.status == 200
+
+        await report("g-decode", 1)
+        await wait_for(state("progressing"), 20, "state progressing")
+        status = graph_status(cluster)
+        assert status["services"]["decode"]["readyReplicas"] == 1
+        progressing = condition(status, "Progressing")
+        assert progressing["status"] == "True" and "decode: 1/2 ready" in progressing["message"]
+
+        for name in ("g-decode", "g-prefill", "g-epp"):
+            ready = live(cluster, DEPLOYMENTS, name)["spec"]["replicas"]
+            await report(name, ready)
+        status = await wait_ready(cluster)
+        assert condition(status, "Available")["status"] == "True"
+
+
 async def test_scale_and_image_change_touch_only_what_changed(cluster):
     with running_operator():
         await create_graph(cluster, disagg_graph())
