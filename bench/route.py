@@ -18,20 +18,31 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import orjson
+
 from dynamograph.local.procs import PortPool
 from dynamograph.protocol.tokenization import get_tokenizer
 
 from .report import add_output_argument, print_table, write_json
 from .route_client import completion_body, replay
-from .route_fleet import WorkerSpec, scrape_workers, stop_all, wait_http, worker_procs
+from .route_fleet import LaunchError, WorkerSpec, scrape_workers, stop_all, wait_http, worker_procs
 from .route_metrics import PolicyMetrics, summarize
 from .route_plots import write_plots
 from .route_routers import DEFAULT_POLICIES, POLICIES, serve
-from .trace import DEFAULT_TRACE, compress, inherent_reuse, load_trace
+from .trace import (
+    DEFAULT_TRACE,
+    TraceError,
+    compress,
+    inherent_reuse,
+    load_trace,
+    resolve_trace,
+    sample_families,
+)
 
 log = logging.getLogger(__name__)
 
-QUICK = {"workers": 4, "limit": 600, "compression": 10.0}
+FULL = {"workers": 8, "families": 1.0, "compression": 8.0}
+QUICK = {"workers": 4, "families": 0.1, "compression": 40.0}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,14 +54,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--workers", type=int, default=None, help="mock workers (default 8)")
     parser.add_argument(
-        "--limit", type=int, default=None, help="replay only the first N requests (default: all)"
+        "--families",
+        type=float,
+        default=None,
+        help="replay a seeded fraction of the trace's prefix families, whole (default 1 = all)",
+    )
+    parser.add_argument(
+        "--limit", type=int, default=None, help="then keep only the first N requests"
     )
     parser.add_argument(
         "--compression",
         type=float,
         default=None,
         help="time compression: arrivals this many times faster, engines simulate this many "
-        "times faster (default 8)",
+        f"times faster (default {FULL['compression']:g}, quick {QUICK['compression']:g})",
     )
     parser.add_argument(
         "--policies",
@@ -63,8 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help=f"a few minutes: {QUICK['workers']} workers, the first {QUICK['limit']} requests, "
-        f"compression {QUICK['compression']:g} (explicit flags win)",
+        help=f"a few minutes: {QUICK['workers']} workers, {QUICK['families']:.0%} of the prefix "
+        f"families, compression {QUICK['compression']:g} (explicit flags win)",
     )
     spec = WorkerSpec()
     parser.add_argument("--model", default=spec.model, help="served model name of the fleet")
@@ -75,6 +92,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="KV blocks per worker (default: an 8B model's KV cache on one 80 GB GPU)",
     )
     parser.add_argument("--block-size", type=int, default=spec.block_size)
+    parser.add_argument(
+        "--stream",
+        action="store_true",
+        help="stream answers (client-side TTFT too); every token then crosses the router, which "
+        "costs this host CPU that the time compression multiplies",
+    )
     parser.add_argument(
         "--max-in-flight", type=int, default=1024, help="client cap; arrivals over it are shed"
     )
@@ -87,19 +110,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 @dataclass(frozen=True)
 class Setup:
     workers: int
-    limit: int | None
+    families: float
     compression: float
+    limit: int | None = None
 
 
 def resolve(args: argparse.Namespace) -> Setup:
-    base = QUICK if args.quick else {"workers": 8, "limit": None, "compression": 8.0}
+    base = QUICK if args.quick else FULL
     setup = Setup(
         workers=args.workers if args.workers is not None else base["workers"],
-        limit=args.limit if args.limit is not None else base["limit"],
+        families=args.families if args.families is not None else base["families"],
         compression=args.compression if args.compression is not None else base["compression"],
+        limit=args.limit,
     )
-    if setup.workers < 1 or setup.compression <= 0:
-        raise ValueError("--workers must be ≥ 1 and --compression > 0")
+    if setup.workers < 1 or setup.compression <= 0 or not 0 < setup.families <= 1:
+        raise ValueError("--workers must be ≥ 1, --compression > 0, --families in (0, 1]")
     return setup
 
 
@@ -136,7 +161,11 @@ async def _run_policy(name, setup, spec, offsets, bodies, args, logs):
 
 
 async def _run(args, setup: Setup) -> int:
-    requests = load_trace(args.trace, setup.limit)
+    args.trace = resolve_trace(args.trace)
+    requests = load_trace(args.trace)
+    if setup.families < 1:
+        requests = sample_families(requests, setup.families)
+    requests = requests[: setup.limit]
     reuse = inherent_reuse(requests)
     offsets = compress(requests, setup.compression)
     spec = WorkerSpec(
@@ -157,7 +186,10 @@ async def _run(args, setup: Setup) -> int:
     from .trace import PromptSynthesizer
 
     synth = PromptSynthesizer(get_tokenizer("qwen"))
-    bodies = [completion_body(args.model, synth.text(r), r.output_length) for r in requests]
+    bodies = [
+        completion_body(args.model, synth.text(r), r.output_length, stream=args.stream)
+        for r in requests
+    ]
     logs = args.out / "route-logs"
     metrics: list[PolicyMetrics] = []
     all_results = {}
@@ -177,6 +209,7 @@ async def _run(args, setup: Setup) -> int:
         )
         metrics.append(m)
         all_results[name] = results
+        _write_requests(logs / name / "requests.jsonl", results)
         print(
             f"  {name}: done in {time.monotonic() - started:.0f} s; ok {m.ok}, shed {m.shed}, "
             f"errors {m.errors}" + (f" (first: {m.first_error})" if m.first_error else ""),
@@ -188,45 +221,44 @@ async def _run(args, setup: Setup) -> int:
 
 def _report(args, setup, spec, requests, reuse, metrics, all_results) -> None:
     rr = next((m for m in metrics if m.policy == "round-robin"), None)
-    rows = []
+    title = f"{len(requests)} requests, {setup.workers} workers, inherent reuse {reuse:.1%}"
+    quality, latency = [], []
     for m in metrics:
-        speedup = rr.ttft_p50_s / m.ttft_p50_s if rr and rr.ttft_p50_s and m.ttft_p50_s else None
-        rows.append(
+        vs_rr = rr.ttft_p50_s / m.ttft_p50_s if rr and rr.ttft_p50_s and m.ttft_p50_s else None
+        quality.append(
             [
                 m.policy,
                 _s(m.ttft_p50_s),
                 _s(m.ttft_p90_s),
                 _s(m.ttft_p99_s),
-                _s(m.e2e_p50_s),
-                _s(m.e2e_p99_s),
-                f"{m.throughput_tok_s:,.0f}",
+                f"{vs_rr:.2f}x" if vs_rr else "-",
                 f"{m.hit_rate:.1%}",
                 f"{m.reuse_captured:.1%}",
                 f"{m.imbalance:.2f}" if m.imbalance else "-",
-                str(m.shed),
-                str(m.errors),
-                f"{speedup:.2f}×" if speedup else "-",
             ]
         )
-    title = f"{len(requests)} requests, {setup.workers} workers, inherent reuse {reuse:.1%}"
+        latency.append(
+            [
+                m.policy,
+                _s(m.client_ttft_p50_s),
+                _s(m.e2e_p50_s),
+                _s(m.e2e_p99_s),
+                _s(m.outside_engine_p50_s),
+                f"{m.throughput_tok_s:,.0f}",
+                f"{m.ok}/{m.requests}",
+                str(m.shed),
+                str(m.errors),
+            ]
+        )
     print_table(
-        f"routing quality ({title}; latencies in trace seconds)",
-        [
-            "policy",
-            "TTFT p50",
-            "p90",
-            "p99",
-            "e2e p50",
-            "e2e p99",
-            "out tok/s",
-            "hit rate",
-            "reuse captured",
-            "imbalance",
-            "shed",
-            "errors",
-            "p50 vs RR",
-        ],
-        rows,
+        f"routing quality: {title} (TTFT: engine-reported, simulated seconds)",
+        ["policy", "TTFT p50", "p90", "p99", "p50 vs RR", "hit rate", "reuse capt.", "imbal."],
+        quality,
+    )
+    print_table(
+        f"client view (wall x {setup.compression:g} = trace seconds)",
+        ["policy", "TTFT p50", "e2e p50", "e2e p99", "outside", "out tok/s", "ok", "shed", "err"],
+        latency,
     )
     write_json(
         args.out,
@@ -236,21 +268,24 @@ def _report(args, setup, spec, requests, reuse, metrics, all_results) -> None:
             "requests": len(requests),
             "inherent_reuse": reuse,
             "workers": setup.workers,
+            "families": setup.families,
             "compression": setup.compression,
+            "stream": args.stream,
             "worker_spec": spec.__dict__,
             "policies": {m.policy: m.as_dict() for m in metrics},
             "descriptions": {m.policy: POLICIES[m.policy].description for m in metrics},
         },
     )
-    for path in write_plots(
-        args.out,
-        metrics,
-        all_results,
-        inherent_reuse=reuse,
-        time_scale=setup.compression,
-        title=title,
-    ):
+    for path in write_plots(args.out, metrics, all_results, inherent_reuse=reuse, title=title):
         print(f"wrote {path}")
+
+
+def _write_requests(path: Path, results) -> None:
+    """Every request's outcome, for digging into a run (not part of the summary)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("wb") as f:
+        for r in results:
+            f.write(orjson.dumps(r, option=orjson.OPT_SERIALIZE_DATACLASS) + b"\n")
 
 
 def _s(value: float | None) -> str:
@@ -263,4 +298,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"bench route: {exc}")
         return 2
-    return asyncio.run(_run(args, setup))
+    try:
+        return asyncio.run(_run(args, setup))
+    except (TraceError, LaunchError) as exc:
+        print(f"bench route: {exc}")
+        return 2

@@ -1,10 +1,12 @@
 """Open-loop replay client: sends each trace request at its (compressed) arrival time.
 
 Open loop means arrivals never wait for answers: a slow router builds a queue, as real traffic
-would. Every request streams (`stream: true` with usage) so the first token's arrival gives
-TTFT and the last chunk's `usage.prompt_tokens_details.cached_tokens` gives the prefix hits
-the engine actually had. In-flight requests are capped: an arrival over the cap is shed and
-counted, never queued, so the replay cannot turn into a closed loop.
+would. Every answer's `usage.prompt_tokens_details.cached_tokens` gives the prefix hits the
+engine actually had, and `nvext` (asked for with `extra_fields`) names the worker and carries
+the engine's simulated timing. Streaming requests also give a client-side TTFT (first token's
+arrival); without streaming the client measures only end-to-end latency. In-flight requests
+are capped: an arrival over the cap is shed and counted, never queued, so the replay cannot
+turn into a closed loop.
 """
 
 from __future__ import annotations
@@ -22,25 +24,27 @@ COMPLETIONS = "/v1/completions"
 SHED_STATUSES = {429, 503}
 
 
-def completion_body(model: str, prompt: str, max_tokens: int) -> bytes:
-    return orjson.dumps(
-        {
-            "model": model,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "min_tokens": max_tokens,
-            "ignore_eos": True,
-            "temperature": 0.0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-    )
+def completion_body(model: str, prompt: str, max_tokens: int, *, stream: bool = False) -> bytes:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "min_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": stream,
+        # The engine reports who served the request and its simulated timing (DESIGN §3.1).
+        "nvext": {"extra_fields": ["worker_id", "timing"]},
+    }
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return orjson.dumps(body)
 
 
 async def send_one(
     session: aiohttp.ClientSession, url: str, body: bytes, result: RequestResult
 ) -> RequestResult:
-    """POST one streaming completion and fill `result` with what happened."""
+    """POST one completion (streaming or not, as the body says) and fill `result`."""
     start = time.perf_counter()
     try:
         async with session.post(
@@ -52,38 +56,63 @@ async def send_one(
                 result.status = SHED if resp.status in SHED_STATUSES else ERROR
                 result.error = f"HTTP {resp.status}: {text}"
                 return result
-            chunks = 0
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
-                event = orjson.loads(data)
-                if event.get("error"):
-                    result.error = f"stream error: {str(event['error'])[:300]}"
-                    return result
-                choices = event.get("choices") or []
-                if choices and (choices[0].get("text") or choices[0].get("delta")):
-                    chunks += 1
-                    if result.ttft_s is None:
-                        result.ttft_s = time.perf_counter() - start
-                usage = event.get("usage")
-                if usage:
-                    result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-                    result.output_tokens = int(usage.get("completion_tokens") or 0)
-                    details = usage.get("prompt_tokens_details") or {}
-                    result.cached_tokens = int(details.get("cached_tokens") or 0)
+            if resp.content_type == "text/event-stream":
+                await _read_stream(resp, result, start)
+            else:
+                _read_event(orjson.loads(await resp.read()), result, start, False)
             result.e2e_s = time.perf_counter() - start
-            if result.ttft_s is None:
-                result.error = "stream ended without a token"
-                return result
-            result.output_tokens = result.output_tokens or chunks
-            result.status = OK
+            if result.error is None and result.output_tokens == 0:
+                result.error = "response carried no generated token"
+            if result.error is None:
+                result.status = OK
     except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"[:300]
     return result
+
+
+async def _read_stream(resp: aiohttp.ClientResponse, result: RequestResult, start: float) -> None:
+    async for raw in resp.content:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            break
+        _read_event(orjson.loads(data), result, start, True)
+        if result.error:
+            return
+
+
+def _read_event(event: dict, result: RequestResult, start: float, streaming: bool) -> None:
+    """One response object or SSE chunk: first token time, usage, the engine's nvext."""
+    if event.get("error"):
+        result.error = f"error: {str(event['error'])[:300]}"
+        return
+    choices = event.get("choices") or []
+    if streaming and choices and choices[0].get("text") and result.ttft_s is None:
+        # Without streaming the answer arrives whole: the time to first token then comes only
+        # from the engine's own report (nvext.timing).
+        result.ttft_s = time.perf_counter() - start
+    nvext = event.get("nvext")
+    if nvext:
+        _read_nvext(nvext, result)
+    usage = event.get("usage")
+    if usage:
+        result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+        result.output_tokens = int(usage.get("completion_tokens") or 0)
+        details = usage.get("prompt_tokens_details") or {}
+        result.cached_tokens = int(details.get("cached_tokens") or 0)
+
+
+def _read_nvext(nvext: dict, result: RequestResult) -> None:
+    worker = (nvext.get("worker_id") or {}).get("decode_worker_id")
+    if worker is not None:
+        result.worker = str(worker)
+    timing = nvext.get("timing") or {}
+    if timing.get("ttft_ms") is not None:
+        result.engine_ttft_s = timing["ttft_ms"] / 1000.0
+    if timing.get("total_time_ms") is not None:
+        result.engine_e2e_s = timing["total_time_ms"] / 1000.0
 
 
 async def replay(

@@ -1,8 +1,10 @@
 """Routing-quality metrics from replay results: pure functions, no I/O.
 
-Latencies are measured in wall seconds and reported in trace seconds (wall × time scale): the
-replay compresses arrivals by the same factor the mock engines speed up their simulated GPU,
-so trace seconds are what the same fleet would show at the trace's real pace.
+Two clocks. The engines report each request's TTFT and end-to-end time in simulated GPU
+seconds (`nvext.timing`): the routing-quality figures. The client measures wall seconds, reported
+in trace seconds (wall × time scale, since the replay compresses arrivals by the factor the
+engines speed up their simulated GPU); their gap to the engine's figures is what the router hop
+and this host's CPU add, scaled up by the same factor.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ class RequestResult:
     cached_tokens: int = 0
     output_tokens: int = 0
     error: str | None = None
+    worker: str | None = None  # the engine's instance id (nvext.worker_id), when it says
+    engine_ttft_s: float | None = None  # simulated, as the engine reports it (nvext.timing)
+    engine_e2e_s: float | None = None
 
 
 @dataclass
@@ -38,11 +43,19 @@ class PolicyMetrics:
     ok: int
     shed: int
     errors: int
+    # Time to first token as the engines report it, in simulated GPU seconds (nvext.timing):
+    # what routing decides (queueing and prefill of uncached tokens), free of this host's CPU
+    # noise and of the router hop, which the wall-clock figures below multiply by time_scale.
     ttft_p50_s: float | None
     ttft_p90_s: float | None
     ttft_p99_s: float | None
+    # Measured by the client, wall seconds × time_scale (TTFT only when streaming).
+    client_ttft_p50_s: float | None
+    client_ttft_p99_s: float | None
     e2e_p50_s: float | None
     e2e_p99_s: float | None
+    engine_e2e_p50_s: float | None
+    outside_engine_p50_s: float | None  # client e2e − engine e2e: router hop and host overhead
     throughput_tok_s: float  # output tokens per trace second
     prompt_tokens: int
     cached_tokens: int
@@ -81,8 +94,15 @@ def summarize(
     worker_hit_rate: float | None = None,
 ) -> PolicyMetrics:
     served = [r for r in results if r.status == OK]
-    ttft = [r.ttft_s * time_scale for r in served if r.ttft_s is not None]
+    ttft = [r.engine_ttft_s for r in served if r.engine_ttft_s is not None]
+    client_ttft = [r.ttft_s * time_scale for r in served if r.ttft_s is not None]
     e2e = [r.e2e_s * time_scale for r in served if r.e2e_s is not None]
+    engine_e2e = [r.engine_e2e_s for r in served if r.engine_e2e_s is not None]
+    outside = [
+        r.e2e_s * time_scale - r.engine_e2e_s
+        for r in served
+        if r.e2e_s is not None and r.engine_e2e_s is not None
+    ]
     prompt = sum(r.prompt_tokens for r in served)
     cached = sum(r.cached_tokens for r in served)
     hit_rate = cached / prompt if prompt else 0.0
@@ -98,8 +118,12 @@ def summarize(
         ttft_p50_s=percentile(ttft, 50),
         ttft_p90_s=percentile(ttft, 90),
         ttft_p99_s=percentile(ttft, 99),
+        client_ttft_p50_s=percentile(client_ttft, 50),
+        client_ttft_p99_s=percentile(client_ttft, 99),
         e2e_p50_s=percentile(e2e, 50),
         e2e_p99_s=percentile(e2e, 99),
+        engine_e2e_p50_s=percentile(engine_e2e, 50),
+        outside_engine_p50_s=percentile(outside, 50),
         throughput_tok_s=output / (wall_s * time_scale) if wall_s > 0 else 0.0,
         prompt_tokens=prompt,
         cached_tokens=cached,

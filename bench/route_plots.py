@@ -31,7 +31,6 @@ def write_plots(
     results: dict[str, Sequence[RequestResult]],
     *,
     inherent_reuse: float,
-    time_scale: float,
     title: str,
 ) -> list[Path]:
     plt = _pyplot()
@@ -43,12 +42,12 @@ def write_plots(
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for name in names:
         ttft = np.sort(
-            [r.ttft_s * time_scale for r in results[name] if r.status == OK and r.ttft_s]
+            [r.engine_ttft_s for r in results[name] if r.status == OK and r.engine_ttft_s]
         )
         if len(ttft):
             ax.plot(ttft, np.arange(1, len(ttft) + 1) / len(ttft), label=name, color=colors[name])
     ax.set_xscale("log")
-    ax.set_xlabel("time to first token, s (trace time, log scale)")
+    ax.set_xlabel("time to first token, simulated s (log scale)")
     ax.set_ylabel("fraction of requests")
     ax.set_title(f"TTFT distribution — {title}", fontsize=10)
     ax.grid(alpha=0.3, which="both")
@@ -64,7 +63,7 @@ def write_plots(
         ax.bar(x + (k - 1) * 0.27, values, 0.27, label=label)
     ax.set_xticks(x, names, rotation=20, ha="right", fontsize=8)
     ax.set_yscale("log")
-    ax.set_ylabel("TTFT, s (trace time, log scale)")
+    ax.set_ylabel("TTFT, simulated s (log scale)")
     ax.set_title(f"TTFT percentiles — {title}", fontsize=10)
     ax.grid(alpha=0.3, axis="y", which="both")
     ax.legend(fontsize=8)

@@ -25,7 +25,8 @@ import numpy as np
 import orjson
 
 TOKENS_PER_HASH_ID = 512
-DEFAULT_TRACE = Path("../shared/traces/mooncake_synthetic_trace.jsonl")
+DEFAULT_TRACE = Path("../shared/traces/mooncake_synthetic_trace.jsonl")  # from the repo root
+REPO_ROOT = Path(__file__).resolve().parents[1]
 _WORD = re.compile(r" [a-z]{3,10}")
 _VOCAB_SIZE = 4096  # words drawn from; plenty for distinct blocks, cheap to build
 
@@ -74,9 +75,18 @@ def parse_line(line: str | bytes, lineno: int = 0) -> TraceRequest:
     return request
 
 
+def resolve_trace(path: Path) -> Path:
+    """`path` as given, else (when relative) relative to the repository root."""
+    path = Path(path)
+    if path.is_file() or path.is_absolute():
+        return path
+    beside_repo = REPO_ROOT / path
+    return beside_repo if beside_repo.is_file() else path
+
+
 def load_trace(path: Path, limit: int | None = None) -> list[TraceRequest]:
     """Read a Mooncake JSONL trace (the first `limit` requests), sorted by timestamp."""
-    path = Path(path)
+    path = resolve_trace(path)
     if not path.is_file():
         raise TraceError(
             f"no trace at {path}: pass --trace PATH (the repo expects "
@@ -117,6 +127,24 @@ def inherent_reuse(requests: Iterable[TraceRequest]) -> float:
                 longest[hash_id] = length
         total += request.input_length
     return hit / total if total else 0.0
+
+
+def sample_families(
+    requests: Sequence[TraceRequest], fraction: float, seed: int = 0
+) -> list[TraceRequest]:
+    """Keep a seeded `fraction` of prefix families, whole, over the trace's full time span.
+
+    Requests can only share a prefix when they share their first hash id, so families by
+    first id are independent: keeping whole families keeps every reuse relation (and so the
+    inherent reuse) of the kept requests, where cutting a time window would lose the prefixes
+    made before it. Arrival rate drops by about `fraction`.
+    """
+    if not 0 < fraction <= 1:
+        raise ValueError(f"family fraction must be in (0, 1], got {fraction}")
+    roots = sorted({r.hash_ids[0] for r in requests if r.hash_ids})
+    rng = np.random.default_rng(seed)
+    keep = set(rng.permutation(roots)[: max(1, round(fraction * len(roots)))].tolist())
+    return [r for r in requests if r.hash_ids and r.hash_ids[0] in keep]
 
 
 def compress(requests: Sequence[TraceRequest], factor: float) -> list[float]:

@@ -19,8 +19,10 @@ def ok(i, ttft, e2e, prompt, cached, out=10):
     return RequestResult(i, 0.0, OK, 200, ttft, e2e, prompt, cached, out)
 
 
-def test_summarize_scales_latencies_and_computes_reuse_captured():
+def test_summarize_scales_client_latencies_and_computes_reuse_captured():
     results = [ok(i, ttft=0.01 * (i + 1), e2e=0.1, prompt=1000, cached=500) for i in range(100)]
+    for i, r in enumerate(results):
+        r.engine_ttft_s, r.engine_e2e_s = 0.02 * (i + 1), 0.5
     results.append(RequestResult(100, 0.0, SHED, 429, error="HTTP 429"))
     results.append(RequestResult(101, 0.0, ERROR, 500, error="HTTP 500: boom"))
     m = summarize(
@@ -33,9 +35,12 @@ def test_summarize_scales_latencies_and_computes_reuse_captured():
     )
     assert (m.requests, m.ok, m.shed, m.errors) == (102, 100, 1, 1)
     assert m.first_error == "HTTP 500: boom"
-    assert m.ttft_p50_s == pytest.approx(10 * 0.505)  # median of 0.01..1.00, in trace seconds
-    assert m.ttft_p99_s == pytest.approx(10 * 0.9901)
+    assert m.ttft_p50_s == pytest.approx(0.02 * 50.5)  # the engine's clock: not scaled
+    assert m.ttft_p99_s == pytest.approx(0.02 * 99.01)
+    assert m.client_ttft_p50_s == pytest.approx(10 * 0.505)  # median of 0.01..1.00, scaled
     assert m.e2e_p50_s == pytest.approx(1.0)
+    assert m.engine_e2e_p50_s == pytest.approx(0.5)
+    assert m.outside_engine_p50_s == pytest.approx(0.5)
     assert m.hit_rate == pytest.approx(0.5)  # shed and failed requests carry no tokens
     assert m.reuse_captured == pytest.approx(0.8)
     assert m.throughput_tok_s == pytest.approx(1000 / 20.0)
