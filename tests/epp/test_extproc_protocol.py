@@ -50,9 +50,13 @@ async def test_routed_request_full_sequence(epp, workers, client):
     body = chat_body("hello " * 200)
     stream = client.stream()
     # Headers, then the body in three chunks; nothing may come back before the end of the body.
-    await stream.send(request_headers(content_length=len(body)))
-    await stream.send(*body_messages(body, chunk=len(body) // 3 + 1, trailing_empty=False))
-    first = await stream.recv()
+    chunks = body_messages(body, chunk=len(body) // 3 + 1, trailing_empty=False)
+    await stream.send(request_headers(content_length=len(body)), *chunks[:-1])
+    pending = asyncio.ensure_future(stream.recv())
+    done, _ = await asyncio.wait({pending}, timeout=0.3)
+    assert not done, "the EPP answered before the end of the body"
+    await stream.send(chunks[-1])
+    first = await pending
     # 1. the headers response: clear_route_cache, destination, routing headers, content-length,
     #    and on the SAME message the envoy.lb dynamic metadata equal to the header.
     assert first.HasField("request_headers")
