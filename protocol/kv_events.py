@@ -6,7 +6,9 @@ Matches vLLM's `ZmqEventPublisher` (DESIGN §3.4):
 - events are tagged arrays: `["BlockStored", block_hashes, parent_block_hash | nil, token_ids,
   block_size, lora_id | nil, medium]`, `["BlockRemoved", block_hashes, medium]`,
   `["AllBlocksCleared"]`; trailing default fields may be omitted (msgspec `omit_defaults`);
-  engine hashes may be ints or bytes;
+  engine hashes may be ints or bytes; vLLM >= 0.28 sends the same events as maps tagged by a
+  `type` field (`{"type": "BlockStored", "block_hashes": ...}`): `decode_batch` reads both,
+  `encode_batch` writes the array layout;
 - replay: a DEALER sends `[b"", start_seq]` to the ROUTER socket, which answers one
   `[b"", seq, payload]` per buffered batch from `start_seq` on and ends with `[b"", -1, b""]`;
 - with data parallelism every rank publishes on its own port: base port + rank.
@@ -80,7 +82,34 @@ def encode_batch(batch: EventBatch) -> bytes:
     )
 
 
+_MAP_FIELDS = {
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size"),
+    "BlockRemoved": ("block_hashes",),
+    "AllBlocksCleared": (),
+}
+
+
+def _event_from_map(raw: dict) -> KvEvent:
+    """vLLM >= 0.28 drops `array_like`: an event is a map tagged by its `type` field."""
+    tag = raw.get("type")
+    if tag not in _MAP_FIELDS:
+        raise KvEventDecodeError(f"unknown KV event type {tag!r}")
+    missing = [k for k in _MAP_FIELDS[tag] if k not in raw]
+    if missing:
+        raise KvEventDecodeError(f"{tag} event lacks {', '.join(missing)}")
+    if tag == "BlockStored":
+        return BlockStored(
+            raw["block_hashes"], raw["parent_block_hash"], raw["token_ids"], raw["block_size"],
+            raw.get("lora_id"), raw.get("medium", MEDIUM_GPU),
+        )  # fmt: skip
+    if tag == "BlockRemoved":
+        return BlockRemoved(raw["block_hashes"], raw.get("medium", MEDIUM_GPU))
+    return AllBlocksCleared()
+
+
 def _event_from_wire(raw: object) -> KvEvent:
+    if isinstance(raw, dict):
+        return _event_from_map(raw)
     if not isinstance(raw, list | tuple) or not raw:
         raise KvEventDecodeError(f"event must be a tagged array, got {raw!r:.80}")
     tag, fields = raw[0], list(raw[1:])

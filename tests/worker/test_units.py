@@ -181,3 +181,29 @@ def test_vllm_engine_explains_what_is_missing(capsys):
     assert worker_cli.run(worker_args("--engine", "vllm")) == 2
     err = capsys.readouterr().err
     assert "vllm" in err and "--engine mock" in err
+
+
+def test_protocol_decodes_vllm_028_map_layout_too():
+    """vLLM >= 0.28 encodes events as `type`-tagged maps; the shared decoder reads both layouts."""
+    import msgpack
+
+    from dynamograph.protocol.kv_events import decode_batch
+
+    payload = msgpack.packb([
+        1.5,
+        [
+            {"type": "BlockStored", "block_hashes": [7, 8], "parent_block_hash": None,
+             "token_ids": list(range(32)), "block_size": 16, "lora_id": None, "medium": "GPU",
+             "lora_name": None, "group_idx": 0},
+            {"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU", "group_idx": 0},
+            {"type": "AllBlocksCleared"},
+        ],
+        0,
+    ])  # fmt: skip
+    batch = decode_batch(payload)
+    stored, removed, cleared = batch.events
+    assert stored == BlockStored([7, 8], None, list(range(32)), 16, None, "GPU")
+    assert removed == BlockRemoved([7], "GPU") and isinstance(cleared, AllBlocksCleared)
+    with pytest.raises(ValueError, match="lacks token_ids"):
+        decode_batch(msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": [1],
+                                           "parent_block_hash": None, "block_size": 16}], 0]))  # fmt: skip
