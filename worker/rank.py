@@ -236,11 +236,18 @@ class EngineRank:
             self._publish()
 
     async def _idle_step(self) -> None:
-        """Nothing can run: wait for a transfer to land, new work, or free blocks."""
+        """Nothing can run: wait for a transfer to land, new work, or blocks to be freed.
+
+        When nothing runs and the head request still cannot get blocks, only session pins and
+        prefills held for their decode occupy the cache: pins give way (oldest first); held
+        prefills are waited for (a pull or the transfer timeout frees them), as vLLM waits.
+        """
         ready = self.scheduler.next_ready()
         if ready is None and not self.scheduler.running and self.scheduler.waiting:
-            self._unstick()
-            return
+            blocks = self.sessions.evict_oldest()
+            if blocks:
+                self.cache.release(blocks)
+                return
         self._wake.clear()
         timeout = None if ready is None else max(0.0, self.clock.wall_delay(ready))
         woken = True
@@ -254,22 +261,6 @@ class EngineRank:
             self.clock.now = max(self.clock.now, min(self.clock.wall_sim(), ready))
         else:
             self.clock.now = max(self.clock.now, ready)
-
-    def _unstick(self) -> None:
-        """The head request cannot get blocks although nothing runs: pins and held prefills
-        hold the cache. Give up session pins first (oldest first); failing that, refuse it."""
-        blocks = self.sessions.evict_oldest()
-        if blocks:
-            self.cache.release(blocks)
-            return
-        head = self.scheduler.waiting[0].handle
-        self._finish(
-            head,
-            FinishReason.ERROR,
-            f"KV cache full: {self.cache.num_blocks - self.cache.num_free} of "
-            f"{self.cache.num_blocks} blocks are held for {len(self.transfers)} prefilled "
-            "request(s) awaiting their decode",
-        )
 
     def _account_schedule(self, plan: StepPlan) -> None:
         for s in plan.scheduled:

@@ -108,3 +108,25 @@ async def test_http_handoff_and_orphan_timeout():
         )
         assert nvext["nvext"]["worker_id"]["prefill_worker_id"] == p.config.instance_id
         assert p.config.bootstrap_port == p.server.port
+
+
+async def test_new_prefills_wait_for_held_blocks_to_be_pulled():
+    config = MockConfig(model=MODEL, role=Role.PREFILL, kv_events=False, speedup=500,
+                        num_gpu_blocks=48, port=0)  # fmt: skip
+    prefill = MockEngine(config)
+    await prefill.start(3)
+    try:
+        held = GenerateRequest("h1", PROMPT, 1, kv_transfer_params={"do_remote_decode": True})
+        done = (await collect(prefill.generate(held, RequestContext("h1"))))[-1]
+        rank = prefill.ranks[0]
+        assert rank.cache.num_free == 48 - 600 // 16
+        # 300 tokens need 19 blocks; 11 are free: the request waits for the held ones.
+        other = GenerateRequest("h2", PROMPT[:300] + 1, 1)
+        task = asyncio.create_task(collect(prefill.generate(other, RequestContext("h2"))))
+        await asyncio.sleep(0.3)
+        assert not task.done() and rank.gauges().waiting == 1
+        assert prefill.take_transfer(done.kv_transfer_params["remote_engine_id"], "h1")
+        chunks = await asyncio.wait_for(task, 10)
+        assert validate_stream(chunks).completion_tokens == 1
+    finally:
+        await prefill.cleanup()
