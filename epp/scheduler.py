@@ -348,7 +348,8 @@ class Router:
         now = self._clock()
         if not self.config.use_kv_events:
             self.index.expire(now)
-        overlaps = self.index.find_matches(request.block_hashes) if request.block_hashes else {}
+        has_blocks = len(request.block_hashes) > 0
+        overlaps = self.index.find_matches(request.block_hashes) if has_blocks else {}
         prompt_blocks = -(-request.isl_tokens // self._block_size)
         output_blocks = 0
         if self.config.track_output_blocks and request.expected_output_tokens:
@@ -374,9 +375,9 @@ class Router:
         if isinstance(disagg, str):
             fallback, disagg = disagg, False
         session = request.session
-        sticky = (
-            None if session is None or pins.worker_id is not None else self._sticky(session, now)
-        )
+        sticky = None
+        if session is not None and pins.worker_id is None:
+            sticky = self._sticky(session, now, overlaps)
         if disagg:
             prefill = select(Phase.PREFILL, pins.prefill_worker_id, pins.prefill_dp_rank)
             decode = sticky or select(Phase.DECODE, pins.worker_id, pins.dp_rank)
@@ -388,7 +389,7 @@ class Router:
         if session is not None and pins.worker_id is None:
             self._bind(session, (decode.worker_id, decode.dp_rank), now)
         decision.guard = self._book(request, decision, prompt_blocks)
-        if not self.config.use_kv_events and request.block_hashes:
+        if not self.config.use_kv_events and has_blocks:
             expires = now + self.config.approx_ttl_s
             for pick in (prefill, decode):
                 if pick is not None:
@@ -469,7 +470,9 @@ class Router:
         return Pick(chosen.slot[0], chosen.slot[1], chosen.overlap, chosen.cost, pinned=True)
 
     # -- sticky sessions -----------------------------------------------------------------
-    def _sticky(self, session: SessionControl, now: float) -> Pick | None:
+    def _sticky(
+        self, session: SessionControl, now: float, overlaps: dict[Slot, int]
+    ) -> Pick | None:
         """The session's bound slot, if still alive and eligible (hard filters, not load)."""
         binding = self._sessions.get(session.session_id)
         if binding is None:
@@ -481,7 +484,7 @@ class Router:
         state = self._workers.get(wid)
         if state is None or rank >= state.dp_size or not state.ready or state.role == Role.PREFILL:
             return None
-        return Pick(wid, rank, 0, None, sticky=True)
+        return Pick(wid, rank, overlaps.get(binding.slot, 0), None, sticky=True)
 
     def _bind(self, session: SessionControl, slot: Slot, now: float) -> None:
         sid = session.session_id

@@ -4,6 +4,7 @@ backpressure, policies and KV-event sequencing (DESIGN §3.5, §3.6)."""
 import math
 from collections import Counter
 
+import numpy as np
 import pytest
 
 from dynamograph.epp.config import Policy, RouterConfig
@@ -471,3 +472,25 @@ def test_router_config_from_yaml_with_overrides(tmp_path):
         RouterConfig.load(path)
     with pytest.raises(ValueError, match="busy_threshold"):
         RouterConfig.load(None, busy_threshold=1.5)
+
+
+def test_sticky_pick_reports_its_overlap_and_books_only_uncached_blocks():
+    router = make_router(workers=(1, 2))
+    s = SessionControl(session_id="k")
+    first = router.schedule(request(tokens(8), session=s))
+    bound = first.decode.worker_id
+    cache(router, bound, tokens(32))
+    d = router.schedule(request(tokens(40), rid="next", session=s))
+    assert d.decode.sticky and d.decode.overlap_blocks == 8
+    assert router.active.load((bound, 0)).prefill_blocks == 2 + 2  # both requests' uncached
+    first.guard.free()
+    d.guard.free()
+
+
+def test_block_hashes_may_be_a_numpy_array():
+    router = make_router(use_kv_events=False)
+    hashes = np.array(block_hashes(tokens(64), BS), dtype=np.uint64)
+    first = router.schedule(RouteRequest("a", hashes, 64))
+    first.guard.free()
+    again = router.schedule(RouteRequest("b", hashes, 64, query_only=True))
+    assert again.decode.worker_id == first.decode.worker_id and again.decode.overlap_blocks == 16
