@@ -8,7 +8,7 @@ Matches vLLM's `ZmqEventPublisher` (DESIGN §3.4):
   `["AllBlocksCleared"]`; trailing default fields may be omitted (msgspec `omit_defaults`);
   engine hashes may be ints or bytes; vLLM >= 0.28 sends the same events as maps tagged by a
   `type` field (`{"type": "BlockStored", "block_hashes": ...}`): `decode_batch` reads both,
-  `encode_batch` writes the array layout;
+  `encode_batch` writes the array layout unless asked for maps;
 - replay: a DEALER sends `[b"", start_seq]` to the ROUTER socket, which answers one
   `[b"", seq, payload]` per buffered batch from `start_seq` on and ends with `[b"", -1, b""]`;
 - with data parallelism every rank publishes on its own port: base port + rank.
@@ -76,10 +76,24 @@ def _event_to_wire(event: KvEvent) -> list:
     return ["AllBlocksCleared"]
 
 
-def encode_batch(batch: EventBatch) -> bytes:
-    return msgpack.packb(
-        [batch.ts, [_event_to_wire(e) for e in batch.events], batch.data_parallel_rank]
-    )
+def _event_to_map(event: KvEvent) -> dict:
+    """vLLM >= 0.28's layout: the event's fields by name, tagged by `type`."""
+    if isinstance(event, BlockStored):
+        return {
+            "type": "BlockStored", "block_hashes": event.block_hashes,
+            "parent_block_hash": event.parent_block_hash, "token_ids": event.token_ids,
+            "block_size": event.block_size, "lora_id": event.lora_id, "medium": event.medium,
+            "lora_name": None,
+        }  # fmt: skip
+    if isinstance(event, BlockRemoved):
+        return {"type": "BlockRemoved", "block_hashes": event.block_hashes, "medium": event.medium}
+    return {"type": "AllBlocksCleared"}
+
+
+def encode_batch(batch: EventBatch, *, map_layout: bool = False) -> bytes:
+    """The array layout (DESIGN §3.4) by default; `map_layout` writes vLLM >= 0.28's maps."""
+    to_wire = _event_to_map if map_layout else _event_to_wire
+    return msgpack.packb([batch.ts, [to_wire(e) for e in batch.events], batch.data_parallel_rank])
 
 
 _MAP_FIELDS = {

@@ -68,6 +68,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=5558,
         help="ZMQ ROUTER replay port of DP rank 0; rank r uses port + r",
     )
+    p.add_argument(
+        "--kv-events-layout",
+        choices=["array", "map"],
+        default="array",
+        help="mock: KV event encoding, vLLM's array layout or vLLM >= 0.28's tagged maps",
+    )
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
     p.add_argument(
         "--num-gpu-blocks",
@@ -162,6 +168,7 @@ def mock_config(args: argparse.Namespace):
         port=args.port,
         kv_events_port=args.kv_events_port,
         kv_replay_port=args.kv_replay_port,
+        kv_events_layout=args.kv_events_layout,
         block_size=args.block_size,
         num_gpu_blocks=args.num_gpu_blocks or 8192,
         max_num_seqs=args.max_num_seqs,

@@ -1,7 +1,8 @@
 """KV event publisher for one engine rank: vLLM's ZmqEventPublisher, byte for byte.
 
 - PUB socket: every batch goes out as `[topic, seq (8 bytes big-endian), msgpack EventBatch]`,
-  with seq increasing by one per batch from 0.
+  with seq increasing by one per batch from 0; events in the array layout, or in vLLM >= 0.28's
+  `type`-tagged maps when asked.
 - ROUTER replay socket: a DEALER sends `[b"", start_seq]`; the publisher answers one
   `[b"", seq, payload]` per buffered batch with seq >= start_seq, then `[b"", END_SEQ, b""]`.
   The buffer keeps the last `buffer_steps` batches (vLLM's default: 10,000).
@@ -46,8 +47,10 @@ class KvEventPublisher:
         dp_rank: int,
         topic: str = DEFAULT_TOPIC,
         buffer_steps: int = BUFFER_STEPS,
+        map_layout: bool = False,
     ):
         self._pub = pub
+        self._map_layout = map_layout
         self._replay = replay
         self.dp_rank = dp_rank
         self.topic = topic.encode()
@@ -60,7 +63,8 @@ class KvEventPublisher:
         seq = self.next_seq
         self.next_seq += 1
         payload = encode_batch(
-            EventBatch(ts=time.time(), events=events, data_parallel_rank=self.dp_rank)
+            EventBatch(ts=time.time(), events=events, data_parallel_rank=self.dp_rank),
+            map_layout=self._map_layout,
         )
         self.buffer.append((seq, payload))
         try:
@@ -98,6 +102,7 @@ def bind_publishers(
     ranks: int,
     topic: str = DEFAULT_TOPIC,
     attempts: int = 20,
+    map_layout: bool = False,
 ) -> tuple[list[KvEventPublisher], int, int]:
     """Bind PUB + ROUTER sockets for every rank; returns (publishers, events port, replay port)."""
     last_error: Exception | None = None
@@ -124,7 +129,9 @@ def bind_publishers(
                     bound.append(sock)
                 pubs.append(bound)
             publishers = [
-                KvEventPublisher(pubs[0][r], pubs[1][r], dp_rank=r, topic=topic)
+                KvEventPublisher(
+                    pubs[0][r], pubs[1][r], dp_rank=r, topic=topic, map_layout=map_layout
+                )
                 for r in range(ranks)
             ]
             return publishers, ports["events"], ports["replay"]

@@ -60,6 +60,7 @@ class MockConfig:
     kv_events_port: int = 5557
     kv_replay_port: int = 5558
     kv_events: bool = True
+    kv_events_layout: str = "array"  # or "map": vLLM >= 0.28's event encoding
     block_size: int = 16
     num_gpu_blocks: int = 8192
     max_num_seqs: int = 256
@@ -130,6 +131,7 @@ class MockEngine(LLMEngine):
             publishers, ev_port, rp_port = bind_publishers(
                 self._zmq, cfg.host, cfg.kv_events_port, cfg.kv_replay_port,
                 cfg.data_parallel_size, DEFAULT_TOPIC,
+                map_layout=cfg.kv_events_layout == "map",
             )  # fmt: skip
             kv_events = KvEventsEndpoint(
                 endpoint=f"tcp://{cfg.public_host}:{ev_port}",

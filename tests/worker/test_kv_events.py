@@ -186,3 +186,22 @@ async def test_data_parallel_ranks_publish_on_consecutive_ports():
             history = await replay(ctx, endpoint_for_rank(kv.replay_endpoint, rank), 0)
             assert history[0][0] == 0 and {r for _, _, r in history} == {rank}
     ctx.term()
+
+
+async def test_map_layout_of_vllm_028():
+    """`--kv-events-layout map`: events as vLLM >= 0.28 encodes them, `type`-tagged maps."""
+    ctx = zmq.asyncio.Context()
+    async with mock_worker(model=MODEL, kv_events_layout="map") as w:
+        prompt = "a prompt long enough to fill a few blocks of sixteen tokens " * 4
+        await post_json(
+            w.url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+        )
+        await wait_idle(w.engine)
+        history = await replay(ctx, w.config.kv_events.replay_endpoint, 0)
+        stored = history[0][1][0]
+        assert stored["type"] == "BlockStored" and stored["medium"] == "GPU"
+        assert stored["block_size"] == 16 and len(stored["token_ids"]) == 16 * len(
+            stored["block_hashes"]
+        )
+        assert set(stored["block_hashes"]) <= set(w.engine.ranks[0].cache.cached)
+    ctx.term()

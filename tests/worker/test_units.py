@@ -204,6 +204,11 @@ def test_protocol_decodes_vllm_028_map_layout_too():
     stored, removed, cleared = batch.events
     assert stored == BlockStored([7, 8], None, list(range(32)), 16, None, "GPU")
     assert removed == BlockRemoved([7], "GPU") and isinstance(cleared, AllBlocksCleared)
+    from dynamograph.protocol.kv_events import EventBatch, encode_batch
+
+    again = EventBatch(1.5, [stored, removed, cleared], 0)
+    assert decode_batch(encode_batch(again, map_layout=True)) == again
+    assert decode_batch(encode_batch(again)) == again
     with pytest.raises(ValueError, match="lacks token_ids"):
         decode_batch(msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": [1],
                                            "parent_block_hash": None, "block_size": 16}], 0]))  # fmt: skip
