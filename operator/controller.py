@@ -87,7 +87,8 @@ async def reconcile(api: KubeApi, body: dict[str, Any], config: OperatorConfig) 
     graph = None
     desired: list[dict[str, Any]] | None = None
     try:
-        graph = load_graph(dict(body))
+        # Validate what the user wrote; status is ours and may come from another version.
+        graph = load_graph({k: v for k, v in body.items() if k != "status"})
         desired = desired_objects(graph, owner, config)
     except GraphError as exc:
         problems.append(
@@ -105,9 +106,9 @@ async def reconcile(api: KubeApi, body: dict[str, Any], config: OperatorConfig) 
                 raise
             missing.add(kind)
             continue
-        actual += [o for o in found if owned_by(o, owner.uid)]
+        actual += found  # the plan touches only what this graph owns, and reports the rest
 
-    live = {object_key(o): o for o in actual}
+    live = {object_key(o): o for o in actual if owned_by(o, owner.uid)}
     if desired is not None:
         for kind in sorted(missing & {o["kind"] for o in desired}):
             problems.append(
@@ -125,7 +126,12 @@ async def reconcile(api: KubeApi, body: dict[str, Any], config: OperatorConfig) 
                 await _apply(api, owner.namespace, action, live)
             except ApiError as exc:
                 key = object_key(action.obj) if isinstance(action, Create) else action.key
-                problems.append(Problem("ApplyFailed", f"{_verb(action)} {key[1]} {key[2]}: {exc}"))
+                if isinstance(action, Create) and exc.status == 409:
+                    message = f"{key[1]} {key[2]} exists and is not owned by this graph"
+                    problems.append(Problem("NameConflict", message))
+                else:
+                    message = f"{_verb(action)} {key[1]} {key[2]}: {exc}"
+                    problems.append(Problem("ApplyFailed", message))
 
     observations = _observe(graph, owner.name, live)
     status = graph_status(

@@ -349,6 +349,38 @@ async def test_invalid_spec_is_degraded_with_an_event(cluster):
         assert condition(graph_status(cluster), "Degraded")["status"] == "False"
 
 
+@pytest.mark.parametrize("cluster", [("InferencePool",)], indirect=True)
+async def test_missing_crd_and_foreign_object_are_reported(cluster):
+    """No InferencePool CRD, and someone else's Service where the graph's frontend Service goes:
+    everything else is deployed, both problems are named, the foreign object is left alone."""
+    foreign = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "g-frontend", "namespace": NAMESPACE, "labels": {"team": "other"}},
+        "spec": {"selector": {"app": "other"}, "ports": [{"port": 80}]},
+    }
+    response = await cluster.post(f"/api/v1/namespaces/{NAMESPACE}/services", json=foreign)
+    assert response.status in (200, 201)
+    with running_operator():
+        await create_graph(cluster, disagg_graph())
+
+        def degraded():
+            cond = condition(graph_status(cluster), "Degraded")
+            return (
+                cond if cond.get("status") == "True" and "g-frontend" in cond["message"] else None
+            )
+
+        cond = await wait_for(degraded, 20, "Degraded naming both problems")
+        assert cond["reason"] == "CRDMissing"
+        assert "InferencePool: not served by this cluster" in cond["message"]
+        assert "Service g-frontend exists and is not owned by this graph" in cond["message"]
+        assert graph_status(cluster)["state"] == "failed"
+        for name in OWNED[DEPLOYMENTS]:
+            assert live(cluster, DEPLOYMENTS, name) is not None
+        assert live(cluster, "v1/services", "g-frontend")["spec"]["selector"] == {"app": "other"}
+        await wait_quiet(cluster, limit=15)
+
+
 async def test_deleting_the_graph_finishes_cleanly(cluster):
     with running_operator():
         await create_graph(cluster, disagg_graph())
