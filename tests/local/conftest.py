@@ -18,13 +18,21 @@ from dynamograph.local.up import EXAMPLES
 SPEEDUP = "20"
 
 
+# The console script next to this interpreter (`.venv/bin/dynamograph`, as the README runs it),
+# or the module when the interpreter has no scripts folder.
+SCRIPT = Path(sys.executable).parent / "dynamograph"
+COMMAND = [str(SCRIPT)] if SCRIPT.is_file() else [sys.executable, "-m", "dynamograph.cli"]
+
+
 def dynamograph(*args, state_dir: Path, timeout: float = 150, check=True):
-    """Run `dynamograph ARGS` like a user would; returns the CompletedProcess."""
+    """Run `dynamograph ARGS` like a user would, from the state folder (not the repository);
+    returns the CompletedProcess."""
     result = subprocess.run(
-        [sys.executable, "-m", "dynamograph.cli", *args],
+        [*COMMAND, *args],
         capture_output=True,
         text=True,
         timeout=timeout,
+        cwd=state_dir,
         env={**os.environ, "DYNAMOGRAPH_STATE_DIR": str(state_dir)},
     )
     if check and result.returncode != 0:
@@ -88,14 +96,16 @@ def served_counts(state: dict) -> dict[str, float]:
 class Detached:
     """`dynamograph up --detach GRAPH`, and `down` at the end whatever happened."""
 
-    def __init__(self, graph: str, state_dir: Path):
+    def __init__(self, graph: str, state_dir: Path, *, default: bool = False):
         self.graph = graph
         self.state_dir = state_dir
         self.path = EXAMPLES / f"{graph}.yaml"
+        # default: `dynamograph up` with no graph argument, as the README's first command.
+        self.args = [] if default else [str(self.path)]
 
     def __enter__(self):
         result = dynamograph(
-            "up", str(self.path), "--detach", "--speedup", SPEEDUP, state_dir=self.state_dir
+            "up", *self.args, "--detach", "--speedup", SPEEDUP, state_dir=self.state_dir
         )
         self.stdout = result.stdout
         self.state = read_state(self.state_dir, self.graph)
@@ -113,5 +123,5 @@ class Detached:
 @pytest.fixture(scope="module")
 def agg_stack(tmp_path_factory):
     require_envoy()
-    with Detached("agg", tmp_path_factory.mktemp("state")) as stack:
+    with Detached("agg", tmp_path_factory.mktemp("state"), default=True) as stack:
         yield stack

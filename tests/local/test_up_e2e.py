@@ -44,6 +44,7 @@ def stream_nvext(chunks) -> tuple[str, dict]:
 
 
 def test_up_detach_prints_the_base_url_and_records_every_process(agg_stack):
+    """`dynamograph up --detach` with no graph runs the bundled examples/agg.yaml."""
     assert agg_stack.base_url in agg_stack.stdout
     kinds = [p["spec"]["kind"] for p in agg_stack.state["processes"]]
     assert kinds.count("engine") == 4 and kinds.count("frontend") == 4

@@ -5,7 +5,6 @@ import os
 import queue
 import signal
 import subprocess
-import sys
 import threading
 import time
 
@@ -14,6 +13,7 @@ import pytest
 import yaml
 
 from .conftest import (
+    COMMAND,
     SPEEDUP,
     assert_all_gone,
     dynamograph,
@@ -44,7 +44,7 @@ class Foreground:
 
     def __init__(self, graph_path, state_dir):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dynamograph.cli", "up", str(graph_path), "--speedup", SPEEDUP],
+            [*COMMAND, "up", str(graph_path), "--speedup", SPEEDUP],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
