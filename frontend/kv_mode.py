@@ -112,7 +112,12 @@ class KvPicker:
             request_id=f"frontend-{next(self._ids)}",
             block_hashes=block_hashes(tokens, block_size),
             isl_tokens=len(tokens),
-            pins=RoutePins.from_nvext(nvext),
+            pins=RoutePins(
+                pins.decode.worker_id if pins.decode else None,
+                pins.decode.dp_rank if pins.decode else None,
+                pins.prefill.worker_id if pins.prefill else None,
+                pins.prefill.dp_rank if pins.prefill else None,
+            ),
             session=nvext.session_control if nvext else None,
             expected_output_tokens=osl,
         )

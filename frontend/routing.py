@@ -9,7 +9,12 @@ frontend's modes. No I/O: the server resolves the pinned ids to discovered engin
 from dataclasses import dataclass
 from enum import StrEnum
 
-from dynamograph.protocol.headers import PREFILL_INSTANCE_ID, WORKER_INSTANCE_ID
+from dynamograph.protocol.headers import (
+    PREFILL_INSTANCE_ID,
+    WORKER_INSTANCE_ID,
+    RoutingHeaders,
+    apply_header_routing_overrides,
+)
 from dynamograph.protocol.nvext import NvExt
 from dynamograph.protocol.openai import OpenAIError
 
@@ -69,6 +74,26 @@ def read_pins(nvext: NvExt | None) -> Pins:
         else None
     )
     return Pins(decode, prefill)
+
+
+def pins_from_headers(routing: RoutingHeaders) -> Pins:
+    """`read_pins(apply_header_routing_overrides(None, routing))` without building an NvExt:
+    the hot path of requests whose body has no nvext (a test keeps the two equal)."""
+    decode = Target(routing.worker_id, routing.dp_rank) if routing.worker_id is not None else None
+    prefill = (
+        Target(routing.prefill_worker_id, routing.prefill_dp_rank)
+        if routing.prefill_worker_id is not None
+        else None
+    )
+    return Pins(decode, prefill) if decode is not None or prefill is not None else NO_PINS
+
+
+def merge(nvext: NvExt | None, routing: RoutingHeaders) -> tuple[NvExt | None, Pins]:
+    """Headers merged into the body's nvext (headers win, as the seed) and the pins that gives."""
+    if nvext is None:
+        return None, pins_from_headers(routing)
+    nvext = apply_header_routing_overrides(nvext, routing)
+    return nvext, read_pins(nvext)
 
 
 def check_pins(pins: Pins, mode: Mode, *, enforce_disagg: bool) -> None:

@@ -14,13 +14,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import orjson
 from aiohttp import web
 
 from dynamograph.epp.discovery import Discovery, WorkerRecord
 from dynamograph.protocol.engine import Role
-from dynamograph.protocol.headers import apply_header_routing_overrides
+from dynamograph.protocol.headers import parse_routing_headers
 from dynamograph.protocol.nvext import NvExt, NvExtError, parse_nvext
 from dynamograph.protocol.openai import (
     CHAT_COMPLETIONS,
@@ -39,9 +38,10 @@ from .handoff import (
     reject_client_transfer_params,
     transfer_params,
 )
+from .http1 import Response
 from .metrics import CONTENT_TYPE, FrontendMetrics
 from .pickers import DirectPicker, Picker, RoundRobinPicker, Route
-from .routing import Mode, read_pins
+from .routing import Mode, merge
 from .upstream import EngineClient, UpstreamError, describe
 
 log = logging.getLogger(__name__)
@@ -221,10 +221,10 @@ class Frontend:
                 nvext = parse_nvext(body.get("nvext"))
             except NvExtError as exc:
                 raise OpenAIError(400, str(exc), param="nvext") from None
-            nvext = apply_header_routing_overrides(nvext, request.headers)
+            nvext, pins = merge(nvext, parse_routing_headers(request.headers))
             reject_client_transfer_params(body)
             stream = body.get("stream") is True
-            route = await self.picker.pick(read_pins(nvext), nvext, request.path, body)
+            route = await self.picker.pick(pins, nvext, request.path, body)
             trace.decode = route.decode_target
             payload = raw
             if route.prefill is not None:
@@ -254,7 +254,7 @@ class Frontend:
             if route is not None and route.booking is not None:
                 route.booking.free()
 
-    def _headers(self, request: web.Request, dp_rank: int | None) -> dict[str, str]:
+    def _headers(self, request: web.Request, dp_rank: int | None) -> bytes:
         return EngineClient.headers(request.headers, dp_rank)
 
     def _upstream_failed(self, exc: UpstreamError, record: WorkerRecord, leg: str) -> None:
@@ -306,7 +306,7 @@ class Frontend:
                 route.booking.mark_prefill_done()
 
     async def _call(
-        self, record: WorkerRecord, path: str, payload: bytes, headers: dict[str, str], leg: str
+        self, record: WorkerRecord, path: str, payload: bytes, headers: bytes, leg: str
     ) -> tuple[int, bytes]:
         """A whole (non-streaming) engine call: status and body."""
         response = await self.client.open(record, path, payload, headers, leg)
@@ -346,7 +346,7 @@ class Frontend:
                     raw = nvext_out.add_to_body(raw, self._ext(nvext, trace))
                 self._first_byte(route, stream, trace)
                 headers = _passed_headers(upstream)
-                headers["Content-Type"] = upstream.headers.get("Content-Type", JSON)
+                headers["Content-Type"] = upstream.headers.get("content-type", JSON)
                 return web.Response(body=raw, status=upstream.status, headers=headers)
             return await self._relay(request, upstream, route, nvext, trace, want_ext)
         finally:
@@ -366,7 +366,7 @@ class Frontend:
     async def _relay(
         self,
         request: web.Request,
-        upstream: aiohttp.ClientResponse,
+        upstream: Response,
         route: Route,
         nvext: NvExt | None,
         trace: nvext_out.Trace,
@@ -409,7 +409,7 @@ class Frontend:
     async def _write(response: web.StreamResponse, data: bytes) -> None:
         try:
             await response.write(data)
-        except ConnectionError as exc:  # aiohttp's ClientConnectionResetError is one too
+        except ConnectionError as exc:  # aiohttp's ClientConnectionResetError is one
             raise _ClientGone(response) from exc
 
     @staticmethod
@@ -428,15 +428,15 @@ class _ClientGone(Exception):
         self.response = response
 
 
-def _passed_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
+def _passed_headers(upstream: Response) -> dict[str, str]:
     found = upstream.headers
     return {name: found[name] for name in PASSED_RESPONSE_HEADERS if name in found}
 
 
-def _finish(response: aiohttp.ClientResponse) -> None:
+def _finish(response: Response) -> None:
     """Pool the connection of a fully read response; close one cut short, so that the engine
     sees the disconnect and frees the request."""
-    if response.content.is_eof():
+    if response.is_eof():
         response.release()
     else:
         response.close()

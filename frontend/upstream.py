@@ -1,23 +1,24 @@
-"""Calls to engines: one pooled aiohttp client, engine failures mapped to OpenAI errors.
+"""Calls to engines over the lean HTTP/1.1 pool (`http1`), engine failures mapped to OpenAI errors.
 
-Keep-alive connections to every engine, no per-request session. Timeouts: `request_timeout` is
-the longest the engine may stay silent (no response byte) before the call fails with 504;
-`connect_timeout` bounds opening a connection. A call that ends early (client gone, task
-cancelled) closes its connection, so the engine sees the disconnect and frees the request.
+Keep-alive connections to every engine. Timeouts: `request_timeout` is the longest the engine
+may stay silent (no response byte) before the call fails with 504; `connect_timeout` bounds
+opening a connection. A call that ends early (client gone, task cancelled) closes its
+connection, so the engine sees the disconnect and frees the request.
 """
 
 from collections.abc import Mapping
-
-import aiohttp
-from yarl import URL
 
 from dynamograph.epp.discovery import WorkerRecord
 from dynamograph.protocol.headers import VLLM_DP_RANK
 from dynamograph.protocol.openai import OpenAIError
 
+from .http1 import ConnectError, Http1Pool, Response
+
 # Client headers an engine may need (auth for `vllm serve --api-key`, tracing); nothing else
 # of the client's reaches the engine, routing headers least of all.
 FORWARDED_HEADERS = ("authorization", "x-request-id", "traceparent", "tracestate")
+_JSON_HEADER = b"Content-Type: application/json\r\n"
+_DP_RANK_HEADER = VLLM_DP_RANK.encode()
 
 
 class UpstreamError(OpenAIError):
@@ -36,86 +37,70 @@ class EngineClient:
     def __init__(self, *, request_timeout: float, connect_timeout: float = 5.0):
         self.request_timeout = request_timeout
         self.connect_timeout = connect_timeout
-        self._session: aiohttp.ClientSession | None = None
-        self._urls: dict[tuple[str, str], URL] = {}  # parsed once: yarl parsing is not free
+        self._pool: Http1Pool | None = None
 
     async def start(self) -> None:
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True),
-            timeout=aiohttp.ClientTimeout(
-                total=None, sock_connect=self.connect_timeout, sock_read=self.request_timeout
-            ),
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent",),
+        self._pool = Http1Pool(
+            connect_timeout=self.connect_timeout, read_timeout=self.request_timeout
         )
 
     async def stop(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-    def _url(self, record: WorkerRecord, path: str) -> URL:
-        key = (record.engine_url, path)
-        url = self._urls.get(key)
-        if url is None:
-            if len(self._urls) > 4096:  # workers come and go: keep the cache bounded
-                self._urls.clear()
-            url = self._urls[key] = URL(record.engine_url + path)
-        return url
+        if self._pool is not None:
+            await self._pool.close()
+            self._pool = None
 
     @staticmethod
-    def headers(client_headers: Mapping[str, str], dp_rank: int | None) -> dict[str, str]:
-        out = {"Content-Type": "application/json"}
+    def headers(client_headers: Mapping[str, str], dp_rank: int | None) -> bytes:
+        """The engine request's header lines: JSON body, the client's forwardable headers, and
+        vLLM's DP rank selector."""
+        out = _JSON_HEADER
         for name in FORWARDED_HEADERS:
             value = client_headers.get(name)
-            if value is not None:
-                out[name] = value
+            if value is not None and "\r" not in value and "\n" not in value:
+                out += b"%s: %s\r\n" % (name.encode(), value.encode("utf-8", "surrogateescape"))
         if dp_rank is not None:
-            out[VLLM_DP_RANK] = str(dp_rank)
+            out += b"%s: %d\r\n" % (_DP_RANK_HEADER, dp_rank)
         return out
 
     async def open(
-        self,
-        record: WorkerRecord,
-        path: str,
-        payload: bytes,
-        headers: Mapping[str, str],
-        leg: str,
-    ) -> aiohttp.ClientResponse:
-        """POST and wait for the response headers; the caller reads the body and closes it."""
-        assert self._session is not None, "EngineClient.start() first"
+        self, record: WorkerRecord, path: str, payload: bytes, headers: bytes, leg: str
+    ) -> Response:
+        """POST and wait for the response head; the caller reads the body and closes it."""
+        assert self._pool is not None, "EngineClient.start() first"
         try:
-            return await self._session.post(self._url(record, path), data=payload, headers=headers)
-        except (aiohttp.ClientError, TimeoutError) as exc:
+            return await self._pool.request(b"POST", record.engine_url, path, headers, payload)
+        except (ConnectionError, TimeoutError) as exc:
             raise self.failure(exc, record, leg) from exc
 
-    async def read(self, response: aiohttp.ClientResponse, record: WorkerRecord, leg: str) -> bytes:
+    async def read(self, response: Response, record: WorkerRecord, leg: str) -> bytes:
         try:
             return await response.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except (ConnectionError, TimeoutError) as exc:
             raise self.failure(exc, record, leg) from exc
 
-    async def read_chunk(
-        self, response: aiohttp.ClientResponse, record: WorkerRecord, leg: str
-    ) -> bytes:
+    async def read_chunk(self, response: Response, record: WorkerRecord, leg: str) -> bytes:
         try:
-            return await response.content.readany()
-        except (aiohttp.ClientError, TimeoutError) as exc:
+            return await response.read_chunk()
+        except (ConnectionError, TimeoutError) as exc:
             raise self.failure(exc, record, leg) from exc
 
     async def get(self, record: WorkerRecord, path: str, leg: str) -> tuple[int, bytes]:
-        assert self._session is not None, "EngineClient.start() first"
+        assert self._pool is not None, "EngineClient.start() first"
+        response = None
         try:
-            async with self._session.get(self._url(record, path)) as response:
-                return response.status, await response.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
+            response = await self._pool.request(b"GET", record.engine_url, path)
+            return response.status, await response.read()
+        except (ConnectionError, TimeoutError) as exc:
             raise self.failure(exc, record, leg) from exc
+        finally:
+            if response is not None:
+                response.release()
 
     def failure(self, exc: Exception, record: WorkerRecord, leg: str) -> UpstreamError:
         """The UpstreamError for an engine-side failure (connection, timeout, broken stream)."""
         where = describe(record, leg)
-        if isinstance(exc, aiohttp.ClientConnectorError):
-            return UpstreamError(502, f"{where} is unreachable: {exc.os_error}", "connect")
+        if isinstance(exc, ConnectError):
+            return UpstreamError(502, f"{where} is unreachable: {exc}", "connect")
         if isinstance(exc, TimeoutError):
             return UpstreamError(
                 504,

@@ -24,9 +24,11 @@ from dynamograph.frontend.routing import (
     Pins,
     Target,
     check_pins,
+    merge,
+    pins_from_headers,
     read_pins,
 )
-from dynamograph.protocol.headers import apply_header_routing_overrides
+from dynamograph.protocol.headers import apply_header_routing_overrides, parse_routing_headers
 from dynamograph.protocol.nvext import NvExt
 from dynamograph.protocol.openai import OpenAIError
 
@@ -94,6 +96,32 @@ def test_enforce_disagg_names_the_missing_prefill_header():
         check_pins(Pins(Target(1)), Mode.DIRECT, enforce_disagg=True)
     assert err.value.status == 400 and "x-prefill-instance-id" in err.value.message
     check_pins(Pins(Target(1), Target(2)), Mode.DIRECT, enforce_disagg=True)
+
+
+HEADER_CASES = [
+    {},
+    {"x-worker-instance-id": "11"},
+    {"x-worker-instance-id": "11", "x-dp-rank": "2"},
+    {"x-dp-rank": "2"},
+    {"x-prefill-instance-id": "9", "x-prefill-dp-rank": "4294967295"},
+    {"x-worker-instance-id": "x", "x-prefill-instance-id": "9", "x-prefill-dp-rank": "1"},
+    {
+        "X-Dynamo-Worker-Instance-Id": "5",
+        "x-dynamo-dp-rank": "1",
+        "x-dynamo-prefill-instance-id": "6",
+    },
+]
+
+
+@pytest.mark.parametrize("headers", HEADER_CASES)
+def test_fast_path_pins_equal_the_protocol_merge(headers):
+    routing = parse_routing_headers(headers)
+    assert pins_from_headers(routing) == read_pins(apply_header_routing_overrides(None, headers))
+    assert merge(None, routing) == (None, pins_from_headers(routing))
+    body = NvExt(backend_instance_id=3, prefill_worker_id=4, extra_fields=["timing"])
+    nvext, pins = merge(body, routing)
+    assert nvext == apply_header_routing_overrides(body, headers)
+    assert pins == read_pins(nvext) and nvext.wants("timing")
 
 
 @pytest.mark.parametrize("mode", [Mode.KV, Mode.ROUND_ROBIN])
