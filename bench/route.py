@@ -41,7 +41,7 @@ from .trace import (
 
 log = logging.getLogger(__name__)
 
-FULL = {"workers": 8, "families": 1.0, "compression": 8.0}
+FULL = {"workers": 8, "families": 0.25, "compression": 6.0}
 QUICK = {"workers": 4, "families": 0.1, "compression": 40.0}
 
 
@@ -57,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--families",
         type=float,
         default=None,
-        help="replay a seeded fraction of the trace's prefix families, whole (default 1 = all)",
+        help="replay a seeded fraction of the trace's prefix families, whole "
+        f"(default {FULL['families']:g}, quick {QUICK['families']:g}; 1 = the whole trace)",
     )
     parser.add_argument(
         "--limit", type=int, default=None, help="then keep only the first N requests"

@@ -45,7 +45,18 @@ POLICIES: dict[str, Policy] = {
             "EPP, KV cost from its own routing history (no KV events, TTL 120 s)",
             {"policy": "kv", "use_kv_events": False},
         ),
-        Policy("kv", "epp", "EPP, KV cost from the engines' KV events", {"policy": "kv"}),
+        Policy(
+            "kv",
+            "epp",
+            "EPP, KV cost from the engines' KV events (Dynamo's defaults: overlap weight 1)",
+            {"policy": "kv"},
+        ),
+        Policy(
+            "kv-w4",
+            "epp",
+            "EPP, KV events, overlap weight 4 (prefill blocks count 4x against active blocks)",
+            {"policy": "kv", "overlap_weight": 4.0},
+        ),
         Policy(
             "sglang-cache-aware",
             "sglang-router",

@@ -35,12 +35,12 @@ def tiny_trace(tmp_path):
     return path
 
 
-def bench_args(trace, out, policies):
+def bench_args(trace, out, policies, *extra):
     parser = argparse.ArgumentParser()
     route.add_arguments(parser)
     return parser.parse_args(
         ["--trace", str(trace), "--out", str(out), "--workers", "2", "--compression", "1",
-         "--num-gpu-blocks", "2048", "--policies", *policies]
+         "--num-gpu-blocks", "2048", "--policies", *policies, *extra]
     )  # fmt: skip
 
 
@@ -65,6 +65,7 @@ def test_route_through_epp_and_envoy(tmp_path, tiny_trace):
     args = bench_args(tiny_trace, tmp_path / "out", ["round-robin"])
     assert route.run(args) == 0
     m = check_results(tmp_path / "out", tiny_trace, "round-robin")
+    assert m["client_ttft_p50_s"] is None  # not streamed: TTFT only from the engine
     assert sorted(m["per_worker_requests"].values()) == [8, 8]  # round-robin: exactly even
 
 
@@ -74,6 +75,7 @@ def test_route_through_sglang_router(tmp_path, tiny_trace):
         foreign_binary("sglang-router")
     except LaunchError as exc:
         pytest.skip(str(exc))
-    args = bench_args(tiny_trace, tmp_path / "out", ["sglang-cache-aware"])
+    args = bench_args(tiny_trace, tmp_path / "out", ["sglang-cache-aware"], "--stream")
     assert route.run(args) == 0
-    check_results(tmp_path / "out", tiny_trace, "sglang-cache-aware")
+    m = check_results(tmp_path / "out", tiny_trace, "sglang-cache-aware")
+    assert m["client_ttft_p50_s"] > 0  # streamed through the foreign router: measured by us
