@@ -43,12 +43,17 @@ class Booking:
     """One request's load on one slot; `prefill`/`decode` are exactly what it added."""
 
     slot: Slot
+    load: "SlotLoad"  # the slot's sums this booking added to (a dropped slot's are orphaned)
     prefill: int
     decode: int
     prompt_blocks: int
     expected_output_tokens: int | None
     generated_tokens: int = 0
     live: bool = True
+
+    def current(self, loads: dict[Slot, "SlotLoad"]) -> "SlotLoad | None":
+        """The sums to update, or None when the booking is freed or its slot was dropped."""
+        return self.load if self.live and loads.get(self.slot) is self.load else None
 
 
 @dataclass
@@ -91,15 +96,16 @@ class ActiveRequests:
         self._reap()
         if prompt_blocks < 0 or prefill_blocks < 0:
             raise ValueError("block counts must be non-negative")
+        load = self._loads.setdefault(slot, SlotLoad())
         booking = Booking(
             slot=slot,
+            load=load,
             prefill=prefill_blocks,
             decode=0,
             prompt_blocks=prompt_blocks if decode else 0,
             expected_output_tokens=expected_output_tokens if decode else None,
         )
         booking.decode = self._decode_load(booking)
-        load = self._loads.setdefault(slot, SlotLoad())
         load.prefill_blocks += booking.prefill
         load.decode_blocks += booking.decode
         load.requests += 1
@@ -108,9 +114,10 @@ class ActiveRequests:
     def prefill_done(self, booking: Booking) -> None:
         """The slot finished computing the prompt: drop the prefill part (idempotent)."""
         self._reap()
-        if booking.live and booking.prefill:
-            self._loads[booking.slot].prefill_blocks -= booking.prefill
-            booking.prefill = 0
+        load = booking.current(self._loads)
+        if load is not None:
+            load.prefill_blocks -= booking.prefill
+        booking.prefill = 0
 
     def add_output_tokens(self, booking: Booking, tokens: int) -> None:
         """Account generated tokens; changes the decode load only when output tracking is on."""
@@ -130,16 +137,15 @@ class ActiveRequests:
         self._orphans.append(booking)
 
     def drop_slot(self, slot: Slot) -> None:
-        """Forget a removed slot's load; its guards' later frees become no-ops."""
+        """Forget a removed slot's load; its bookings' later updates become no-ops, even if
+        the slot comes back."""
         self._reap()
         self._loads.pop(slot, None)
 
     def _free(self, booking: Booking) -> None:
-        if not booking.live:
-            return
+        load = booking.current(self._loads)
         booking.live = False
-        load = self._loads.get(booking.slot)
-        if load is None:  # the slot was dropped meanwhile
+        if load is None:
             return
         load.prefill_blocks -= booking.prefill
         load.decode_blocks -= booking.decode
@@ -148,7 +154,7 @@ class ActiveRequests:
             del self._loads[booking.slot]
 
     def _set_decode(self, booking: Booking, value: int) -> None:
-        load = self._loads.get(booking.slot)
+        load = booking.current(self._loads)
         if load is not None:
             load.decode_blocks += value - booking.decode
         booking.decode = value

@@ -137,3 +137,17 @@ def test_output_blocks_without_expected_length_just_grow():
     g2 = RequestGuard(untracked, "u", untracked.book(SLOTS[0], prompt_blocks=2, prefill_blocks=2))
     g2.add_output_tokens(100)
     assert untracked.load(SLOTS[0]).decode_blocks == 2
+
+
+def test_freeing_a_booking_of_a_dropped_slot_leaves_the_slot_reborn_alone():
+    """A worker leaves and comes back (same slot): old guards must not touch the new sums."""
+    active = ActiveRequests()
+    old = RequestGuard(active, "old", active.book(SLOTS[0], prompt_blocks=3, prefill_blocks=3))
+    active.drop_slot(SLOTS[0])
+    new = RequestGuard(active, "new", active.book(SLOTS[0], prompt_blocks=5, prefill_blocks=1))
+    old.mark_prefill_done()
+    old.add_output_tokens(100)
+    old.free()
+    assert active.load(SLOTS[0]) == SlotLoad(prefill_blocks=1, decode_blocks=5, requests=1)
+    new.free()
+    assert active.loads() == {}
