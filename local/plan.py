@@ -24,7 +24,7 @@ from pathlib import Path
 
 import yaml
 
-from dynamograph.operator.manifests import worker_args
+from dynamograph.operator.manifests import router_config, uses_kv_events, worker_args
 from dynamograph.operator.models import (
     ComponentType,
     DynamoGraph,
@@ -135,9 +135,11 @@ def plan_graph(
             ports={"http": listen, "admin": admin},
         )
     )
-    files = {str(config_path): json.dumps(config, indent=1)}
-    if epp.argv.count("--config"):
-        files[str(run_dir / "router.yaml")] = yaml.safe_dump(_router_config(router))
+    files = {
+        str(config_path): json.dumps(config, indent=1),
+        # The operator's ConfigMap content, so the EPP is set up as it would be in the cluster.
+        str(run_dir / "router.yaml"): yaml.safe_dump(router_config(router)),
+    }
     return Plan(
         graph=graph.name,
         model=spec.served_model_name,
@@ -308,12 +310,10 @@ def _epp_process(
         "--temperature",
         str(router.temperature),
     ]
-    events = router.kv_events and str(router.mode) != "approx"
-    argv += ["--kv-events", "on" if events else "off"]
+    argv += ["--kv-events", "on" if uses_kv_events(router) else "off"]
     if router.enforce_disagg:
         argv.append("--enforce-disagg")
-    if _router_config(router):
-        argv += ["--config", str(run_dir / "router.yaml")]
+    argv += ["--config", str(run_dir / "router.yaml")]
     return ProcessSpec(
         name=f"{graph}-epp",
         kind="epp",
@@ -322,15 +322,3 @@ def _epp_process(
         ready=Probe("grpc", f"{HOST}:{health}", "readiness"),
         ports={"grpc": grpc, "grpc-health": health, "metrics": metrics},
     )
-
-
-def _router_config(router: RouterSpec) -> dict:
-    """Router settings the EPP takes from its config file (`epp.config.RouterConfig` fields)
-    rather than flags; empty when the flags say everything."""
-    config = dict(router.config)
-    mode = str(router.mode)
-    if mode not in ("kv", "approx"):  # approx is the kv policy without events (--kv-events off)
-        config["policy"] = mode
-    if router.busy_threshold is not None:
-        config["busy_threshold"] = router.busy_threshold
-    return config

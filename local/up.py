@@ -81,6 +81,10 @@ def run(args: argparse.Namespace) -> int:
     console = Console() if sys.stdout.isatty() else Console(width=160)
     err = Console(stderr=True)
     path = args.graph or DEFAULT_GRAPH
+    if not path.is_file():
+        bundled = ", ".join(sorted(p.name for p in EXAMPLES.glob("*.yaml")))
+        err.print(f"[red]no graph file {path}[/red] (bundled examples in {EXAMPLES}: {bundled})")
+        return 2
     try:
         graph = load_graph(path)
     except GraphError as exc:

@@ -122,7 +122,9 @@ def test_sidecars_and_epp_point_at_the_engines():
     assert arg(epp.argv, "--discovery") == "static"
     assert arg(epp.argv, "--overlap-weight") == "1.0"
     assert arg(epp.argv, "--kv-events") == "on"
-    assert "--config" not in epp.argv and p.notes == []
+    assert p.notes == []
+    config = yaml.safe_load(p.files[arg(epp.argv, "--config")])
+    assert config["policy"] == "kv" and config["use_kv_events"] is True
 
 
 def test_envoy_fronts_the_epp_and_is_the_base_url():
@@ -188,7 +190,7 @@ def test_graph_without_epp_runs_a_default_one_and_says_so():
     assert sum(x.kind == "epp" for x in p.processes) == 1
 
 
-def test_router_settings_beyond_flags_go_to_a_config_file():
+def test_router_settings_reach_the_epp_flags_and_config_file():
     p = plan(
         graph_dict(
             w={"componentType": "worker"},
@@ -210,9 +212,10 @@ def test_router_settings_beyond_flags_go_to_a_config_file():
     sidecar = next(x for x in p.processes if x.kind == "frontend")
     assert "--enforce-disagg" in sidecar.argv
     config = yaml.safe_load(p.files[arg(epp.argv, "--config")])
-    assert config == {"policy": "round-robin"}
-    router_config = pytest.importorskip("dynamograph.epp.config", reason="EPP not built yet")
-    router_config.RouterConfig.load(None, **config)  # the EPP accepts it
+    assert config["policy"] == "round-robin" and config["use_kv_events"] is False
+    assert config["temperature"] == 0.5 and config["enforce_disagg"] is True
+    epp_config = pytest.importorskip("dynamograph.epp.config", reason="EPP not built yet")
+    epp_config.RouterConfig.model_validate(config)  # the EPP accepts the file
 
 
 def test_approx_mode_is_kv_without_events():
@@ -224,7 +227,8 @@ def test_approx_mode_is_kv_without_events():
     )
     epp = next(x for x in p.processes if x.kind == "epp")
     assert arg(epp.argv, "--kv-events") == "off"
-    assert yaml.safe_load(p.files[arg(epp.argv, "--config")]) == {"busy_threshold": 0.9}
+    config = yaml.safe_load(p.files[arg(epp.argv, "--config")])
+    assert config["policy"] == "kv" and config["busy_threshold"] == 0.9
 
 
 def test_standalone_frontend_service_routes_by_itself():

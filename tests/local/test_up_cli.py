@@ -23,7 +23,8 @@ def test_invalid_graph_is_refused_with_the_field_path(tmp_path):
 
 def test_missing_graph_file(tmp_path):
     result = dynamograph("up", str(tmp_path / "nope.yaml"), state_dir=tmp_path, check=False)
-    assert result.returncode == 2 and "cannot read" in result.stderr
+    assert result.returncode == 2 and "no graph file" in result.stderr
+    assert str(EXAMPLES) in result.stderr and "disagg.yaml" in result.stderr  # where to look
 
 
 def test_missing_envoy_names_the_setup_script(tmp_path, monkeypatch):
