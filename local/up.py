@@ -208,9 +208,10 @@ async def _start(err: Console, stack: Stack, stop: asyncio.Event, ready_within: 
     return True
 
 
-def _death_event(proc) -> str:
-    when = time.strftime("%H:%M:%S")
-    what = f"{when} {proc.spec.name} {proc.describe_exit()}"
+def _death_event(proc, stamp: bool = True) -> str:
+    what = f"{proc.spec.name} {proc.describe_exit()}"
+    if stamp:
+        what = f"{time.strftime('%H:%M:%S')} {what}"
     if proc.spec.kind == "engine":
         return f"{what}: the EPP drops it, routing continues on the rest"
     return f"{what} (log: {proc.log})"
@@ -269,7 +270,7 @@ async def _print_status(console: Console, stack: Stack) -> int:
         samples = await scrape(session, stack.running)
     for proc in stack.running:
         proc.poll()
-    events = [_death_event(p) for p in stack.running if p.exit_code is not None]
+    events = [_death_event(p, stamp=False) for p in stack.running if p.exit_code is not None]
     console.print(
         render(
             stack.plan.graph,
