@@ -61,6 +61,8 @@ class Operator:
     api: KubeApi
     config: OperatorConfig
     locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
+    # Graphs with a pass already waiting for the lock: it will read the latest state anyway.
+    queued: set[tuple[str, str]] = field(default_factory=set)
 
     def lock(self, namespace: str, name: str) -> asyncio.Lock:
         return self.locks.setdefault((namespace, name), asyncio.Lock())
@@ -190,14 +192,21 @@ def _observe(graph, graph_name: str, live: dict) -> dict[str, ServiceObservation
 
 
 async def sync_graph(
-    operator: Operator, namespace: str, name: str, announce: Announce
+    operator: Operator, namespace: str, name: str, announce: Announce, *, coalesce: bool = False
 ) -> Outcome | None:
     """Reconcile one graph, patch its status if it changed, announce a new degradation.
 
     The graph is read afresh under the lock: a handler's body may be older than the status the
-    previous pass wrote, and comparing with a stale status would rewrite it forever.
+    previous pass wrote, and comparing with a stale status would rewrite it forever. With
+    `coalesce`, a trigger is dropped when a pass is already queued for the graph (a rollout
+    sends a burst of Deployment events; one pass after them sees them all).
     """
+    key = (namespace, name)
+    if coalesce and key in operator.queued:
+        return None
+    operator.queued.add(key)
     async with operator.lock(namespace, name):
+        operator.queued.discard(key)
         body = await operator.api.get(API_VERSION, KIND, namespace, name)
         if body is None or body["metadata"].get("deletionTimestamp"):
             return None  # gone or going: garbage collection takes its objects
@@ -225,4 +234,4 @@ async def sync_owner_of(
     graph = await operator.api.get(API_VERSION, KIND, meta["namespace"], graph_name)
     if graph is None or not owned_by(owned, graph["metadata"]["uid"]):
         return None  # no graph, or a leftover from an earlier graph of the same name
-    return await sync_graph(operator, meta["namespace"], graph_name, announce)
+    return await sync_graph(operator, meta["namespace"], graph_name, announce, coalesce=True)
