@@ -15,6 +15,7 @@ import aiohttp
 import openai
 import pytest
 
+from dynamograph.worker.server import WORKER_ID_HEADER
 from dynamograph.worker.testing import free_port, mock_worker
 
 from .conftest import MODEL
@@ -133,7 +134,12 @@ async def test_vllm_router_cache_aware_reuses_the_cached_prefix():
         router("vllm", [a.url, b.url], "cache_aware") as url,
         openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as c,
     ):
-        first = await c.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
-        second = await c.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+        raws = [
+            await c.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=2)
+            for _ in range(2)
+        ]
+    first, second = (raw.parse() for raw in raws)
+    served_by = [raw.headers[WORKER_ID_HEADER] for raw in raws]
+    assert served_by[0] == served_by[1], f"the repeated prefix went elsewhere: {served_by}"
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert second.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens // 2
