@@ -28,6 +28,8 @@ from .route_fleet import DYNAMOGRAPH, Proc, WorkerSpec, stop_all, wait_http, wor
 from .timing import percentiles
 
 TARGET_ADDED_P50_MS = 0.5
+COLUMNS = ["c", "stream", "direct p50", "fe p50", "added p50", "direct p99", "fe p99"]
+COLUMNS += ["added TTFB p50", "fe CPU µs/req"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -200,17 +202,7 @@ def run(args: argparse.Namespace) -> int:
     rows = result["rows"]
     print_table(
         "frontend hop: added latency vs calling the engine directly (ms)",
-        [
-            "c",
-            "stream",
-            "direct p50",
-            "fe p50",
-            "added p50",
-            "direct p99",
-            "fe p99",
-            "added TTFB p50",
-            "fe CPU µs/req",
-        ],  # fmt: skip
+        COLUMNS,
         [
             [
                 r["concurrency"],
