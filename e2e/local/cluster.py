@@ -1,8 +1,9 @@
 """The cluster-in-a-box: API emulator, the real operator, garbage collector, process kubelet.
 
-`local_cluster(workdir)` starts, in order: the kmock-based API server on 127.0.0.1 with the
-project's CRDs declared, the operator as its own process (`dynamograph operator`, kopf, with a
-kubeconfig pointing at the emulator), the garbage collector and the process kubelet. It yields
+`local_cluster(workdir)` starts, in order: the kmock-based API server on 127.0.0.1 (with the
+CRDs declared and ownerReference garbage collection, see `emulator.py`), the operator as its own
+process (`dynamograph operator`, kopf, with a kubeconfig pointing at the emulator) and the
+process kubelet. It yields
 a `LocalCluster` for the scenario: apply/patch/delete graphs, inspect objects, describe state
 for failure messages. Teardown stops everything it started, kubelet pods first.
 """
@@ -21,8 +22,7 @@ import kmock
 
 from ..graphs import Manifest
 from ..waiting import wait_for
-from .emulator import StampingEmulator, declare_resources, load_crds
-from .gc import GarbageCollector
+from .emulator import make_emulator
 from .kubeapi import DEPLOYMENTS, DYNAMOGRAPHS, PODS, KubeApi, write_kubeconfig
 from .kubelet import ProcessKubelet
 
@@ -63,7 +63,6 @@ class LocalCluster:
     url: str
     api: KubeApi
     kubelet: ProcessKubelet
-    gc: GarbageCollector
     operator: asyncio.subprocess.Process
     operator_log: Path
     workdir: Path
@@ -135,9 +134,7 @@ async def _stop_process(process: asyncio.subprocess.Process, grace: float = 10.0
 @contextlib.asynccontextmanager
 async def local_cluster(workdir: Path) -> AsyncIterator[LocalCluster]:
     os.makedirs(workdir, exist_ok=True)
-    crds = load_crds()
-    async with StampingEmulator() as emulator, kmock.Server(emulator) as server:
-        declare_resources(emulator, crds)
+    async with make_emulator() as emulator, kmock.Server(emulator) as server:
         url = str(server.url).rstrip("/")
         kubeconfig = write_kubeconfig(workdir / "kubeconfig.yaml", url)
         operator_log = workdir / "operator.log"
@@ -154,7 +151,7 @@ async def local_cluster(workdir: Path) -> AsyncIterator[LocalCluster]:
                 )
             kubelet = ProcessKubelet(api, workdir / "pods", kubeconfig)
             try:
-                async with GarbageCollector(api) as gc, kubelet:
-                    yield LocalCluster(url, api, kubelet, gc, operator, operator_log, workdir)
+                async with kubelet:
+                    yield LocalCluster(url, api, kubelet, operator, operator_log, workdir)
             finally:
                 await _stop_process(operator)

@@ -1,8 +1,8 @@
 """Fixtures of the cluster-in-a-box suite.
 
-`api_server`: the stamping kmock emulator on 127.0.0.1 with the project's CRDs declared, and a
-KubeApi client for it (for tests of the infrastructure itself). The full cluster (operator,
-GC, kubelet) is built per test module by `e2e.local.cluster.local_cluster`.
+`api_server`: the API emulator (see `emulator.py`) on 127.0.0.1 and a KubeApi client for it, for
+tests of the infrastructure itself. The full cluster (operator, kubelet, Envoy) is built per
+test module by `e2e.local.cluster.local_cluster`.
 """
 
 import os
@@ -12,7 +12,7 @@ import kmock
 import pytest
 import pytest_asyncio
 
-from .emulator import StampingEmulator, declare_resources, load_crds
+from .emulator import make_emulator
 from .kubeapi import KubeApi
 
 ENVOY_MISSING = None
@@ -41,8 +41,7 @@ def requires_loopback_range() -> None:
 @pytest_asyncio.fixture
 async def api_server():
     requires_loopback_range()
-    async with StampingEmulator() as emulator, kmock.Server(emulator) as server:
-        declare_resources(emulator, load_crds())
+    async with make_emulator() as emulator, kmock.Server(emulator) as server:
         url = str(server.url).rstrip("/")
         async with KubeApi(url) as api:
             yield url, api, emulator

@@ -32,12 +32,7 @@ DEPLOYMENTS = Resource("apps", "v1", "deployments")
 PODS = Resource("", "v1", "pods")
 SERVICES = Resource("", "v1", "services")
 CONFIGMAPS = Resource("", "v1", "configmaps")
-SERVICEACCOUNTS = Resource("", "v1", "serviceaccounts")
-ROLES = Resource("rbac.authorization.k8s.io", "v1", "roles")
-ROLEBINDINGS = Resource("rbac.authorization.k8s.io", "v1", "rolebindings")
 INFERENCEPOOLS = Resource("inference.networking.k8s.io", "v1", "inferencepools")
-HTTPROUTES = Resource("gateway.networking.k8s.io", "v1", "httproutes")
-EVENTS = Resource("", "v1", "events")
 DYNAMOGRAPHS = Resource("dynamograph.io", "v1alpha1", "dynamographs")
 
 

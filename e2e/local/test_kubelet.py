@@ -30,9 +30,12 @@ def worker_deployment(replicas: int) -> dict:
     manifest = with_replicas(with_engine(without_gpus(manifest), speedup=50.0), "worker", replicas)
     graph = load_graph(manifest)
     objects = desired_objects(graph, Owner("agg", NS, "graph-uid"), OperatorConfig(image="x:y"))
-    return next(
+    deployment = next(
         o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == "agg-worker"
     )
+    # No graph object exists here: an owner reference to it would have the GC collect it.
+    del deployment["metadata"]["ownerReferences"]
+    return deployment
 
 
 def alive(pid: int) -> bool:
@@ -99,6 +102,9 @@ async def test_deployment_becomes_ready_loopback_pods_that_scale_and_go(api_serv
         assert kubelet.stopped_pids and not any(alive(pid) for pid in kubelet.stopped_pids)
 
         await api.delete(DEPLOYMENTS, NS, "agg-worker")
-        await wait_for(lambda: ready_pods(0), "no pods", within=60, detail=kubelet.describe)
-        assert not kubelet.pods
+
+        async def all_gone():
+            return await ready_pods(0) and not kubelet.pods
+
+        await wait_for(all_gone, "no pods, no processes", within=60, detail=kubelet.describe)
         assert not any(alive(pid) for pid in kubelet.stopped_pids)

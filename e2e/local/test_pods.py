@@ -1,4 +1,4 @@
-"""Unit tests of the cluster-in-a-box's pure parts: pod specs -> argv/env/files, GC, gateway."""
+"""Unit tests of the cluster-in-a-box's pure parts: pod specs -> argv/env/files, gateway."""
 
 import random
 
@@ -6,9 +6,7 @@ import pytest
 
 from ..graphs import load_example, renamed
 from . import pods as podlib
-from .emulator import crd_resources, load_crds
 from .gateway import epp_endpoint, fail_open
-from .gc import orphans
 from .kubelet import AddressPool
 
 pytestmark = pytest.mark.unit
@@ -144,16 +142,6 @@ def test_address_pool_never_repeats_and_stays_in_loopback():
     assert all(a.startswith("127.") and not a.endswith(".0") and not a.endswith(".1") for a in seen)
 
 
-def test_orphans_are_objects_whose_owners_are_all_gone():
-    objs = [
-        {"metadata": {"name": "a", "ownerReferences": [{"uid": "live"}]}},
-        {"metadata": {"name": "b", "ownerReferences": [{"uid": "dead"}]}},
-        {"metadata": {"name": "c"}},  # unowned: never collected
-        {"metadata": {"name": "d", "ownerReferences": [{"uid": "dead"}, {"uid": "live"}]}},
-    ]
-    assert [o["metadata"]["name"] for o in orphans(objs, {"live"})] == ["b"]
-
-
 def _epp_pod(name: str, ip: str, ready: bool) -> dict:
     return {
         "metadata": {"name": name, "labels": {"dynamograph.io/service": "epp"}},
@@ -189,14 +177,6 @@ def test_epp_endpoint_follows_pool_service_and_ready_pod():
     bad = {"spec": {"endpointPickerRef": {"name": "g-epp", "port": {"number": 1}}}}
     with pytest.raises(ValueError, match="has no port 1"):
         epp_endpoint(bad, [service], pods)
-
-
-def test_crd_discovery_info_comes_from_the_generated_crd():
-    (crd,) = [c for c in load_crds() if c["spec"]["group"] == "dynamograph.io"]
-    resources = dict(crd_resources(crd))
-    info = resources["dynamograph.io/v1alpha1/dynamographs"]
-    assert info.kind == "DynamoGraph" and info.namespaced and "status" in info.subresources
-    assert "dg" in info.shortnames
 
 
 def test_examples_parse_as_graphs():
