@@ -270,6 +270,10 @@ class MockEngine(LLMEngine):
             if self._inflight == 0:
                 self._idle.set()
 
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
     def has_request(self, request_id: str) -> bool:
         return any(rank.has_request(request_id) for rank in self.ranks)
 

@@ -80,8 +80,14 @@ def usage_body(usage: Usage) -> dict[str, Any]:
 
 
 def nvext_body(
-    nvext: NvExt | None, last: EngineOutput, *, instance_id: int, prefill: bool
+    nvext: NvExt | None,
+    last: EngineOutput,
+    *,
+    instance_id: int,
+    prefill: bool,
+    received_ms: float | None = None,
 ) -> dict[str, Any] | None:
+    """`nvext` of a response: worker ids and timing (simulated durations, wall-clock receipt)."""
     if nvext is None or not nvext.extra_fields:
         return None
     out = NvExtResponse()
@@ -94,6 +100,7 @@ def nvext_body(
     if nvext.wants("timing") and last.timing is not None:
         t = last.timing
         out.timing = TimingInfo(
+            request_received_ms=received_ms,
             prefill_time_ms=t.prefill_time * 1e3,
             ttft_ms=None if t.ttft is None else t.ttft * 1e3,
             total_time_ms=None if t.e2e is None else t.e2e * 1e3,

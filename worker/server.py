@@ -151,6 +151,8 @@ class WorkerServer:
     async def health(self, request: web.Request) -> web.Response:
         if self.config is None:
             return _json({"status": "starting"}, status=503)
+        if self.engine.draining:  # routers stop sending before the process goes away
+            return _json({"status": "draining"}, status=503)
         return web.Response(status=200)
 
     async def engine_info(self, request: web.Request) -> web.Response:
@@ -332,12 +334,13 @@ class WorkerServer:
             with contextlib.suppress(Exception):
                 await stream.aclose()
 
-    def _extra(self, gen, last: EngineOutput) -> dict[str, Any]:
+    def _extra(self, gen, last: EngineOutput, received: float) -> dict[str, Any]:
         extra: dict[str, Any] = {}
         if last.kv_transfer_params is not None:
             extra["kv_transfer_params"] = last.kv_transfer_params
         nv = nvext_body(gen.nvext, last, instance_id=self.config.instance_id,
-                        prefill=self.engine.config.role is Role.PREFILL)  # fmt: skip
+                        prefill=self.engine.config.role is Role.PREFILL,
+                        received_ms=received * 1e3)  # fmt: skip
         if nv:
             extra["nvext"] = nv
         return extra
@@ -363,7 +366,10 @@ class WorkerServer:
         self._record(entry, last)
         if last.finish_reason is FinishReason.ERROR:
             return _json(OpenAIError(503, last.error or "engine error").body(), 503, headers)
-        return _json(builder.full("".join(texts), last, self._extra(gen, last)), headers=headers)
+        return _json(
+            builder.full("".join(texts), last, self._extra(gen, last, entry["received"])),
+            headers=headers,
+        )
 
     async def _stream(
         self, request, stream, builder, body, gen, headers, entry
@@ -389,7 +395,7 @@ class WorkerServer:
                     err = OpenAIError(503, out.error or "engine error").body()
                     await response.write(_sse(err))
                     break
-                extra = self._extra(gen, out) if out.is_terminal else None
+                extra = self._extra(gen, out, entry["received"]) if out.is_terminal else None
                 await response.write(_sse(builder.chunk(out, extra)))
                 if out.is_terminal:
                     if include_usage and out.usage is not None:

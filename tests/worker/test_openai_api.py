@@ -79,6 +79,7 @@ async def test_second_identical_prompt_is_cached_and_faster(worker):
     assert cached == (prompt - 1) // bs * bs  # every full block but the one holding the last token
     t1, t2 = first.model_extra["nvext"]["timing"], second.model_extra["nvext"]["timing"]
     assert t2["cached_tokens"] == cached
+    assert t2["request_received_ms"] >= t1["request_received_ms"] > 0
     assert t2["ttft_ms"] < t1["ttft_ms"] / 2
     ids = second.model_extra["nvext"]["worker_id"]
     assert ids == {"decode_worker_id": worker.config.instance_id, "decode_dp_rank": 0}
@@ -101,3 +102,20 @@ async def test_reused_request_ids_do_not_collide(worker):
         ))  # fmt: skip
     assert all(o.usage.completion_tokens == 3 for o in outs)
     assert all(o.id.startswith("same-id") for o in outs) and len({o.id for o in outs}) == 3
+
+
+async def test_draining_worker_fails_health_and_refuses_work():
+    import aiohttp
+
+    from dynamograph.worker.testing import mock_worker
+
+    async with mock_worker(model=MODEL, kv_events=False) as w, aiohttp.ClientSession() as http:
+        async with http.get(w.url + "/health") as resp:
+            assert resp.status == 200
+        await w.engine.drain(grace=1.0)
+        async with http.get(w.url + "/health") as resp:
+            assert resp.status == 503
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+        async with http.post(w.url + "/v1/completions", json=body) as resp:
+            assert resp.status == 503
+            assert "draining" in (await resp.json())["error"]["message"]
