@@ -8,7 +8,7 @@ import pytest
 
 from dynamograph.frontend.routing import Mode
 from dynamograph.protocol.engine import Role
-from dynamograph.worker.testing import mock_worker
+from dynamograph.worker.testing import RunningWorker, mock_worker
 
 from .conftest import (
     client,
@@ -261,3 +261,76 @@ async def test_decode_engine_unreachable_is_502(model):
             f"decode worker {other.config.name}",
             "is unreachable",
         )
+
+
+@contextlib.asynccontextmanager
+async def engine_that_dies_mid_stream():
+    """An engine that streams two events, then drops the connection (a crashed engine)."""
+    from aiohttp import web
+
+    from dynamograph.protocol.engine import EngineConfig
+    from dynamograph.protocol.identity import instance_id
+
+    config = EngineConfig(
+        model="m", served_model_name="m", context_length=1024, kv_cache_block_size=16,
+        total_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=256,
+        instance_id=instance_id("dies-mid-stream"), name="dies-mid-stream", tokenizer="qwen",
+    )  # fmt: skip
+
+    async def engine(request):
+        return web.Response(body=config.model_dump_json(), content_type="application/json")
+
+    async def generate(request):
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for token in ("a", "b"):
+            await response.write(b'data: {"choices": [{"text": "%s"}]}\n\n' % token.encode())
+        request.transport.abort()
+        return response
+
+    app = web.Application()
+    app.router.add_get("/v1/engine", engine)
+    app.router.add_post("/v1/completions", generate)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        yield f"http://127.0.0.1:{port}", config
+    finally:
+        await runner.cleanup()
+
+
+async def test_engine_failing_mid_stream_ends_the_stream_with_an_error_event():
+    async with (
+        engine_that_dies_mid_stream() as (url, config),
+        mock_worker() as local,
+    ):
+        dying = RunningWorker(url=url, config=config)
+        async with run_frontend(local, [dying]) as fe:
+            body = b'{"model": "m", "prompt": "hi", "stream": true}'
+            headers = {"x-worker-instance-id": str(config.instance_id)}
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(fe.url + "/v1/completions", data=body, headers=headers) as r,
+            ):
+                assert r.status == 200  # the stream had started
+                text = (await r.read()).decode()
+            events = [e for e in text.split("\n\n") if e]
+            assert events[:2] == [
+                'data: {"choices": [{"text": "a"}]}',
+                'data: {"choices": [{"text": "b"}]}',
+            ]
+            error = events[2]
+            assert '"code":502' in error and "broke the connection" in error
+            assert "dies-mid-stream" in error and len(events) == 3
+            assert (
+                await frontend_metric(
+                    fe,
+                    "dynamograph_frontend_upstream_errors_total",
+                    leg="decode",
+                    kind="disconnect",
+                )
+                == 1
+            )
