@@ -5,6 +5,7 @@ helm comes from `scripts/fetch-helm.sh` (run by `scripts/setup.sh`) into `.local
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import kubernetes_validate
@@ -84,6 +85,24 @@ def test_rendered_manifests_validate_strictly(helm, sets):
     kinds = [d["kind"] for d in docs]
     assert kinds.count("CustomResourceDefinition") == 1
     assert "Deployment" in kinds and "ServiceAccount" in kinds
+
+
+def test_kubernetes_validate_cli_on_rendered_chart(helm, tmp_path):
+    """The command CI documents: `kubernetes-validate --strict` on `helm template` output."""
+    rendered = tmp_path / "rendered.yaml"
+    rendered.write_text(
+        helm(
+            "template", "dg", str(CHART), "--namespace", "dynamograph-system", "--include-crds"
+        ).stdout
+    )
+    cli = Path(sys.executable).parent / "kubernetes-validate"
+    result = subprocess.run(
+        [str(cli), "--strict", "--quiet", "-k", K8S_VERSION, str(rendered)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_cluster_wide_rbac_is_least_privilege(helm):
