@@ -41,6 +41,7 @@ class OutputSampler:
         self.tokenizer = tokenizer
         self.seed = seed
         self.ids, self.texts = _word_pool(tokenizer)
+        self.id_list: list[int] = self.ids.tolist()
 
     def stream(self, prompt: np.ndarray, request_seed: int | None = None) -> "TokenStream":
         key = xxhash.xxh3_64_intdigest(np.ascontiguousarray(prompt, dtype="<u4").tobytes())
@@ -52,10 +53,16 @@ class OutputSampler:
 
 
 class TokenStream:
+    _BATCH = 64  # draw indices in batches: one numpy call per 64 tokens, not per token
+
     def __init__(self, sampler: OutputSampler, rng: np.random.Generator):
         self._sampler = sampler
         self._rng = rng
+        self._drawn: list[int] = []
 
     def next(self) -> tuple[int, str]:
-        i = int(self._rng.integers(len(self._sampler.ids)))
-        return int(self._sampler.ids[i]), self._sampler.texts[i]
+        if not self._drawn:
+            self._drawn = self._rng.integers(len(self._sampler.ids), size=self._BATCH).tolist()
+            self._drawn.reverse()
+        i = self._drawn.pop()
+        return self._sampler.id_list[i], self._sampler.texts[i]
