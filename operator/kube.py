@@ -21,7 +21,6 @@ RESOURCES: dict[tuple[str, str], str] = {
     ("v1", "ServiceAccount"): "serviceaccounts",
     ("v1", "ConfigMap"): "configmaps",
     ("v1", "Service"): "services",
-    ("v1", "Event"): "events",
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
     ("apps/v1", "Deployment"): "deployments",
@@ -76,6 +75,15 @@ def _ssl_context(info: kopf.ConnectionInfo) -> ssl.SSLContext | bool:
     return context
 
 
+def _api_error(status: int, reason: str, payload: bytes) -> ApiError:
+    """The apiserver's Status object (reason, message) when the body is one, else the raw text."""
+    try:
+        body = orjson.loads(payload)
+        return ApiError(status, body.get("reason", reason), body.get("message", ""))
+    except (orjson.JSONDecodeError, AttributeError):
+        return ApiError(status, reason, payload[:200].decode(errors="replace"))
+
+
 class KubeApi:
     def __init__(self, login: Callable[[], kopf.ConnectionInfo]):
         self._login = login
@@ -99,31 +107,35 @@ class KubeApi:
             self._session = None
 
     async def _request(
-        self, method: str, path: str, body: Any = None, content_type: str = "application/json"
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        content_type: str = "application/json",
+        params: dict[str, str] | None = None,
     ) -> Any:
+        data = None if body is None else orjson.dumps(body)
+        headers = {"Content-Type": content_type} if body is not None else {}
         for attempt in (1, 2):
             session = self._connect()
-            data = None if body is None else orjson.dumps(body)
-            headers = {"Content-Type": content_type} if body is not None else {}
-            async with session.request(
-                method, path.lstrip("/"), data=data, headers=headers
-            ) as response:
-                payload = await response.read()
-                if response.status == 401 and attempt == 1:
-                    await self.close()  # credentials rotated: log in again, once
-                    continue
-                if response.status >= 400:
-                    try:
-                        status = orjson.loads(payload)
-                        reason, message = status.get("reason", ""), status.get("message", "")
-                    except (orjson.JSONDecodeError, AttributeError):
-                        reason, message = (
-                            response.reason or "",
-                            payload[:200].decode(errors="replace"),
-                        )
-                    raise ApiError(response.status, reason, message)
-                return orjson.loads(payload) if payload else None
-        raise AssertionError("unreachable")
+            try:
+                async with session.request(
+                    method, path.lstrip("/"), data=data, headers=headers, params=params
+                ) as response:
+                    status, reason, payload = (
+                        response.status,
+                        response.reason,
+                        await response.read(),
+                    )
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                raise ApiError(0, "Unreachable", f"{method} {path}: {exc!r}") from exc
+            if status == 401 and attempt == 1:
+                await self.close()  # credentials rotated: log in again, once
+                continue
+            if status >= 400:
+                raise _api_error(status, reason or "", payload)
+            return orjson.loads(payload) if payload else None
+        raise ApiError(401, "Unauthorized", f"{method} {path}: refused after logging in again")
 
     async def list(
         self, api_version: str, kind: str, namespace: str, selector: dict[str, str]
@@ -131,7 +143,7 @@ class KubeApi:
         """Objects matching the label selector (checked here too: not every server filters)."""
         path = collection_path(api_version, kind, namespace)
         query = ",".join(f"{k}={v}" for k, v in selector.items())
-        result = await self._request("GET", f"{path}?labelSelector={query}")
+        result = await self._request("GET", path, params={"labelSelector": query})
         items = (result or {}).get("items") or []
         out = []
         for item in items:

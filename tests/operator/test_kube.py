@@ -1,0 +1,145 @@
+"""The operator's REST client against a small real HTTP server on 127.0.0.1."""
+
+import socket
+
+import kopf
+import pytest
+from aiohttp import web
+
+from dynamograph.operator.kube import ApiError, KubeApi, collection_path
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+async def server():
+    """An aiohttp server whose answer each test sets in state["respond"]; yields (state, URL)."""
+    state = {"requests": []}
+    app = web.Application()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        state["requests"].append(
+            (request.method, request.path_qs, request.headers.get("Authorization"))
+        )
+        return await state["respond"](request)
+
+    app.router.add_route("*", "/{tail:.*}", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        yield state, f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+def client(url: str, tokens: list[str]) -> KubeApi:
+    """A client whose login hands out the next token each time it is called."""
+    calls = iter(tokens)
+    return KubeApi(lambda: kopf.ConnectionInfo(server=url, token=next(calls), scheme="Bearer"))
+
+
+async def test_list_filters_and_keys_items(server):
+    state, url = server
+
+    async def respond(request):
+        return web.json_response(
+            {
+                "items": [
+                    {"metadata": {"name": "a", "labels": {"g": "x", "m": "y"}}},
+                    {"metadata": {"name": "b", "labels": {"g": "other"}}},
+                ]
+            }
+        )
+
+    state["respond"] = respond
+    api = client(url, ["t1"])
+    try:
+        items = await api.list("apps/v1", "Deployment", "ns", {"g": "x", "m": "y"})
+    finally:
+        await api.close()
+    assert [i["metadata"]["name"] for i in items] == ["a"]
+    assert items[0]["apiVersion"] == "apps/v1" and items[0]["kind"] == "Deployment"
+    method, path, auth = state["requests"][0]
+    assert (method, auth) == ("GET", "Bearer t1")
+    assert path == "/apis/apps/v1/namespaces/ns/deployments?labelSelector=g%3Dx,m%3Dy"
+
+
+async def test_rotated_token_logs_in_again_once(server):
+    state, url = server
+
+    async def respond(request):
+        if request.headers["Authorization"] == "Bearer old":
+            return web.json_response({"kind": "Status", "reason": "Unauthorized"}, status=401)
+        return web.json_response({"metadata": {"name": "g"}})
+
+    state["respond"] = respond
+    api = client(url, ["old", "new", "newer"])
+    try:
+        assert await api.get("v1", "ConfigMap", "ns", "g") == {"metadata": {"name": "g"}}
+    finally:
+        await api.close()
+    assert [r[2] for r in state["requests"]] == ["Bearer old", "Bearer new"]
+
+
+async def test_errors_carry_the_apiserver_reason(server):
+    state, url = server
+
+    async def respond(request):
+        if request.method == "PATCH":
+            return web.json_response(
+                {"kind": "Status", "reason": "Invalid", "message": "spec.replicas: Invalid value"},
+                status=422,
+            )
+        if request.method == "GET":
+            return web.json_response({"kind": "Status", "reason": "NotFound"}, status=404)
+        return web.Response(status=500, text="boom")
+
+    state["respond"] = respond
+    api = client(url, ["t"])
+    try:
+        with pytest.raises(ApiError) as info:
+            await api.patch("apps/v1", "Deployment", "ns", "d", {"spec": {"replicas": -1}})
+        assert (info.value.status, info.value.reason) == (422, "Invalid")
+        assert "spec.replicas: Invalid value" in str(info.value)
+        assert await api.get("apps/v1", "Deployment", "ns", "d") is None  # 404 -> None
+        with pytest.raises(ApiError) as info:
+            await api.create(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Service",
+                    "metadata": {"name": "s", "namespace": "ns"},
+                }
+            )
+        assert info.value.status == 500 and "boom" in str(info.value)
+        with pytest.raises(ApiError):  # only a 404 on delete means "already gone"
+            await api.delete("v1", "Service", "ns", "gone")
+    finally:
+        await api.close()
+    patch = next(r for r in state["requests"] if r[0] == "PATCH")
+    assert patch[1] == "/apis/apps/v1/namespaces/ns/deployments/d"
+
+
+async def test_unreachable_server_is_an_api_error():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    api = client(f"http://127.0.0.1:{port}", ["t"])
+    try:
+        with pytest.raises(ApiError) as info:
+            await api.get("v1", "Service", "ns", "s")
+    finally:
+        await api.close()
+    assert info.value.status == 0 and info.value.reason == "Unreachable"
+
+
+def test_collection_paths():
+    assert collection_path("v1", "Service", "ns") == "/api/v1/namespaces/ns/services"
+    assert (
+        collection_path("inference.networking.k8s.io/v1", "InferencePool", "ns")
+        == "/apis/inference.networking.k8s.io/v1/namespaces/ns/inferencepools"
+    )
+    with pytest.raises(ValueError, match="unknown resource"):
+        collection_path("v1", "Pod", "ns")
