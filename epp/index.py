@@ -12,8 +12,8 @@ P^i; uint64 arithmetic wraps, P is odd so P^-1 exists). Keys 0 and 1 are reserve
 table and map to 2.
 
 Storage, for speed and memory (256 workers × 100k blocks):
-- one global table prefix key → row; per row the key and a bitmask of the slots holding it
-  (`_masks`, one bit per slot column, 64 slots per uint64 word);
+- one global table prefix key → row; per row the key and the slots holding it (`holders.py`:
+  the one owner's column, or a shared bitmask with one bit per slot column);
 - per slot a table engine block hash → row, for BlockRemoved and for finding a BlockStored's
   parent (the engine's hashes are opaque: we never compute them);
 - rows nobody holds any more are recycled.
@@ -49,6 +49,7 @@ from dynamograph.protocol.kv_events import (
     engine_hash_key,
 )
 
+from .holders import Holders
 from .table import MIN_KEY, MISSING, U64Table
 
 log = logging.getLogger(__name__)
@@ -147,7 +148,7 @@ class KvIndex:
     def __init__(self) -> None:
         self._keys = U64Table(capacity=1024, max_load=0.5)
         self._row_key = np.zeros(1024, np.uint64)
-        self._masks = np.zeros((1024, 1), np.uint64)
+        self._holders = Holders(1024)
         self._free_rows = np.arange(1023, 0, -1, dtype=np.int32)  # row 0 = "nobody", never used
         self._nfree = self._free_rows.size
         self._slots: dict[Slot, _SlotState] = {}
@@ -158,9 +159,6 @@ class KvIndex:
 
     def _views(self) -> None:
         """Memoryviews for the scalar paths; renewed whenever an array is reallocated."""
-        self._words = self._masks.shape[1]
-        self._mask_mv = memoryview(self._masks.reshape(-1))
-        self._mask_bytes = self._mask_mv.cast("B")
         self._row_key_mv = memoryview(self._row_key)
         self._free_mv = memoryview(self._free_rows)
 
@@ -174,10 +172,7 @@ class KvIndex:
             else:
                 col = len(self._col_slot)
                 self._col_slot.append(slot)
-                if col >= 64 * self._words:
-                    self._masks = np.hstack([self._masks, np.zeros_like(self._masks)])
-                    self._views()
-                    log.debug("index masks widened to %d words", self._words)
+                self._holders.ensure_columns(col + 1)
             state = self._slots[slot] = _SlotState(col)
         return state
 
@@ -201,7 +196,7 @@ class KvIndex:
         return (
             self._keys.nbytes
             + self._row_key.nbytes
-            + self._masks.nbytes
+            + self._holders.nbytes
             + self._free_rows.nbytes
             + sum(s.blocks.nbytes for s in self._slots.values())
         )
@@ -228,9 +223,7 @@ class KvIndex:
         old = self._row_key.size
         size = max(2 * old, old + n)
         self._row_key = np.concatenate([self._row_key, np.zeros(size - old, np.uint64)])
-        masks = np.zeros((size, self._words), np.uint64)
-        masks[:old] = self._masks
-        self._masks = masks
+        self._holders.grow_rows(size)
         added = np.arange(size - 1, old - 1, -1, dtype=np.int32)
         self._free_rows = np.concatenate([self._free_rows[: self._nfree], added])
         self._nfree = self._free_rows.size
@@ -253,23 +246,16 @@ class KvIndex:
         self._nfree += rows.size
 
     def _drop_bits(self, rows: np.ndarray, column: int) -> None:
-        """Clear `column` on `rows`; rows nobody holds any more are recycled."""
-        rows = rows[rows > 0]
-        if rows.size == 0:
-            return
-        word, bit = divmod(column, 64)
-        self._masks[rows, word] &= ~np.uint64(1 << bit)
-        empty = rows[~self._masks[rows].any(axis=1)]
-        if empty.size:
-            self._release_rows(np.unique(empty))
+        """Take `column` off `rows`; rows nobody holds any more are recycled."""
+        rows = np.unique(rows[rows > 0])
+        if rows.size:
+            empty = self._holders.drop(rows, column)
+            if empty.size:
+                self._release_rows(empty)
 
     def _drop_bit(self, row: int, column: int) -> None:
         """`_drop_bits` for one row."""
-        word, bit = divmod(column, 64)
-        words, mv = self._words, self._mask_mv
-        base = row * words
-        mv[base + word] = mv[base + word] & ~(1 << bit)
-        if not any(mv[base : base + words]):
+        if self._holders.drop1(row, column):
             self._keys.pop1(self._row_key_mv[row])
             if self._nfree == self._free_rows.size:
                 self._release_rows(np.array([row], np.int32))
@@ -336,30 +322,25 @@ class KvIndex:
             local_hashes = local_hashes.tolist()
         if isinstance(engine_hashes, np.ndarray):
             engine_hashes = engine_hashes.tolist()
-        column, blocks, mv = state.column, state.blocks, self._mask_mv
-        word, bit = divmod(column, 64)
-        bit = 1 << bit
+        column, blocks, holders = state.column, state.blocks, self._holders
         key, get1 = parent_key, self._keys.get1
         for engine, local in zip(engine_hashes, local_hashes, strict=True):
             key = (key * _P + local) & _U64
             row = get1(key if key >= MIN_KEY else MIN_KEY)
             if row == MISSING:
                 row = self._new_row(key if key >= MIN_KEY else MIN_KEY)
-                mv = self._mask_mv  # the arrays may have grown
             if type(engine) is not int or not MIN_KEY <= engine <= _U64:
                 engine = engine_key(engine)
             old = blocks.put1(engine, row)
             if old != MISSING and old != row:
                 self._drop_bit(old, column)
-            cell = row * self._words + word
-            mv[cell] |= bit
+            holders.add1(row, column)
         return True
 
     def _hold(self, state: _SlotState, engine: np.ndarray, keys: np.ndarray) -> None:
         rows = self._rows_for(keys)
         old = state.blocks.put(engine, rows)
-        word, bit = divmod(state.column, 64)
-        self._masks[rows, word] |= np.uint64(1 << bit)
+        self._holders.add(rows, state.column)
         moved = old[(old != MISSING) & (old != rows)]
         if moved.size:  # an engine hash reused for other content: its old block is gone
             self._drop_bits(moved, state.column)
@@ -442,17 +423,13 @@ class KvIndex:
         head = local_hashes[:SCALAR_BLOCKS]
         if isinstance(head, np.ndarray):
             head = head.tolist()
-        width = 8 * self._words
-        mask_bytes, get1 = self._mask_bytes, self._keys.get1
+        width = 8 * self._holders.words
+        bits1, get1 = self._holders.bits1, self._keys.get1
         key, alive = 0, -1
         for depth, local in enumerate(head):
             key = (key * _P + local) & _U64
             row = get1(key if key >= MIN_KEY else MIN_KEY)
-            held = (
-                0
-                if row == MISSING
-                else int.from_bytes(mask_bytes[row * width : (row + 1) * width], "little")
-            )
+            held = 0 if row == MISSING else bits1(row)
             dropped = alive & ~held
             alive &= held
             if dropped and depth:
@@ -471,7 +448,7 @@ class KvIndex:
         while pos < n:
             part = local_hashes[pos : pos + size]
             keys = chain_keys(parent, part.astype(np.uint64) if is_array else as_u64(part))
-            masks = self._masks[self._keys.get(keys, default=0)]
+            masks = self._holders.words_of(self._keys.get(keys, default=0))
             masks[0] &= words
             held = np.bitwise_and.accumulate(masks, axis=0)
             # A slot drops out at row r when it held row r-1 (or `words`) but not row r.

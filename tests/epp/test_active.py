@@ -44,7 +44,7 @@ op = st.one_of(
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(st.lists(op, max_size=60), st.booleans())
 def test_any_lifecycle_ends_with_zero_load(ops, track_output):
     logging.getLogger("dynamograph.epp.active").setLevel(logging.ERROR)  # GC warnings expected

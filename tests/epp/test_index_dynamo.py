@@ -213,3 +213,15 @@ def test_unknown_parent_and_unknown_removal_are_skipped_like_dynamo():
     fleet.ours.apply_events(slot, [BlockRemoved([12345])])
     assert fleet.ours.total_blocks() == 0
     assert fleet.ours.find_matches(dynamo.compute_block_hash_for_seq(tokens_of(1), BLOCK)) == {}
+
+
+def test_many_slots_sharing_prefixes(paths):
+    """160 slots (three mask words) and a tiny alphabet: most rows are shared by many slots."""
+    rng = random.Random(11)
+    fleet = Fleet(rng, workers=40, ranks=4, alphabet=2)
+    matched = 0
+    for step in range(1200):
+        fleet.step()
+        if step % 100 == 99:
+            matched += fleet.compare(10)
+    assert matched > 50

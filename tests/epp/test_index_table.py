@@ -14,7 +14,7 @@ keys_st = st.lists(st.integers(2, 40) | st.integers(2, (1 << 64) - 1), max_size=
 ops_st = st.lists(st.tuples(st.sampled_from(["put", "pop", "get"]), keys_st), max_size=30)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(ops_st)
 def test_matches_a_dict(ops):
     table, model = U64Table(capacity=8), {}
@@ -63,7 +63,7 @@ def test_grows_and_survives_heavy_churn():
     assert table.get(probe).tolist() == [model.get(k, MISSING) for k in probe.tolist()]
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(ops_st)
 def test_scalar_and_batch_operations_agree(ops):
     """put1/get1/pop1 on the same table as the batch operations, against a dict."""
