@@ -208,6 +208,24 @@ def _router(graph: DynamoGraph) -> RouterSpec:
 # ---- containers --------------------------------------------------------------------------
 
 
+def kv_replay_port(data_parallel_size: int) -> int:
+    """Rank r publishes on 5557 + r and replays on the replay port + r: with several ranks the
+    replay ports start after the last events port (5558 for one rank, as the contract says)."""
+    return KV_EVENTS_PORT + max(data_parallel_size, KV_REPLAY_PORT - KV_EVENTS_PORT)
+
+
+def _kv_ports(data_parallel_size: int) -> list[dict[str, Any]]:
+    ports = []
+    for name, base in (
+        ("kv-events", KV_EVENTS_PORT),
+        ("kv-replay", kv_replay_port(data_parallel_size)),
+    ):
+        for rank in range(data_parallel_size):
+            port_name = name if rank == 0 else f"{name}-{rank}"
+            ports.append({"name": port_name, "containerPort": base + rank, "protocol": "TCP"})
+    return ports
+
+
 def worker_args(graph: DynamoGraph, spec: ServiceSpec) -> list[str]:
     model = graph.spec.model
     args = [
@@ -227,7 +245,7 @@ def worker_args(graph: DynamoGraph, spec: ServiceSpec) -> list[str]:
         "--kv-events-port",
         str(KV_EVENTS_PORT),
         "--kv-replay-port",
-        str(KV_REPLAY_PORT),
+        str(kv_replay_port(spec.data_parallel_size)),
         "--block-size",
         str(graph.spec.kv_block_size),
         "--data-parallel-size",
@@ -343,8 +361,7 @@ def _engine_container(
         config,
         ports=[
             {"name": "engine", "containerPort": ENGINE_PORT, "protocol": "TCP"},
-            {"name": "kv-events", "containerPort": KV_EVENTS_PORT, "protocol": "TCP"},
-            {"name": "kv-replay", "containerPort": KV_REPLAY_PORT, "protocol": "TCP"},
+            *_kv_ports(spec.data_parallel_size),
         ],
         env=_downward_env() + _user_env(spec),
         resources=resources,

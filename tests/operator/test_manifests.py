@@ -310,6 +310,15 @@ def test_service_features_render_and_validate():
     assert engine["image"] == "registry.example/custom:9"
     assert args_of(engine)["--engine"] == "vllm"
     assert args_of(engine)["--data-parallel-size"] == "2"
+    # Two ranks: events on 5557-5558, replay on 5559-5560 (no port bound twice).
+    assert args_of(engine)["--kv-replay-port"] == "5559"
+    assert {p["name"]: p["containerPort"] for p in engine["ports"]} == {
+        "engine": 8000,
+        "kv-events": 5557,
+        "kv-events-1": 5558,
+        "kv-replay": 5559,
+        "kv-replay-1": 5560,
+    }
     assert args_of(engine)["--tokenizer"] == "qwen"
     assert engine["resources"] == {
         "requests": {"cpu": "8", "memory": "64Gi"},
