@@ -4,10 +4,13 @@ Each graph is started the way a user (or a script) starts it, `dynamograph up --
 stopped with `dynamograph down`; clients are the official `openai` package pointed at Envoy.
 """
 
+import os
 import uuid
 
 import openai
 import pytest
+
+from dynamograph.local.envoy import BUNDLED_ENVOY, find_envoy
 
 from .conftest import (
     Detached,
@@ -49,6 +52,11 @@ def test_up_detach_prints_the_base_url_and_records_every_process(agg_stack):
     kinds = [p["spec"]["kind"] for p in agg_stack.state["processes"]]
     assert kinds.count("engine") == 4 and kinds.count("frontend") == 4
     assert "epp" in kinds and "envoy" in kinds
+    # The real Envoy that `make setup` installs into .local/envoy (unless overridden).
+    envoy = next(p for p in agg_stack.state["processes"] if p["spec"]["kind"] == "envoy")
+    assert envoy["spec"]["argv"][0] == str(find_envoy())
+    if not os.environ.get("DYNAMOGRAPH_ENVOY") and BUNDLED_ENVOY.is_file():
+        assert envoy["spec"]["argv"][0] == str(BUNDLED_ENVOY)
     models = client(agg_stack.base_url).models.list()
     assert [m.id for m in models.data] == ["qwen"]
 
