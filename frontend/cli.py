@@ -71,12 +71,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="kv mode: follow the workers' KV events (on) or assume routed prefixes are cached "
         "for a while (off)",
     )
+    parser.add_argument(
+        "--router-config",
+        metavar="FILE",
+        help="kv mode: YAML of the router core's RouterConfig (as the EPP's --config): "
+        "overlap_weight, temperature, busy_threshold, …",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> FrontendConfig:
     mode = Mode(args.mode)
     if args.engine_url is None and mode is Mode.DIRECT:
         raise ValueError("--engine-url is required in direct mode (the pod's own engine)")
+    router = None
+    if args.router_config is not None:
+        from dynamograph.epp.config import RouterConfig
+
+        router = RouterConfig.load(args.router_config)
     return FrontendConfig(
         engine_url=args.engine_url,
         mode=mode,
@@ -86,6 +97,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         request_timeout=args.request_timeout,
         connect_timeout=args.connect_timeout,
         kv_events=args.kv_events == "on",
+        router=router,
     )
 
 

@@ -47,7 +47,14 @@ class KvPicker:
         config: RouterConfig | None = None,
     ):
         self.directory = directory
-        self.config = config or RouterConfig(enforce_disagg=enforce_disagg, use_kv_events=kv_events)
+        base = config or RouterConfig()
+        # The frontend's own flags can only tighten what the router config file says.
+        self.config = base.model_copy(
+            update={
+                "enforce_disagg": enforce_disagg or base.enforce_disagg,
+                "use_kv_events": kv_events and base.use_kv_events,
+            }
+        )
         self.router = Router(self.config)
         self._ids = itertools.count()
         self.load: LoadScraper | None = None
@@ -126,7 +133,9 @@ class KvPicker:
         except NoEligibleWorker as exc:
             raise OpenAIError(503, exc.reason) from None
         except Overloaded as exc:
-            raise OpenAIError(429, f"{exc.reason}; retry after {exc.retry_after_s:g} s") from None
+            error = OpenAIError(429, f"{exc.reason}; retry after {exc.retry_after_s:g} s")
+            error.retry_after = exc.retry_after_s  # becomes the Retry-After header
+            raise error from None
         try:
             decode = _target(decision.decode.worker_id, decision.decode.dp_rank, self.directory)
             route = Route(self.directory.resolve(decode, "decode"), decode, booking=decision.guard)

@@ -1,8 +1,9 @@
 """Prometheus metrics of one frontend, in its own registry (several frontends share a test process).
 
-Outcomes: `ok`, `client_error` (4xx the frontend or the engine answered), `unknown_worker`,
-`upstream_error` (engine unreachable, 5xx, broken hand-off), `timeout`, `cancelled` (the client
-went away). Latency histograms are per mode and stream flag; the prefill leg has its own.
+Outcomes: `ok`, `client_error` (4xx the frontend or the engine answered), `upstream_error`
+(engine unreachable, 5xx, broken hand-off), `unavailable` (503: unknown worker, none
+discovered), `timeout`, `cancelled` (the client went away), `error` (a frontend bug). Latency
+histograms are per mode and stream flag; the prefill leg has its own.
 """
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram

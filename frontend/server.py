@@ -10,6 +10,7 @@ is running, so the engine frees the request.
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -63,6 +64,7 @@ class FrontendConfig:
     request_timeout: float = 600.0
     connect_timeout: float = 5.0
     kv_events: bool = True  # kv mode: subscribe to the workers' KV events (else approximate)
+    router: Any = None  # kv mode: an epp.config.RouterConfig (None: its defaults)
 
 
 def _outcome(status: int) -> str:
@@ -78,7 +80,9 @@ def _outcome(status: int) -> str:
 
 
 def _error(exc: OpenAIError) -> web.Response:
-    return web.Response(body=exc.json(), status=exc.status, content_type=JSON)
+    retry_after = getattr(exc, "retry_after", None)  # kv mode sheds load with 429
+    headers = {"Retry-After": str(max(1, math.ceil(retry_after)))} if retry_after else None
+    return web.Response(body=exc.json(), status=exc.status, content_type=JSON, headers=headers)
 
 
 def _engine_message(raw: bytes) -> str:
@@ -116,7 +120,12 @@ class Frontend:
             return RoundRobinPicker(self.directory, enforce_disagg=cfg.enforce_disagg)
         from .kv_mode import KvPicker  # the router core is paid for only in kv mode
 
-        return KvPicker(self.directory, enforce_disagg=cfg.enforce_disagg, kv_events=cfg.kv_events)
+        return KvPicker(
+            self.directory,
+            enforce_disagg=cfg.enforce_disagg,
+            kv_events=cfg.kv_events,
+            config=cfg.router,
+        )
 
     def _app(self) -> web.Application:
         # The body cap is enforced by our own reader (with an OpenAI error); aiohttp's limit
@@ -248,6 +257,10 @@ class Frontend:
         except _ClientGone as gone:
             outcome = "cancelled"
             return gone.response
+        except Exception as exc:  # a bug: answer in OpenAI's shape and count it, not a bare 500
+            outcome = "error"
+            log.exception("frontend failed on %s", request.path)
+            return _error(OpenAIError(500, f"frontend error: {type(exc).__name__}: {exc}"))
         finally:
             metrics.inflight.dec()
             metrics.finished(mode, outcome, disagg, stream, trace.elapsed())

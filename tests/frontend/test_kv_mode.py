@@ -1,6 +1,10 @@
 """`--mode kv`: without a gateway the frontend picks with the router core itself, fed by the
 workers' KV events (or, with `--kv-events off`, by what it routed)."""
 
+import asyncio
+import contextlib
+
+import openai
 import pytest
 
 from dynamograph.frontend.routing import Mode
@@ -66,3 +70,31 @@ async def test_kv_mode_runs_the_handoff_and_honours_pins(model):
             model=model, prompt="x", max_tokens=1, extra_headers=route(pinned)
         )
         assert (await served(pinned))["total"] == 1
+
+
+async def test_saturated_workers_shed_with_429_and_retry_after(model):
+    from dynamograph.epp.config import RouterConfig
+
+    async with (
+        mock_worker(num_gpu_blocks=64, speedup=1.0) as small,
+        run_frontend(
+            None, [small], mode=Mode.KV, router=RouterConfig(busy_threshold=0.05, retry_after_s=2)
+        ) as fe,
+    ):
+        api = client(fe)
+        long_running = asyncio.create_task(
+            api.completions.create(
+                model=model, prompt=PROMPT, max_tokens=800, extra_body={"ignore_eos": True}
+            )
+        )
+        await wait_until(lambda: fe.picker.router.active.total_requests() == 1, what="booking")
+        with pytest.raises(openai.RateLimitError) as info:
+            await api.completions.create(model=model, prompt="one more", max_tokens=1)
+        assert info.value.response.headers["retry-after"] == "2"
+        assert "retry after 2 s" in info.value.body["message"]
+        long_running.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await long_running
+        await wait_until(
+            lambda: fe.picker.router.active.total_requests() == 0, what="the booking to be freed"
+        )
