@@ -136,36 +136,43 @@ class KvCache:
 
     def commit(
         self,
-        blocks: Sequence[int],
+        blocks: list[int],
         hashes: Sequence[int],
         token_ids: np.ndarray,
         start: int,
         parent: int | None,
-    ) -> int:
-        """Cache full blocks `start..len(hashes)` of a sequence; returns how many were newly stored.
+    ) -> None:
+        """Cache full blocks `start..len(hashes)` of a sequence (its `blocks`, edited in place).
 
-        A block whose hash another block already caches (two equal prompts prefilled at the same
-        time) stays uncached, as in vLLM; the sequence keeps using its own copy.
+        A block another block already caches under the same hash (two equal prompts prefilled
+        at the same time) is not cached twice: the sequence switches to the cached copy and its
+        own is freed. (vLLM keeps such duplicates and may then announce a block removed while a
+        copy survives; sharing keeps the events an exact description of the cache.)
         """
-        stored_hashes, stored_tokens = [], []
+        stored_hashes: list[int] = []
+        stored_tokens: list[int] = []
         first_parent = parent
         bs = self.block_size
         for i in range(start, len(hashes)):
             h = hashes[i]
             b = blocks[i]
-            if h in self.cached or self.block_hash[b] is not None:
-                if stored_hashes:  # keep each event's blocks one contiguous chain
-                    self._stored(stored_hashes, first_parent, stored_tokens)
-                    stored_hashes, stored_tokens = [], []
-                first_parent = h
+            if self.block_hash[b] is None and h not in self.cached:
+                self.cached[h] = b
+                self.block_hash[b] = h
+                stored_hashes.append(h)
+                stored_tokens.extend(token_ids[i * bs : (i + 1) * bs].tolist())
                 continue
-            self.cached[h] = b
-            self.block_hash[b] = h
-            stored_hashes.append(h)
-            stored_tokens.extend(token_ids[i * bs : (i + 1) * bs].tolist())
+            if self.block_hash[b] is None:  # a twin computed it first: share the cached copy
+                twin = self.cached[h]
+                self.touch([twin])
+                blocks[i] = twin
+                self.release([b])
+            if stored_hashes:  # keep each event's blocks one contiguous chain
+                self._stored(stored_hashes, first_parent, stored_tokens)
+                stored_hashes, stored_tokens = [], []
+            first_parent = h
         if stored_hashes:
             self._stored(stored_hashes, first_parent, stored_tokens)
-        return len(hashes) - start
 
     def _stored(self, hashes: list[int], parent: int | None, tokens: list[int]) -> None:
         self.events.append(

@@ -41,7 +41,7 @@ def test_cache_commit_hit_release_and_lru_eviction():
     tokens = np.arange(8, dtype="<u4")
     hashes = chained_hashes(tokens, BS)
     blocks = cache.allocate(2)
-    assert cache.commit(blocks, hashes, tokens, 0, None) == 2
+    cache.commit(blocks, hashes, tokens, 0, None)
     (stored,) = cache.take_events()
     assert isinstance(stored, BlockStored)
     assert stored.block_hashes == hashes and stored.parent_block_hash is None
