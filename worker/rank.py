@@ -354,7 +354,10 @@ class EngineRank:
 
     def _observe_finished(self, state: RequestState, reason: FinishReason) -> None:
         m = self._m
-        if m is None or reason is FinishReason.CANCELLED:
+        if m is None:
+            return
+        if reason is FinishReason.CANCELLED:
+            m.success("abort").inc()  # vLLM's name for requests that did not run to the end
             return
         m.success(reason.value).inc()
         t = state.timing

@@ -69,3 +69,4 @@ async def test_metrics_follow_the_engine():
                 break
             await asyncio.sleep(0.05)
         assert value(m, "vllm:kv_cache_usage_perc", **lab) == 0.0
+        assert value(m, "vllm:request_success_total", finished_reason="abort", **lab) == 1
