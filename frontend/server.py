@@ -135,6 +135,7 @@ class Frontend:
         app.router.add_post(COMPLETIONS, self.generate)
         app.router.add_get(MODELS, self.models)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/live", self.live)
         app.router.add_get("/metrics", self.metrics_page)
         return app
 
@@ -179,6 +180,11 @@ class Frontend:
         if not self.directory.ready():
             body["reason"] = f"engine at {self.directory.local_url} has not answered /v1/engine yet"
         return web.json_response(body, status=200 if self.directory.ready() else 503)
+
+    async def live(self, request: web.Request) -> web.Response:
+        """Liveness: the process answers. Unlike /health it does not wait for the engine, so a
+        slow model load does not get the sidecar restarted."""
+        return web.json_response({"status": "alive"})
 
     async def metrics_page(self, request: web.Request) -> web.Response:
         for role in Role:

@@ -131,6 +131,7 @@ async def test_health_is_503_until_the_local_engine_answers():
         async with aiohttp.ClientSession() as session, session.get(fe.url + "/health") as r:
             body = await r.json()
         assert r.status == 503 and "has not answered /v1/engine" in body["reason"]
+        assert (await get_json(fe.url + "/live"))["status"] == "alive"  # liveness does not wait
     finally:
         await fe.stop()
 
