@@ -47,9 +47,19 @@ class WorkerDirectory:
             return None
         return next(iter(self.local.records.values()))
 
+    def not_ready(self) -> str | None:
+        """Why the frontend cannot serve yet, or None. A sidecar waits for its own engine's
+        `/v1/engine`; a standalone frontend for a decode or aggregated worker."""
+        if self.local is not None:
+            if not self.local.records:
+                return f"engine at {self.local_url} has not answered /v1/engine yet"
+            return None
+        if not self.with_roles(DECODE_ROLES):
+            return "no decode or aggregated workers are discovered yet"
+        return None
+
     def ready(self) -> bool:
-        """A sidecar is ready once its own engine answered `/v1/engine`."""
-        return self.local is None or bool(self.local.records)
+        return self.not_ready() is None
 
     def get(self, instance_id: int) -> WorkerRecord | None:
         local = self.local_record
@@ -75,7 +85,7 @@ class WorkerDirectory:
         """The discovered worker a target names; 503 when unknown, 400 for a DP rank it lacks."""
         record = self.get(target.worker_id)
         if record is None:
-            if not self.ready():
+            if self.local is not None and not self.local.records:
                 raise OpenAIError(
                     503,
                     f"frontend not ready: its engine at {self.local_url} has not answered "

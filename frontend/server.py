@@ -172,14 +172,15 @@ class Frontend:
     async def health(self, request: web.Request) -> web.Response:
         local = self.directory.local_record
         body: dict[str, Any] = {
-            "status": "ok" if self.directory.ready() else "starting",
+            "status": "ok" if self.directory.ready() else "not ready",
             "mode": self.config.mode.value,
             "instance_id": local.instance_id if local else None,
             "workers": len(self.directory.records()),
         }
-        if not self.directory.ready():
-            body["reason"] = f"engine at {self.directory.local_url} has not answered /v1/engine yet"
-        return web.json_response(body, status=200 if self.directory.ready() else 503)
+        reason = self.directory.not_ready()
+        if reason is not None:
+            body["reason"] = reason
+        return web.json_response(body, status=503 if reason else 200)
 
     async def live(self, request: web.Request) -> web.Response:
         """Liveness: the process answers. Unlike /health it does not wait for the engine, so a

@@ -120,10 +120,20 @@ async def test_models_health_metrics(model):
         assert 'dynamograph_frontend_known_workers{role="aggregated"} 1.0' in text
 
 
-async def test_health_is_503_until_the_local_engine_answers():
-    async with run_frontend(None, mode=Mode.ROUND_ROBIN) as standalone:
-        assert (await get_json(standalone.url + "/health"))["status"] == "ok"
+async def test_health_is_503_until_there_is_an_engine_to_serve():
     from dynamograph.frontend.server import Frontend, FrontendConfig
+
+    standalone = Frontend(FrontendConfig(mode=Mode.ROUND_ROBIN))  # discovers nobody
+    await standalone.start()
+    try:
+        async with aiohttp.ClientSession() as session, session.get(standalone.url + "/health") as r:
+            body = await r.json()
+        assert (
+            r.status == 503
+            and body["reason"] == "no decode or aggregated workers are discovered yet"
+        )
+    finally:
+        await standalone.stop()
 
     fe = Frontend(FrontendConfig(engine_url="http://127.0.0.1:9"))  # nothing listens there
     await fe.start()
