@@ -19,3 +19,8 @@ up:
 
 down:
 	$(BIN)/dynamograph down
+
+# The kind suite (docs/running.md, "End-to-end tests"): needs docker, kind, kubectl and helm;
+# creates the kind cluster `dynamograph-e2e` (E2E_KEEP_CLUSTER=1 keeps it for another run).
+e2e-kind:
+	DYNAMOGRAPH_E2E_KIND=1 $(BIN)/python -m pytest e2e/kind -m e2e -v -p no:cacheprovider
