@@ -31,6 +31,7 @@ class Trace:
     prefill: Target | None = None
     prefill_s: float | None = None  # duration of the prefill leg
     first_token_s: float | None = None  # arrival → first response byte of the decode leg
+    stream_error: int | None = None  # status of an engine failure after the stream had begun
 
     @classmethod
     def begin(cls) -> "Trace":

@@ -251,7 +251,7 @@ class Frontend:
                 else:
                     disagg = "fallback"
             response = await self._decode(request, route, payload, nvext, trace, stream)
-            outcome = _outcome(response.status)
+            outcome = _outcome(trace.stream_error or response.status)
             return response
         except OpenAIError as exc:
             outcome = _outcome(exc.status)
@@ -405,6 +405,7 @@ class Frontend:
                 # Headers are sent: report in-stream, as vLLM does, and end the stream.
                 self._upstream_failed(exc, record, "decode")
                 log.warning("%s", exc.message)
+                trace.stream_error = exc.status
                 await self._write(response, b"data: " + exc.json() + b"\n\n")
                 break
             if not chunk:
