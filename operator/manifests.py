@@ -474,6 +474,12 @@ def merge_extra_pod_spec(
             for index, item in enumerate(items):
                 if not isinstance(item, dict) or not item.get("name"):
                     raise GraphError([(f"{path}.{key}[{index}]", "must be a mapping with a name")])
+    ours = {c["name"] for c in pod_spec.get("containers", [])}
+    for key in ("containers", "initContainers"):
+        for index, item in enumerate(extra.get(key, [])):
+            if (key == "initContainers" or item["name"] not in ours) and not item.get("image"):
+                message = f"adds container {item['name']!r} (ours: {', '.join(sorted(ours))}) without an image"
+                raise GraphError([(f"{path}.{key}[{index}].image", message)])
     return _merge(pod_spec, copy.deepcopy(extra), path)
 
 

@@ -406,6 +406,8 @@ def test_unknown_pod_spec_field_names_the_field():
         ({"tolerations": {"key": "x"}}, "x.tolerations"),
         ({"containers": [{"image": "nameless"}]}, "x.containers[0]"),
         ({"nodeSelector": ["a"]}, "x.nodeSelector"),
+        ({"containers": [{"name": "frontend", "args": ["x"]}]}, "x.containers[0].image"),
+        ({"initContainers": [{"name": "engine"}]}, "x.initContainers[0].image"),
     ],
 )
 def test_malformed_extra_pod_spec(extra, path):
