@@ -309,6 +309,23 @@ async def test_deleted_or_edited_deployment_is_repaired(cluster):
         await wait_for(reverted, 20, "the hand edit to be reverted")
 
 
+async def test_timer_repairs_objects_nothing_watches(cluster):
+    """The operator watches Deployments only; the per-graph timer repairs the rest."""
+    with running_operator(resync=1.0):
+        await create_graph(cluster, disagg_graph())
+        await wait_ready(cluster)
+        old_uid = live(cluster, "v1/configmaps", "g-router")["metadata"]["uid"]
+        response = await cluster.delete(f"/api/v1/namespaces/{NAMESPACE}/configmaps/g-router")
+        assert response.status == 200
+
+        def recreated():
+            cm = live(cluster, "v1/configmaps", "g-router")
+            return cm if cm and cm["metadata"]["uid"] != old_uid else None
+
+        cm = await wait_for(recreated, 20, "the router ConfigMap to come back")
+        assert "router.yaml" in cm["data"]
+
+
 async def test_invalid_spec_is_degraded_with_an_event(cluster):
     body = disagg_graph()
     # Valid for the CRD schema (extraPodSpec keeps unknown fields), not for a PodSpec.
