@@ -19,18 +19,19 @@ Storage, for speed and memory (256 workers × 100k blocks):
 - rows nobody holds any more are recycled.
 
 `find_matches` walks the first blocks one by one (a miss costs a few dict-like lookups), then
-chains the rest in growing chunks (64, 256, 1024 … blocks), looks each chunk up in one
+chains the rest in growing chunks (128, then 1024 … blocks), looks each chunk up in one
 vectorized probe and ANDs the masks cumulatively: a slot's score is the length of the prefix
 it holds *contiguously*. It stops at the first block no remaining slot holds. Events work the
 same way: a few blocks go one by one through the tables' scalar operations, many as whole
 arrays (a numpy call costs about a microsecond before it does anything).
 
 Semantics versus Dynamo's RadixTree (the differential oracle): equal on event streams a vLLM
-engine produces — blocks stored under a parent the engine holds, evicted leaves first. Two
-corner cases differ on purpose: a BlockRemoved of a block whose descendants the slot still
-holds removes just that block here (Dynamo drops the whole subtree), so if the engine stores it
-again the descendants count again, as they do in the engine's own prefix cache; and a
-BlockStored whose parent is unknown is skipped in both.
+engine produces — blocks stored under a parent the engine holds, evicted leaves first; a
+BlockStored whose parent is unknown is skipped in both. Differences, on purpose: a BlockRemoved
+of a block whose descendants the slot still holds removes just that block here (Dynamo drops
+the whole subtree), so if the engine stores it again the descendants count again, as they do in
+the engine's own prefix cache; and engine hashes are kept per slot, so two workers may name the
+same prefix differently (Dynamo 1.6.1 keeps one engine hash per tree node).
 """
 
 import logging
@@ -60,8 +61,8 @@ _P = 0xC2B2AE3D27D4EB4F  # odd: invertible mod 2^64
 _P_INV = pow(_P, -1, 1 << 64)
 _U64 = (1 << 64) - 1
 SCALAR_BLOCKS = 32  # events up to this many blocks, and the first blocks of a query, go one by one
-_FIRST_CHUNK = 64
-_CHUNK_GROWTH = 4
+_FIRST_CHUNK = 128
+_CHUNK_GROWTH = 8
 
 
 class _Powers:
@@ -238,7 +239,7 @@ class KvIndex:
     def _release_rows(self, rows: np.ndarray) -> None:
         self._keys.pop(self._row_key[rows])
         if self._nfree + rows.size > self._free_rows.size:
-            grown = np.empty(self._nfree + rows.size, np.int32)
+            grown = np.empty(max(2 * self._free_rows.size, self._nfree + rows.size), np.int32)
             grown[: self._nfree] = self._free_rows[: self._nfree]
             self._free_rows = grown
             self._free_mv = memoryview(self._free_rows)
