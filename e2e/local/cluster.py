@@ -61,6 +61,7 @@ def operator_env(kubeconfig: Path) -> dict[str, str]:
 @dataclass
 class LocalCluster:
     url: str
+    emulator: Any  # the ClusterEmulator, for diagnostics straight from its object store
     api: KubeApi
     kubelet: ProcessKubelet
     operator: asyncio.subprocess.Process
@@ -103,8 +104,22 @@ class LocalCluster:
         alive = (
             "running" if self.operator.returncode is None else f"exited {self.operator.returncode}"
         )
+        graphs = [
+            f"  {ns}/{name}: deletionTimestamp={meta.get('deletionTimestamp')} "
+            f"finalizers={meta.get('finalizers')} state={(obj.get('status') or {}).get('state')}"
+            for (resource, ns, name), o in self.emulator.objects.items()
+            if resource.plural == "dynamographs" and not o.deleted
+            for obj in [o.raw]
+            for meta in [obj.get("metadata") or {}]
+        ]
         return "\n".join(
-            [self.kubelet.describe(), f"operator ({alive}):", self.operator_log_tail()]
+            [
+                self.kubelet.describe(),
+                "graphs:",
+                *graphs,
+                f"operator ({alive}):",
+                self.operator_log_tail(),
+            ]
         )
 
     async def wait_graph_state(self, namespace: str, name: str, state: str, within: float) -> dict:
@@ -152,6 +167,6 @@ async def local_cluster(workdir: Path) -> AsyncIterator[LocalCluster]:
             kubelet = ProcessKubelet(api, workdir / "pods", kubeconfig)
             try:
                 async with kubelet:
-                    yield LocalCluster(url, api, kubelet, operator, operator_log, workdir)
+                    yield LocalCluster(url, emulator, api, kubelet, operator, operator_log, workdir)
             finally:
                 await _stop_process(operator)

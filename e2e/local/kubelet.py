@@ -189,18 +189,26 @@ class ProcessKubelet:
             for p in await self.api.list(PODS)
         }
         # Pods deleted through the API (by a test, or by the GC): stop their processes.
-        for key, pod in list(self.pods.items()):
-            if key not in listed:
-                await self._stop_pod(pod, delete=False)
+        await asyncio.gather(
+            *(
+                self._stop_pod(p, delete=False)
+                for k, p in list(self.pods.items())
+                if k not in listed
+            )
+        )
 
         live = set()
         for deployment in deployments:
             meta = deployment["metadata"]
             live.add((meta.get("namespace", "default"), meta["name"]))
             await self._reconcile_deployment(deployment)
-        for pod in list(self.pods.values()):
-            if (pod.namespace, pod.deployment) not in live:
-                await self._stop_pod(pod, delete=True)
+        await asyncio.gather(
+            *(
+                self._stop_pod(p, delete=True)
+                for p in list(self.pods.values())
+                if (p.namespace, p.deployment) not in live
+            )
+        )
 
         await asyncio.gather(*(self._tend(p) for p in list(self.pods.values())))
         for deployment in deployments:
@@ -226,12 +234,11 @@ class ProcessKubelet:
         old = [p for p in current if p.template_hash != hash_]
         for _ in range(desired - len(new)):
             await self._start_pod(deployment, hash_)
-        for pod in reversed(new[desired:]):  # scale down: newest first
-            await self._stop_pod(pod, delete=True)
+        surplus = list(reversed(new[desired:]))  # scale down: newest first
         # A template change rolls: old pods go once the new ones serve (or nothing is wanted).
         if old and (desired == 0 or sum(p.ready for p in new) >= desired):
-            for pod in old:
-                await self._stop_pod(pod, delete=True)
+            surplus += old
+        await asyncio.gather(*(self._stop_pod(p, delete=True) for p in surplus))
 
     async def _report_deployment(self, deployment: dict[str, Any]) -> None:
         meta = deployment["metadata"]
@@ -423,14 +430,15 @@ class ProcessKubelet:
         )
 
     async def _stop_pod(self, pod: Pod, *, delete: bool) -> None:
-        """API object first (so watchers stop routing to it), then the processes."""
-        self.pods.pop(pod.key, None)
+        """API object first (so watchers stop routing to it), then the processes; the pod
+        leaves `self.pods` only once its processes are gone."""
         if delete:
             with contextlib.suppress(Exception):
                 await self.api.delete(PODS, pod.namespace, pod.name)
         grace = min(float(pod.spec.get("terminationGracePeriodSeconds", 30)), MAX_GRACE_S)
         await asyncio.gather(*(self._kill(c, grace) for c in pod.containers))
         self.stopped_pids.extend(pod.pids())
+        self.pods.pop(pod.key, None)
         log.info("process kubelet: stopped pod %s/%s", pod.namespace, pod.name)
 
     async def _kill(self, container: Container, grace: float) -> None:
