@@ -92,16 +92,19 @@ async def test_models_lists_the_served_name(worker):
 
 
 async def test_reused_request_ids_do_not_collide(worker):
-    import asyncio
-
     headers = {"x-request-id": "same-id"}
     async with client(worker) as c:
-        outs = await asyncio.gather(*(
-            c.completions.create(model=MODEL, prompt=f"p{i}", max_tokens=3, extra_headers=headers)
-            for i in range(3)
-        ))  # fmt: skip
-    assert all(o.usage.completion_tokens == 3 for o in outs)
-    assert all(o.id.startswith("same-id") for o in outs) and len({o.id for o in outs}) == 3
+        running = await c.completions.create(
+            model=MODEL, prompt="long", max_tokens=30000, stream=True, extra_headers=headers
+        )
+        first = await anext(aiter(running))  # "same-id" is now in flight
+        assert first.id == "same-id"
+        second = await c.completions.create(
+            model=MODEL, prompt="short", max_tokens=3, extra_headers=headers
+        )
+        await running.close()
+    assert second.usage.completion_tokens == 3
+    assert second.id.startswith("same-id-")  # made unique while the first one runs
 
 
 async def test_draining_worker_fails_health_and_refuses_work():
