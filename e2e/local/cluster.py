@@ -24,7 +24,7 @@ from ..graphs import Manifest
 from ..waiting import wait_for
 from .emulator import make_emulator
 from .kubeapi import DEPLOYMENTS, DYNAMOGRAPHS, PODS, KubeApi, write_kubeconfig
-from .kubelet import ProcessKubelet
+from .kubelet import ProcessKubelet, die_with_parent
 
 OPERATOR_IMAGE = "dynamograph:e2e-local"  # never pulled: the process kubelet ignores images
 
@@ -163,6 +163,7 @@ async def local_cluster(workdir: Path) -> AsyncIterator[LocalCluster]:
                     stdout=log_file,
                     stderr=asyncio.subprocess.STDOUT,
                     start_new_session=True,
+                    preexec_fn=die_with_parent,
                 )
             kubelet = ProcessKubelet(api, workdir / "pods", kubeconfig)
             try:

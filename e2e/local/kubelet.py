@@ -25,6 +25,7 @@ import secrets
 import signal
 import socket
 import string
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -98,6 +99,19 @@ class AddressPool:
         if self._n > 254:
             self._n, self._b = 2, (self._b % 250) + 1
         return f"127.{self._a}.{self._b}.{self._n}"
+
+
+def die_with_parent() -> None:
+    """Child-side (preexec): SIGKILL this process when the test process dies, however it dies.
+
+    Teardown stops every pod; this covers the runner itself being killed (CI timeouts), which
+    would otherwise orphan processes that run in their own sessions.
+    """
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def ports_free(ip: str, ports: list[int]) -> bool:
@@ -358,6 +372,7 @@ class ProcessKubelet:
             stdout=container.log_file,
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,  # its own process group: stop() signals the whole tree
+            preexec_fn=die_with_parent,
         )
         container.ready = False
         container.restart_at = None
