@@ -25,7 +25,7 @@ async def test_rank_by_header_and_least_loaded_by_default():
                                  headers={"X-data-parallel-rank": "2"}) as resp:  # fmt: skip
                 assert resp.headers[DP_RANK_HEADER] == "2"
             # Keep ranks 0 and 2 busy; an unpinned request must land on rank 1.
-            long = {"model": MODEL, "prompt": "busy", "max_tokens": 20000, "stream": True}
+            long = {"model": MODEL, "prompt": "busy", "max_tokens": 30000, "stream": True}
             busy = []
             for rank in (0, 2):
                 resp = await http.post(w.url + "/v1/completions", json=long,

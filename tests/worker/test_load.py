@@ -130,7 +130,7 @@ async def test_client_disconnect_cancels_and_frees_blocks():
         body = {
             "model": MODEL,
             "prompt": "keep talking " * 100,
-            "max_tokens": 20000,
+            "max_tokens": 30000,
             "stream": True,
         }
         async with aiohttp.ClientSession() as http:

@@ -55,9 +55,10 @@ async def test_metrics_follow_the_engine():
         assert value(m, "vllm:e2e_request_latency_seconds_count", **lab) == 2
 
         # While a long request runs: one running, blocks in use.
-        long = {"model": MODEL, "prompt": PROMPT, "max_tokens": 5000, "stream": True}
+        long = {"model": MODEL, "prompt": PROMPT, "max_tokens": 15000, "stream": True}
         async with aiohttp.ClientSession() as http:
             resp = await http.post(w.url + "/v1/completions", json=long)
+            assert resp.status == 200
             await resp.content.readline()
             m = await scrape(w.url)
             assert value(m, "vllm:num_requests_running", **lab) == 1.0
