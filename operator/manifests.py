@@ -160,9 +160,9 @@ def _user_env(spec: ServiceSpec) -> list[dict[str, Any]]:
     return [env.model_dump(by_alias=True, exclude_none=True) for env in spec.envs]
 
 
-def _http_probe(port: str, period: int, failures: int) -> dict[str, Any]:
+def _http_probe(port: str, period: int, failures: int, path: str = "/health") -> dict[str, Any]:
     return {
-        "httpGet": {"path": "/health", "port": port},
+        "httpGet": {"path": path, "port": port},
         "periodSeconds": period,
         "timeoutSeconds": 3,
         "failureThreshold": failures,
@@ -397,8 +397,10 @@ def _frontend_container(
         ports=[{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
         env=env,
         resources=resources,
+        # /health waits for the engine (or for discovered workers); /live only for the process,
+        # so a slow model load does not restart the frontend.
         readinessProbe=_http_probe("http", 5, 3),
-        livenessProbe=_http_probe("http", 10, 6),
+        livenessProbe=_http_probe("http", 10, 6, path="/live"),
     )
 
 

@@ -145,6 +145,7 @@ def test_worker_pods_follow_the_contract():
     }
     assert frontend["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]
     assert frontend["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert frontend["livenessProbe"]["httpGet"] == {"path": "/live", "port": "http"}
     assert {"POD_NAME", "POD_IP"} <= {e["name"] for e in frontend["env"]}
     assert "nvidia.com/gpu" not in str(frontend["resources"])
 
