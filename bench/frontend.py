@@ -5,8 +5,9 @@ The same request goes alternately straight to the engine and through the fronten
 routing header the endpoint picker would set), round by round, so machine noise hits both
 paths alike; at concurrency c, c clients send in parallel. Reported per (c, stream): p50/p99 of
 both paths and the added p50 (frontend − direct), time to first byte for streams, and the
-frontend process's CPU time per request (from /proc: the hop's own cost, which unlike wall-clock
-latency does not depend on how busy the machine is). Target: ≤ 0.5 ms added at p50, c=1.
+frontend process's CPU time per request (from /proc: the hop's own cost, without the waiting for
+a CPU that dominates wall-clock latency on a busy machine; it still scales with the core's speed,
+so the machine's load and Python speed are recorded too). Target: ≤ 0.5 ms added at p50, c=1.
 """
 
 import argparse
@@ -93,7 +94,7 @@ async def _phase(
 
 
 def _cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process so far (Linux /proc): the hop's cost, whatever the load."""
+    """User + system CPU of a process so far (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
