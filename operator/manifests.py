@@ -169,9 +169,9 @@ def _http_probe(port: str, period: int, failures: int, path: str = "/health") ->
     }
 
 
-def _grpc_probe(port: int, period: int, failures: int) -> dict[str, Any]:
+def _grpc_probe(port: int, service: str, period: int, failures: int) -> dict[str, Any]:
     return {
-        "grpc": {"port": port},
+        "grpc": {"port": port, "service": service},
         "periodSeconds": period,
         "timeoutSeconds": 3,
         "failureThreshold": failures,
@@ -421,8 +421,10 @@ def _epp_container(
         env=_downward_env() + _user_env(spec),
         resources={"requests": cpu_memory, "limits": cpu_memory} if cpu_memory else {},
         volumeMounts=[{"name": "router-config", "mountPath": ROUTER_CONFIG_DIR, "readOnly": True}],
-        readinessProbe=_grpc_probe(EPP_HEALTH_PORT, 5, 3),
-        livenessProbe=_grpc_probe(EPP_HEALTH_PORT, 10, 6),
+        # The EPP's gRPC health services: readiness (a serving worker is known, not draining)
+        # and liveness (the process runs).
+        readinessProbe=_grpc_probe(EPP_HEALTH_PORT, "readiness", 5, 3),
+        livenessProbe=_grpc_probe(EPP_HEALTH_PORT, "liveness", 10, 6),
     )
 
 

@@ -175,7 +175,8 @@ def test_epp_pod_service_and_config():
         "grpc-health": 9003,
         "metrics": 9090,
     }
-    assert main["readinessProbe"]["grpc"] == {"port": 9003}
+    assert main["readinessProbe"]["grpc"] == {"port": 9003, "service": "readiness"}
+    assert main["livenessProbe"]["grpc"] == {"port": 9003, "service": "liveness"}
     pod = epp["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == "disagg-discovery"
     assert pod["volumes"] == [{"name": "router-config", "configMap": {"name": "disagg-router"}}]
