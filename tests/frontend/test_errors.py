@@ -334,3 +334,22 @@ async def test_engine_failing_mid_stream_ends_the_stream_with_an_error_event():
                 )
                 == 1
             )
+
+
+async def test_body_cap_holds_for_chunked_uploads_without_content_length(model):
+    async with mock_worker() as local, run_frontend(local, max_body_bytes=4096) as fe:
+
+        async def body():
+            yield b'{"model": "%s", "prompt": "' % model.encode()
+            for _ in range(10):
+                yield b"x" * 1000
+            yield b'"}'
+
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(fe.url + "/v1/completions", data=body(), headers=route(local)) as r,
+        ):
+            assert r.request_info.headers.get("Transfer-Encoding") == "chunked"
+            error = (await r.json())["error"]
+        assert r.status == 413 and "limit of 4096 bytes" in error["message"]
+        assert (await served(local))["total"] == 0
