@@ -121,7 +121,9 @@ class RankSubscriber:
             self.metrics.kv_batches.labels(source).inc()
             self.metrics.kv_event_lag.observe(max(0.0, time.time() - float(batch.ts)))
         if gap is None:
-            self.next_seq = max(self.next_seq, seq + 1)
+            # Sequence 0 after others: the publisher restarted (the router cleared the slot).
+            if seq == 0 or seq >= self.next_seq:
+                self.next_seq = seq + 1
             self.synced = True
         return gap
 

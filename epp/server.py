@@ -144,12 +144,14 @@ class Epp:
     # -- lifecycle --
     async def start(self) -> None:
         s = self.settings
+        # No SO_REUSEPORT: a second process on our port must fail to start, not share traffic.
+        options = [("grpc.so_reuseport", 0)]
         self._grpc = grpc.aio.server(
-            options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)]
+            options=[*options, ("grpc.max_receive_message_length", 64 * 1024 * 1024)]
         )
         pb_grpc.add_ExternalProcessorServicer_to_server(self.service, self._grpc)
         self.grpc_port = self._grpc.add_insecure_port(f"{s.host}:{s.grpc_port}")
-        self._health_server = grpc.aio.server()
+        self._health_server = grpc.aio.server(options=options)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
         self.health_port = self._health_server.add_insecure_port(f"{s.host}:{s.health_port}")
         await self.health.set(LIVENESS, _SERVING)
