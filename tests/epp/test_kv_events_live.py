@@ -127,3 +127,14 @@ async def test_each_data_parallel_rank_feeds_its_own_slot():
                 lambda h=hashes, r=rank: epp.router.index.find_matches(h).get((wid, r), 0) > 0
             )
             assert epp.router.index.find_matches(hashes).get((wid, 1 - rank), 0) == 0
+
+
+async def test_late_joining_epp_gets_history_from_replay():
+    async with mock_worker(model=MODEL, name="kv-late") as worker, aiohttp.ClientSession() as http:
+        early = _chat("published before the EPP existed " * 100)
+        await _complete(http, worker, early)  # its KV events went out to nobody
+        async with running_epp([worker]) as epp:
+            wid = worker.config.instance_id
+            hashes = _hashes(epp, early)
+            await eventually(lambda: _held(epp, wid, hashes) >= len(hashes) - 1)
+            assert epp.metrics.kv_batches.labels("replay")._value.get() >= 1
