@@ -1,0 +1,48 @@
+"""`dynamograph epp` flags: the router config file, flag overrides, discovery sources."""
+
+import argparse
+
+import pytest
+
+from dynamograph.epp.cli import add_arguments, settings_from_args
+from dynamograph.epp.discovery import KubernetesSource, StaticSource, source_from_args
+
+pytestmark = pytest.mark.unit
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_flags_override_the_config_file(tmp_path):
+    config = tmp_path / "router.yaml"
+    config.write_text("overlap_weight: 2.5\ntemperature: 0.3\nbusy_threshold: 0.9\n")
+    args = _parse("--config", str(config), "--temperature", "0", "--kv-events", "off")
+    settings = settings_from_args(args)
+    assert settings.router.overlap_weight == 2.5
+    assert settings.router.temperature == 0
+    assert settings.router.busy_threshold == 0.9
+    assert settings.router.use_kv_events is False and settings.kv_events is False
+    assert (settings.grpc_port, settings.health_port, settings.metrics_port) == (9002, 9003, 9090)
+
+
+def test_bad_config_is_a_clear_error(tmp_path):
+    config = tmp_path / "router.yaml"
+    config.write_text("overlap_weight: -1\n")
+    with pytest.raises(ValueError, match="overlap_weight"):
+        settings_from_args(_parse("--config", str(config)))
+
+
+def test_discovery_sources_from_flags(tmp_path):
+    static = source_from_args(_parse("--worker", "http://127.0.0.1:8001=127.0.0.1:9001"))
+    assert isinstance(static, StaticSource)
+    assert static.targets[0].serving_endpoint == "127.0.0.1:9001"
+    k8s = source_from_args(
+        _parse("--discovery", "kubernetes", "--namespace", "ns", "--selector", "a=b")
+    )
+    assert isinstance(k8s, KubernetesSource)
+    assert (k8s.namespace, k8s.selector) == ("ns", "a=b")
+    with pytest.raises(ValueError, match="--worker"):
+        source_from_args(_parse())
