@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 
 from dynamograph.protocol.engine import Role
 from dynamograph.protocol.tokenization import tokenizer_for_model
@@ -192,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
         config = mock_config(args)
         config.validate()
     except ValueError as exc:
-        print(f"dynamograph worker: {exc}")
+        print(f"dynamograph worker: {exc}", file=sys.stderr)
         return 2
     with contextlib.suppress(ImportError):
         import uvloop
@@ -209,7 +210,7 @@ async def _serve(config) -> int:
     try:
         engine = await server.start(config.name)
     except OSError as exc:
-        print(f"dynamograph worker: cannot start: {exc}")
+        print(f"dynamograph worker: cannot start: {exc}", file=sys.stderr)
         return 1
     log.info("mock worker %s (instance %d, %s) serving %s on %s, KV events %s",
              engine.name, engine.instance_id, engine.role, engine.served_model_name,

@@ -14,6 +14,7 @@ import itertools
 import os
 import socket
 import sys
+import tempfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -84,27 +85,37 @@ def worker_command(*args: str, port: int, name: str | None = None) -> list[str]:
 async def worker_process(
     *args: str, name: str | None = None, startup_timeout: float = 60.0
 ) -> AsyncIterator[RunningWorker]:
-    """Run `dynamograph worker` as a subprocess; later `args` override the defaults above."""
+    """Run `dynamograph worker` as a subprocess; later `args` override the defaults above.
+
+    Its stderr goes to a temporary file (a pipe nobody reads would block a chatty worker);
+    the tail is quoted when the worker dies before it serves.
+    """
     port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = await asyncio.create_subprocess_exec(
-        *worker_command(*args, port=port, name=name),
-        env=env,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        config = await wait_for_engine(url, startup_timeout, proc)
-        yield RunningWorker(url=url, config=config, process=proc)
-    finally:
-        if proc.returncode is None:
-            proc.terminate()
+    with tempfile.TemporaryFile() as stderr:
+        proc = await asyncio.create_subprocess_exec(
+            *worker_command(*args, port=port, name=name),
+            env=env,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=stderr,
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
             try:
-                await asyncio.wait_for(proc.wait(), 10)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
+                config = await wait_for_engine(url, startup_timeout, proc)
+            except RuntimeError as exc:
+                stderr.seek(0)
+                tail = stderr.read()[-2000:].decode(errors="replace")
+                raise RuntimeError(f"{exc}: {tail}") from None
+            yield RunningWorker(url=url, config=config, process=proc)
+        finally:
+            if proc.returncode is None:
+                proc.terminate()
+                try:
+                    await asyncio.wait_for(proc.wait(), 10)
+                except TimeoutError:
+                    proc.kill()
+                    await proc.wait()
 
 
 async def wait_for_engine(
@@ -115,8 +126,7 @@ async def wait_for_engine(
     async with aiohttp.ClientSession() as http:
         while True:
             if proc is not None and proc.returncode is not None:
-                err = (await proc.stderr.read()).decode(errors="replace") if proc.stderr else ""
-                raise RuntimeError(f"worker exited with {proc.returncode}: {err[-2000:]}")
+                raise RuntimeError(f"worker exited with {proc.returncode}")
             with contextlib.suppress(aiohttp.ClientError, OSError):
                 async with http.get(url + ENGINE_PATH) as resp:
                     if resp.status == 200:

@@ -38,3 +38,9 @@ async def test_cli_worker_serves_and_describes_itself():
         proc = w.process
         proc.terminate()
         assert await asyncio.wait_for(proc.wait(), 15) == 0  # SIGTERM drains and exits cleanly
+
+
+async def test_worker_process_reports_a_failed_start():
+    with pytest.raises(RuntimeError, match=r"exited with 2: .*--speedup must be positive"):
+        async with worker_process("--speedup", "-1"):
+            pass

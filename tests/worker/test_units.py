@@ -170,7 +170,7 @@ def test_vllm_argv_by_role():
 
 def test_mock_rejects_bad_flags(capsys):
     assert worker_cli.run(worker_args("--speedup", "0")) == 2
-    assert "--speedup must be positive" in capsys.readouterr().out
+    assert "--speedup must be positive" in capsys.readouterr().err
     assert worker_cli.run(worker_args("--max-num-seqs", "0")) == 2
 
 
