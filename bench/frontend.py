@@ -46,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-tokens", type=int, default=4, help="tokens generated per request (default 4)"
     )
+    parser.add_argument(
+        "--quick", action="store_true", help="8 rounds of 4 requests per client (a smoke run)"
+    )
     add_output_argument(parser)
 
 
@@ -184,6 +187,16 @@ async def _bench(args) -> dict:
     return {"rows": rows, "logs": str(logs)}
 
 
+def _summary(rows: list[dict], verdict: bool | None) -> dict:
+    """The headline numbers (`bench all` shows them)."""
+    out: dict = {"target_met_c1": verdict}
+    for r in rows:
+        key = f"c{r['concurrency']}{'_stream' if r['stream'] else ''}"
+        out[f"added_p50_ms_{key}"] = round(r["added_p50_ms"], 3)
+        out[f"fe_cpu_us_{key}"] = round(r["frontend_cpu_us_per_request"])
+    return out
+
+
 def _python_loop_ns(n: int = 1_000_000) -> float:
     """CPU ns per empty Python loop iteration: how fast (or how contended) this machine is."""
     start = time.process_time()
@@ -197,6 +210,8 @@ def run(args: argparse.Namespace) -> int:
         import uvloop
 
         uvloop.install()
+    if args.quick:
+        args.rounds, args.per_round = 8, 4
     machine = {"load_before": os.getloadavg()[0], "python_loop_ns": _python_loop_ns()}
     result = asyncio.run(_bench(args))
     machine["load_after"] = os.getloadavg()[0]
@@ -236,7 +251,8 @@ def run(args: argparse.Namespace) -> int:
         "frontend",
         {
             "rows": rows,
-            "machine": machine,
+            "summary": _summary(rows, verdict),
+            "load": machine,
             "target_added_p50_ms": TARGET_ADDED_P50_MS,
             "target_met_c1": verdict,
             "config": vars(args) | {"out": str(args.out)},
