@@ -188,7 +188,7 @@ class RequestGuard:
     - `free()`: release everything. Idempotent; also on `with` exit and on garbage collection.
     """
 
-    __slots__ = ("__weakref__", "_active", "_decode", "_on_free", "_prefill", "request_id")
+    __slots__ = ("__weakref__", "_active", "_decode", "_prefill", "request_id")
 
     def __init__(
         self,
@@ -196,13 +196,11 @@ class RequestGuard:
         request_id: str,
         decode: Booking,
         prefill: Booking | None = None,
-        on_free=None,
     ) -> None:
         self._active = active
         self.request_id = request_id
         self._decode = decode
         self._prefill = prefill
-        self._on_free = on_free
 
     @property
     def booked(self) -> bool:
@@ -226,8 +224,6 @@ class RequestGuard:
         if self._prefill is not None:
             self._active.free(self._prefill)
         self._active.free(self._decode)
-        if self._on_free is not None:
-            self._on_free(self)
 
     def __enter__(self) -> Self:
         return self
