@@ -21,7 +21,9 @@ OPT_IN = "DYNAMOGRAPH_E2E_KIND"
 def skip_reason(env=os.environ) -> str | None:
     missing = kindctl.missing_requirements()
     if missing:
-        return "kind e2e needs: " + "; ".join(missing) + " (see docs/e2e.md)"
+        return (
+            "kind e2e needs: " + "; ".join(missing) + " (see docs/running.md, 'End-to-end tests')"
+        )
     if env.get(OPT_IN) != "1":
         return (
             f"kind e2e creates a cluster and builds an image: run `make e2e-kind` (sets {OPT_IN}=1)"

@@ -67,7 +67,9 @@ async def test_deployment_becomes_ready_loopback_pods_that_scale_and_go(api_serv
                 )
             ]
             # A one-item tuple: truthy even when the expected set is empty.
-            return (ready,) if len(ready) == n and len(pods) == n else None
+            # Pods leave the kubelet's table only once their processes are gone.
+            settled = len(ready) == len(pods) == len(kubelet.pods) == n
+            return (ready,) if settled else None
 
         await api.create(DEPLOYMENTS, NS, worker_deployment(2))
         (pods,) = await wait_for(
@@ -103,8 +105,7 @@ async def test_deployment_becomes_ready_loopback_pods_that_scale_and_go(api_serv
 
         await api.delete(DEPLOYMENTS, NS, "agg-worker")
 
-        async def all_gone():
-            return await ready_pods(0) and not kubelet.pods
-
-        await wait_for(all_gone, "no pods, no processes", within=60, detail=kubelet.describe)
+        await wait_for(
+            lambda: ready_pods(0), "no pods, no processes", within=60, detail=kubelet.describe
+        )
         assert not any(alive(pid) for pid in kubelet.stopped_pids)
