@@ -236,6 +236,10 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def bench_memory(workers: int, blocks: int, families: int, seed: int) -> dict:
     """Our index holding `workers` × `blocks`: sequences of 64–512 shared family blocks followed
     by private blocks, stored in events of 128 blocks."""
@@ -269,6 +273,7 @@ def bench_memory(workers: int, blocks: int, families: int, seed: int) -> dict:
         "distinct_blocks": index.distinct_blocks(),
         "array_bytes": index.nbytes,
         "rss_delta_bytes": after - before,
+        "peak_rss_bytes": _peak_rss_bytes(),
         "bytes_per_pair": (after - before) / max(index.total_blocks(), 1),
         "build_s": elapsed,
     }
@@ -367,13 +372,22 @@ def run(args: argparse.Namespace) -> int:
         memory = bench_memory(args.memory_workers, args.memory_blocks, args.families, args.seed)
         print_table(
             f"our index holding {args.memory_workers} workers × {args.memory_blocks:,} blocks",
-            ["pairs", "distinct blocks", "array MiB", "RSS delta MiB", "bytes/pair", "build s"],
+            [
+                "pairs",
+                "distinct",
+                "array MiB",
+                "RSS delta MiB",
+                "peak RSS MiB",
+                "B/pair",
+                "build s",
+            ],
             [
                 [
                     memory["pairs"],
                     memory["distinct_blocks"],
                     memory["array_bytes"] / 2**20,
                     memory["rss_delta_bytes"] / 2**20,
+                    memory["peak_rss_bytes"] / 2**20,
                     memory["bytes_per_pair"],
                     memory["build_s"],
                 ]

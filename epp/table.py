@@ -25,6 +25,7 @@ _GOLD = 0x9E3779B97F4A7C15
 _GOLDEN = np.uint64(_GOLD)
 _U64 = (1 << 64) - 1
 MISSING = -1
+_REBUILD_SLICE = 1 << 16
 
 
 class U64Table:
@@ -249,5 +250,7 @@ class U64Table:
         within `max_load` (so growth doubles, and a table full of tombstones does not grow)."""
         keys, vals = self.items()
         self._alloc(max(1, int(np.ceil(max(live, 1) / (B * self._max_load)))))
-        if keys.size:
-            self._insert(keys, vals, self._home(keys))
+        # in slices: an insert gathers a whole bucket (64 bytes) per key
+        for i in range(0, keys.size, _REBUILD_SLICE):
+            part = keys[i : i + _REBUILD_SLICE]
+            self._insert(part, vals[i : i + _REBUILD_SLICE], self._home(part))
