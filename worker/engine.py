@@ -86,6 +86,36 @@ class EngineOutput:
         return self.finish_reason is not None
 
 
+class OutputCollector:
+    """The undelivered output of one request, merged while the reader lags (as vLLM's
+    RequestOutputCollector): a slow client gets fewer, larger chunks instead of a backlog."""
+
+    def __init__(self) -> None:
+        self._out: EngineOutput | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, out: EngineOutput) -> None:
+        pending = self._out
+        if pending is None:
+            self._out = out
+        else:
+            pending.token_ids.extend(out.token_ids)
+            pending.text += out.text
+            pending.finish_reason = out.finish_reason
+            pending.error = out.error
+            pending.usage = out.usage
+            pending.timing = out.timing
+            pending.kv_transfer_params = out.kv_transfer_params
+        self._ready.set()
+
+    async def get(self) -> EngineOutput:
+        while self._out is None:
+            self._ready.clear()
+            await self._ready.wait()
+        out, self._out = self._out, None
+        return out
+
+
 class RequestContext:
     """Per-request cancellation shared between the caller and the engine."""
 

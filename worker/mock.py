@@ -258,7 +258,7 @@ class MockEngine(LLMEngine):
             ctx.on_cancel(lambda: rank.cancel(state))
             try:
                 while True:
-                    chunk = await state.queue.get()
+                    chunk = await state.outputs.get()
                     yield chunk
                     if chunk.is_terminal:
                         return

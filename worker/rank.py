@@ -3,7 +3,7 @@
 Each iteration asks the scheduler for a step, charges its cost-model time on the simulated
 clock (sleeping `time / speedup` of wall clock), samples one token for every sequence that
 completed its tokens, streams outputs, finishes requests, and publishes the step's KV events as
-one batch. Requests enter with `submit`, leave with a terminal chunk on their queue.
+one batch. Requests enter with `submit`, leave with a terminal chunk on their collector.
 
 Simulated time: while the engine is busy the clock advances by exactly the modelled step
 times, so the simulated TTFT/ITL of a request depend only on the schedule (reproducible);
@@ -22,7 +22,15 @@ from typing import Any
 from dynamograph.protocol.nvext import SessionAction, SessionControl
 
 from .cost import CostModel
-from .engine import EngineOutput, FinishReason, GenerateRequest, RequestContext, Timing, Usage
+from .engine import (
+    EngineOutput,
+    FinishReason,
+    GenerateRequest,
+    OutputCollector,
+    RequestContext,
+    Timing,
+    Usage,
+)
 from .events import KvEventPublisher
 from .handoff import HeldBlocks, PendingTransfers
 from .kv_cache import KvCache
@@ -73,7 +81,7 @@ class RequestState:
     seq: Sequence
     tokens: TokenStream
     timing: Timing
-    queue: asyncio.Queue
+    outputs: OutputCollector
     hold_for_decode: bool = False
     session: SessionControl | None = None
     first_scheduled: float | None = None
@@ -177,7 +185,7 @@ class EngineRank:
             seq=seq,
             tokens=self.sampler.stream(request.prompt_tokens, request.seed),
             timing=Timing(arrival=arrival),
-            queue=asyncio.Queue(),
+            outputs=OutputCollector(),
             hold_for_decode=hold_for_decode,
             session=request.nvext.session_control if request.nvext else None,
         )
@@ -299,7 +307,7 @@ class EngineRank:
         if seq.num_output >= seq.max_tokens:
             self._finish(state, FinishReason.LENGTH, token=token, text=text)
         else:
-            state.queue.put_nowait(EngineOutput(token_ids=[token], text=text, dp_rank=self.rank))
+            state.outputs.put(EngineOutput(token_ids=[token], text=text, dp_rank=self.rank))
 
     def _finish(self, state: RequestState, reason: FinishReason, error: str | None = None,
                 token: int | None = None, text: str = "") -> None:  # fmt: skip
@@ -327,7 +335,7 @@ class EngineRank:
         timing.finished = self.clock.now
         cached = max(seq.num_cached_tokens, 0) + seq.num_remote_loaded
         usage = Usage(seq.prompt_len, seq.num_output, min(cached, seq.prompt_len))
-        state.queue.put_nowait(
+        state.outputs.put(
             EngineOutput(
                 token_ids=[] if token is None else [token],
                 text=text,

@@ -212,3 +212,20 @@ def test_protocol_decodes_vllm_028_map_layout_too():
     with pytest.raises(ValueError, match="lacks token_ids"):
         decode_batch(msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": [1],
                                            "parent_block_hash": None, "block_size": 16}], 0]))  # fmt: skip
+
+
+async def test_output_collector_merges_while_the_reader_lags():
+    from dynamograph.worker.engine import OutputCollector
+
+    c = OutputCollector()
+    c.put(EngineOutput(token_ids=[1], text=" a"))
+    c.put(EngineOutput(token_ids=[2], text=" b"))
+    c.put(
+        EngineOutput(
+            token_ids=[3], text=" c", finish_reason=FinishReason.LENGTH, usage=Usage(1, 3, 0)
+        )
+    )
+    merged = await c.get()
+    assert merged.token_ids == [1, 2, 3] and merged.text == " a b c"
+    assert merged.finish_reason is FinishReason.LENGTH and merged.usage.completion_tokens == 3
+    validate_stream([merged], max_tokens=3)
