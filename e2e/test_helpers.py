@@ -10,6 +10,7 @@ from .traffic import (
     Reply,
     affinity_breaks,
     chat_body,
+    epp_ready_workers,
     failures,
     metric_sum,
     parse_reply,
@@ -123,3 +124,14 @@ def test_wait_for_sync_uses_its_clock():
         )
     assert sleeps == [2, 2, 2, 2, 2]
     assert wait_for_sync(lambda: 5, "y", sleep=sleep, clock=lambda: now[0]) == 5
+
+
+def test_epp_ready_workers_counts_ready_workers_by_role():
+    text = (
+        "# TYPE dynamograph_epp_workers gauge\n"
+        'dynamograph_epp_workers{role="decode",ready="true"} 3\n'
+        'dynamograph_epp_workers{role="decode",ready="false"} 1\n'
+        'dynamograph_epp_workers{role="prefill",ready="true"} 2\n'
+        'dynamograph_epp_workers{role="aggregated",ready="true"} 0\n'
+    )
+    assert epp_ready_workers(text) == {"decode": 3, "prefill": 2}

@@ -236,3 +236,15 @@ async def scrape(session: aiohttp.ClientSession, url: str) -> str:
     async with session.get(url, timeout=aiohttp.ClientTimeout(total=10)) as response:
         response.raise_for_status()
         return await response.text()
+
+
+def epp_ready_workers(text: str) -> dict[str, int]:
+    """Role -> ready workers the EPP knows, from its `dynamograph_epp_workers` gauge."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, int] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "dynamograph_epp_workers" and s.labels.get("ready") == "true" and s.value:
+                out[s.labels["role"]] = out.get(s.labels["role"], 0) + int(s.value)
+    return out

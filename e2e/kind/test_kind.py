@@ -27,6 +27,7 @@ from ..traffic import (
     affinity_breaks,
     chat,
     chat_body,
+    epp_ready_workers,
     failures,
     metric_sum,
     prompt_families,
@@ -66,6 +67,20 @@ def pool_endpoints(s: Settings, graph: str) -> list[dict]:
     labels = pool["spec"]["selector"]["matchLabels"]
     selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
     return kindctl.ready_pods(run_json(kindctl.get_json(s, "pods", s.namespace, "-l", selector)))
+
+
+def pod_metrics(s: Settings, pod: dict, port: int) -> str:
+    """A pod's /metrics through the API server's pod proxy (no port-forward per pod)."""
+    path = f"/api/v1/namespaces/{s.namespace}/pods/{pod['metadata']['name']}:{port}/proxy/metrics"
+    return run(kindctl.kubectl(s, "get", "--raw", path)).stdout
+
+
+def wait_epp_knows(s: Settings, graph: str, expected: dict[str, int]) -> None:
+    def known():
+        (epp,) = graph_pods(s, graph, "epp")
+        return epp_ready_workers(pod_metrics(s, epp, 9090)) == expected
+
+    wait_for_sync(known, f"the EPP to know {expected}", within=120, interval=2)
 
 
 def frontend_direct_ok(s: Settings, pods: list[dict]) -> float:
@@ -151,6 +166,7 @@ def test_aggregated_graph_through_the_gateway(kind_cluster, gateway_url):
     with deployed(s, graph) as name:
         pods = graph_pods(s, name, "worker")
         assert len(pods) == graph["spec"]["services"]["worker"]["replicas"]
+        wait_epp_knows(s, name, {"aggregated": len(pods)})
         wait_routable(gateway_url)
         before = frontend_direct_ok(s, pods)
         replies = asyncio.run(_families(gateway_url, seed=7))
@@ -169,6 +185,7 @@ def test_disaggregated_graph_scales_and_cleans_up(kind_cluster, gateway_url):
         prefills = pod_ids(graph_pods(s, name, "prefill"))
         decodes = pod_ids(graph_pods(s, name, "decode"))
         assert pod_ids(pool_endpoints(s, name)) == decodes
+        wait_epp_knows(s, name, {"prefill": len(prefills), "decode": len(decodes)})
         wait_routable(gateway_url)
         replies = asyncio.run(_families(gateway_url, seed=11))
         flat = [r for f in replies for r in f]
@@ -186,6 +203,7 @@ def test_disaggregated_graph_scales_and_cleans_up(kind_cluster, gateway_url):
             interval=3,
         )
         (new,) = grown - decodes
+        wait_epp_knows(s, name, {"prefill": len(prefills), "decode": 3})
         more = asyncio.run(_until(gateway_url, lambda r: r.decode_worker == new))
         assert not failures(more), failures(more)
         assert new in {r.decode_worker for r in more}

@@ -19,6 +19,7 @@ from dynamograph.protocol.identity import instance_id
 from ..graphs import load_example, renamed, with_engine, with_replicas, without_gpus
 from ..traffic import (
     affinity_breaks,
+    epp_ready_workers,
     failures,
     metric_sum,
     prompt_families,
@@ -90,6 +91,18 @@ async def direct_requests_served(http, pods: list[dict]) -> float:
     return total
 
 
+async def wait_epp_knows(cluster, http, namespace: str, graph: str, expected: dict[str, int]):
+    """Until the EPP's own gauge shows exactly `expected` ready workers per role: its pod watch
+    and /v1/engine fetches have caught up with the pods."""
+
+    async def known():
+        (epp,) = await service_pods(cluster, namespace, graph, "epp")
+        text = await scrape(http, f"http://{epp['status']['podIP']}:9090/metrics")
+        return epp_ready_workers(text) == expected
+
+    await wait_for(known, f"the EPP to know {expected}", within=60, detail=cluster.describe)
+
+
 async def delete_and_wait_gone(cluster, namespace: str, graph: str) -> None:
     pids = {
         pid
@@ -142,6 +155,7 @@ async def test_aggregated_graph_routes_by_kv_overlap(cluster, tmp_path):
         run_gateway(cluster.api, ns, name, tmp_path / "envoy") as envoy,
         aiohttp.ClientSession() as http,
     ):
+        await wait_epp_knows(cluster, http, ns, name, {"aggregated": 3})
         replies = await run_families(http, envoy.url, MODEL, prompt_families(4, variants=3))
         flat = [r for family in replies for r in family]
         assert not failures(flat), failures(flat)
@@ -168,6 +182,7 @@ async def test_disaggregated_graph_scales_and_cleans_up(cluster, tmp_path):
         run_gateway(cluster.api, ns, name, tmp_path / "envoy") as envoy,
         aiohttp.ClientSession() as http,
     ):
+        await wait_epp_knows(cluster, http, ns, name, {"prefill": 2, "decode": 2})
         replies = await run_families(
             http, envoy.url, MODEL, prompt_families(4, variants=3, seed=11)
         )
@@ -190,6 +205,8 @@ async def test_disaggregated_graph_scales_and_cleans_up(cluster, tmp_path):
             three_decodes, "3 ready decode pods", within=READY_S, detail=cluster.describe
         )
         (new,) = grown - decodes
+        # The pool as the EPP sees it changed: 3 decode workers now.
+        await wait_epp_knows(cluster, http, ns, name, {"prefill": 2, "decode": 3})
         more = await send_until(http, envoy.url, MODEL, lambda r: r.decode_worker == new)
         assert not failures(more), failures(more)
         assert new in {r.decode_worker for r in more}, (
