@@ -31,17 +31,12 @@ OPERATOR_IMAGE = "dynamograph:e2e-local"  # never pulled: the process kubelet ig
 
 def operator_argv(python: str = sys.executable) -> list[str]:
     # -A: kmock cannot serve GET /api/v1/namespaces, which kopf needs for namespace patterns.
+    # --liveness-port 0: kopf's probe would bind 0.0.0.0:8080, the sidecars' port on every pod.
+    # Text logs at info level: readable in a failing test's diagnostics.
     return [
-        python,
-        "-m",
-        "dynamograph.cli",
-        "--log-level",
-        "info",
-        "operator",
-        "--all-namespaces",
-        "--liveness-port",
-        "0",
-    ]
+        python, "-m", "dynamograph.cli", "--log-level", "info", "--log-format", "text",
+        "operator", "--all-namespaces", "--liveness-port", "0",
+    ]  # fmt: skip
 
 
 def operator_env(kubeconfig: Path) -> dict[str, str]:
