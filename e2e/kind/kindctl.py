@@ -368,17 +368,24 @@ def down(s: Settings) -> None:
 
 
 def gateway_service(s: Settings) -> str:
-    """The Service kgateway created for the Gateway (found by the GEP-1762 label)."""
+    """The Service the gateway controller created for the Gateway: found by the GEP-1762 label,
+    else the Service named like the Gateway (kgateway's naming)."""
     listing = run_json(
         get_json(s, "services", s.namespace, "-l", f"{GATEWAY_LABEL}={GATEWAY_NAME}")
     )
-    found = items(listing)
-    if not found:
+    services = [svc["metadata"]["name"] for svc in items(listing)]
+    if not services:
+        services = [
+            svc["metadata"]["name"]
+            for svc in items(run_json(get_json(s, "services", s.namespace)))
+            if svc["metadata"]["name"] == GATEWAY_NAME
+        ]
+    if not services:
         raise CommandFailed(
-            f"no Service labelled {GATEWAY_LABEL}={GATEWAY_NAME} in {s.namespace}: "
-            "is kgateway installed with the inference extension?"
+            f"no Service for Gateway {GATEWAY_NAME} in {s.namespace} (neither labelled "
+            f"{GATEWAY_LABEL}={GATEWAY_NAME} nor named so): is kgateway running?"
         )
-    return found[0]["metadata"]["name"]
+    return services[0]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

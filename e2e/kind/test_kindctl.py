@@ -128,3 +128,74 @@ def test_skip_reason_asks_for_opt_in_when_everything_is_there(monkeypatch):
     assert conftest.skip_reason({conftest.OPT_IN: "1"}) is None
     monkeypatch.setattr(kindctl, "missing_requirements", lambda: ["kind (x)"])
     assert conftest.skip_reason({conftest.OPT_IN: "1"}).startswith("kind e2e needs: kind (x)")
+
+
+def test_gateway_service_by_label_then_by_name(monkeypatch):
+    def services(*names):
+        return {"kind": "List", "items": [{"metadata": {"name": n}} for n in names]}
+
+    answers = {"labelled": services("gw-proxy"), "all": services("other", "inference-gateway")}
+
+    def fake(argv):
+        return answers["labelled"] if "-l" in argv else answers["all"]
+
+    monkeypatch.setattr(kindctl, "run_json", fake)
+    assert kindctl.gateway_service(S) == "gw-proxy"
+    answers["labelled"] = services()
+    assert kindctl.gateway_service(S) == "inference-gateway"
+    answers["all"] = services("other")
+    with pytest.raises(kindctl.CommandFailed, match="no Service for Gateway inference-gateway"):
+        kindctl.gateway_service(S)
+
+
+def test_up_runs_every_step_in_order(monkeypatch):
+    calls = []
+
+    def fake_run(argv, *, input=None, timeout=900, check=True):
+        calls.append((list(argv), input))
+
+        class Done:
+            stdout = "" if argv[:3] != ["kind", "get", "clusters"] else "other\n"
+
+        return Done()
+
+    monkeypatch.setattr(kindctl, "run", fake_run)
+    kindctl.up(S)
+    argvs = [argv for argv, _ in calls]
+    heads = [" ".join(a[:3]) if a[0] != "kubectl" else " ".join(a[3:5]) for a in argvs]
+    assert heads == [
+        "kind get clusters",
+        "kind create cluster",
+        "docker build -t",
+        "kind load docker-image",
+        "apply --server-side",  # Gateway API
+        "apply --server-side",  # Inference Extension
+        "helm --kube-context kind-c1",  # kgateway CRDs
+        "helm --kube-context kind-c1",  # kgateway
+        "apply --server-side",  # our CRD
+        "helm --kube-context kind-c1",  # the chart
+        "apply --server-side",  # namespace + Gateway
+        "wait --for=condition=Programmed",
+    ]
+    assert S.versions.gateway_api_url in argvs[4] and S.versions.inference_extension_url in argvs[5]
+    assert str(kindctl.CHART) in argvs[9] and "image.tag=e2e" in argvs[9]
+    applied = list(yaml.safe_load_all(calls[10][1]))
+    assert [d["kind"] for d in applied] == ["Namespace", "Gateway"]
+    calls.clear()
+
+    monkeypatch.setattr(kindctl, "cluster_exists", lambda s: True)
+    kindctl.up(S)
+    assert not any(argv[:3] == ["kind", "create", "cluster"] for argv, _ in calls)  # reused
+
+
+def test_dockerfile_installs_every_package_and_runs_dynamograph():
+    import tomllib
+
+    pyproject = tomllib.loads((kindctl.REPO / "pyproject.toml").read_text())
+    folders = set(pyproject["tool"]["setuptools"]["package-dir"].values())
+    text = kindctl.DOCKERFILE.read_text()
+    copied = {line.split()[1].rstrip("/") for line in text.splitlines() if line.startswith("COPY ")}
+    assert folders <= copied, f"the image misses {sorted(folders - copied)}"
+    assert 'ENTRYPOINT ["dynamograph"]' in text
+    ignored = (kindctl.REPO / ".dockerignore").read_text().split()
+    assert not folders & set(ignored), "a package folder is excluded from the build context"
