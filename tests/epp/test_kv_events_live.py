@@ -65,7 +65,7 @@ async def test_killed_worker_is_removed_from_routing():
         body = _chat("victim prefix " * 200)
         await _complete(http, victim, body)
         hashes = _hashes(epp, body)
-        await eventually(lambda: _held(epp, vid, hashes) > 0)
+        await eventually(lambda: _held(epp, vid, hashes) > 0, within=20)
         victim.process.send_signal(signal.SIGKILL)
         await eventually(lambda: vid not in epp.router.workers(), within=20)
         assert vid not in epp.view.workers
@@ -73,7 +73,9 @@ async def test_killed_worker_is_removed_from_routing():
         # Routing only ever picks the survivor now, even for the victim's prefix.
         for _ in range(5):
             route = epp.service.picker.pick("/v1/chat/completions", {}, orjson.dumps(body), None)
-            assert route.worker_id == survivor.config.instance_id
+            assert route.worker_id == survivor.config.instance_id, (
+                f"picked {route.worker_id}; router knows {list(epp.router.workers())}"
+            )
             route.guard.free()
 
 
