@@ -13,11 +13,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
 
-GROUP = "dynamograph.io"
-VERSION = "v1alpha1"
-PLURAL = "dynamographs"
 ENGINE_TYPES = ("worker", "prefill", "decode")
-SERVING_TYPES = ("worker", "decode")
 
 Manifest = dict[str, Any]
 
@@ -96,30 +92,3 @@ def services_of(graph: Manifest, *component_types: str) -> list[str]:
         for name, spec in graph["spec"]["services"].items()
         if spec["componentType"] in component_types
     ]
-
-
-def deployment_name(graph: Manifest, service: str) -> str:
-    """Each service becomes a Deployment `<graph>-<service>` (DESIGN §3.7)."""
-    return f"{graph['metadata']['name']}-{service}"
-
-
-def expected_replicas(graph: Manifest) -> dict[str, int]:
-    """Deployment name -> replicas the graph asks for (a service without `replicas` has 1)."""
-    return {
-        deployment_name(graph, name): int(spec.get("replicas", 1))
-        for name, spec in graph["spec"]["services"].items()
-    }
-
-
-def served_model(graph: Manifest) -> str:
-    model = graph["spec"]["model"]
-    return model.get("servedModelName") or model["name"]
-
-
-def graph_selector(graph: Manifest) -> str:
-    """The label selector of every object the operator writes for this graph."""
-    return f"dynamograph.io/graph={graph['metadata']['name']}"
-
-
-def service_selector(graph: Manifest, service: str) -> str:
-    return f"{graph_selector(graph)},dynamograph.io/service={service}"

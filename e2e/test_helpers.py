@@ -42,15 +42,6 @@ def test_graph_patches_return_new_manifests():
         graphs.with_replicas(base, "decode", -1)
 
 
-def test_graph_facts():
-    base = graphs.renamed(graphs.load_example("disagg"), "g", "ns")
-    assert graphs.expected_replicas(base) == {"g-prefill": 2, "g-decode": 2, "g-epp": 1}
-    assert graphs.served_model(base) == "qwen"
-    assert graphs.service_selector(base, "decode") == (
-        "dynamograph.io/graph=g,dynamograph.io/service=decode"
-    )
-
-
 def test_parse_reply_reads_worker_ids_and_tolerates_errors():
     body = {"choices": [], "nvext": {"worker_id": {"decode_worker_id": 7, "prefill_worker_id": 9}}}
     reply = parse_reply(200, orjson.dumps(body))

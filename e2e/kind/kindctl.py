@@ -213,12 +213,6 @@ def image_values(image: str) -> dict[str, str]:
     return {"image.repository": repository, "image.tag": tag, "image.pullPolicy": "IfNotPresent"}
 
 
-def wait_rollout(s: Settings, namespace: str, deployment: str, timeout: str = "300s") -> list[str]:
-    return kubectl(
-        s, "rollout", "status", f"deployment/{deployment}", "-n", namespace, f"--timeout={timeout}"
-    )
-
-
 def port_forward(s: Settings, namespace: str, service: str, local: int, remote: int) -> list[str]:
     return kubectl(
         s, "port-forward", "-n", namespace, f"svc/{service}", f"{local}:{remote}",

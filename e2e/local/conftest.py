@@ -5,9 +5,6 @@ tests of the infrastructure itself. The full cluster (operator, kubelet, Envoy) 
 test module by `e2e.local.cluster.local_cluster`.
 """
 
-import os
-import shutil
-
 import kmock
 import pytest
 import pytest_asyncio
@@ -45,12 +42,3 @@ async def api_server():
         url = str(server.url).rstrip("/")
         async with KubeApi(url) as api:
             yield url, api, emulator
-
-
-@pytest.fixture
-def keep_workdir(tmp_path_factory):
-    """A work directory for pod logs; kept after a failure for post-mortems (pytest's basetemp)."""
-    path = tmp_path_factory.mktemp("cluster")
-    yield path
-    if os.environ.get("E2E_KEEP_LOGS") != "1":
-        shutil.rmtree(path, ignore_errors=True)

@@ -23,10 +23,6 @@ class Resource:
     version: str
     plural: str
 
-    @property
-    def api_version(self) -> str:
-        return f"{self.group}/{self.version}" if self.group else self.version
-
 
 DEPLOYMENTS = Resource("apps", "v1", "deployments")
 PODS = Resource("", "v1", "pods")

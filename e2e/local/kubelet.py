@@ -146,7 +146,6 @@ class ProcessKubelet:
         self.pods: dict[tuple[str, str], Pod] = {}
         self.errors: list[str] = []  # reconcile failures, for diagnostics
         self.stopped_pids: list[int] = []
-        self._deployment_status: dict[tuple[str, str], dict[str, Any]] = {}
         self._task: asyncio.Task | None = None
         self._http: aiohttp.ClientSession | None = None
 
@@ -269,11 +268,10 @@ class ProcessKubelet:
         }
         if meta.get("generation") is not None:
             status["observedGeneration"] = meta["generation"]
-        key = (namespace, meta["name"])
-        if self._deployment_status.get(key) == status:
-            return
+        current = deployment.get("status") or {}
+        if all(current.get(k) == v for k, v in status.items()):
+            return  # level-triggered against the listed object: nothing to write
         await self.api.patch(DEPLOYMENTS, namespace, meta["name"], {"status": status}, "status")
-        self._deployment_status[key] = status
 
     # ---- pods ----------------------------------------------------------------------------
 

@@ -35,26 +35,6 @@ def template_hash(template: dict[str, Any]) -> str:
     return digest[:10]
 
 
-def selector_matches(selector: dict[str, Any] | None, labels: dict[str, str]) -> bool:
-    """A LabelSelector (matchLabels + matchExpressions) against a label set."""
-    if not selector:
-        return False  # an empty selector selects nothing in a Deployment or Service
-    for key, value in (selector.get("matchLabels") or {}).items():
-        if labels.get(key) != value:
-            return False
-    for expr in selector.get("matchExpressions") or []:
-        key, op, values = expr["key"], expr["operator"], expr.get("values") or []
-        if op == "In" and labels.get(key) not in values:
-            return False
-        if op == "NotIn" and labels.get(key) in values:
-            return False
-        if op == "Exists" and key not in labels:
-            return False
-        if op == "DoesNotExist" and key in labels:
-            return False
-    return True
-
-
 def service_selects(selector: dict[str, str] | None, labels: dict[str, str]) -> bool:
     """A Service's plain `selector` map."""
     return bool(selector) and all(labels.get(k) == v for k, v in selector.items())

@@ -23,17 +23,11 @@ def test_template_hash_is_stable_and_changes_with_the_template():
     assert len(podlib.template_hash(a)) == 10
 
 
-def test_label_selectors():
+def test_service_selectors():
     labels = {"app": "a", "tier": "web"}
-    assert podlib.selector_matches({"matchLabels": {"app": "a"}}, labels)
-    assert not podlib.selector_matches({"matchLabels": {"app": "b"}}, labels)
-    assert not podlib.selector_matches({}, labels)  # empty selects nothing
-    expr = {"matchExpressions": [{"key": "tier", "operator": "In", "values": ["web", "db"]}]}
-    assert podlib.selector_matches(expr, labels)
-    expr = {"matchExpressions": [{"key": "tier", "operator": "DoesNotExist"}]}
-    assert not podlib.selector_matches(expr, labels)
     assert podlib.service_selects({"app": "a"}, labels)
-    assert not podlib.service_selects({}, labels)
+    assert not podlib.service_selects({"app": "b"}, labels)
+    assert not podlib.service_selects({}, labels)  # an empty selector selects nothing
 
 
 def test_argv_puts_loopback_and_wildcard_hosts_on_the_pod_address():
