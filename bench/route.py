@@ -2,7 +2,7 @@
 
 Replays a Mooncake-format trace (default: the FAST'25 synthetic trace) open-loop against one
 fleet of mock workers with finite KV caches, once per routing policy, with the same arrivals
-and prompts each time and a freshly started (cold) fleet for every policy. Arrivals are
+and prompts each time, the fleet's KV caches reset (cold) before every policy. Arrivals are
 compressed by `--compression` and the engines simulate their GPU that much faster, so the run
 is the trace at its real pace, in less wall time; latencies are reported in trace seconds.
 
@@ -25,12 +25,21 @@ from dynamograph.protocol.tokenization import get_tokenizer
 
 from .report import add_output_argument, print_table, write_json
 from .route_client import completion_body, replay
-from .route_fleet import LaunchError, WorkerSpec, scrape_workers, stop_all, wait_http, worker_procs
+from .route_fleet import (
+    LaunchError,
+    WorkerSpec,
+    reset_caches,
+    scrape_workers,
+    stop_all,
+    wait_http,
+    worker_procs,
+)
 from .route_metrics import PolicyMetrics, summarize
 from .route_plots import write_plots
 from .route_routers import DEFAULT_POLICIES, POLICIES, serve
 from .trace import (
     DEFAULT_TRACE,
+    PromptSynthesizer,
     TraceError,
     compress,
     inherent_reuse,
@@ -42,7 +51,7 @@ from .trace import (
 log = logging.getLogger(__name__)
 
 FULL = {"workers": 8, "families": 0.25, "compression": 6.0}
-QUICK = {"workers": 4, "families": 0.1, "compression": 40.0}
+QUICK = {"workers": 4, "families": 0.1, "compression": 50.0}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -129,34 +138,28 @@ def resolve(args: argparse.Namespace) -> Setup:
     return setup
 
 
-async def _run_policy(name, setup, spec, offsets, bodies, args, logs):
-    policy = POLICIES[name]
+async def _run_policy(name, workers, offsets, bodies, args, logs):
+    """One policy on the running fleet, its caches reset first; counters are deltas."""
+    await reset_caches(workers)
+    before = await scrape_workers(workers)
     ports = PortPool()
-    workers = worker_procs(setup.workers, spec, logs / name, ports)
-    ports.release()
-    procs = [w.proc for w in workers]
-    for p in procs:
-        p.start()
-    try:
-        await asyncio.gather(*(wait_http(w.proc, w.url + "/health", within_s=120) for w in workers))
-        async with serve(policy, workers, ports, logs / name) as url:
-            print(f"  {name}: replaying {len(offsets)} requests via {url} ...", flush=True)
-            results, wall = await replay(
-                url,
-                offsets,
-                bodies.__getitem__,
-                max_in_flight=args.max_in_flight,
-                timeout_s=args.timeout,
-            )
-            stats = await scrape_workers(workers)
-    finally:
-        await asyncio.to_thread(stop_all, procs)
-    queries = sum(s.prefix_queries for s in stats.values())
-    hits = sum(s.prefix_hits for s in stats.values())
+    async with serve(POLICIES[name], workers, ports, logs / name) as url:
+        print(f"  {name}: replaying {len(offsets)} requests via {url} ...", flush=True)
+        results, wall = await replay(
+            url,
+            offsets,
+            bodies.__getitem__,
+            max_in_flight=args.max_in_flight,
+            timeout_s=args.timeout,
+        )
+        after = await scrape_workers(workers)
+    delta = {w: after[w].minus(before[w]) for w in after}
+    queries = sum(s.prefix_queries for s in delta.values())
+    hits = sum(s.prefix_hits for s in delta.values())
     return (
         results,
         wall,
-        {w: int(s.requests) for w, s in stats.items()},
+        {w: int(s.requests) for w, s in delta.items()},
         (hits / queries if queries else None),
     )
 
@@ -184,8 +187,6 @@ async def _run(args, setup: Setup) -> int:
     )
     # Prompts are synthesised once, before any replay: every policy gets the same bytes and
     # synthesis costs nothing on the clock.
-    from .trace import PromptSynthesizer
-
     synth = PromptSynthesizer(get_tokenizer("qwen"))
     bodies = [
         completion_body(args.model, synth.text(r), r.output_length, stream=args.stream)
@@ -194,30 +195,44 @@ async def _run(args, setup: Setup) -> int:
     logs = args.out / "route-logs"
     metrics: list[PolicyMetrics] = []
     all_results = {}
-    for name in args.policies:
-        started = time.monotonic()
-        results, wall, per_worker, worker_hits = await _run_policy(
-            name, setup, spec, offsets, bodies, args, logs
-        )
-        m = summarize(
-            name,
-            results,
-            inherent_reuse=reuse,
-            time_scale=setup.compression,
-            wall_s=wall,
-            per_worker_requests=per_worker,
-            worker_hit_rate=worker_hits,
-        )
-        metrics.append(m)
-        all_results[name] = results
-        _write_requests(logs / name / "requests.jsonl", results)
-        print(
-            f"  {name}: done in {time.monotonic() - started:.0f} s; ok {m.ok}, shed {m.shed}, "
-            f"errors {m.errors}" + (f" (first: {m.first_error})" if m.first_error else ""),
-            flush=True,
-        )
+    ports = PortPool()
+    workers = worker_procs(setup.workers, spec, logs / "fleet", ports)
+    ports.release()
+    try:
+        for w in workers:
+            w.proc.start()
+        await asyncio.gather(*(wait_http(w.proc, w.url + "/health", within_s=120) for w in workers))
+        for name in args.policies:
+            m, results = await _measure(name, setup, workers, reuse, offsets, bodies, args, logs)
+            metrics.append(m)
+            all_results[name] = results
+    finally:
+        await asyncio.to_thread(stop_all, [w.proc for w in workers])
     _report(args, setup, spec, requests, reuse, metrics, all_results)
     return 0
+
+
+async def _measure(name, setup, workers, reuse, offsets, bodies, args, logs):
+    started = time.monotonic()
+    results, wall, per_worker, worker_hits = await _run_policy(
+        name, workers, offsets, bodies, args, logs
+    )
+    m = summarize(
+        name,
+        results,
+        inherent_reuse=reuse,
+        time_scale=setup.compression,
+        wall_s=wall,
+        per_worker_requests=per_worker,
+        worker_hit_rate=worker_hits,
+    )
+    _write_requests(logs / name / "requests.jsonl", results)
+    print(
+        f"  {name}: done in {time.monotonic() - started:.0f} s; ok {m.ok}, shed {m.shed}, "
+        f"errors {m.errors}" + (f" (first: {m.first_error})" if m.first_error else ""),
+        flush=True,
+    )
+    return m, results
 
 
 def _report(args, setup, spec, requests, reuse, metrics, all_results) -> None:

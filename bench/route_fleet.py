@@ -155,6 +155,13 @@ class WorkerStats:
     prefix_queries: float = 0.0
     prefix_hits: float = 0.0
 
+    def minus(self, earlier: WorkerStats) -> WorkerStats:
+        return WorkerStats(
+            self.requests - earlier.requests,
+            self.prefix_queries - earlier.prefix_queries,
+            self.prefix_hits - earlier.prefix_hits,
+        )
+
 
 def parse_worker_metrics(text: str) -> WorkerStats:
     """Served requests and prefix-cache counters (tokens) from a vLLM-style /metrics page."""
@@ -179,3 +186,24 @@ async def scrape_workers(workers: Sequence[Worker]) -> dict[str, WorkerStats]:
 
         stats = await asyncio.gather(*(one(w) for w in workers))
     return {w.name: s for w, s in zip(workers, stats, strict=True)}
+
+
+async def reset_caches(workers: Sequence[Worker], within_s: float = 60.0) -> None:
+    """Empty every worker's prefix cache (vLLM's `POST /reset_prefix_cache`), waiting while a
+    worker still finishes requests (it refuses while blocks are in use)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    pending = list(workers)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+        while pending:
+            refused = []
+            for w in pending:
+                async with session.post(w.url + "/reset_prefix_cache") as resp:
+                    if resp.status != 200:
+                        refused.append((w, resp.status, (await resp.text())[:200]))
+            pending = [w for w, _, _ in refused]
+            if pending and loop.time() > deadline:
+                w, status, text = refused[0]
+                raise LaunchError(f"{w.name} refused to reset its prefix cache: {status} {text}")
+            if pending:
+                await asyncio.sleep(0.5)
