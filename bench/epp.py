@@ -312,8 +312,8 @@ async def _exchange(stub, body: bytes) -> float:
     return elapsed
 
 
-async def _server_pick_ms(metrics_port: int) -> float:
-    """Mean of the EPP's own pick_seconds histogram (wall time inside the EPP), in ms."""
+async def _server_picks(metrics_port: int) -> tuple[float, float]:
+    """(sum seconds, count) of the EPP's own pick_seconds histogram (wall time inside it)."""
     async with (
         aiohttp.ClientSession() as http,
         http.get(f"http://127.0.0.1:{metrics_port}/metrics") as response,
@@ -324,8 +324,10 @@ async def _server_pick_ms(metrics_port: int) -> float:
         for name in ("dynamograph_epp_pick_seconds_sum", "dynamograph_epp_pick_seconds_count"):
             if line.startswith(name + " "):
                 values[name] = float(line.split()[1])
-    count = values.get("dynamograph_epp_pick_seconds_count", 0)
-    return values.get("dynamograph_epp_pick_seconds_sum", 0) / count * 1e3 if count else 0.0
+    return (
+        values.get("dynamograph_epp_pick_seconds_sum", 0.0),
+        values.get("dynamograph_epp_pick_seconds_count", 0.0),
+    )
 
 
 async def _measure(args, workers_file: Path, picker: str, bodies: list[bytes]) -> dict:
@@ -348,6 +350,7 @@ async def _measure(args, workers_file: Path, picker: str, bodies: list[bytes]) -
             idle0, idle_wall0 = _cpu_seconds(proc.pid), time.perf_counter()
             await asyncio.sleep(args.idle_seconds)
             idle_rate = (_cpu_seconds(proc.pid) - idle0) / (time.perf_counter() - idle_wall0)
+            picks0 = await _server_picks(metrics_port)
             cpu0, wall0 = _cpu_seconds(proc.pid), time.perf_counter()
 
             async def client() -> None:
@@ -356,7 +359,9 @@ async def _measure(args, workers_file: Path, picker: str, bodies: list[bytes]) -
 
             await asyncio.gather(*(client() for _ in range(args.concurrency)))
             cpu, wall = _cpu_seconds(proc.pid) - cpu0, time.perf_counter() - wall0
-        server_pick_ms = await _server_pick_ms(metrics_port)
+        picks1 = await _server_picks(metrics_port)
+        picked = picks1[1] - picks0[1]
+        server_pick_ms = (picks1[0] - picks0[0]) / picked * 1e3 if picked else 0.0
     finally:
         proc.terminate()
         await proc.wait()

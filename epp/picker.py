@@ -130,15 +130,20 @@ class KvPicker:
     def pick_any(self, subset: frozenset[str] | None) -> Route:
         return self._random.pick_any(subset)
 
+    def load_tokenizer(self, spec: str) -> Tokenizer:
+        """Load (once) the tokenizer a worker names; call it off the event loop when a worker
+        appears, so the first request does not pay for reading a vocabulary."""
+        tokenizer = self._tokenizers.get(spec)
+        if tokenizer is None:
+            tokenizer = self._tokenizers[spec] = get_tokenizer(spec)
+        return tokenizer
+
     def _tokenizer(self, model: str) -> Tokenizer:
         spec = self.view.tokenizer_by_model.get(model)
         if spec is None:
             served = ", ".join(sorted(self.view.tokenizer_by_model)) or "none (no workers yet)"
             raise OpenAIError(404, f"model {model!r} is not served here; available: {served}")
-        tokenizer = self._tokenizers.get(spec)
-        if tokenizer is None:
-            tokenizer = self._tokenizers[spec] = get_tokenizer(spec)
-        return tokenizer
+        return self.load_tokenizer(spec)
 
     def pick(
         self, path: str, headers: Mapping[str, str], body: bytes, subset: frozenset[str] | None

@@ -28,7 +28,7 @@ from .extproc import DEFAULT_MAX_BODY_BYTES, SERVICE_NAME, ExtProcService
 from .kv_events import KvEventIngest
 from .load import LoadScraper
 from .metrics import EppMetrics
-from .picker import KvPicker, RandomPicker, WorkerView
+from .picker import KvPicker, RandomPicker, WorkerView, tokenizer_spec
 from .scheduler import Router
 
 log = logging.getLogger(__name__)
@@ -104,6 +104,9 @@ class Epp:
             log.error("worker %s not added: %s", record.name, exc)
             return
         self.view.added(record)
+        if isinstance(self.picker, KvPicker):
+            spec = tokenizer_spec(config.tokenizer)
+            self._spawn(asyncio.to_thread(self._preload_tokenizer, spec))
         self.load.add(record)
         if self.kv is not None:
             self.kv.add(record)
@@ -121,9 +124,18 @@ class Epp:
     def _update_readiness(self) -> None:
         ready = any(w.endpoint for w in self.view.workers.values())
         status = _SERVING if ready else _NOT_SERVING
-        task = asyncio.get_running_loop().create_task(self.health.set(READINESS, status))
+        self._spawn(self.health.set(READINESS, status))
+
+    def _spawn(self, coroutine) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
         self._background.add(task)  # keep a reference until it ran
         task.add_done_callback(self._background.discard)
+
+    def _preload_tokenizer(self, spec: str) -> None:
+        try:
+            self.picker.load_tokenizer(spec)
+        except (OSError, ValueError) as exc:
+            log.error("tokenizer %r of a worker cannot be loaded: %s", spec, exc)
 
     def _snapshot(self) -> dict:
         names = {r.instance_id: r.name for r in self.discovery.records.values()}
