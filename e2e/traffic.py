@@ -151,6 +151,24 @@ async def chat(
         return parse_reply(response.status, await response.read())
 
 
+async def chat_stream(
+    session: aiohttp.ClientSession, base_url: str, body: dict, *, request_timeout: float = 60.0
+) -> tuple[int, list[bytes]]:
+    """A streamed chat completion: the status and its SSE `data:` payloads, in order."""
+    body = {**body, "stream": True}
+    async with session.post(
+        f"{base_url}/v1/chat/completions",
+        data=orjson.dumps(body),
+        headers={"content-type": "application/json"},
+        timeout=aiohttp.ClientTimeout(total=request_timeout),
+    ) as response:
+        raw = await response.read()
+    events = [
+        line[len(b"data:") :].strip() for line in raw.splitlines() if line.startswith(b"data:")
+    ]
+    return response.status, events
+
+
 async def run_families(
     session: aiohttp.ClientSession,
     base_url: str,

@@ -19,6 +19,8 @@ from dynamograph.protocol.identity import instance_id
 from ..graphs import load_example, renamed, with_engine, with_replicas, without_gpus
 from ..traffic import (
     affinity_breaks,
+    chat_body,
+    chat_stream,
     epp_ready_workers,
     failures,
     metric_sum,
@@ -166,6 +168,9 @@ async def test_aggregated_graph_routes_by_kv_overlap(cluster, tmp_path):
         # The routing headers reached the sidecars: they served every request in direct mode.
         pods = await service_pods(cluster, ns, name, "worker")
         assert await direct_requests_served(http, pods) == len(flat)
+        # Streaming passes through Envoy, the EPP and the sidecar as server-sent events.
+        status, events = await chat_stream(http, envoy.url, chat_body(MODEL, "stream please"))
+        assert status == 200 and len(events) > 2 and events[-1] == b"[DONE]", events[-3:]
 
     await delete_and_wait_gone(cluster, ns, name)
 
