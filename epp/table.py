@@ -43,7 +43,7 @@ class U64Table:
         "_vmv",
     )
 
-    def __init__(self, capacity: int = 64, max_load: float = 0.7) -> None:
+    def __init__(self, capacity: int = 64, max_load: float = 0.8) -> None:
         self._max_load = max_load
         self._alloc(max(1, int(np.ceil(capacity / (B * max_load)))))
 
