@@ -9,7 +9,12 @@ import logging
 import os
 import sys
 
+from pythonjsonlogger.core import RESERVED_ATTRS
 from pythonjsonlogger.json import JsonFormatter
+
+# kopf attaches its settings object (queues inside) and a skip flag to every record; they are
+# not log content, and serialising the settings dataclass would try to deep-copy its queues.
+_NOT_LOGGED = (*RESERVED_ATTRS, "settings", "k8s_skip")
 
 
 def add_logging_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,7 +38,11 @@ def configure_logging(level: str = "warning", fmt: str = "auto") -> None:
     handler = logging.StreamHandler(sys.stderr)
     if fmt == "json":
         handler.setFormatter(
-            JsonFormatter("%(asctime)s %(levelname)s %(name)s %(message)s", timestamp=False)
+            JsonFormatter(
+                "%(asctime)s %(levelname)s %(name)s %(message)s",
+                reserved_attrs=_NOT_LOGGED,
+                json_default=repr,
+            )
         )
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
