@@ -15,7 +15,7 @@ pytestmark = pytest.mark.unit
 
 @dataclasses.dataclass
 class _Settings:
-    queue: queue.SimpleQueue = dataclasses.field(default_factory=queue.SimpleQueue)
+    events: queue.SimpleQueue = dataclasses.field(default_factory=queue.SimpleQueue)
 
 
 def test_json_lines_drop_kopf_internals_and_keep_the_object_reference(monkeypatch):
