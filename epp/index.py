@@ -22,8 +22,8 @@ Storage, for speed and memory (256 workers × 100k blocks):
 chains the rest in growing chunks (128, then 1024 … blocks), looks each chunk up in one
 vectorized probe and ANDs the masks cumulatively: a slot's score is the length of the prefix
 it holds *contiguously*. It stops at the first block no remaining slot holds. Events work the
-same way: a few blocks go one by one through the tables' scalar operations, many as whole
-arrays (a numpy call costs about a microsecond before it does anything).
+same way: up to a few hundred blocks go one by one through the tables' scalar operations, more
+as whole arrays (a numpy call costs microseconds before it does anything).
 
 Semantics versus Dynamo's RadixTree (the differential oracle): equal on event streams a vLLM
 engine produces — blocks stored under a parent the engine holds, evicted leaves first; a
@@ -60,7 +60,11 @@ Slot = tuple[int, int]  # (worker_id, dp_rank)
 _P = 0xC2B2AE3D27D4EB4F  # odd: invertible mod 2^64
 _P_INV = pow(_P, -1, 1 << 64)
 _U64 = (1 << 64) - 1
-SCALAR_BLOCKS = 32  # events up to this many blocks, and the first blocks of a query, go one by one
+# Work done one block at a time (Python ints through memoryviews) instead of as numpy arrays:
+# events of up to this many blocks (measured here: one by one wins up to a few hundred), and the
+# first blocks of a query (a miss or a shallow match then costs no numpy call at all).
+SCALAR_EVENT_BLOCKS = 256
+SCALAR_QUERY_BLOCKS = 32
 _FIRST_CHUNK = 128
 _CHUNK_GROWTH = 8
 
@@ -310,7 +314,7 @@ class KvIndex:
                 log.debug("slot %s: BlockStored parent unknown; skipped", slot)
                 return False
             parent_key = self._row_key_mv[row]
-        if n > SCALAR_BLOCKS:
+        if n > SCALAR_EVENT_BLOCKS:
             keys = chain_keys(parent_key, as_u64(local_hashes))
             engine = engine_keys(engine_hashes)
             if np.unique(engine).size != n:  # a malformed event: the last one of a hash wins
@@ -350,7 +354,7 @@ class KvIndex:
         state = self._slots.get(slot)
         if state is None or len(engine_hashes) == 0:
             return
-        if len(engine_hashes) > SCALAR_BLOCKS:
+        if len(engine_hashes) > SCALAR_EVENT_BLOCKS:
             rows = state.blocks.pop(engine_keys(engine_hashes))
             self._drop_bits(rows[rows != MISSING], state.column)
             return
@@ -421,7 +425,7 @@ class KvIndex:
         if n == 0 or not self._slots:
             return scores
         # The first blocks one by one: masks as Python ints over all words.
-        head = local_hashes[:SCALAR_BLOCKS]
+        head = local_hashes[:SCALAR_QUERY_BLOCKS]
         if isinstance(head, np.ndarray):
             head = head.tolist()
         width = 8 * self._holders.words

@@ -213,11 +213,7 @@ class U64Table:
         return self._vals[self._keys >= MIN_KEY]
 
     def _insert(self, keys: np.ndarray, vals: np.ndarray, start: np.ndarray) -> None:
-        """Place keys known to be absent (and distinct), probing from bucket `start`.
-
-        Each key writes itself into the first free cell of its bucket; where several keys of
-        the batch picked the same cell one of them won, and the others try again.
-        """
+        """Place distinct keys known to be absent, probing from bucket `start`."""
         n = keys.size
         if (self._used + n) > self._max_load * self._keys.size:
             self._rebuild(self._live + n)
@@ -226,24 +222,26 @@ class U64Table:
         self._used += n
         b = start
         while True:
+            # Several keys may want the same bucket: the k-th of them takes its k-th free cell.
+            order = np.argsort(b, kind="stable")
+            keys, vals, b = keys[order], vals[order], b[order]
+            first = np.searchsorted(b, b, side="left")
+            rank = np.arange(b.size) - first
             rows = self._keys[b]
             free = rows < MIN_KEY
-            col = free.argmax(axis=1)
-            fits = free[np.arange(b.size), col]
-            cb, cc = b[fits], col[fits]
-            was = rows[fits, cc]
-            self._keys[cb, cc] = keys[fits]
-            won = self._keys[cb, cc] == keys[fits]
-            wb, wc = cb[won], cc[won]
-            self._vals[wb, wc] = vals[fits][won]
-            self._used -= int((was[won] == TOMB).sum())  # a reused tombstone is no new cell
-            if won.all() and fits.all():
+            used_tomb = rows == TOMB
+            target = free & (free.cumsum(axis=1) == (rank + 1)[:, None])
+            ok = target.any(axis=1)
+            cols = target.argmax(axis=1)
+            ob, oc = b[ok], cols[ok]
+            # a tombstone reused is no new used cell
+            self._used -= int(used_tomb[ok, oc].sum())
+            self._keys[ob, oc] = keys[ok]
+            self._vals[ob, oc] = vals[ok]
+            if ok.all():
                 return
-            again = ~fits
-            again[np.flatnonzero(fits)[~won]] = True
-            keys, vals = keys[again], vals[again]
-            # a key whose bucket filled up moves on; one that lost a race retries its bucket
-            b = np.where(fits[again], b[again], (b[again] + 1) & self._mask)
+            rest = ~ok
+            keys, vals, b = keys[rest], vals[rest], (b[rest] + 1) & self._mask
 
     def _rebuild(self, live: int) -> None:
         """Re-insert the live keys into the smallest power-of-two table that holds `live` keys

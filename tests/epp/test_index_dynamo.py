@@ -31,8 +31,10 @@ pytestmark = [pytest.mark.unit, pytest.mark.anchor]
 @pytest.fixture(params=["default", "vectorized", "scalar"])
 def paths(request, monkeypatch):
     """Run with the index's default split, everything as arrays, everything one by one."""
-    limit = {"default": index_module.SCALAR_BLOCKS, "vectorized": 0, "scalar": 1 << 20}
-    monkeypatch.setattr(index_module, "SCALAR_BLOCKS", limit[request.param])
+    if request.param != "default":
+        limit = 0 if request.param == "vectorized" else 1 << 20
+        monkeypatch.setattr(index_module, "SCALAR_EVENT_BLOCKS", limit)
+        monkeypatch.setattr(index_module, "SCALAR_QUERY_BLOCKS", limit)
     return request.param
 
 
