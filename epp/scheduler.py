@@ -25,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from dynamograph.protocol.engine import Role
+from dynamograph.protocol.engine import EngineConfig, Role
 from dynamograph.protocol.headers import RoutingHeaders
 from dynamograph.protocol.kv_events import EventBatch
 from dynamograph.protocol.nvext import NvExt, SessionAction, SessionControl
@@ -192,6 +192,25 @@ class Router:
         self._sessions: OrderedDict[str, _Binding] = OrderedDict()
 
     # -- workers -------------------------------------------------------------------------
+    def add_engine(self, config: EngineConfig) -> bool:
+        """Register a worker from what it says about itself at /v1/engine (discovery's record).
+
+        False, logged, when the router refuses it (a block size unlike the pool's): the worker
+        then stays out of routing instead of corrupting the index.
+        """
+        try:
+            self.add_worker(
+                config.instance_id,
+                role=config.role,
+                dp_size=config.data_parallel_size,
+                block_size=config.kv_cache_block_size,
+                total_blocks=config.total_kv_blocks,
+            )
+        except ValueError as exc:
+            log.error("worker %s not added: %s", config.name, exc)
+            return False
+        return True
+
     def add_worker(
         self,
         worker_id: int,

@@ -92,16 +92,7 @@ class Epp:
     # -- discovery listeners --
     def _added(self, record: WorkerRecord) -> None:
         config = record.config
-        try:
-            self.router.add_worker(
-                record.instance_id,
-                role=config.role,
-                dp_size=config.data_parallel_size,
-                block_size=config.kv_cache_block_size,
-                total_blocks=config.total_kv_blocks,
-            )
-        except ValueError as exc:
-            log.error("worker %s not added: %s", record.name, exc)
+        if not self.router.add_engine(config):
             return
         self.view.added(record)
         if isinstance(self.picker, KvPicker):

@@ -9,7 +9,6 @@ released when the request ends.
 
 import contextlib
 import itertools
-import logging
 from typing import Any
 
 from dynamograph.epp.config import RouterConfig
@@ -31,8 +30,6 @@ from dynamograph.protocol.tokenization import get_tokenizer, request_tokens
 from .directory import WorkerDirectory
 from .pickers import Route
 from .routing import Mode, Pins, Target
-
-log = logging.getLogger(__name__)
 
 
 class KvPicker:
@@ -76,17 +73,7 @@ class KvPicker:
             self.load = None
 
     def _added(self, record: WorkerRecord) -> None:
-        config = record.config
-        try:
-            self.router.add_worker(
-                record.instance_id,
-                role=config.role,
-                dp_size=config.data_parallel_size,
-                block_size=config.kv_cache_block_size,
-                total_blocks=config.total_kv_blocks,
-            )
-        except ValueError as exc:  # e.g. a block size different from the rest of the fleet
-            log.error("worker %s not added: %s", record.name, exc)
+        if not self.router.add_engine(record.config):
             return
         if self.load is not None:
             self.load.add(record)
