@@ -6,7 +6,7 @@ equivalent of the operator's pods. No I/O: ports come from an injected allocator
 write (the Envoy config) are returned as data, so the plan is unit-tested without starting
 anything.
 
-Mapping (the operator puts the same command lines into pod specs; contracts.md):
+Mapping (the operator puts the same command lines into pod specs; docs/contracts.md):
 - every `worker` (aggregated) and `decode` replica: an engine plus its frontend sidecar, whose
   port is the serving endpoint the EPP hands to Envoy;
 - every `prefill` replica: an engine only (frontends reach it by instance id);
@@ -43,7 +43,7 @@ _ROLES = {
 }
 
 
-# The Envoy part of the plan is the EPP helper's `envoy_config`; injected so tests and the
+# The Envoy part of the plan is `local.envoy.envoy_config`; injected so tests and the
 # planner never depend on where the binary lives.
 EnvoyConfigFn = Callable[..., dict]
 

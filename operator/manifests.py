@@ -6,7 +6,7 @@ ConfigMap, the EPP and frontend Services, a Deployment per service, the Inferenc
 decode/aggregated worker pods, and an HTTPRoute when the gateway names a parentRef. Every object
 carries the graph's labels and a controller ownerReference, so deleting the graph deletes them.
 
-The pods run the command lines of the contract (briefs/contracts.md): `dynamograph worker` with
+The pods run the command lines of the contract (docs/contracts.md): `dynamograph worker` with
 the frontend sidecar in engine pods that serve requests, `dynamograph epp`, and standalone
 `dynamograph frontend`. Errors the CRD schema cannot see (an unknown field in extraPodSpec)
 raise `GraphError` naming the field.
@@ -33,7 +33,7 @@ from .models import (
     ServiceSpec,
 )
 
-# Contract ports (briefs/contracts.md).
+# Contract ports (docs/contracts.md).
 HTTP_PORT = 8080  # frontend; the InferencePool targetPort
 ENGINE_PORT = 8000  # engine HTTP API, also its /metrics
 KV_EVENTS_PORT = 5557

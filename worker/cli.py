@@ -1,6 +1,6 @@
 """`dynamograph worker`: run the simulated GPU engine (`--engine mock`) or launch vLLM.
 
-The command line is the cross-component contract (briefs/contracts.md): the operator writes it
+The command line is the cross-component contract (docs/contracts.md): the operator writes it
 into pod specs and `dynamograph up` runs it locally.
 """
 

@@ -272,7 +272,7 @@ def test_service_env_reaches_the_engine():
 
 @pytest.mark.parametrize("example", ["agg.yaml", "disagg.yaml"])
 def test_command_lines_parse_with_the_components_own_parsers(example):
-    """The plan speaks each component's real CLI (contracts.md), not a guess of it."""
+    """The plan speaks each component's real CLI (docs/contracts.md), not a guess of it."""
     modules = {
         "worker": "dynamograph.worker.cli",
         "frontend": "dynamograph.frontend.cli",
