@@ -22,6 +22,7 @@ class Holders:
         self._shared = np.zeros((64, 1), np.uint64)
         self._free_shared = list(range(63, 0, -1))
         self._views()
+        self._bit_table()
 
     def _views(self) -> None:
         self.words = self._shared.shape[1]
@@ -49,6 +50,14 @@ class Holders:
         while columns > 64 * self.words:
             self._shared = np.hstack([self._shared, np.zeros_like(self._shared)])
             self._views()
+            self._bit_table()
+
+    def _bit_table(self) -> None:
+        """Row c: the one-bit mask of column c; one more, empty, row for NOBODY (index -1)."""
+        columns = 64 * self.words
+        self._bits = np.zeros((columns + 1, self.words), np.uint64)
+        col = np.arange(columns)
+        self._bits[col, col >> 6] = np.left_shift(np.uint64(1), (col & 63).astype(np.uint64))
 
     def _new_shared(self, n: int) -> list[int]:
         if len(self._free_shared) < n:
@@ -151,17 +160,9 @@ class Holders:
         return np.concatenate(emptied) if len(emptied) > 1 else emptied[0]
 
     def words_of(self, rows: np.ndarray) -> np.ndarray:
-        """Holder bitmasks of `rows` as an (n, words) uint64 array."""
-        out = np.zeros((rows.size, self.words), np.uint64)
-        owner = self._owner[rows].astype(np.int64)
-        single = owner != NOBODY
-        if single.any():
-            o = owner[single]
-            out[np.flatnonzero(single), o >> 6] = np.left_shift(
-                np.uint64(1), (o & 63).astype(np.uint64)
-            )
-        shared = self._shared_of[rows]
-        is_shared = shared > 0
-        if is_shared.any():
-            out[is_shared] = self._shared[shared[is_shared]]
-        return out
+        """Holder bitmasks of `rows` as an (n, words) uint64 array: the owner's bit (from a
+        table of one-bit masks whose last row, indexed by NOBODY = -1, is empty) or the shared
+        bitmask (shared row 0 is never allocated, so it stays empty)."""
+        return self._bits.take(self._owner.take(rows), axis=0) | self._shared.take(
+            self._shared_of.take(rows), axis=0
+        )

@@ -60,13 +60,17 @@ Slot = tuple[int, int]  # (worker_id, dp_rank)
 _P = 0xC2B2AE3D27D4EB4F  # odd: invertible mod 2^64
 _P_INV = pow(_P, -1, 1 << 64)
 _U64 = (1 << 64) - 1
+_MIN_KEY = np.uint64(MIN_KEY)
 # Work done one block at a time (Python ints through memoryviews) instead of as numpy arrays:
 # events of up to this many blocks (measured here: one by one wins up to a few hundred), and the
 # first blocks of a query (a miss or a shallow match then costs no numpy call at all).
 SCALAR_EVENT_BLOCKS = 256
 SCALAR_QUERY_BLOCKS = 32
-_FIRST_CHUNK = 128
-_CHUNK_GROWTH = 8
+# The vectorized rest of a query: stages of keys (64, 256 … blocks) until one ends absent, then
+# bisection down to this many blocks (a lookup one by one costs about as much as 30 in bulk).
+_FIRST_STAGE = 64
+_STAGE_GROWTH = 4
+_BISECT_STOP = 32
 
 
 class _Powers:
@@ -99,19 +103,20 @@ def as_u64(values: Sequence[int] | np.ndarray) -> np.ndarray:
     """Block hashes as a uint64 array (no copy when they already are one)."""
     if isinstance(values, np.ndarray):
         return values.astype(np.uint64, copy=False)
-    return np.array(values, dtype=np.uint64)
+    return np.fromiter(values, np.uint64, len(values))
 
 
 def chain_keys(parent_key: int, hashes: np.ndarray) -> np.ndarray:
     """Prefix keys of `hashes` continuing the prefix whose key is `parent_key` (0: none)."""
     n = hashes.size
     _POWERS.ensure(n + 1)
-    with np.errstate(over="ignore"):
-        acc = np.cumsum(hashes * _POWERS.inv[:n], dtype=np.uint64)
-        keys = acc * _POWERS.pow[:n]
-        if parent_key:
-            keys += _POWERS.pow[1 : n + 1] * np.uint64(parent_key)
-    return np.maximum(keys, np.uint64(MIN_KEY))
+    # uint64 array arithmetic wraps silently (mod 2^64), which is the arithmetic wanted
+    keys = np.multiply(hashes, _POWERS.inv[:n])
+    np.add.accumulate(keys, out=keys)
+    np.multiply(keys, _POWERS.pow[:n], out=keys)
+    if parent_key:
+        keys += _POWERS.pow[1 : n + 1] * np.uint64(parent_key)
+    return np.maximum(keys, _MIN_KEY, out=keys)
 
 
 def engine_keys(hashes: Sequence[int | bytes]) -> np.ndarray:
@@ -445,34 +450,59 @@ class KvIndex:
         if pos == n:
             self._credit_int(scores, alive, n)
             return scores
-        # The rest in growing vectorized chunks.
+        # The rest vectorized. Its keys are chained in growing stages (64, 256 … blocks) until
+        # a stage's last key is absent: nobody holds that prefix, so no score goes past it.
+        # Bisecting with single lookups tightens that bound; then every key up to it is looked
+        # up at once (an absent key gives row 0, held by nobody) and the holder masks are
+        # ANDed cumulatively.
         alive &= (1 << (8 * width)) - 1  # -1 ("everyone") when no block went one by one
-        words = np.frombuffer(alive.to_bytes(width, "little"), np.uint64).copy()
-        is_array = isinstance(local_hashes, np.ndarray)
-        size, parent = _FIRST_CHUNK, max(key, MIN_KEY) if pos else 0
-        while pos < n:
-            part = local_hashes[pos : pos + size]
-            keys = chain_keys(parent, part.astype(np.uint64) if is_array else as_u64(part))
-            masks = self._holders.words_of(self._keys.get(keys, default=0))
-            masks[0] &= words
-            held = np.bitwise_and.accumulate(masks, axis=0)
-            # A slot drops out at row r when it held row r-1 (or `words`) but not row r.
-            before = np.vstack([words[None, :], held[:-1]])
-            dropped = before & ~held
-            for r in np.flatnonzero(dropped.any(axis=1)).tolist():
-                if pos + r:
-                    self._credit(scores, dropped[r], pos + r)
-            words = held[-1]
-            pos += keys.size
-            if not words.any():
+        keys = self._bounded_keys(local_hashes, pos, max(key, MIN_KEY) if pos else 0)
+        masks = self._holders.words_of(self._keys.get(keys, default=0))
+        if pos:
+            masks[0] &= np.frombuffer(alive.to_bytes(width, "little"), np.uint64)
+        held = np.bitwise_and.accumulate(masks, axis=0)
+        # `held` is piecewise constant; each piece ends where the next row differs.
+        m = keys.size
+        if held.shape[1] == 1:
+            ends = np.flatnonzero(held[1:, 0] != held[:-1, 0])
+        else:
+            ends = np.flatnonzero((held[1:] != held[:-1]).any(axis=1))
+        ends = np.append(ends, m - 1)
+        levels = held.take(ends, axis=0).tobytes()
+        start, prev = 0, alive
+        for i, end in enumerate(ends.tolist()):
+            cur = int.from_bytes(levels[i * width : (i + 1) * width], "little")
+            dropped = prev & ~cur
+            if dropped and pos + start:
+                self._credit_int(scores, dropped, pos + start)
+            if not cur:
                 return scores
-            parent = int(keys[-1])
-            size *= _CHUNK_GROWTH
-        self._credit(scores, words, pos)
+            start, prev = end + 1, cur
+        self._credit_int(scores, prev, pos + m)
         return scores
 
-    def _credit(self, scores: dict[Slot, int], words: np.ndarray, depth: int) -> None:
-        self._credit_int(scores, int.from_bytes(words.tobytes(), "little"), depth)
+    def _bounded_keys(self, local_hashes: Sequence[int] | np.ndarray, pos: int, parent: int):
+        """Prefix keys of `local_hashes[pos:]` (continuing `parent`) up to and including the
+        first one found absent, or all of them."""
+        n, get1, size = len(local_hashes), self._keys.get1, _FIRST_STAGE
+        stages = []
+        while pos < n:
+            keys = chain_keys(parent, as_u64(local_hashes[pos : pos + size]))
+            stages.append(keys)
+            parent = keys.item(-1)
+            if get1(parent) == MISSING:
+                lo, hi = -1, keys.size - 1  # keys[lo] present (or the parent), keys[hi] absent
+                while hi - lo > _BISECT_STOP:
+                    mid = (lo + hi) // 2
+                    if get1(keys.item(mid)) == MISSING:
+                        hi = mid
+                    else:
+                        lo = mid
+                stages[-1] = keys[: hi + 1]
+                break
+            pos += keys.size
+            size *= _STAGE_GROWTH
+        return stages[0] if len(stages) == 1 else np.concatenate(stages)
 
     def _credit_int(self, scores: dict[Slot, int], bits: int, depth: int) -> None:
         col_slot = self._col_slot
