@@ -34,6 +34,7 @@ the engine's own prefix cache; and engine hashes are kept per slot, so two worke
 same prefix differently (Dynamo 1.6.1 keeps one engine hash per tree node).
 """
 
+import itertools
 import logging
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -65,7 +66,7 @@ _MIN_KEY = np.uint64(MIN_KEY)
 # events of up to this many blocks (measured here: one by one wins up to a few hundred), and the
 # first blocks of a query (a miss or a shallow match then costs no numpy call at all).
 SCALAR_EVENT_BLOCKS = 256
-SCALAR_QUERY_BLOCKS = 32
+SCALAR_QUERY_BLOCKS = 1
 # The vectorized rest of a query: stages of keys (64, 256 … blocks) until one ends absent, then
 # bisection down to this many blocks (a lookup one by one costs about as much as 30 in bulk).
 _FIRST_STAGE = 64
@@ -106,8 +107,9 @@ def as_u64(values: Sequence[int] | np.ndarray) -> np.ndarray:
     return np.fromiter(values, np.uint64, len(values))
 
 
-def chain_keys(parent_key: int, hashes: np.ndarray) -> np.ndarray:
-    """Prefix keys of `hashes` continuing the prefix whose key is `parent_key` (0: none)."""
+def chain_keys(parent_key: int, hashes: np.ndarray, clamp: bool = True) -> np.ndarray:
+    """Prefix keys of `hashes` continuing the prefix whose key is `parent_key` (0: none);
+    `clamp=False` leaves the two reserved values (keys 0 and 1, 2 once clamped) in place."""
     n = hashes.size
     _POWERS.ensure(n + 1)
     # uint64 array arithmetic wraps silently (mod 2^64), which is the arithmetic wanted
@@ -116,7 +118,7 @@ def chain_keys(parent_key: int, hashes: np.ndarray) -> np.ndarray:
     np.multiply(keys, _POWERS.pow[:n], out=keys)
     if parent_key:
         keys += _POWERS.pow[1 : n + 1] * np.uint64(parent_key)
-    return np.maximum(keys, _MIN_KEY, out=keys)
+    return np.maximum(keys, _MIN_KEY, out=keys) if clamp else keys
 
 
 def engine_keys(hashes: Sequence[int | bytes]) -> np.ndarray:
@@ -433,7 +435,6 @@ class KvIndex:
         head = local_hashes[:SCALAR_QUERY_BLOCKS]
         if isinstance(head, np.ndarray):
             head = head.tolist()
-        width = 8 * self._holders.words
         bits1, get1 = self._holders.bits1, self._keys.get1
         key, alive = 0, -1
         for depth, local in enumerate(head):
@@ -455,30 +456,22 @@ class KvIndex:
         # Bisecting with single lookups tightens that bound; then every key up to it is looked
         # up at once (an absent key gives row 0, held by nobody) and the holder masks are
         # ANDed cumulatively.
-        alive &= (1 << (8 * width)) - 1  # -1 ("everyone") when no block went one by one
+        alive &= (1 << len(self._col_slot)) - 1  # -1 ("everyone") when no block went one by one
         keys = self._bounded_keys(local_hashes, pos, max(key, MIN_KEY) if pos else 0)
         masks = self._holders.words_of(self._keys.get(keys, default=0))
-        if pos:
-            masks[0] &= np.frombuffer(alive.to_bytes(width, "little"), np.uint64)
-        held = np.bitwise_and.accumulate(masks, axis=0)
-        # `held` is piecewise constant; each piece ends where the next row differs.
-        m = keys.size
-        if held.shape[1] == 1:
-            ends = np.flatnonzero(held[1:, 0] != held[:-1, 0])
-        else:
-            ends = np.flatnonzero((held[1:] != held[:-1]).any(axis=1))
-        ends = np.append(ends, m - 1)
-        levels = held.take(ends, axis=0).tobytes()
-        start, prev = 0, alive
-        for i, end in enumerate(ends.tolist()):
-            cur = int.from_bytes(levels[i * width : (i + 1) * width], "little")
-            dropped = prev & ~cur
-            if dropped and pos + start:
-                self._credit_int(scores, dropped, pos + start)
-            if not cur:
-                return scores
-            start, prev = end + 1, cur
-        self._credit_int(scores, prev, pos + m)
+        # Each slot's bit evolves on its own under the cumulative AND, set on a prefix of the
+        # rows: the slot's contiguous match is the number of rows with its bit set.
+        held = np.bitwise_and.accumulate(masks, axis=0).view(np.uint8)
+        counts = np.unpackbits(held, axis=1, bitorder="little").sum(axis=0).tolist()
+        col_slot = self._col_slot
+        while alive:
+            low = alive & -alive
+            col = low.bit_length() - 1
+            depth = pos + counts[col]
+            slot = col_slot[col]
+            if depth and slot is not None:
+                scores[slot] = depth
+            alive ^= low
         return scores
 
     def _bounded_keys(self, local_hashes: Sequence[int] | np.ndarray, pos: int, parent: int):
@@ -486,23 +479,36 @@ class KvIndex:
         first one found absent, or all of them."""
         n, get1, size = len(local_hashes), self._keys.get1, _FIRST_STAGE
         stages = []
+        hashes, it = None, None
+        if isinstance(local_hashes, np.ndarray):
+            hashes = local_hashes.astype(np.uint64, copy=False)
+        else:  # a list: converted stage by stage, through one iterator (no slices)
+            it = iter(local_hashes)
+            next(itertools.islice(it, pos, pos), None)  # skip the blocks done one by one
         while pos < n:
-            keys = chain_keys(parent, as_u64(local_hashes[pos : pos + size]))
+            count = min(size, n - pos)
+            part = (
+                hashes[pos : pos + count]
+                if hashes is not None
+                else np.fromiter(it, np.uint64, count)
+            )
+            keys = chain_keys(parent, part, clamp=False)
             stages.append(keys)
             parent = keys.item(-1)
-            if get1(parent) == MISSING:
+            if get1(max(parent, MIN_KEY)) == MISSING:
                 lo, hi = -1, keys.size - 1  # keys[lo] present (or the parent), keys[hi] absent
                 while hi - lo > _BISECT_STOP:
                     mid = (lo + hi) // 2
-                    if get1(keys.item(mid)) == MISSING:
+                    if get1(max(keys.item(mid), MIN_KEY)) == MISSING:
                         hi = mid
                     else:
                         lo = mid
                 stages[-1] = keys[: hi + 1]
                 break
-            pos += keys.size
+            pos += count
             size *= _STAGE_GROWTH
-        return stages[0] if len(stages) == 1 else np.concatenate(stages)
+        keys = stages[0] if len(stages) == 1 else np.concatenate(stages)
+        return np.maximum(keys, _MIN_KEY, out=keys)
 
     def _credit_int(self, scores: dict[Slot, int], bits: int, depth: int) -> None:
         col_slot = self._col_slot

@@ -30,6 +30,8 @@ _REBUILD_SLICE = 1 << 16
 # matches (1 << 8k); times this constant, its top byte is k.
 _COL_MAGIC = np.uint64(0x0001020304050607)
 _TOP_BYTE = np.uint64(56)
+_LOG_B = np.uint64(3)
+_NONE = np.empty(0, np.intp)
 # Keys probing past a full home bucket are few (a few per thousand at the index's load): up to
 # this many go one by one (a vectorized probe round costs more than a dozen scalar lookups).
 _SPILL_SCALAR = 16
@@ -47,6 +49,7 @@ class U64Table:
         "_shift_i",
         "_used",
         "_vals",
+        "_vflat",
         "_vmv",
     )
 
@@ -72,7 +75,8 @@ class U64Table:
         self._live = 0
         self._used = 0
         self._kmv = memoryview(self._keys.reshape(-1))
-        self._vmv = memoryview(self._vals.reshape(-1))
+        self._vflat = self._vals.reshape(-1)
+        self._vmv = memoryview(self._vflat)
 
     # -- one key at a time (Python ints) ---------------------------------------------------
     def get1(self, key: int) -> int:
@@ -159,19 +163,21 @@ class U64Table:
         n = keys.size
         if n == 0:
             return np.empty(0, np.int32)
-        bucket = self._home(keys)
+        bucket = (keys * _GOLDEN) >> self._shift
+        if not self._mask:
+            bucket &= np.uint64(0)
         cand = self._keys.take(bucket, axis=0)
         eq = (cand == keys[:, None]).view(np.uint64).reshape(n)
-        col = (eq * _COL_MAGIC) >> _TOP_BYTE
-        out = self._vals.reshape(-1).take(bucket * B + col.astype(np.intp))
+        out = self._vflat.take((bucket << _LOG_B) | ((eq * _COL_MAGIC) >> _TOP_BYTE))
         hit = eq != 0
         out = np.where(hit, out, np.int32(default))
-        spill = np.flatnonzero(~hit & (cand[:, B - 1] != EMPTY))
+        full = cand[:, B - 1] != EMPTY  # rare: then a key may sit past its home bucket
+        spill = np.flatnonzero(full > hit) if full.any() else _NONE
         if spill.size > _SPILL_SCALAR:
             far, fcol = self._locate(keys[spill])
             found = fcol >= 0
             out[spill[found]] = self._vals[far[found], fcol[found]]
-        else:
+        elif spill.size:
             for i in spill.tolist():
                 val = self.get1(keys.item(i))
                 if val != MISSING:
