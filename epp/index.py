@@ -67,11 +67,12 @@ _MIN_KEY = np.uint64(MIN_KEY)
 # first blocks of a query (a miss or a shallow match then costs no numpy call at all).
 SCALAR_EVENT_BLOCKS = 256
 SCALAR_QUERY_BLOCKS = 1
-# The vectorized rest of a query: stages of keys (64, 256 … blocks) until one ends absent, then
-# bisection down to this many blocks (a lookup one by one costs about as much as 30 in bulk).
-_FIRST_STAGE = 64
+# The vectorized rest of a query: stages of keys (512, 2048 … blocks) until one ends absent, then
+# bisection down to this many blocks (a lookup one by one costs about as much as 50 in bulk).
+_FIRST_STAGE = 512
 _STAGE_GROWTH = 4
-_BISECT_STOP = 32
+_BISECT_STOP = 64
+_COUNT = np.uint32  # a query's blocks per slot (uint16 would sum faster but caps at 65,535)
 
 
 class _Powers:
@@ -114,10 +115,10 @@ def chain_keys(parent_key: int, hashes: np.ndarray, clamp: bool = True) -> np.nd
     _POWERS.ensure(n + 1)
     # uint64 array arithmetic wraps silently (mod 2^64), which is the arithmetic wanted
     keys = np.multiply(hashes, _POWERS.inv[:n])
+    if parent_key:  # P^i · (P · parent) = P^(i+1) · parent, added once before the sum
+        keys[0] = (keys.item(0) + _P * parent_key) & _U64
     np.add.accumulate(keys, out=keys)
     np.multiply(keys, _POWERS.pow[:n], out=keys)
-    if parent_key:
-        keys += _POWERS.pow[1 : n + 1] * np.uint64(parent_key)
     return np.maximum(keys, _MIN_KEY, out=keys) if clamp else keys
 
 
@@ -451,7 +452,7 @@ class KvIndex:
         if pos == n:
             self._credit_int(scores, alive, n)
             return scores
-        # The rest vectorized. Its keys are chained in growing stages (64, 256 … blocks) until
+        # The rest vectorized. Its keys are chained in growing stages (512, 2048 … blocks) until
         # a stage's last key is absent: nobody holds that prefix, so no score goes past it.
         # Bisecting with single lookups tightens that bound; then every key up to it is looked
         # up at once (an absent key gives row 0, held by nobody) and the holder masks are
@@ -462,7 +463,8 @@ class KvIndex:
         # Each slot's bit evolves on its own under the cumulative AND, set on a prefix of the
         # rows: the slot's contiguous match is the number of rows with its bit set.
         held = np.bitwise_and.accumulate(masks, axis=0).view(np.uint8)
-        counts = np.unpackbits(held, axis=1, bitorder="little").sum(axis=0).tolist()
+        bits = np.unpackbits(held, axis=1, bitorder="little")
+        counts = np.add.reduce(bits, axis=0, dtype=_COUNT).tolist()
         col_slot = self._col_slot
         while alive:
             low = alive & -alive
