@@ -3,18 +3,22 @@
 aiohttp's ClientSession spends about half of the frontend's CPU per request on features an
 engine hop never uses (cookies, redirects, proxies, tracing, multipart). This client does one
 thing: POST/GET to a known `host:port` over pooled keep-alive connections, one write per request,
-and hands back the response head, then the body as it arrives — whole, or chunk by chunk
-(content-length, chunked, or until close framing). Timeouts: `connect_timeout` to open a
-connection; `read_timeout` for any wait on the engine (no byte for that long → TimeoutError).
-A response not read to its end is closed, never pooled, so the engine sees the disconnect.
+and hands back the response head, then the body as it arrives — whole, or chunk by chunk.
+Response framing (status line, headers, content-length, chunked, close-delimited) is parsed by
+httptools (llhttp, the parser uvicorn uses); this module owns the pool, timeouts and flow
+control. Timeouts: `connect_timeout` to open a connection; `read_timeout` for any wait on the
+engine (no byte for that long → TimeoutError). A response not read to its end is closed, never
+pooled, so the engine sees the disconnect; a connection is reused only when the parser saw the
+message complete and says it may be kept alive.
 """
 
 import asyncio
 from collections import deque
 from urllib.parse import urlsplit
 
-_HEAD_END = b"\r\n\r\n"
-_MAX_HEAD = 64 * 1024
+import httptools
+
+_MAX_HEAD = 64 * 1024  # llhttp sets no limit on the response head; we do
 _HIGH_WATER = 1 << 20  # pause reading from an engine whose output the client is not taking
 
 
@@ -27,7 +31,7 @@ class ConnectError(ConnectionError):
 
 
 class _Conn(asyncio.Protocol):
-    """One connection; parses one response at a time into `Response`."""
+    """One connection; feeds the bytes of one response at a time to its `Response`."""
 
     def __init__(self, pool: "Http1Pool", key: tuple[str, int]):
         self.pool = pool
@@ -35,20 +39,18 @@ class _Conn(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.response: Response | None = None
-        self._buffer = bytearray()
 
     # -- asyncio.Protocol --
     def connection_made(self, transport):
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
-        self._buffer += data
         response = self.response
         if response is None:  # bytes while idle: the engine is not speaking HTTP to us
             self.close()
             return
         try:
-            response._parse(self._buffer)
+            response._feed(data)
         except ProtocolError as exc:
             response._fail(exc)
             self.close()
@@ -66,23 +68,25 @@ class _Conn(asyncio.Protocol):
 
 
 class Response:
-    """An engine's response: `status`, `headers` (lower-case names), then the body."""
+    """An engine's response: `status`, `headers` (lower-case names), then the body.
+
+    It is its own httptools parser's callback object (the `on_*` methods); one parser per
+    response, so a connection carries no parser state from one request to the next."""
 
     def __init__(self, conn: _Conn, read_timeout: float | None):
         self._conn = conn
         self._read_timeout = read_timeout
+        self._parser = httptools.HttpResponseParser(self)
         self._waiter: asyncio.Future | None = None
         self._error: BaseException | None = None
         self._chunks: deque[bytes] = deque()
         self._buffered = 0
         self._paused = False
+        self._head_size = 0
+        self._began = False
         self._head_done = False
-        self._eof = False
-        self._keep_alive = True
-        self._remaining = 0  # content-length framing: bytes still to come
-        self._chunked = False
-        self._chunk_left = -1  # chunked framing: bytes left in the current chunk; -1 = size line
-        self._until_close = False
+        self._eof = False  # message complete (or a close-delimited body's connection closed)
+        self._keep_alive = False
         self.status = 0
         self.headers: dict[str, str] = {}
 
@@ -93,118 +97,74 @@ class Response:
     def is_eof(self) -> bool:
         return self._eof
 
-    # -- parsing (called from the protocol) --
-    def _parse(self, buffer: bytearray) -> None:
-        if self._eof:
-            return
-        if not self._head_done:
-            end = buffer.find(_HEAD_END)
-            if end < 0:
-                if len(buffer) > _MAX_HEAD:
-                    raise ProtocolError("response head larger than 64 KiB")
-                return
-            self._parse_head(bytes(buffer[:end]))
-            del buffer[: end + 4]
-            self._head_done = True
-        if self._until_close:
-            self._push(bytes(buffer))
-            buffer.clear()
-        elif self._chunked:
-            self._parse_chunked(buffer)
-        else:
-            take = min(self._remaining, len(buffer))
-            if take:
-                self._push(bytes(buffer[:take]))
-                del buffer[:take]
-                self._remaining -= take
-            if self._remaining == 0:
-                self._finish()
-        self._wake()
+    # -- httptools callbacks --
+    def on_message_begin(self) -> None:
+        if self._began:  # a second message after ours: stop the parser (see `_feed`)
+            raise ProtocolError("more than one response to one request")
+        self._began = True
 
-    def _parse_head(self, head: bytes) -> None:
-        lines = head.split(b"\r\n")
-        parts = lines[0].split(b" ", 2)
-        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
-            raise ProtocolError(f"bad status line {lines[0][:80]!r}")
-        self.status = int(parts[1])
-        headers = self.headers
-        for line in lines[1:]:
-            name, sep, value = line.partition(b":")
-            if not sep:
-                raise ProtocolError(f"bad header line {line[:80]!r}")
-            headers[name.strip().lower().decode("latin-1")] = value.strip().decode("latin-1")
-        connection = headers.get("connection", "").lower()
-        self._keep_alive = connection != "close" and parts[0] == b"HTTP/1.1"
-        if "chunked" in headers.get("transfer-encoding", "").lower():
-            self._chunked = True
-        elif "content-length" in headers:
-            try:
-                self._remaining = int(headers["content-length"])
-            except ValueError:
-                raise ProtocolError("bad content-length") from None
-        elif self.status in (204, 304) or 100 <= self.status < 200:
-            self._remaining = 0
-        else:
-            self._until_close = True
-            self._keep_alive = False
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if not self._head_done:  # (trailers after a chunked body are dropped)
+            self.headers[name.lower().decode("latin-1")] = value.strip().decode("latin-1")
 
-    def _parse_chunked(self, buffer: bytearray) -> None:
-        while not self._eof:
-            if self._chunk_left == -1:  # a size line
-                end = buffer.find(b"\r\n")
-                if end < 0:
-                    return
-                size = buffer[:end].split(b";", 1)[0].strip()
-                try:
-                    self._chunk_left = int(size, 16)
-                except ValueError:
-                    raise ProtocolError(f"bad chunk size {bytes(size[:20])!r}") from None
-                del buffer[: end + 2]
-                if self._chunk_left == 0:
-                    self._chunk_left = -2  # trailers follow
-            if self._chunk_left == -2:  # trailers, up to the empty line
-                end = buffer.find(b"\r\n")
-                if end < 0:
-                    return
-                del buffer[: end + 2]
-                if end == 0:
-                    self._finish()
-                continue
-            if len(buffer) < self._chunk_left + 2:  # wait for the whole chunk and its CRLF
-                if self._chunk_left and buffer:  # pass on what is there already
-                    take = min(len(buffer), self._chunk_left)
-                    self._push(bytes(buffer[:take]))
-                    del buffer[:take]
-                    self._chunk_left -= take
-                return
-            if self._chunk_left:
-                self._push(bytes(buffer[: self._chunk_left]))
-            if buffer[self._chunk_left : self._chunk_left + 2] != b"\r\n":
-                raise ProtocolError("chunk not followed by CRLF")
-            del buffer[: self._chunk_left + 2]
-            self._chunk_left = -1
+    def on_headers_complete(self) -> None:
+        self.status = self._parser.get_status_code()
+        self._head_done = True
 
-    def _push(self, data: bytes) -> None:
-        if not data:
-            return
-        self._chunks.append(data)
-        self._buffered += len(data)
+    def on_body(self, body: bytes) -> None:
+        self._chunks.append(body)
+        self._buffered += len(body)
         if self._buffered > _HIGH_WATER and not self._paused and self._conn.transport:
             self._paused = True
             self._conn.transport.pause_reading()
 
-    def _finish(self) -> None:
+    def on_message_complete(self) -> None:
+        self._keep_alive = self._parser.should_keep_alive()
         self._eof = True
+
+    # -- feeding (called from the protocol) --
+    def _feed(self, data: bytes) -> None:
+        try:
+            self._parser.feed_data(data)
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            if not self._eof:
+                raise ProtocolError(self._describe(exc, data)) from exc
+            # Bytes after a complete response (or a switch of protocols): the answer stands,
+            # the connection is not reused.
+            self._keep_alive = False
+        finally:
+            self._wake()
+        if not self._head_done:
+            self._head_size += len(data)
+            if self._head_size > _MAX_HEAD:
+                raise ProtocolError("response head larger than 64 KiB")
+
+    def _describe(self, exc: Exception, data: bytes) -> str:
+        if not self._parser.get_status_code():
+            line = data.split(b"\r\n", 1)[0][:80]
+            return f"bad status line {line!r}: {exc}"
+        return f"bad response {'body' if self._head_done else 'head'}: {exc}"
+
+    def _close_delimited(self) -> bool:
+        """Whether the body runs until the engine closes the connection: neither
+        Content-Length nor a final chunked coding (RFC 9112 §6.3). llhttp knows this, but
+        httptools exposes neither `llhttp_message_needs_eof` nor `llhttp_finish`, so the end
+        of such a body — the connection closing — is recognised here."""
+        if "content-length" in self.headers:
+            return False
+        codings = self.headers.get("transfer-encoding", "")
+        return codings.rsplit(",", 1)[-1].strip().lower() != "chunked"
 
     def _fail(self, exc: BaseException) -> None:
         self._error = exc
         self._wake()
 
     def _connection_lost(self, exc: Exception | None) -> None:
-        if self._until_close and exc is None:
-            self._finish()
-        elif not self._eof:
-            self._error = exc or ConnectionResetError("engine closed the connection")
+        if not self._eof:
+            if exc is None and self._head_done and self._close_delimited():
+                self._eof = True
+            else:
+                self._error = exc or ConnectionResetError("engine closed the connection")
         self._wake()
 
     def _wake(self) -> None:
@@ -238,19 +198,27 @@ class Response:
             await self._wait()
         data = self._chunks.popleft()
         self._buffered -= len(data)
-        if self._paused and self._buffered < _HIGH_WATER // 2 and self._conn.transport:
-            self._paused = False
-            self._conn.transport.resume_reading()
+        if self._paused and self._buffered < _HIGH_WATER // 2:
+            self._resume()
         return data
 
     async def read(self) -> bytes:
         """The whole body."""
-        while not self._eof:
+        parts: list[bytes] = []
+        while True:  # take what came, so flow control never stalls a body we are waiting for
+            parts += self._chunks
+            self._chunks.clear()
+            self._buffered = 0
+            if self._paused:
+                self._resume()
+            if self._eof:
+                return b"".join(parts)
             await self._wait()
-        data = b"".join(self._chunks)
-        self._chunks.clear()
-        self._buffered = 0
-        return data
+
+    def _resume(self) -> None:
+        self._paused = False
+        if self._conn.transport is not None:
+            self._conn.transport.resume_reading()
 
     def release(self) -> None:
         """Done with the response: pool the connection if it is reusable, else close it."""
@@ -258,7 +226,7 @@ class Response:
         if conn.response is not self:
             return
         conn.response = None
-        reusable = self._eof and self._keep_alive and not self._chunks and not conn._buffer
+        reusable = self._eof and self._keep_alive and not self._chunks
         if reusable and not conn.closed:
             conn.pool._put(conn)
         else:

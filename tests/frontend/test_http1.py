@@ -167,3 +167,99 @@ async def test_response_cut_short_closes_the_connection():
         await asyncio.wait_for(server.disconnected.wait(), 5)
         assert not any(client._idle.values())
         await client.close()
+
+
+async def test_large_body_read_whole_is_not_stalled_by_flow_control():
+    body = b"x" * (3 << 20)  # beyond the 1 MiB point where reading from the engine pauses
+    reply = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    async with RawServer([reply]) as server:
+        client = pool(read_timeout=2.0)
+        response = await client.request(b"GET", server.url, "/")
+        assert await response.read() == body
+        response.release()
+        await client.close()
+
+
+@pytest.mark.parametrize(
+    ("reply", "connections"),
+    [
+        (JSON, 1),  # HTTP/1.1, complete: kept alive
+        (
+            JSON.replace(b"HTTP/1.1", b"HTTP/1.0").replace(
+                b"\r\n\r\n", b"\r\nConnection: keep-alive\r\n\r\n"
+            ),
+            1,
+        ),
+        (JSON.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n"), 2),
+        (JSON.replace(b"HTTP/1.1", b"HTTP/1.0"), 2),  # 1.0 without keep-alive
+        (JSON + b"junk", 2),  # bytes after the response: the answer stands, the connection goes
+        (JSON + JSON, 2),  # two responses to one request
+    ],
+    ids=["1.1", "1.0-keep-alive", "connection-close", "1.0", "trailing-junk", "two-responses"],
+)
+async def test_connection_reused_only_when_complete_and_keep_alive(reply, connections):
+    async with RawServer([reply, reply]) as server:
+        client = pool()
+        for path in ("/a", "/b"):
+            response = await client.request(b"GET", server.url, path)
+            assert response.status == 200 and await response.read() == b'{"ok": true}'
+            response.release()
+        assert server.connections == connections
+        await client.close()
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nnot all",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\nConnection: close\r\n\r\nnot all",
+        CHUNKED[:-5],
+        CHUNKED.replace(b"chunked", b"gzip, chunked")[:-5],
+    ],
+    ids=["content-length", "content-length-connection-close", "chunked", "gzip-chunked"],
+)
+async def test_body_cut_by_the_engine_closing_is_an_error_not_an_end(reply):
+    async with RawServer([reply], close_after=True) as server:
+        client = pool()
+        response = await client.request(b"GET", server.url, "/")
+        with pytest.raises(ConnectionError):
+            await response.read()
+        response.close()
+        await client.close()
+
+
+@pytest.mark.parametrize(
+    ("reply", "message"),
+    [
+        (b"HTTP/1.1 200 OK\r\nbad header line\r\n\r\n", "bad response head"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: twelve\r\n\r\n", "bad response head"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab", "bad response"),
+        (b"HTTP/1.1 200 OK\r\nX: " + b"y" * (70 * 1024), "larger than 64 KiB"),
+    ],
+    ids=["header-line", "content-length", "two-lengths", "huge-head"],
+)
+async def test_malformed_head_is_a_protocol_error(reply, message):
+    async with RawServer([reply]) as server:
+        client = pool()
+        with pytest.raises(ProtocolError, match=message):
+            await client.request(b"GET", server.url, "/")
+        await client.close()
+
+
+async def test_malformed_chunk_is_a_protocol_error_mid_stream():
+    reply = CHUNKED.replace(b"B;ext=1\r\n", b"zz\r\n")
+    async with RawServer([reply], step=5) as server:
+        client = pool()
+        pieces = []
+        # Raised by read_chunk, or by request if the bad chunk came with the head.
+        with pytest.raises(ProtocolError, match="bad response body"):
+            response = await client.request(b"POST", server.url, "/", b"", b"{}")
+            try:
+                while chunk := await response.read_chunk():
+                    pieces.append(chunk)
+            finally:
+                response.close()
+        assert b"data: one\n\n".startswith(b"".join(pieces))
+        await asyncio.wait_for(server.disconnected.wait(), 5)
+        assert not any(client._idle.values())
+        await client.close()
