@@ -85,7 +85,7 @@ def write_plots(
         ax.text(
             bar.get_x() + bar.get_width() / 2,
             bar.get_height(),
-            f"{m.reuse_captured:.0%}",
+            f"{m.reuse_captured:.1%}",
             ha="center",
             va="bottom",
             fontsize=8,
