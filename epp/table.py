@@ -13,6 +13,9 @@ first bucket that still has an EMPTY cell; deletions leave tombstones (so probe 
 intact) and the table is rebuilt when live + dead cells pass `max_load` of the capacity.
 Inserts always take the first free cell of a bucket, so within a bucket no key follows an EMPTY
 cell: a scalar scan may stop at the first EMPTY it meets.
+
+Batch operations look at every key's home bucket in one gather (at the tables' loads most keys
+are found, or can be placed, there) and finish the few others one by one or in further rounds.
 """
 
 import numpy as np
@@ -32,6 +35,9 @@ _COL_MAGIC = np.uint64(0x0001020304050607)
 _TOP_BYTE = np.uint64(56)
 _LOG_B = np.uint64(3)
 _NONE = np.empty(0, np.intp)
+# Inserts of up to this many keys first try the common case in one pass (distinct home buckets,
+# each with a free cell); rebuilds, whose keys share buckets, go straight to the general rounds.
+_FAST_INSERT = 4096
 # Keys probing past a full home bucket are few (a few per thousand at the index's load): up to
 # this many go one by one (a vectorized probe round costs more than a dozen scalar lookups).
 _SPILL_SCALAR = 16
@@ -41,6 +47,7 @@ class U64Table:
     __slots__ = (
         "_cells",
         "_keys",
+        "_kflat",
         "_kmv",
         "_live",
         "_mask",
@@ -75,6 +82,7 @@ class U64Table:
         self._live = 0
         self._used = 0
         self._kmv = memoryview(self._keys.reshape(-1))
+        self._kflat = self._keys.reshape(-1)
         self._vflat = self._vals.reshape(-1)
         self._vmv = memoryview(self._vflat)
 
@@ -135,31 +143,48 @@ class U64Table:
         return ((keys * _GOLDEN) >> self._shift).astype(np.intp) & self._mask
 
     def _locate(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(bucket, column) of every key; column -1 where the key is absent."""
+        """(bucket, column) of every key; column -1 where the key is absent. The home buckets
+        answer in one gather (as in `get`); keys not found in a full home bucket probe on."""
         n = keys.size
         bucket = self._home(keys)
-        col = np.full(n, -1, np.intp)
-        pend = np.arange(n)
-        b = bucket
-        while True:
+        rows = self._keys.take(bucket, axis=0)
+        eq = (rows == keys[:, None]).view(np.uint64).reshape(n)
+        hit = eq != 0
+        col = np.where(hit, ((eq * _COL_MAGIC) >> _TOP_BYTE).astype(np.intp), -1)
+        full = rows[:, B - 1] != EMPTY
+        if not full.any():
+            return bucket, col
+        pend = np.flatnonzero(full > hit)
+        if pend.size <= _SPILL_SCALAR:  # a few: probe on one by one
+            kmv, cells = self._kmv, self._cells - 1
+            for j in pend.tolist():
+                key, i = keys.item(j), (((bucket.item(j) + 1) & self._mask) * B)
+                while True:
+                    k = kmv[i]
+                    if k == key:
+                        bucket[j], col[j] = divmod(i, B)
+                        break
+                    if k == 0:
+                        break
+                    i = (i + 1) & cells
+            return bucket, col
+        while pend.size:
+            b = (bucket[pend] + 1) & self._mask
+            bucket[pend] = b
             rows = self._keys[b]
             eq = rows == keys[pend, None]
             hit = eq.any(axis=1)
             if hit.any():
                 col[pend[hit]] = eq[hit].argmax(axis=1)
-            go = ~hit & ~(rows == EMPTY).any(axis=1)
-            if not go.any():
-                return bucket, col
-            pend = pend[go]
-            b = (b[go] + 1) & self._mask
-            bucket[pend] = b
+            pend = pend[~hit & ~(rows == EMPTY).any(axis=1)]
+        return bucket, col
 
     def get(self, keys: np.ndarray, default: int = MISSING) -> np.ndarray:
         """Values of `keys` (uint64 array), `default` where absent.
 
         Most keys sit in their home bucket, so one gather of the home buckets answers them:
         the 8 cells' comparisons, as bytes, form one uint64 per key whose set byte names the
-        column. Keys whose home bucket is full without them probe on through `_locate`."""
+        column. Keys whose home bucket is full without them probe on (one by one when few)."""
         n = keys.size
         if n == 0:
             return np.empty(0, np.int32)
@@ -251,6 +276,19 @@ class U64Table:
             start = self._home(keys)
         self._live += n
         self._used += n
+        if n <= _FAST_INSERT:
+            # Usually every key has its own bucket with a free cell: take the first one.
+            rows = self._keys.take(start, axis=0)
+            free = (rows < MIN_KEY).view(np.uint64).reshape(n)
+            if free.all():
+                ordered = np.sort(start)
+                if not (ordered[1:] == ordered[:-1]).any():
+                    cell = start * B + ((free & -free) * _COL_MAGIC >> _TOP_BYTE).astype(np.intp)
+                    # a tombstone reused is no new used cell
+                    self._used -= int(np.count_nonzero(self._kflat.take(cell) == TOMB))
+                    self._kflat[cell] = keys
+                    self._vflat[cell] = vals
+                    return
         b = start
         while True:
             # Several keys may want the same bucket: the k-th of them takes its k-th free cell.
@@ -273,6 +311,16 @@ class U64Table:
                 return
             rest = ~ok
             keys, vals, b = keys[rest], vals[rest], (b[rest] + 1) & self._mask
+            if keys.size <= _SPILL_SCALAR:  # a few left: the first free cell on, one by one
+                kmv, vmv, cells = self._kmv, self._vmv, self._cells - 1
+                for key, val, i in zip(keys.tolist(), vals.tolist(), (b * B).tolist(), strict=True):
+                    while kmv[i] >= MIN_KEY:
+                        i = (i + 1) & cells
+                    if kmv[i] == TOMB:
+                        self._used -= 1
+                    kmv[i] = key
+                    vmv[i] = val
+                return
 
     def _rebuild(self, live: int) -> None:
         """Re-insert the live keys into the smallest power-of-two table that holds `live` keys
