@@ -74,6 +74,9 @@ SCALAR_QUERY_BLOCKS = 1
 _FIRST_STAGE = 512
 _STAGE_GROWTH = 4
 _BISECT_STOP = 64
+# A slot's engine-hash table starts this big (24 KB): engines cache thousands of blocks, and each
+# doubling on the way there re-inserts every key.
+_SLOT_CAPACITY = 1024
 _COUNT = np.uint32  # a query's blocks per slot (uint16 would sum faster but caps at 65,535)
 
 
@@ -153,7 +156,7 @@ def _fold64(value: int) -> int:
 @dataclass(slots=True)
 class _SlotState:
     column: int
-    blocks: U64Table = field(default_factory=U64Table)  # engine hash (or prefix key) → row
+    blocks: U64Table = field(default_factory=lambda: U64Table(_SLOT_CAPACITY))  # engine hash → row
     expiry: dict[int, float] = field(default_factory=dict)  # approximate mode: key → deadline
 
 
@@ -327,7 +330,8 @@ class KvIndex:
         if n > SCALAR_EVENT_BLOCKS:
             keys = chain_keys(parent_key, as_u64(local_hashes))
             engine = engine_keys(engine_hashes)
-            if np.unique(engine).size != n:  # a malformed event: the last one of a hash wins
+            ordered = np.sort(engine)
+            if (ordered[1:] == ordered[:-1]).any():  # malformed: the last one of a hash wins
                 _, last = np.unique(engine[::-1], return_index=True)
                 keep = np.sort(n - 1 - last)
                 engine, keys = engine[keep], keys[keep]
@@ -384,7 +388,7 @@ class KvIndex:
         if state is None:
             return
         self._drop_bits(state.blocks.values(), state.column)
-        state.blocks = U64Table()
+        state.blocks = U64Table(_SLOT_CAPACITY)
         state.expiry.clear()
 
     def remove_slot(self, slot: Slot) -> None:
