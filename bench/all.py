@@ -66,19 +66,32 @@ def headline(name: str, data: dict[str, Any]) -> str:
     return _pairs(_numbers(data))
 
 
-def _numbers(data: Any, prefix: str = "", limit: int = 4) -> dict[str, float]:
-    found: dict[str, float] = {}
-    if isinstance(data, dict):
-        for key, value in data.items():
-            if key in ("time", "machine"):
-                continue
-            if isinstance(value, int | float) and not isinstance(value, bool):
-                found[prefix + key] = value
-            elif isinstance(value, dict):
-                found.update(_numbers(value, f"{prefix}{key}.", limit - len(found)))
-            if len(found) >= limit:
-                break
-    return dict(list(found.items())[:limit])
+_SKIP = {"time", "machine", "config", "benchmark"}
+_FIRST = ("ratio", "target_met", "speedup", "error")  # what a headline should say first
+
+
+def _numbers(data: Any, limit: int = 4) -> dict[str, float]:
+    """Up to `limit` numeric leaves, ratios and target verdicts first, then in file order."""
+    leaves: list[tuple[str, Any]] = []
+
+    def walk(value: Any, path: str) -> None:
+        if isinstance(value, dict):
+            for key, child in value.items():
+                if key not in _SKIP:
+                    walk(child, f"{path}{key}.")
+        elif isinstance(value, list):
+            for i, child in enumerate(value):
+                walk(child, f"{path[:-1]}[{i}].")
+        elif isinstance(value, int | float):
+            leaves.append((path[:-1], value))
+
+    walk(data, "")
+    rank = {
+        path: next((i for i, word in enumerate(_FIRST) if word in path), len(_FIRST))
+        for path, _ in leaves
+    }
+    leaves.sort(key=lambda leaf: rank[leaf[0]])  # stable: file order within a rank
+    return dict(leaves[:limit])
 
 
 def _pairs(values: dict[str, Any]) -> str:

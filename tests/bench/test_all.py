@@ -40,6 +40,8 @@ def test_headlines():
     assert bench_all.headline("x", {"summary": {"ratio": 0.5}}) == "ratio 0.5"
     generic = bench_all.headline("x", {"time": "t", "a": 1, "b": {"c": 2.5}, "d": "text"})
     assert generic == "a 1, b.c 2.5"
+    ranked = {"a": 1, "b": 2, "c": 3, "d": 4, "e": {"ratio_p50": 0.5}, "target_met": True}
+    assert bench_all.headline("x", ranked) == "e.ratio_p50 0.5, target_met True, a 1, b 2"
 
 
 def test_all_runs_a_benchmark_and_summarises(tmp_path, capsys):
