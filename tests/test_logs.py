@@ -20,7 +20,8 @@ class _Settings:
 
 def test_json_lines_drop_kopf_internals_and_keep_the_object_reference(monkeypatch):
     # A logger of our own: kopf hangs its event poster on "kopf.objects" once an operator ran.
-
+    root = logging.getLogger()
+    saved = (root.handlers[:], root.level)
     stream = io.StringIO()
     monkeypatch.setattr("sys.stderr", stream)
     configure_logging("info", "json")
@@ -30,7 +31,8 @@ def test_json_lines_drop_kopf_internals_and_keep_the_object_reference(monkeypatc
             extra={"settings": _Settings(), "k8s_skip": False, "k8s_ref": {"name": "g"}},
         )
     finally:
-        logging.getLogger().handlers.clear()
+        root.handlers[:], level = saved
+        root.setLevel(level)
     line = json.loads(stream.getvalue().strip())
     assert line["message"] == "Handler succeeded."
     assert line["k8s_ref"] == {"name": "g"}
