@@ -109,13 +109,19 @@ async def worker_process(
                 raise RuntimeError(f"{exc}: {tail}") from None
             yield RunningWorker(url=url, config=config, process=proc)
         finally:
-            if proc.returncode is None:
-                proc.terminate()
-                try:
-                    await asyncio.wait_for(proc.wait(), 10)
-                except TimeoutError:
-                    proc.kill()
-                    await proc.wait()
+            await stop_process(proc)
+
+
+async def stop_process(proc: asyncio.subprocess.Process, grace: float = 10.0) -> None:
+    """SIGTERM (a worker drains and exits), then SIGKILL if it is still there after `grace` s."""
+    if proc.returncode is not None:
+        return
+    proc.terminate()
+    try:
+        await asyncio.wait_for(proc.wait(), grace)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
 
 
 async def wait_for_engine(

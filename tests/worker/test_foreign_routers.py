@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from dynamograph.worker.server import WORKER_ID_HEADER
-from dynamograph.worker.testing import free_port, mock_worker
+from dynamograph.worker.testing import free_port, mock_worker, stop_process
 
 from .conftest import MODEL
 
@@ -57,13 +57,7 @@ async def router(kind: str, workers: list[str], policy: str):
         await wait_ready(url, proc)
         yield url
     finally:
-        if proc.returncode is None:
-            proc.terminate()
-            try:
-                await asyncio.wait_for(proc.wait(), 10)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
+        await stop_process(proc)
 
 
 async def wait_ready(url: str, proc, within: float = 90.0) -> None:
