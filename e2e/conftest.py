@@ -1,5 +1,5 @@
 """Both e2e suites import shared test infrastructure by package path (`e2e.*`, and the operator
-tests' kmock layer as `tests.operator.conftest`): make the repository root importable however
+tests' kmock layer as `tests.operator.emulator`): make the repository root importable however
 pytest was started."""
 
 import sys

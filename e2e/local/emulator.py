@@ -1,6 +1,6 @@
 """The API server of the cluster-in-a-box: the operator tests' kmock layer, reused as is.
 
-`tests/operator/conftest.py` extends kmock 0.8 with what an API server must do for kopf and
+`tests/operator/emulator.py` extends kmock 0.8 with what an API server must do for kopf and
 for controllers (uid/resourceVersion/generation stamping, status isolation, label selectors,
 ownerReference garbage collection) and declares the built-in kinds, the project's CRD and the
 upstream InferencePool/HTTPRoute CRDs for discovery. Its stand-in Deployment controller (which
@@ -8,7 +8,7 @@ reports every rollout finished at once) is switched off here: the process kubele
 and reports the Deployments' real status.
 """
 
-from tests.operator.conftest import ClusterEmulator, declare_resources
+from tests.operator.emulator import ClusterEmulator, declare_resources
 
 
 def make_emulator() -> ClusterEmulator:

@@ -10,7 +10,7 @@ from dynamograph.operator.config import OperatorConfig
 from dynamograph.operator.manifests import Owner, desired_objects
 from dynamograph.operator.models import GraphError, load_graph
 
-from .conftest import EXAMPLES, upstream_crd
+from .emulator import EXAMPLES, upstream_crd
 
 pytestmark = pytest.mark.unit
 

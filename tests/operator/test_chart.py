@@ -14,7 +14,7 @@ import yaml
 
 from dynamograph.operator import crds
 
-from .conftest import REPO
+from .emulator import REPO
 
 pytestmark = [
     pytest.mark.integration,

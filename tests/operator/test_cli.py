@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from .conftest import wait_for
+from .emulator import wait_for
 from .test_operator import GRAPH_PATH, GRAPHS, disagg_graph, live
 
 pytestmark = [

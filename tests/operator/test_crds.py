@@ -10,7 +10,7 @@ import yaml
 from dynamograph.operator import crds
 from dynamograph.operator.models import load_graph
 
-from .conftest import EXAMPLES, REPO
+from .emulator import EXAMPLES, REPO
 from .schemas import crd_schema, validate_against_crd
 
 pytestmark = pytest.mark.unit

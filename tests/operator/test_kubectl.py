@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from .conftest import NAMESPACE, REPO
+from .emulator import NAMESPACE, REPO
 
 pytestmark = [
     pytest.mark.operator,

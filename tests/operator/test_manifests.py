@@ -11,7 +11,7 @@ from dynamograph.operator.config import OperatorConfig
 from dynamograph.operator.manifests import Owner, desired_objects, merge_extra_pod_spec
 from dynamograph.operator.models import GraphError, load_graph
 
-from .conftest import EXAMPLES, upstream_crd
+from .emulator import EXAMPLES, upstream_crd
 from .schemas import validate_against_crd
 
 pytestmark = [

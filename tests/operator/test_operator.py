@@ -1,4 +1,4 @@
-"""The kopf operator end to end against the API emulator (kmock + the layer in conftest.py).
+"""The kopf operator end to end against the API emulator (kmock + the layer in emulator.py).
 
 Each test starts the real operator (`build_registry` + kopf's KopfRunner) against an emulated
 API server on 127.0.0.1, acts like a user or a cluster would, and waits (bounded polling) for
@@ -17,7 +17,7 @@ from kopf.testing import KopfRunner
 from dynamograph.operator.config import OperatorConfig
 from dynamograph.operator.handlers import build_registry
 
-from .conftest import EXAMPLES, NAMESPACE, wait_for
+from .emulator import EXAMPLES, NAMESPACE, wait_for
 
 pytestmark = [
     pytest.mark.operator,

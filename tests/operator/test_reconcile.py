@@ -21,7 +21,7 @@ from dynamograph.operator.reconcile import (
     plan,
 )
 
-from .conftest import EXAMPLES
+from .emulator import EXAMPLES
 
 pytestmark = pytest.mark.unit
 
