@@ -8,12 +8,11 @@ and see the new pod take traffic; delete the graph and see every process gone.
 The same scenarios run on a real cluster in `e2e/kind`.
 """
 
-import os
-
 import aiohttp
 import pytest
 import pytest_asyncio
 
+from dynamograph.local.procs import is_live
 from dynamograph.protocol.identity import instance_id
 
 from ..graphs import load_example, renamed, with_engine, with_replicas, without_gpus
@@ -129,20 +128,8 @@ async def delete_and_wait_gone(cluster, namespace: str, graph: str) -> None:
     await wait_for(
         gone, f"graph {graph} and everything it owns deleted", within=90, detail=cluster.describe
     )
-    still = [pid for pid in pids if _alive(pid)]
+    still = [pid for pid in pids if is_live(pid)]
     assert not still, f"processes of deleted pods still running: {still}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except OSError:
-        return False
 
 
 async def test_aggregated_graph_routes_by_kv_overlap(cluster, tmp_path):

@@ -5,11 +5,10 @@ frontend sidecar per pod, downward-API env, probes), so this pins the contract b
 operator's pod specs and the cluster-in-a-box that runs them.
 """
 
-import os
-
 import aiohttp
 import pytest
 
+from dynamograph.local.procs import is_live
 from dynamograph.operator.config import OperatorConfig
 from dynamograph.operator.manifests import Owner, desired_objects
 from dynamograph.operator.models import load_graph
@@ -36,19 +35,6 @@ def worker_deployment(replicas: int) -> dict:
     # No graph object exists here: an owner reference to it would have the GC collect it.
     del deployment["metadata"]["ownerReferences"]
     return deployment
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie still answers kill(0); it is gone for our purposes once reaped or defunct.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except OSError:
-        return False
 
 
 async def test_deployment_becomes_ready_loopback_pods_that_scale_and_go(api_server, tmp_path):
@@ -101,11 +87,11 @@ async def test_deployment_becomes_ready_loopback_pods_that_scale_and_go(api_serv
 
         await api.patch(DEPLOYMENTS, NS, "agg-worker", {"spec": {"replicas": 1}})
         await wait_for(lambda: ready_pods(1), "1 pod left", within=60, detail=kubelet.describe)
-        assert kubelet.stopped_pids and not any(alive(pid) for pid in kubelet.stopped_pids)
+        assert kubelet.stopped_pids and not any(is_live(pid) for pid in kubelet.stopped_pids)
 
         await api.delete(DEPLOYMENTS, NS, "agg-worker")
 
         await wait_for(
             lambda: ready_pods(0), "no pods, no processes", within=60, detail=kubelet.describe
         )
-        assert not any(alive(pid) for pid in kubelet.stopped_pids)
+        assert not any(is_live(pid) for pid in kubelet.stopped_pids)
