@@ -9,6 +9,7 @@ frontend's modes. No I/O: the server resolves the pinned ids to discovered engin
 from dataclasses import dataclass
 from enum import StrEnum
 
+from dynamograph.epp.scheduler import RoutePins
 from dynamograph.protocol.headers import (
     PREFILL_INSTANCE_ID,
     WORKER_INSTANCE_ID,
@@ -56,36 +57,27 @@ PREFILL_ID_REQUIRED = (
 )
 
 
-def read_pins(nvext: NvExt | None) -> Pins:
-    """The decode and prefill targets named by a (header-merged) nvext.
-
-    As the seed's direct router: the decode worker is `decode_worker_id`, else
-    `backend_instance_id`. A DP rank without its worker id names nothing.
-    """
-    if nvext is None:
-        return NO_PINS
-    decode_id = (
-        nvext.decode_worker_id if nvext.decode_worker_id is not None else nvext.backend_instance_id
-    )
-    decode = Target(decode_id, nvext.dp_rank) if decode_id is not None else None
+def _from_route(route: RoutePins) -> Pins:
+    # The router core owns the rule "decode = decode_worker_id, else backend_instance_id";
+    # a DP rank without its worker id names nothing.
+    decode = Target(route.worker_id, route.dp_rank) if route.worker_id is not None else None
     prefill = (
-        Target(nvext.prefill_worker_id, nvext.prefill_dp_rank)
-        if nvext.prefill_worker_id is not None
+        Target(route.prefill_worker_id, route.prefill_dp_rank)
+        if route.prefill_worker_id is not None
         else None
     )
-    return Pins(decode, prefill)
+    return Pins(decode, prefill) if decode is not None or prefill is not None else NO_PINS
+
+
+def read_pins(nvext: NvExt | None) -> Pins:
+    """The decode and prefill targets named by a (header-merged) nvext."""
+    return _from_route(RoutePins.from_nvext(nvext))
 
 
 def pins_from_headers(routing: RoutingHeaders) -> Pins:
     """`read_pins(apply_header_routing_overrides(None, routing))` without building an NvExt:
     the hot path of requests whose body has no nvext (a test keeps the two equal)."""
-    decode = Target(routing.worker_id, routing.dp_rank) if routing.worker_id is not None else None
-    prefill = (
-        Target(routing.prefill_worker_id, routing.prefill_dp_rank)
-        if routing.prefill_worker_id is not None
-        else None
-    )
-    return Pins(decode, prefill) if decode is not None or prefill is not None else NO_PINS
+    return _from_route(RoutePins.from_headers(routing))
 
 
 def merge(nvext: NvExt | None, routing: RoutingHeaders) -> tuple[NvExt | None, Pins]:
