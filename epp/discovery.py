@@ -25,7 +25,6 @@ API:
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import os
 import random
@@ -40,6 +39,8 @@ import yaml
 from pydantic import ValidationError
 
 from dynamograph.protocol.engine import ENGINE_PATH, EngineConfig
+
+from .tasks import cancel_all
 
 log = logging.getLogger(__name__)
 
@@ -360,11 +361,7 @@ class Discovery:
 
     async def stop(self) -> None:
         tasks = [t for t in (self._source_task, *self._fetchers.values()) if t is not None]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_all(tasks)
         self._fetchers.clear()
         if self._session is not None:
             await self._session.close()

@@ -14,7 +14,6 @@ A worker that goes away (discovery) has its subscribers cancelled; the router dr
 """
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -36,6 +35,7 @@ from dynamograph.protocol.kv_events import (
 from .discovery import WorkerRecord
 from .metrics import EppMetrics
 from .scheduler import GapInfo, Router
+from .tasks import cancel_all
 
 log = logging.getLogger(__name__)
 
@@ -279,9 +279,5 @@ class KvEventIngest:
         tasks = [t for ts in self._tasks.values() for t in ts]
         self._tasks.clear()
         self.subscribers.clear()
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_all(tasks)
         self.context.term()

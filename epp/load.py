@@ -17,6 +17,7 @@ import aiohttp
 from .discovery import WorkerRecord
 from .metrics import EppMetrics
 from .scheduler import Router
+from .tasks import cancel_all
 
 log = logging.getLogger(__name__)
 
@@ -139,11 +140,7 @@ class LoadScraper:
         tasks = list(self._tasks.values())
         self._tasks.clear()
         self.workers.clear()
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_all(tasks)
         if self._session is not None:
             await self._session.close()
             self._session = None
