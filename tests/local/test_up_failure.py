@@ -11,6 +11,7 @@ import time
 import openai
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from .conftest import (
     COMMAND,
@@ -19,6 +20,7 @@ from .conftest import (
     dynamograph,
     engine_ids,
     engines,
+    get,
     read_state,
     require_envoy,
 )
@@ -110,7 +112,14 @@ def test_killed_worker_is_reported_and_routing_continues(tmp_path):
             return int(reply.model_extra["nvext"]["worker_id"]["decode_worker_id"])
 
         # Until the EPP has noticed (it scrapes every worker), a request may still be sent to
-        # the dead one; like a Kubernetes endpoint going unready, that takes a moment.
+        # the dead one; like a Kubernetes endpoint going unready, that takes a moment. Wait for
+        # the EPP's own count of workers: a few lucky successes alone do not show it noticed.
+        epp = next(p for p in state["processes"] if p["spec"]["kind"] == "epp")
+        epp_metrics = f"http://127.0.0.1:{epp['spec']['ports']['metrics']}/metrics"
+        deadline = time.monotonic() + 60
+        while epp_workers(get(epp_metrics)) != len(alive) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert epp_workers(get(epp_metrics)) == len(alive), "the EPP kept the killed worker"
         streak, deadline = 0, time.monotonic() + 60
         while streak < 3 and time.monotonic() < deadline:
             try:
@@ -132,3 +141,15 @@ def test_killed_worker_is_reported_and_routing_continues(tmp_path):
     assert code == 0, "\n".join(up.seen)
     assert not (tmp_path / "three" / "state.json").exists()
     assert_all_gone(state)
+
+
+def epp_workers(metrics_text: str) -> int:
+    """Workers the EPP routes among, from its `dynamograph_epp_workers` gauge."""
+    return int(
+        sum(
+            sample.value
+            for family in text_string_to_metric_families(metrics_text)
+            for sample in family.samples
+            if sample.name == "dynamograph_epp_workers"
+        )
+    )
