@@ -1,14 +1,19 @@
 """Active-request tracking: what every (worker, dp_rank) slot is busy with, and the guard that frees it.
 
-The seed is Dynamo's ActiveSequences + RequestGuard. A booking on a slot carries two integer
-loads, in KV blocks:
-- prefill: blocks the slot still has to compute for this request (uncached prompt blocks),
-  dropped when the prefill is done;
-- decode: blocks the request occupies while it lives (prompt blocks, plus output blocks when
-  output tracking is on), dropped when it is freed.
-Loads are integers and every booking remembers exactly what it added, so freeing always
-returns a slot to zero: nothing drifts, whatever order book / prefill-done / free / cancel
-arrive in.
+The seed is Dynamo's ActiveSequences + RequestGuard. A slot's load, in KV blocks:
+- prefill: blocks the slot still has to compute (uncached prompt blocks of its requests),
+  each request's part dropped when its prefill is done;
+- decode: blocks the slot's live requests occupy. Prompt blocks are counted once per slot
+  however many requests share them (a system prompt held by ten requests is one copy in the
+  engine's paged cache), as Dynamo counts unique blocks; blocks nobody else can share (a
+  prompt's partial last block, output blocks when output tracking is on) are counted per
+  request.
+Shared prompt blocks are named by prefix keys (`index.chain_keys`): key i names blocks 0..i, so
+a slot that holds key i holds every key before it, and "how much of this prompt does the slot
+already hold" is a bisection, not a scan.
+
+Every booking remembers exactly what it added, so freeing always returns a slot to zero:
+nothing drifts, whatever order book / prefill-done / free / cancel arrive in.
 
 A `RequestGuard` owns the bookings of one routed request (a prefill slot and/or a decode slot).
 Every exit path frees: `free()`, the context manager, cancellation, and garbage collection (with
@@ -17,7 +22,8 @@ a warning, since a collected booked guard means a caller forgot to free it).
 
 import logging
 import math
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Self
 
@@ -31,22 +37,42 @@ class SlotLoad:
     """Booked load of one slot, the sums of its live bookings."""
 
     prefill_blocks: int = 0
-    decode_blocks: int = 0
+    private_blocks: int = 0  # decode blocks no other request can share (partial, output)
     requests: int = 0
+    shared: Counter[int] = field(default_factory=Counter)  # prompt prefix key → bookings
+
+    @property
+    def decode_blocks(self) -> int:
+        return len(self.shared) + self.private_blocks
+
+    def held_prefix(self, keys: Sequence[int]) -> int:
+        """How many leading prompt blocks (prefix `keys`) live requests here already hold."""
+        shared = self.shared
+        if not shared or not keys or keys[0] not in shared:
+            return 0
+        lo, hi = 1, len(keys)  # keys[:lo] are held; held keys form a prefix (chained keys)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if keys[mid - 1] in shared:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def is_idle(self) -> bool:
-        return self.prefill_blocks == 0 and self.decode_blocks == 0 and self.requests == 0
+        return self.requests == 0
 
 
 @dataclass(slots=True)
 class Booking:
-    """One request's load on one slot; `prefill`/`decode` are exactly what it added."""
+    """One request's load on one slot; `prefill`/`keys`/`private` are exactly what it added."""
 
     slot: Slot
     load: "SlotLoad"  # the slot's sums this booking added to (a dropped slot's are orphaned)
     prefill: int
-    decode: int
-    prompt_blocks: int
+    keys: Sequence[int]  # the prompt's prefix keys, held in `load.shared`
+    private: int
+    unshared_prompt: int  # prompt blocks without a key (the partial last one, or no keys given)
     expected_output_tokens: int | None
     generated_tokens: int = 0
     live: bool = True
@@ -75,7 +101,7 @@ class ActiveRequests:
         """Every slot with a live booking (a copy)."""
         self._reap()
         return {
-            s: SlotLoad(v.prefill_blocks, v.decode_blocks, v.requests)
+            s: SlotLoad(v.prefill_blocks, v.private_blocks, v.requests, Counter(v.shared))
             for s, v in self._loads.items()
         }
 
@@ -89,25 +115,34 @@ class ActiveRequests:
         *,
         prompt_blocks: int,
         prefill_blocks: int,
+        prompt_keys: Sequence[int] = (),
         decode: bool = True,
         expected_output_tokens: int | None = None,
     ) -> Booking:
-        """Add a request to `slot`: `prefill_blocks` to compute, and (if `decode`) its KV blocks."""
+        """Add a request to `slot`: `prefill_blocks` to compute, and (if `decode`) its KV blocks.
+
+        `prompt_keys` are the prefix keys of the prompt's full blocks (shared with other
+        requests on the slot); the other `prompt_blocks` count for this request alone."""
         self._reap()
         if prompt_blocks < 0 or prefill_blocks < 0:
             raise ValueError("block counts must be non-negative")
+        if len(prompt_keys) > prompt_blocks:
+            raise ValueError("more prompt keys than prompt blocks")
         load = self._loads.setdefault(slot, SlotLoad())
+        keys = prompt_keys if decode else ()
         booking = Booking(
             slot=slot,
             load=load,
             prefill=prefill_blocks,
-            decode=0,
-            prompt_blocks=prompt_blocks if decode else 0,
+            keys=keys,
+            private=0,
+            unshared_prompt=prompt_blocks - len(keys) if decode else 0,
             expected_output_tokens=expected_output_tokens if decode else None,
         )
-        booking.decode = self._decode_load(booking)
+        booking.private = self._private_load(booking)
         load.prefill_blocks += booking.prefill
-        load.decode_blocks += booking.decode
+        load.private_blocks += booking.private
+        load.shared.update(keys)
         load.requests += 1
         return booking
 
@@ -125,7 +160,11 @@ class ActiveRequests:
         if not booking.live or tokens <= 0:
             return
         booking.generated_tokens += tokens
-        self._set_decode(booking, self._decode_load(booking))
+        value = self._private_load(booking)
+        load = booking.current(self._loads)
+        if load is not None:
+            load.private_blocks += value - booking.private
+        booking.private = value
 
     def free(self, booking: Booking) -> None:
         """Remove the booking entirely (idempotent)."""
@@ -148,31 +187,34 @@ class ActiveRequests:
         if load is None:
             return
         load.prefill_blocks -= booking.prefill
-        load.decode_blocks -= booking.decode
+        load.private_blocks -= booking.private
+        shared = load.shared
+        for key in booking.keys:
+            held = shared[key]
+            if held == 1:
+                del shared[key]
+            else:
+                shared[key] = held - 1
         load.requests -= 1
         if load.is_idle():
             del self._loads[booking.slot]
 
-    def _set_decode(self, booking: Booking, value: int) -> None:
-        load = booking.current(self._loads)
-        if load is not None:
-            load.decode_blocks += value - booking.decode
-        booking.decode = value
-
-    def _decode_load(self, booking: Booking) -> int:
-        """Prompt blocks, plus (output tracking) generated blocks, decayed by the expected length.
+    def _private_load(self, booking: Booking) -> int:
+        """Unshared prompt blocks, plus (output tracking) generated blocks decayed by the
+        expected length.
 
         With an expected output length the generated blocks weigh by the fraction of output
         still to come: a request about to finish is about to free its blocks.
         """
-        if not self.track_output_blocks or booking.prompt_blocks == 0:
-            return booking.prompt_blocks
+        base = booking.unshared_prompt
+        if not self.track_output_blocks or (base == 0 and not booking.keys):
+            return base
         generated = math.ceil(booking.generated_tokens / self.block_size)
         expected = booking.expected_output_tokens
         if expected:
             remaining = max(0.0, 1.0 - booking.generated_tokens / expected)
             generated = round(generated * remaining)
-        return booking.prompt_blocks + generated
+        return base + generated
 
     def _reap(self) -> None:
         while self._orphans:

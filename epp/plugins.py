@@ -57,6 +57,7 @@ class Context:
 
     phase: Phase
     prompt_blocks: int
+    prompt_keys: list[int]  # prefix keys of the prompt's full blocks (`index.chain_keys`)
     overlaps: dict[Slot, int]
     lora_name: str | None
     allowed_ids: frozenset[int] | None
@@ -182,12 +183,14 @@ class KvOverlapScorer:
 
 
 class LoadScorer:
-    """Decode term: blocks of requests booked here plus this request's blocks."""
+    """Decode term: blocks of requests booked here plus the blocks this request would add
+    (its prompt blocks that live requests here don't already hold, and expected output)."""
 
     name = "load"
 
     def score(self, ctx: Context, c: Candidate) -> None:
-        c.decode_blocks = c.load.decode_blocks + ctx.prompt_blocks + ctx.output_blocks
+        new_prompt = ctx.prompt_blocks - c.load.held_prefix(ctx.prompt_keys)
+        c.decode_blocks = c.load.decode_blocks + new_prompt + ctx.output_blocks
 
 
 SCORERS: tuple[Scorer, ...] = (KvOverlapScorer(), LoadScorer())

@@ -32,7 +32,7 @@ from dynamograph.protocol.nvext import NvExt, SessionAction, SessionControl
 
 from .active import ActiveRequests, RequestGuard, Slot
 from .config import Policy, RouterConfig
-from .index import KvIndex
+from .index import KvIndex, as_u64, chain_keys
 from .plugins import BUSY, FILTERS, SCORERS, Candidate, Context, KvPicker, Phase, make_picker
 from .seqtrack import GapInfo, SequenceTracker, Verdict
 
@@ -256,7 +256,7 @@ class Router:
                 getattr(state, name)[: len(kept)] = kept
         self._workers[worker_id] = state
         self._lora_ids[worker_id] = ids
-        self._block_size = block_size
+        self._block_size = self.active.block_size = block_size
 
     def remove_worker(self, worker_id: int) -> None:
         """Forget a worker: its index state, sequence tracking and booked load."""
@@ -369,7 +369,9 @@ class Router:
             self.index.expire(now)
         has_blocks = len(request.block_hashes) > 0
         overlaps = self.index.find_matches(request.block_hashes) if has_blocks else {}
-        prompt_blocks = -(-request.isl_tokens // self._block_size)
+        prompt_keys = chain_keys(0, as_u64(request.block_hashes)).tolist() if has_blocks else []
+        # every hashed block is a prompt block, whatever isl_tokens says
+        prompt_blocks = max(-(-request.isl_tokens // self._block_size), len(prompt_keys))
         output_blocks = 0
         if self.config.track_output_blocks and request.expected_output_tokens:
             output_blocks = -(-request.expected_output_tokens // self._block_size)
@@ -378,6 +380,7 @@ class Router:
             ctx = Context(
                 phase=phase,
                 prompt_blocks=prompt_blocks,
+                prompt_keys=prompt_keys,
                 overlaps=overlaps,
                 lora_name=request.lora_name,
                 allowed_ids=request.allowed_ids,
@@ -407,7 +410,7 @@ class Router:
             return decision
         if session is not None and pins.worker_id is None:
             self._bind(session, (decode.worker_id, decode.dp_rank), now)
-        decision.guard = self._book(request, decision, prompt_blocks)
+        decision.guard = self._book(request, decision, prompt_blocks, prompt_keys)
         if not self.config.use_kv_events and has_blocks:
             expires = now + self.config.approx_ttl_s
             for pick in (prefill, decode):
@@ -526,7 +529,9 @@ class Router:
         return binding.slot
 
     # -- booking -------------------------------------------------------------------------
-    def _book(self, request: RouteRequest, decision: Decision, prompt_blocks: int) -> RequestGuard:
+    def _book(
+        self, request: RouteRequest, decision: Decision, prompt_blocks: int, prompt_keys: list[int]
+    ) -> RequestGuard:
         decode = decision.decode
         prefill = decision.prefill
         uncached = max(prompt_blocks - (prefill or decode).overlap_blocks, 0)
@@ -535,11 +540,13 @@ class Router:
             prefill_booking = self.active.book(
                 (prefill.worker_id, prefill.dp_rank),
                 prompt_blocks=prompt_blocks,
+                prompt_keys=prompt_keys,
                 prefill_blocks=uncached,
             )
         decode_booking = self.active.book(
             (decode.worker_id, decode.dp_rank),
             prompt_blocks=prompt_blocks,
+            prompt_keys=prompt_keys,
             prefill_blocks=0 if prefill is not None else uncached,
             expected_output_tokens=request.expected_output_tokens,
         )

@@ -14,13 +14,33 @@ pytestmark = pytest.mark.unit
 SLOTS = [(1, 0), (1, 1), (2, 0)]
 
 
-def guard_for(active: ActiveRequests, n: int, disagg: bool, prompt: int, uncached: int, osl):
+def family_keys(family: int, n: int) -> list[int]:
+    """Prefix keys of the first `n` blocks of a prompt of `family` (equal prefixes, equal keys)."""
+    return [family * 100_000 + i for i in range(n)]
+
+
+def summary(load: SlotLoad) -> tuple[int, int, int]:
+    return load.prefill_blocks, load.decode_blocks, load.requests
+
+
+def guard_for(
+    active: ActiveRequests,
+    n: int,
+    disagg: bool,
+    prompt: int,
+    uncached: int,
+    osl,
+    keys: list[int] = (),
+):
     prefill = None
     if disagg:
-        prefill = active.book(SLOTS[2], prompt_blocks=prompt, prefill_blocks=uncached)
+        prefill = active.book(
+            SLOTS[2], prompt_blocks=prompt, prompt_keys=keys, prefill_blocks=uncached
+        )
     decode = active.book(
         SLOTS[n % 2],
         prompt_blocks=prompt,
+        prompt_keys=keys,
         prefill_blocks=0 if disagg else uncached,
         expected_output_tokens=osl,
     )
@@ -34,6 +54,8 @@ op = st.one_of(
         st.integers(0, 64),
         st.integers(0, 64),
         st.none() | st.integers(1, 500),
+        st.integers(0, 2),  # prompt family: requests of one family share their prefix keys
+        st.integers(0, 64),  # keyed (full) blocks of the prompt
     ),
     st.tuples(st.just("prefill_done"), st.integers(0, 30)),
     st.tuples(st.just("output"), st.integers(0, 30), st.integers(0, 200)),
@@ -53,9 +75,10 @@ def test_any_lifecycle_ends_with_zero_load(ops, track_output):
     for step in ops:
         kind = step[0]
         if kind == "book":
-            _, disagg, prompt, uncached, osl = step
+            _, disagg, prompt, uncached, osl, family, keyed = step
+            keys = family_keys(family, min(keyed, prompt))
             guards.append(
-                guard_for(active, len(guards), disagg, prompt, min(uncached, prompt), osl)
+                guard_for(active, len(guards), disagg, prompt, min(uncached, prompt), osl, keys)
             )
         elif not guards:
             continue
@@ -85,12 +108,12 @@ def test_any_lifecycle_ends_with_zero_load(ops, track_output):
 def test_book_prefill_done_free_exact_loads():
     active = ActiveRequests()
     guard = guard_for(active, 0, disagg=True, prompt=10, uncached=6, osl=None)
-    assert active.load(SLOTS[2]) == SlotLoad(prefill_blocks=6, decode_blocks=10, requests=1)
-    assert active.load(SLOTS[0]) == SlotLoad(prefill_blocks=0, decode_blocks=10, requests=1)
+    assert summary(active.load(SLOTS[2])) == (6, 10, 1)
+    assert summary(active.load(SLOTS[0])) == (0, 10, 1)
     guard.mark_prefill_done()
     guard.mark_prefill_done()  # idempotent
-    assert active.load(SLOTS[2]) == SlotLoad()
-    assert active.load(SLOTS[0]) == SlotLoad(0, 10, 1)
+    assert summary(active.load(SLOTS[2])) == (0, 0, 0)
+    assert summary(active.load(SLOTS[0])) == (0, 10, 1)
     assert guard.prefill_done and guard.booked
     guard.free()
     guard.free()  # idempotent
@@ -148,6 +171,31 @@ def test_freeing_a_booking_of_a_dropped_slot_leaves_the_slot_reborn_alone():
     old.mark_prefill_done()
     old.add_output_tokens(100)
     old.free()
-    assert active.load(SLOTS[0]) == SlotLoad(prefill_blocks=1, decode_blocks=5, requests=1)
+    assert summary(active.load(SLOTS[0])) == (1, 5, 1)
     new.free()
     assert active.loads() == {}
+
+
+def test_shared_prompt_blocks_count_once_per_slot():
+    """Dynamo's unique-block load: ten requests on one system prompt hold one copy of it."""
+    active = ActiveRequests()
+    system = family_keys(1, 8)
+    a = active.book(SLOTS[0], prompt_blocks=11, prompt_keys=[*system, 901, 902], prefill_blocks=3)
+    b = active.book(SLOTS[0], prompt_blocks=10, prompt_keys=[*system, 903], prefill_blocks=1)
+    load = active.load(SLOTS[0])
+    # 8 shared + 2 + 1 keyed blocks, plus each prompt's partial last block
+    assert summary(load) == (4, 8 + 2 + 1 + 1 + 1, 2)
+    assert load.held_prefix([*system, 901, 999]) == 9
+    assert load.held_prefix([*system[:3], 777]) == 3
+    assert load.held_prefix(family_keys(2, 8)) == 0
+    assert load.held_prefix([]) == 0
+    active.free(a)
+    assert summary(active.load(SLOTS[0])) == (1, 8 + 1 + 1, 1)
+    assert active.load(SLOTS[0]).held_prefix([*system, 901]) == 8
+    active.free(b)
+    assert active.loads() == {}
+
+
+def test_more_keys_than_prompt_blocks_is_refused():
+    with pytest.raises(ValueError, match="more prompt keys"):
+        ActiveRequests().book(SLOTS[0], prompt_blocks=1, prompt_keys=[1, 2], prefill_blocks=0)

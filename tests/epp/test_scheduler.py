@@ -68,6 +68,29 @@ def cache(router: Router, worker: int, toks, rank: int = 0, lora_id=None) -> Non
 # -- cost and temperature -------------------------------------------------------------------
 
 
+def test_requests_sharing_a_prefix_load_the_worker_once():
+    """Decode load counts a slot's distinct prompt blocks (Dynamo's unique blocks): live
+    requests on one system prompt must not push the next one off the worker that caches it."""
+    router = make_router(workers=(1, 2))
+    system = tokens(360)
+    cache(router, 1, system)
+    guards = [
+        router.schedule(request(system + tokens(40, 10_000 * (i + 1)), rid=f"r{i}")).guard
+        for i in range(3)
+    ]
+    for g in guards:
+        g.mark_prefill_done()  # decoding now: only their KV blocks load the worker
+    d = router.schedule(request(system + tokens(40, 90_000), rid="next"))
+    # worker 1: 10 uncached + (90 shared + 3 × 10 own) booked + 10 new = 140;
+    # worker 2 (idle, cold): 100 uncached + 100 new = 200. Counted per request, worker 1
+    # would have cost 10 + 300 + 100 = 410 and lost.
+    assert (d.decode.worker_id, d.decode.cost) == (1, 140)
+    d.guard.free()
+    for g in guards:
+        g.free()
+    assert router.active.loads() == {}
+
+
 def test_prefers_the_worker_holding_the_prefix():
     router = make_router()
     prompt = tokens(64)
