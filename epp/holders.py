@@ -5,164 +5,77 @@ a row records its single holder as a column number (int16). Only rows held by tw
 get a bitmask row (one bit per slot column, 64 per uint64 word) in a separate, smaller matrix.
 At 256 slots that is 2 bytes instead of 32 for the common row.
 
-Rows are allocated by the caller (the index); row 0 is "nobody" and stays empty. Every operation
-exists twice: for one row (Python ints through memoryviews, cheap for a few rows) and for many
-rows at once (numpy). Both report rows that became empty so the caller can recycle them.
+This class owns the arrays and their growth; the compiled kernels (`kernels.py`: `_hold`,
+`_unhold`) change them. Rows are allocated by the index; row 0 is "nobody" and stays empty, and
+bitmask row 0 means "not shared" and stays all zeros. Free bitmask rows sit on a stack
+(`free_shared`, `meta[0]` of them), of which the caller keeps at least as many as an operation
+could take (`reserve`).
 """
 
 import numpy as np
 
-NOBODY = -1
+from .kernels import NOBODY
+
+MAX_COLUMNS = 32767  # int16 owner column
 
 
 class Holders:
     def __init__(self, rows: int = 1024) -> None:
-        self._owner = np.full(rows, NOBODY, np.int16)
-        self._shared_of = np.zeros(rows, np.int32)  # 0: not shared
-        self._shared = np.zeros((64, 1), np.uint64)
-        self._free_shared = list(range(63, 0, -1))
-        self._views()
-        self._bit_table()
+        self.owner = np.full(rows, NOBODY, np.int16)
+        self.shared_of = np.zeros(rows, np.int32)  # 0: not shared
+        self.shared = np.zeros((64, 1), np.uint64)
+        self.free_shared = np.zeros(64, np.int32)
+        self.free_shared[:63] = np.arange(63, 0, -1)
+        self.meta = np.array([63], np.int64)
+        self._parts()
 
-    def _views(self) -> None:
-        self.words = self._shared.shape[1]
-        self._owner_mv = memoryview(self._owner)
-        self._shared_of_mv = memoryview(self._shared_of)
-        self._shared_mv = memoryview(self._shared.reshape(-1))
-        self._shared_bytes = self._shared_mv.cast("B")
+    def _parts(self) -> None:
+        """The kernels' arguments, in order; renewed whenever an array is replaced."""
+        self.parts = (self.owner, self.shared_of, self.shared, self.free_shared, self.meta)
+
+    @property
+    def words(self) -> int:
+        return self.shared.shape[1]
 
     @property
     def nbytes(self) -> int:
-        return self._owner.nbytes + self._shared_of.nbytes + self._shared.nbytes
+        return self.owner.nbytes + self.shared_of.nbytes + self.shared.nbytes
 
     def shared_rows(self) -> int:
-        return self._shared.shape[0] - 1 - len(self._free_shared)
+        return self.shared.shape[0] - 1 - int(self.meta[0])
 
     def grow_rows(self, size: int) -> None:
-        old = self._owner.size
-        self._owner = np.concatenate([self._owner, np.full(size - old, NOBODY, np.int16)])
-        self._shared_of = np.concatenate([self._shared_of, np.zeros(size - old, np.int32)])
-        self._views()
+        old = self.owner.size
+        self.owner = np.concatenate([self.owner, np.full(size - old, NOBODY, np.int16)])
+        self.shared_of = np.concatenate([self.shared_of, np.zeros(size - old, np.int32)])
+        self._parts()
 
-    def ensure_columns(self, columns: int) -> None:
-        if columns > 32767:
-            raise ValueError("the KV index holds at most 32,767 (worker, dp_rank) slots")
-        while columns > 64 * self.words:
-            self._shared = np.hstack([self._shared, np.zeros_like(self._shared)])
-            self._views()
-            self._bit_table()
-
-    def _bit_table(self) -> None:
-        """Row c: the one-bit mask of column c; one more, empty, row for NOBODY (index -1)."""
-        columns = 64 * self.words
-        self._bits = np.zeros((columns + 1, self.words), np.uint64)
-        col = np.arange(columns)
-        self._bits[col, col >> 6] = np.left_shift(np.uint64(1), (col & 63).astype(np.uint64))
-
-    def _new_shared(self, n: int) -> list[int]:
-        if len(self._free_shared) < n:
-            old = self._shared.shape[0]
-            size = max(2 * old, old + n)
-            grown = np.zeros((size, self.words), np.uint64)
-            grown[:old] = self._shared
-            self._shared = grown
-            self._free_shared[:0] = range(size - 1, old - 1, -1)
-            self._views()
-        taken = self._free_shared[-n:]
-        del self._free_shared[-n:]
-        return taken
-
-    # -- one row ---------------------------------------------------------------------------
-    def add1(self, row: int, column: int) -> None:
-        owner = self._owner_mv[row]
-        if owner == column:
-            return
-        words = self.words
-        shared = self._shared_of_mv[row]
-        if shared:
-            self._shared_mv[shared * words + (column >> 6)] |= 1 << (column & 63)
-        elif owner == NOBODY:
-            self._owner_mv[row] = column
-        else:
-            (shared,) = self._new_shared(1)
-            mv = self._shared_mv
-            mv[shared * words + (owner >> 6)] |= 1 << (owner & 63)
-            mv[shared * words + (column >> 6)] |= 1 << (column & 63)
-            self._shared_of_mv[row] = shared
-            self._owner_mv[row] = NOBODY
-
-    def drop1(self, row: int, column: int) -> bool:
-        """Remove `column` from `row`; True when nobody holds the row any more."""
-        if self._owner_mv[row] == column:
-            self._owner_mv[row] = NOBODY
-            return True
-        shared = self._shared_of_mv[row]
-        if not shared:
+    def ensure_columns(self, columns: int) -> bool:
+        """Room for `columns` slot columns; True when the arrays were replaced."""
+        if columns > MAX_COLUMNS:
+            raise ValueError(f"the KV index holds at most {MAX_COLUMNS:,} (worker, dp_rank) slots")
+        if columns <= 64 * self.words:
             return False
-        words, mv = self.words, self._shared_mv
-        base = shared * words
-        mv[base + (column >> 6)] &= ~(1 << (column & 63))
-        if any(mv[base : base + words]):
-            return False
-        self._shared_of_mv[row] = 0
-        self._free_shared.append(shared)
+        words = -(-columns // 64)
+        grown = np.zeros((self.shared.shape[0], words), np.uint64)
+        grown[:, : self.words] = self.shared
+        self.shared = grown
+        self._parts()
         return True
 
-    def bits1(self, row: int) -> int:
-        """The row's holders as a Python int (bit = column)."""
-        owner = self._owner_mv[row]
-        if owner != NOBODY:
-            return 1 << owner
-        shared = self._shared_of_mv[row]
-        if not shared:
-            return 0
-        width = 8 * self.words
-        return int.from_bytes(self._shared_bytes[shared * width : (shared + 1) * width], "little")
-
-    # -- many rows -------------------------------------------------------------------------
-    def add(self, rows: np.ndarray, column: int) -> None:
-        """Add `column` to distinct `rows`."""
-        owner = self._owner[rows]
-        shared = self._shared_of[rows]
-        word, bit = column >> 6, np.uint64(1 << (column & 63))
-        is_shared = shared > 0
-        if is_shared.any():
-            self._shared[shared[is_shared], word] |= bit
-        fresh = (owner == NOBODY) & ~is_shared
-        self._owner[rows[fresh]] = column
-        promote = (owner != NOBODY) & (owner != column)
-        if promote.any():
-            prow, pown = rows[promote], owner[promote].astype(np.int64)
-            new = np.array(self._new_shared(prow.size), np.int32)
-            self._shared[new, pown >> 6] |= np.left_shift(
-                np.uint64(1), (pown & 63).astype(np.uint64)
-            )
-            self._shared[new, word] |= bit
-            self._shared_of[prow] = new
-            self._owner[prow] = NOBODY
-
-    def drop(self, rows: np.ndarray, column: int) -> np.ndarray:
-        """Remove `column` from distinct `rows`; returns the rows nobody holds any more."""
-        owner = self._owner[rows]
-        mine = owner == column
-        emptied = [rows[mine]]
-        self._owner[rows[mine]] = NOBODY
-        shared = self._shared_of[rows]
-        is_shared = shared > 0
-        if is_shared.any():
-            srows, sidx = rows[is_shared], shared[is_shared]
-            self._shared[sidx, column >> 6] &= ~np.uint64(1 << (column & 63))
-            gone = ~self._shared[sidx].any(axis=1)
-            if gone.any():
-                self._shared_of[srows[gone]] = 0
-                self._free_shared.extend(sidx[gone].tolist())
-                emptied.append(srows[gone])
-        return np.concatenate(emptied) if len(emptied) > 1 else emptied[0]
-
-    def words_of(self, rows: np.ndarray) -> np.ndarray:
-        """Holder bitmasks of `rows` as an (n, words) uint64 array: the owner's bit (from a
-        table of one-bit masks whose last row, indexed by NOBODY = -1, is empty) or the shared
-        bitmask (shared row 0 is never allocated, so it stays empty)."""
-        return self._bits.take(self._owner.take(rows), axis=0) | self._shared.take(
-            self._shared_of.take(rows), axis=0
-        )
+    def reserve(self, n: int) -> bool:
+        """At least `n` free bitmask rows; True when the arrays were replaced."""
+        free = int(self.meta[0])
+        if free >= n:
+            return False
+        old = self.shared.shape[0]
+        size = max(2 * old, old + n)
+        grown = np.zeros((size, self.words), np.uint64)
+        grown[:old] = self.shared
+        stack = np.empty(size, np.int32)
+        stack[:free] = self.free_shared[:free]
+        stack[free : free + size - old] = np.arange(size - 1, old - 1, -1)
+        self.shared, self.free_shared = grown, stack
+        self.meta[0] = free + size - old
+        self._parts()
+        return True

@@ -4,12 +4,8 @@ Identity of a block. The router hashes each block's tokens itself (`protocol.has
 chained). The index turns a sequence of those per-block hashes into *prefix keys*: key i
 identifies blocks 0..i as a whole, so a block is named by its position in its sequence, the
 role the path plays in Dynamo's radix tree. The chaining is a polynomial over Z/2^64,
-
-    key_i = P · key_{i-1} + h_i,   key_{-1} = 0,
-
-computed for a whole run of blocks at once with numpy (a cumulative sum of h_j · P^-j scaled by
-P^i; uint64 arithmetic wraps, P is odd so P^-1 exists). Keys 0 and 1 are reserved by the hash
-table and map to 2.
+key_i = P · key_{i-1} + h_i with key_{-1} = 0 (`chain_keys`; keys 0 and 1 are reserved by the
+hash tables and map to 2).
 
 Storage, for speed and memory (256 workers × 100k blocks):
 - one global table prefix key → row; per row the key and the slots holding it (`holders.py`:
@@ -18,14 +14,11 @@ Storage, for speed and memory (256 workers × 100k blocks):
   parent (the engine's hashes are opaque: we never compute them);
 - rows nobody holds any more are recycled.
 
-`find_matches` looks the first block up alone (a miss costs one lookup), then converts and
-chains the rest in stages (512, then 2048 … blocks) until a stage's last key is absent — nobody
-holds that prefix, so no score goes past it — and bisects with single lookups to tighten that
-bound. Every key up to it is then looked up in one vectorized probe and the slots' bitmasks are
-ANDed cumulatively: a slot's score, the length of the prefix it holds *contiguously*, is the
-number of rows in which its bit survives. Events work the same way: up to 64 blocks go one by
-one through the tables' scalar operations, more as whole arrays (a numpy call costs
-microseconds before it does anything).
+The work per message runs in compiled kernels (`kernels.py`, numba) over those arrays: an event
+is one kernel call whatever its size (this class makes room in the tables first), and
+`find_matches` walks the query's prefix keys, ANDing the slots' bits block by block, until the
+first block nobody holds. A query given as a Python list is converted to an array in stages as
+the walk goes on (converting a Python int costs more than probing for it).
 
 Semantics versus Dynamo's RadixTree (the differential oracle): equal on event streams a vLLM
 engine produces — blocks stored under a parent the engine holds, evicted leaves first; a
@@ -36,7 +29,6 @@ the engine's own prefix cache; and engine hashes are kept per slot, so two worke
 same prefix differently (Dynamo 1.6.1 keeps one engine hash per tree node).
 """
 
-import itertools
 import logging
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -44,7 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dynamograph.protocol.hashing import block_hashes
+from dynamograph.protocol.hashing import block_hash_array
 from dynamograph.protocol.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -53,96 +45,54 @@ from dynamograph.protocol.kv_events import (
     engine_hash_key,
 )
 
+from . import kernels
 from .holders import Holders
-from .table import MIN_KEY, MISSING, U64Table
+from .table import U64Table
 
 log = logging.getLogger(__name__)
 
 Slot = tuple[int, int]  # (worker_id, dp_rank)
 
-_P = 0xC2B2AE3D27D4EB4F  # odd: invertible mod 2^64
-_P_INV = pow(_P, -1, 1 << 64)
 _U64 = (1 << 64) - 1
-_MIN_KEY = np.uint64(MIN_KEY)
-# Work done one block at a time (Python ints through memoryviews) instead of as numpy arrays:
-# events of up to this many blocks (measured here: 128-block events go 20% faster as arrays),
-# and the first block of a query (a miss then costs no numpy call at all).
-SCALAR_EVENT_BLOCKS = 64
-SCALAR_QUERY_BLOCKS = 1
-# The vectorized rest of a query: stages of keys (512, 2048 … blocks) until one ends absent, then
-# bisection down to this many blocks (a lookup one by one costs about as much as 50 in bulk).
-_FIRST_STAGE = 512
+# find_matches converts a query given as a list in stages of this many blocks, then 4× more
+# each time, until a block nobody holds ends the walk (a typical query stops long before its
+# end, and converting Python ints costs ~30 ns each; a stage costs a kernel call, ~3 µs).
+FIRST_STAGE = 64
 _STAGE_GROWTH = 4
-_BISECT_STOP = 64
 # A slot's engine-hash table starts this big (24 KB): engines cache thousands of blocks, and each
 # doubling on the way there re-inserts every key.
 _SLOT_CAPACITY = 1024
-_COUNT = np.uint32  # a query's blocks per slot (uint16 would sum faster but caps at 65,535)
-
-
-class _Powers:
-    """P^i and P^-i mod 2^64 as uint64 arrays, grown on demand."""
-
-    def __init__(self) -> None:
-        self.pow = np.empty(0, np.uint64)
-        self.inv = np.empty(0, np.uint64)
-        self._grow(1024)
-
-    def _grow(self, n: int) -> None:
-        pw, iv, p, q = [], [], 1, 1
-        for _ in range(n):
-            pw.append(p)
-            iv.append(q)
-            p = p * _P & _U64
-            q = q * _P_INV & _U64
-        self.pow = np.array(pw, np.uint64)
-        self.inv = np.array(iv, np.uint64)
-
-    def ensure(self, n: int) -> None:
-        if n > self.pow.size:
-            self._grow(max(n, 2 * self.pow.size))
-
-
-_POWERS = _Powers()
 
 
 def as_u64(values: Sequence[int] | np.ndarray) -> np.ndarray:
-    """Block hashes as a uint64 array (no copy when they already are one)."""
+    """Block hashes as a contiguous uint64 array (no copy when they already are one)."""
     if isinstance(values, np.ndarray):
-        return values.astype(np.uint64, copy=False)
+        return np.ascontiguousarray(values, np.uint64)
     return np.fromiter(values, np.uint64, len(values))
 
 
-def chain_keys(parent_key: int, hashes: np.ndarray, clamp: bool = True) -> np.ndarray:
-    """Prefix keys of `hashes` continuing the prefix whose key is `parent_key` (0: none);
-    `clamp=False` leaves the two reserved values (keys 0 and 1, 2 once clamped) in place."""
-    n = hashes.size
-    _POWERS.ensure(n + 1)
-    # uint64 array arithmetic wraps silently (mod 2^64), which is the arithmetic wanted
-    keys = np.multiply(hashes, _POWERS.inv[:n])
-    if parent_key:  # P^i · (P · parent) = P^(i+1) · parent, added once before the sum
-        keys[0] = (keys.item(0) + _P * parent_key) & _U64
-    np.add.accumulate(keys, out=keys)
-    np.multiply(keys, _POWERS.pow[:n], out=keys)
-    return np.maximum(keys, _MIN_KEY, out=keys) if clamp else keys
+def chain_keys(parent_key: int, hashes: np.ndarray) -> np.ndarray:
+    """Prefix keys of `hashes` (uint64) continuing the prefix whose key is `parent_key` (0:
+    none), as the index names blocks (reserved values clamped to 2)."""
+    return kernels.prefix_keys(np.uint64(parent_key), as_u64(hashes))
 
 
-def engine_keys(hashes: Sequence[int | bytes]) -> np.ndarray:
-    """Engine block hashes (ints, possibly negative or wider than 64 bits, or bytes) as uint64."""
+def engine_keys(hashes: Sequence[int | bytes] | np.ndarray) -> np.ndarray:
+    """Engine block hashes (ints, possibly negative or wider than 64 bits, or bytes) as uint64
+    (the kernels map the reserved values 0 and 1 to 2)."""
     try:
-        keys = np.array(hashes, dtype=np.uint64)
+        return np.ascontiguousarray(hashes, np.uint64)
     except (OverflowError, TypeError, ValueError):
-        keys = np.array([_fold64(engine_hash_key(h)) for h in hashes], dtype=np.uint64)
-    return np.maximum(keys, np.uint64(MIN_KEY))
+        return np.array([_fold64(engine_hash_key(h)) for h in hashes], dtype=np.uint64)
 
 
-def engine_key(value: int | bytes) -> int:
-    """One engine block hash as a table key (the scalar twin of `engine_keys`)."""
+def engine_key(value: int | bytes) -> np.uint64:
+    """One engine block hash as a uint64 (the scalar twin of `engine_keys`)."""
     if isinstance(value, np.integer):
         value = int(value)
     if type(value) is not int or not 0 <= value <= _U64:
         value = _fold64(engine_hash_key(value))
-    return value if value >= MIN_KEY else MIN_KEY
+    return np.uint64(value)
 
 
 def _fold64(value: int) -> int:
@@ -167,18 +117,25 @@ class KvIndex:
         self._keys = U64Table(capacity=1024, max_load=0.5)
         self._row_key = np.zeros(1024, np.uint64)
         self._holders = Holders(1024)
-        self._free_rows = np.arange(1023, 0, -1, dtype=np.int32)  # row 0 = "nobody", never used
-        self._nfree = self._free_rows.size
+        self._free_rows = np.zeros(1024, np.int32)  # a stack; row 0 = "nobody", never used
+        self._free_rows[:1023] = np.arange(1023, 0, -1)
+        self._rmeta = np.array([1023], np.int64)  # free rows on the stack
         self._slots: dict[Slot, _SlotState] = {}
         self._col_slot: list[Slot | None] = []
         self._free_cols: list[int] = []
         self._approx: deque[tuple[float, Slot, np.ndarray]] = deque()
-        self._views()
+        self._parts()
 
-    def _views(self) -> None:
-        """Memoryviews for the scalar paths; renewed whenever an array is reallocated."""
-        self._row_key_mv = memoryview(self._row_key)
-        self._free_mv = memoryview(self._free_rows)
+    def _parts(self) -> None:
+        """The kernels' index arguments, in order; renewed whenever an array is replaced."""
+        self._store_parts = (
+            *self._keys.parts,
+            self._row_key,
+            self._free_rows,
+            self._rmeta,
+            *self._holders.parts,
+        )
+        self._find_parts = (*self._keys.parts, *self._holders.parts[:3])
 
     # -- slots -----------------------------------------------------------------------------
     def _slot(self, slot: Slot) -> _SlotState:
@@ -189,8 +146,9 @@ class KvIndex:
                 self._col_slot[col] = slot
             else:
                 col = len(self._col_slot)
+                if self._holders.ensure_columns(col + 1):
+                    self._parts()
                 self._col_slot.append(slot)
-                self._holders.ensure_columns(col + 1)
             state = self._slots[slot] = _SlotState(col)
         return state
 
@@ -219,67 +177,30 @@ class KvIndex:
             + sum(s.blocks.nbytes for s in self._slots.values())
         )
 
-    # -- rows ------------------------------------------------------------------------------
-    def _rows_for(self, keys: np.ndarray) -> np.ndarray:
-        """Rows of `keys` (distinct), allocating rows for keys not yet indexed."""
-        rows, new = self._keys.add(keys, self._alloc_rows)
-        if new is not None:
-            self._row_key[rows[new]] = keys[new]
-        return rows
-
-    def _new_row(self, key: int) -> int:
-        """Allocate a row for a key not yet indexed."""
-        if self._nfree == 0:
-            self._grow_rows(1)
-        self._nfree -= 1
-        row = self._free_mv[self._nfree]
-        self._row_key_mv[row] = key
-        self._keys.put1(key, row)
-        return row
+    # -- room ------------------------------------------------------------------------------
+    def _reserve(self, state: _SlotState, n: int) -> None:
+        """Room for `n` new blocks on `state`'s slot: keys, rows, bitmask rows (the kernels
+        never allocate)."""
+        state.blocks.reserve(n)
+        grew = self._keys.reserve(n)
+        grew |= self._holders.reserve(n)
+        if self._rmeta[0] < n:
+            self._grow_rows(n)
+            grew = True
+        if grew:
+            self._parts()
 
     def _grow_rows(self, n: int) -> None:
         old = self._row_key.size
         size = max(2 * old, old + n)
         self._row_key = np.concatenate([self._row_key, np.zeros(size - old, np.uint64)])
         self._holders.grow_rows(size)
-        added = np.arange(size - 1, old - 1, -1, dtype=np.int32)
-        self._free_rows = np.concatenate([self._free_rows[: self._nfree], added])
-        self._nfree = self._free_rows.size
-        self._views()
-
-    def _alloc_rows(self, n: int) -> np.ndarray:
-        if n > self._nfree:
-            self._grow_rows(n)
-        self._nfree -= n
-        return self._free_rows[self._nfree : self._nfree + n][::-1].copy()
-
-    def _release_rows(self, rows: np.ndarray) -> None:
-        self._keys.pop(self._row_key[rows])
-        if self._nfree + rows.size > self._free_rows.size:
-            grown = np.empty(max(2 * self._free_rows.size, self._nfree + rows.size), np.int32)
-            grown[: self._nfree] = self._free_rows[: self._nfree]
-            self._free_rows = grown
-            self._free_mv = memoryview(self._free_rows)
-        self._free_rows[self._nfree : self._nfree + rows.size] = rows
-        self._nfree += rows.size
-
-    def _drop_bits(self, rows: np.ndarray, column: int) -> None:
-        """Take `column` off `rows`; rows nobody holds any more are recycled."""
-        rows = np.unique(rows[rows > 0])
-        if rows.size:
-            empty = self._holders.drop(rows, column)
-            if empty.size:
-                self._release_rows(empty)
-
-    def _drop_bit(self, row: int, column: int) -> None:
-        """`_drop_bits` for one row."""
-        if self._holders.drop1(row, column):
-            self._keys.pop1(self._row_key_mv[row])
-            if self._nfree == self._free_rows.size:
-                self._release_rows(np.array([row], np.int32))
-                return
-            self._free_mv[self._nfree] = row
-            self._nfree += 1
+        free = int(self._rmeta[0])
+        stack = np.empty(size, np.int32)
+        stack[:free] = self._free_rows[:free]
+        stack[free : free + size - old] = np.arange(size - 1, old - 1, -1)
+        self._free_rows = stack
+        self._rmeta[0] = free + size - old
 
     # -- events ----------------------------------------------------------------------------
     def apply_events(
@@ -292,16 +213,18 @@ class KvIndex:
                 lora = None
                 if event.lora_id:
                     lora = (lora_names or {}).get(event.lora_id) or f"lora-{event.lora_id}"
-                hashes = block_hashes(event.token_ids, event.block_size, lora)
-                n = min(len(hashes), len(event.block_hashes))
-                if n != len(event.block_hashes):
+                hashes = block_hash_array(event.token_ids, event.block_size, lora)
+                engine = event.block_hashes
+                if hashes.size != len(engine):
                     log.warning(
                         "slot %s: BlockStored with %d block hashes but %d full blocks of tokens",
                         slot,
-                        len(event.block_hashes),
-                        len(hashes),
+                        len(engine),
+                        hashes.size,
                     )
-                self.store(slot, event.block_hashes[:n], event.parent_block_hash, hashes[:n])
+                    n = min(hashes.size, len(engine))
+                    engine, hashes = engine[:n], hashes[:n]
+                self.store(slot, engine, event.parent_block_hash, hashes)
             elif isinstance(event, BlockRemoved):
                 self.remove(slot, event.block_hashes)
             elif isinstance(event, AllBlocksCleared):
@@ -310,92 +233,60 @@ class KvIndex:
     def store(
         self,
         slot: Slot,
-        engine_hashes: Sequence[int | bytes],
+        engine_hashes: Sequence[int | bytes] | np.ndarray,
         parent_engine_hash: int | bytes | None,
         local_hashes: Sequence[int] | np.ndarray,
     ) -> bool:
         """Record blocks stored on `slot` (our per-block hashes given); False when the parent is
         unknown to this slot (the event is skipped, as Dynamo does)."""
         n = len(engine_hashes)
+        if n != len(local_hashes):
+            raise ValueError(f"{n} engine block hashes for {len(local_hashes)} block hashes")
         if n == 0:
             return True
         state = self._slot(slot)
-        parent_key = 0
-        if parent_engine_hash is not None:
-            row = state.blocks.get1(engine_key(parent_engine_hash))
-            if row == MISSING:
-                log.debug("slot %s: BlockStored parent unknown; skipped", slot)
-                return False
-            parent_key = self._row_key_mv[row]
-        if n > SCALAR_EVENT_BLOCKS:
-            keys = chain_keys(parent_key, as_u64(local_hashes))
-            engine = engine_keys(engine_hashes)
-            ordered = np.sort(engine)
-            if (ordered[1:] == ordered[:-1]).any():  # malformed: the last one of a hash wins
-                _, last = np.unique(engine[::-1], return_index=True)
-                keep = np.sort(n - 1 - last)
-                engine, keys = engine[keep], keys[keep]
-            self._hold(state, engine, keys)
-            return True
-        if isinstance(local_hashes, np.ndarray):
-            local_hashes = local_hashes.tolist()
-        if isinstance(engine_hashes, np.ndarray):
-            engine_hashes = engine_hashes.tolist()
-        column, blocks, holders = state.column, state.blocks, self._holders
-        key, get1 = parent_key, self._keys.get1
-        for engine, local in zip(engine_hashes, local_hashes, strict=True):
-            key = (key * _P + local) & _U64
-            row = get1(key if key >= MIN_KEY else MIN_KEY)
-            if row == MISSING:
-                row = self._new_row(key if key >= MIN_KEY else MIN_KEY)
-            if type(engine) is not int or not MIN_KEY <= engine <= _U64:
-                engine = engine_key(engine)
-            old = blocks.put1(engine, row)
-            if old != MISSING and old != row:
-                self._drop_bit(old, column)
-            holders.add1(row, column)
-        return True
+        self._reserve(state, n)
+        if parent_engine_hash is None:
+            parent, has_parent = np.uint64(0), False
+        else:
+            parent, has_parent = engine_key(parent_engine_hash), True
+        stored = kernels.store_blocks(
+            engine_keys(engine_hashes),
+            as_u64(local_hashes),
+            parent,
+            has_parent,
+            state.column,
+            *state.blocks.parts,
+            *self._store_parts,
+        )
+        if not stored:
+            log.debug("slot %s: BlockStored parent unknown; skipped", slot)
+        return stored
 
-    def _hold(self, state: _SlotState, engine: np.ndarray, keys: np.ndarray) -> None:
-        rows = self._rows_for(keys)
-        old = state.blocks.put(engine, rows)
-        self._holders.add(rows, state.column)
-        moved = old[(old != MISSING) & (old != rows)]
-        if moved.size:  # an engine hash reused for other content: its old block is gone
-            self._drop_bits(moved, state.column)
-
-    def remove(self, slot: Slot, engine_hashes: Sequence[int | bytes]) -> None:
+    def remove(self, slot: Slot, engine_hashes: Sequence[int | bytes] | np.ndarray) -> None:
         state = self._slots.get(slot)
         if state is None or len(engine_hashes) == 0:
             return
-        if len(engine_hashes) > SCALAR_EVENT_BLOCKS:
-            rows = state.blocks.pop(engine_keys(engine_hashes))
-            self._drop_bits(rows[rows != MISSING], state.column)
-            return
-        if isinstance(engine_hashes, np.ndarray):
-            engine_hashes = engine_hashes.tolist()
-        pop1, column = state.blocks.pop1, state.column
-        for engine in engine_hashes:
-            if type(engine) is not int or not MIN_KEY <= engine <= _U64:
-                engine = engine_key(engine)
-            row = pop1(engine)
-            if row != MISSING:
-                self._drop_bit(row, column)
+        self._remove(state, engine_keys(engine_hashes))
+
+    def _remove(self, state: _SlotState, engine: np.ndarray) -> None:
+        kernels.remove_blocks(engine, state.column, *state.blocks.parts, *self._store_parts)
 
     def clear(self, slot: Slot) -> None:
         """AllBlocksCleared: the slot holds nothing (it stays known)."""
         state = self._slots.get(slot)
         if state is None:
             return
-        self._drop_bits(state.blocks.values(), state.column)
+        self._remove(state, state.blocks.live_keys())
         state.blocks = U64Table(_SLOT_CAPACITY)
         state.expiry.clear()
 
     def remove_slot(self, slot: Slot) -> None:
-        state = self._slots.pop(slot, None)
+        state = self._slots.get(slot)
         if state is None:
             return
-        self._drop_bits(state.blocks.values(), state.column)
+        self._remove(state, state.blocks.live_keys())
+        del self._slots[slot]
         self._col_slot[state.column] = None
         self._free_cols.append(state.column)
 
@@ -413,7 +304,17 @@ class KvIndex:
             return
         state = self._slot(slot)
         keys = chain_keys(0, hashes)
-        self._hold(state, keys, keys)  # the prefix key doubles as the "engine hash"
+        self._reserve(state, keys.size)
+        # the prefix key doubles as the "engine hash"
+        kernels.store_blocks(
+            keys,
+            hashes,
+            np.uint64(0),
+            False,
+            state.column,
+            *state.blocks.parts,
+            *self._store_parts,
+        )
         for key in keys.tolist():
             state.expiry[key] = expires_at
         self._approx.append((expires_at, slot, keys))
@@ -433,96 +334,35 @@ class KvIndex:
 
     # -- queries ---------------------------------------------------------------------------
     def find_matches(self, local_hashes: Sequence[int] | np.ndarray) -> dict[Slot, int]:
-        """{slot: number of leading blocks of the request the slot holds}, for slots with > 0."""
+        """{slot: number of leading blocks of the request the slot holds}, for slots with > 0.
+
+        The kernel walks the request's prefix keys, ANDing each slot's bit with the holders of
+        each block, and stops at the first block nobody holds. A list is converted to an array
+        in stages (64 blocks, then 256, 1,024 …) as the walk goes on."""
         n = len(local_hashes)
-        scores: dict[Slot, int] = {}
         if n == 0 or not self._slots:
-            return scores
-        # The first blocks one by one: masks as Python ints over all words.
-        head = local_hashes[:SCALAR_QUERY_BLOCKS]
-        if isinstance(head, np.ndarray):
-            head = head.tolist()
-        bits1, get1 = self._holders.bits1, self._keys.get1
-        key, alive = 0, -1
-        for depth, local in enumerate(head):
-            key = (key * _P + local) & _U64
-            row = get1(key if key >= MIN_KEY else MIN_KEY)
-            held = 0 if row == MISSING else bits1(row)
-            dropped = alive & ~held
-            alive &= held
-            if dropped and depth:
-                self._credit_int(scores, dropped, depth)
-            if not alive:
-                return scores
-        pos = len(head)
-        if pos == n:
-            self._credit_int(scores, alive, n)
-            return scores
-        # The rest vectorized. Its keys are chained in growing stages (512, 2048 … blocks) until
-        # a stage's last key is absent: nobody holds that prefix, so no score goes past it.
-        # Bisecting with single lookups tightens that bound; then every key up to it is looked
-        # up at once (an absent key gives row 0, held by nobody) and the holder masks are
-        # ANDed cumulatively.
-        alive &= (1 << len(self._col_slot)) - 1  # -1 ("everyone") when no block went one by one
-        keys = self._bounded_keys(local_hashes, pos, max(key, MIN_KEY) if pos else 0)
-        masks = self._holders.words_of(self._keys.get(keys, default=0))
-        # Each slot's bit evolves on its own under the cumulative AND, set on a prefix of the
-        # rows: the slot's contiguous match is the number of rows with its bit set.
-        held = np.bitwise_and.accumulate(masks, axis=0).view(np.uint8)
-        bits = np.unpackbits(held, axis=1, bitorder="little")
-        counts = np.add.reduce(bits, axis=0, dtype=_COUNT).tolist()
-        col_slot = self._col_slot
-        while alive:
-            low = alive & -alive
-            col = low.bit_length() - 1
-            depth = pos + counts[col]
-            slot = col_slot[col]
-            if depth and slot is not None:
-                scores[slot] = depth
-            alive ^= low
-        return scores
-
-    def _bounded_keys(self, local_hashes: Sequence[int] | np.ndarray, pos: int, parent: int):
-        """Prefix keys of `local_hashes[pos:]` (continuing `parent`) up to and including the
-        first one found absent, or all of them."""
-        n, get1, size = len(local_hashes), self._keys.get1, _FIRST_STAGE
-        stages = []
-        hashes, it = None, None
+            return {}
+        words = self._holders.words
+        alive = np.full(words, _U64, np.uint64)
+        out = np.empty(128 * words, np.int64)
+        parts = self._find_parts
         if isinstance(local_hashes, np.ndarray):
-            hashes = local_hashes.astype(np.uint64, copy=False)
-        else:  # a list: converted stage by stage, through one iterator (no slices)
+            hashes = np.ascontiguousarray(local_hashes, np.uint64)
+            _, _, nout = kernels.match_prefix(hashes, 0, np.uint64(0), True, alive, out, 0, *parts)
+        else:
             it = iter(local_hashes)
-            next(itertools.islice(it, pos, pos), None)  # skip the blocks done one by one
-        while pos < n:
-            count = min(size, n - pos)
-            part = (
-                hashes[pos : pos + count]
-                if hashes is not None
-                else np.fromiter(it, np.uint64, count)
-            )
-            keys = chain_keys(parent, part, clamp=False)
-            stages.append(keys)
-            parent = keys.item(-1)
-            if get1(max(parent, MIN_KEY)) == MISSING:
-                lo, hi = -1, keys.size - 1  # keys[lo] present (or the parent), keys[hi] absent
-                while hi - lo > _BISECT_STOP:
-                    mid = (lo + hi) // 2
-                    if get1(max(keys.item(mid), MIN_KEY)) == MISSING:
-                        hi = mid
-                    else:
-                        lo = mid
-                stages[-1] = keys[: hi + 1]
-                break
-            pos += count
-            size *= _STAGE_GROWTH
-        keys = stages[0] if len(stages) == 1 else np.concatenate(stages)
-        return np.maximum(keys, _MIN_KEY, out=keys)
-
-    def _credit_int(self, scores: dict[Slot, int], bits: int, depth: int) -> None:
+            depth, size, key, nout = 0, FIRST_STAGE, np.uint64(0), 0
+            while True:
+                count = min(size, n - depth)
+                part = np.fromiter(it, np.uint64, count)
+                last = depth + count == n
+                done, key, nout = kernels.match_prefix(
+                    part, depth, key, last, alive, out, nout, *parts
+                )
+                if done:
+                    break
+                depth += count
+                size *= _STAGE_GROWTH
+        found = out[: 2 * nout].tolist()
         col_slot = self._col_slot
-        while bits:
-            low = bits & -bits
-            slot = col_slot[low.bit_length() - 1]
-            if slot is not None:
-                scores[slot] = depth
-            bits ^= low
+        return {col_slot[c]: d for c, d in zip(found[::2], found[1::2], strict=True)}

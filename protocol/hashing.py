@@ -29,14 +29,23 @@ def as_token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(token_ids, dtype="<u4")
 
 
-def block_hashes(
+def block_hash_array(
     token_ids: Sequence[int] | np.ndarray, block_size: int, lora_name: str | None = None
-) -> list[int]:
-    """Hash every full block of `block_size` token ids; a partial tail block is dropped."""
+) -> np.ndarray:
+    """Hash every full block of `block_size` token ids into a uint64 array (what the router's
+    index takes without conversion); a partial tail block is dropped."""
     if block_size <= 0:
         raise ValueError(f"block_size must be a positive number of tokens, got {block_size}")
     data = as_token_array(token_ids).tobytes()
     step = block_size * 4
-    end = len(data) - len(data) % step
+    count = len(data) // step
     seed = block_hash_seed(lora_name)
-    return [_xxh3(data[i : i + step], seed) for i in range(0, end, step)]
+    blocks = (_xxh3(data[i : i + step], seed) for i in range(0, count * step, step))
+    return np.fromiter(blocks, np.uint64, count)
+
+
+def block_hashes(
+    token_ids: Sequence[int] | np.ndarray, block_size: int, lora_name: str | None = None
+) -> list[int]:
+    """`block_hash_array` as a list of Python ints."""
+    return block_hash_array(token_ids, block_size, lora_name).tolist()

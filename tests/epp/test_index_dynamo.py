@@ -17,6 +17,7 @@ salted run checks it against the simulator's truth only.
 import json
 import random
 
+import numpy as np
 import pytest
 
 from dynamograph.epp import index as index_module
@@ -28,13 +29,13 @@ dynamo = pytest.importorskip("dynamo._core", reason="needs PyPI ai-dynamo-runtim
 pytestmark = [pytest.mark.unit, pytest.mark.anchor]
 
 
-@pytest.fixture(params=["default", "vectorized", "scalar"])
+@pytest.fixture(params=["default", "one-block stages", "arrays"])
 def paths(request, monkeypatch):
-    """Run with the index's default split, everything as arrays, everything one by one."""
-    if request.param != "default":
-        limit = 0 if request.param == "vectorized" else 1 << 20
-        monkeypatch.setattr(index_module, "SCALAR_EVENT_BLOCKS", limit)
-        monkeypatch.setattr(index_module, "SCALAR_QUERY_BLOCKS", limit)
+    """Queries as lists converted in the index's default stages, as lists converted one block
+    per stage (every kernel call resumes the walk of the one before), and as uint64 arrays."""
+    if request.param == "one-block stages":
+        monkeypatch.setattr(index_module, "FIRST_STAGE", 1)
+        monkeypatch.setattr(index_module, "_STAGE_GROWTH", 1)
     return request.param
 
 
@@ -71,9 +72,16 @@ class Fleet:
     """Feeds the same engine behaviour to both indexes."""
 
     def __init__(
-        self, rng: random.Random, workers: int, ranks: int, alphabet: int, salted: bool = False
+        self,
+        rng: random.Random,
+        workers: int,
+        ranks: int,
+        alphabet: int,
+        salted: bool = False,
+        arrays: bool = False,
     ) -> None:
         self.rng = rng
+        self.arrays = arrays  # queries as uint64 arrays instead of lists
         self.ours = KvIndex()
         self.theirs = None if salted else dynamo.RadixTree()
         self.alphabet = alphabet
@@ -163,7 +171,7 @@ class Fleet:
             seq = self.request()
             tokens = [t for c in seq for t in tokens_of(c)]
             local = dynamo.compute_block_hash_for_seq(tokens, BLOCK)
-            ours = self.ours.find_matches(local)
+            ours = self.ours.find_matches(np.array(local, np.uint64) if self.arrays else local)
             if self.theirs is not None:
                 theirs = {k: v for k, v in self.theirs.find_matches(local).scores.items() if v}
                 assert ours == theirs, f"query {seq}"
@@ -175,7 +183,13 @@ class Fleet:
 @pytest.mark.parametrize("seed", range(3))
 def test_overlaps_equal_dynamo_on_random_interleavings(seed, paths):
     rng = random.Random(seed)
-    fleet = Fleet(rng, workers=rng.choice([3, 9, 70]), ranks=rng.choice([1, 2, 4]), alphabet=5)
+    fleet = Fleet(
+        rng,
+        workers=rng.choice([3, 9, 70]),
+        ranks=rng.choice([1, 2, 4]),
+        alphabet=5,
+        arrays=paths == "arrays",
+    )
     matched = 0
     for step in range(1500):
         fleet.step()
@@ -187,7 +201,7 @@ def test_overlaps_equal_dynamo_on_random_interleavings(seed, paths):
 
 def test_salted_engine_hashes_match_the_engines_caches(paths):
     rng = random.Random(7)
-    fleet = Fleet(rng, workers=12, ranks=2, alphabet=4, salted=True)
+    fleet = Fleet(rng, workers=12, ranks=2, alphabet=4, salted=True, arrays=paths == "arrays")
     matched = 0
     for step in range(1500):
         fleet.step()
@@ -199,7 +213,7 @@ def test_salted_engine_hashes_match_the_engines_caches(paths):
 def test_long_sequences_cross_chunk_boundaries(paths):
     """Matches longer than find_matches' first chunks (32, 128 …) still count exactly."""
     rng = random.Random(42)
-    fleet = Fleet(rng, workers=4, ranks=2, alphabet=3)
+    fleet = Fleet(rng, workers=4, ranks=2, alphabet=3, arrays=paths == "arrays")
     fleet.families = [fleet.random_seq(700) for _ in range(2)]
     for _ in range(120):
         fleet.store(rng.choice(list(fleet.engines)))
@@ -220,7 +234,7 @@ def test_unknown_parent_and_unknown_removal_are_skipped_like_dynamo():
 def test_many_slots_sharing_prefixes(paths):
     """160 slots (three mask words) and a tiny alphabet: most rows are shared by many slots."""
     rng = random.Random(11)
-    fleet = Fleet(rng, workers=40, ranks=4, alphabet=2)
+    fleet = Fleet(rng, workers=40, ranks=4, alphabet=2, arrays=paths == "arrays")
     matched = 0
     for step in range(1200):
         fleet.step()

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from dynamograph.protocol.hashing import block_hash_seed, block_hashes
+from dynamograph.protocol.hashing import block_hash_array, block_hash_seed, block_hashes
 
 dynamo = pytest.importorskip("dynamo._core", reason="needs PyPI ai-dynamo-runtime (dev extra)")
 
@@ -21,6 +21,14 @@ def test_equals_dynamo_on_random_sequences(block_size, lora_name):
         theirs = dynamo.compute_block_hash_for_seq(tokens.tolist(), block_size, lora_name=lora_name)
         assert ours == theirs
         assert len(ours) == n // block_size  # the partial tail is dropped
+
+
+def test_array_form_equals_the_list_form():
+    tokens = list(range(1000))
+    array = block_hash_array(tokens, 16, "a")
+    assert array.dtype == np.uint64 and array.size == 62
+    assert array.tolist() == block_hashes(tokens, 16, "a")
+    assert block_hash_array(tokens[:15], 16).size == 0
 
 
 def test_list_and_array_inputs_agree():

@@ -1,0 +1,429 @@
+"""The KV index's hot loops, compiled with numba: hash-table probes, holder bitmasks, and the
+three things the index does per message — store an event's blocks, remove them, and walk a
+query's prefix (`find_matches`).
+
+Everything here works on the flat numpy arrays that `table.U64Table`, `holders.Holders` and
+`index.KvIndex` own; those classes allocate and grow the arrays (in Python, rarely) and make
+room *before* calling a kernel, so a kernel never allocates index storage: it only reads and
+writes cells and the small int64 counter arrays (`meta`) next to them.
+
+Tables (`U64Table`): open addressing with linear probing over `keys` (uint64) and `vals`
+(int32); `meta = [live, used, shift]`. A key's home cell is the top bits of key · 2^64/φ
+(Fibonacci hashing). Keys 0 and 1 are reserved (EMPTY, TOMB): callers' keys are clamped to ≥ 2.
+A lookup stops at the first EMPTY cell; a deletion leaves a tombstone (counted in `used` until
+the next rebuild).
+
+Holders (`Holders`): per row the one owner column (int16, -1 for none) or, once two slots hold
+the row, an index into a matrix of bitmasks (one bit per slot column). `hmeta[0]` counts the
+free bitmask rows on the stack `sfree`.
+
+Rows (`KvIndex`): `row_key[row]` is the row's prefix key; free rows sit on the stack
+`free_rows` with `rmeta[0]` of them.
+
+Prefix keys chain the per-block hashes: key_i = P · key_{i-1} + h_i (mod 2^64), key_{-1} = 0.
+
+Each kernel is compiled for one signature (declared next to it) by `warm_up()`, which the
+index's tables call before their first use; compiled code is cached on disk when numba can
+write a cache (it runs uncached, silently, when it cannot).
+"""
+
+import logging
+import threading
+import warnings
+
+import numba
+import numpy as np
+from numba.cpython.unsafe.numbers import trailing_zeros
+
+log = logging.getLogger(__name__)
+
+EMPTY = np.uint64(0)
+TOMB = np.uint64(1)
+MIN_KEY = np.uint64(2)
+MISSING = -1
+NOBODY = -1
+LIVE, USED, SHIFT = 0, 1, 2  # a table's meta
+P = np.uint64(0xC2B2AE3D27D4EB4F)  # odd, so chaining is a bijection of the running key
+_GOLD = np.uint64(0x9E3779B97F4A7C15)
+_ONE = np.uint64(1)
+_LOW6 = np.uint64(63)
+
+_KERNELS: list[tuple[object, str]] = []
+_warm = False
+_warm_lock = threading.Lock()
+
+_U8 = "u8[::1]"
+_I4 = "i4[::1]"
+_I8 = "i8[::1]"
+_TABLE = f"{_U8}, {_I4}, {_I8}"
+_HOLDERS = f"i2[::1], {_I4}, u8[:, ::1], {_I4}, {_I8}"
+_ROWS = f"{_U8}, {_I4}, {_I8}"
+
+
+def _kernel(signature: str):
+    """A compiled entry point for `signature` (compiled by `warm_up`, never for other types)."""
+
+    def wrap(fn):
+        disp = numba.njit(nogil=True)(fn)
+        _KERNELS.append((disp, signature))
+        return disp
+
+    return wrap
+
+
+_inline = numba.njit(nogil=True, inline="always")
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) every kernel for its signature, once per process;
+    afterwards a call with other argument types fails instead of compiling again."""
+    global _warm
+    if _warm:
+        return
+    with _warm_lock:
+        if _warm:
+            return
+        with warnings.catch_warnings():
+            # a cache that cannot be written is not worth a warning per kernel
+            warnings.simplefilter("ignore", numba.NumbaWarning)
+            cached = True
+            for disp, signature in _KERNELS:
+                try:
+                    disp.enable_caching()
+                except RuntimeError:  # no writable cache location: compile in memory
+                    cached = False
+                disp.compile(signature)
+                disp.disable_compile()
+        if not cached:
+            log.debug("numba cannot write a cache here: index kernels compiled in memory")
+        _warm = True
+
+
+# -- hash tables ---------------------------------------------------------------------------
+@_inline
+def _home(key, meta):
+    return np.intp((key * _GOLD) >> np.uint64(meta[SHIFT]))
+
+
+@_inline
+def _clamp(key):
+    return key if key >= MIN_KEY else MIN_KEY
+
+
+@_inline
+def _find(tk, tv, meta, key):
+    """The value of `key`, or MISSING."""
+    mask = tk.size - 1
+    i = _home(key, meta)
+    while True:
+        k = tk[i]
+        if k == key:
+            return tv[i]
+        if k == EMPTY:
+            return MISSING
+        i = (i + 1) & mask
+
+
+@_inline
+def _upsert(tk, tv, meta, key, val):
+    """Set `key` to `val` (the table has room); the previous value, or MISSING."""
+    mask = tk.size - 1
+    i = _home(key, meta)
+    free = -1
+    while True:
+        k = tk[i]
+        if k == key:
+            old = tv[i]
+            tv[i] = val
+            return old
+        if k == EMPTY:
+            break
+        if k == TOMB and free < 0:
+            free = i
+        i = (i + 1) & mask
+    if free < 0:
+        free = i
+        meta[USED] += 1
+    tk[free] = key
+    tv[free] = val
+    meta[LIVE] += 1
+    return MISSING
+
+
+@_inline
+def _delete(tk, tv, meta, key):
+    """Remove `key`; its value, or MISSING."""
+    mask = tk.size - 1
+    i = _home(key, meta)
+    while True:
+        k = tk[i]
+        if k == key:
+            val = tv[i]
+            tk[i] = TOMB
+            tv[i] = MISSING
+            meta[LIVE] -= 1
+            return val
+        if k == EMPTY:
+            return MISSING
+        i = (i + 1) & mask
+
+
+@_kernel(f"i4[::1]({_U8}, {_TABLE})")
+def table_get(keys, tk, tv, meta):
+    out = np.empty(keys.size, np.int32)
+    for j in range(keys.size):
+        out[j] = _find(tk, tv, meta, keys[j])
+    return out
+
+
+@_kernel(f"i4[::1]({_U8}, {_I4}, {_TABLE})")
+def table_put(keys, vals, tk, tv, meta):
+    out = np.empty(keys.size, np.int32)
+    for j in range(keys.size):
+        out[j] = _upsert(tk, tv, meta, keys[j], vals[j])
+    return out
+
+
+@_kernel(f"i4[::1]({_U8}, {_TABLE})")
+def table_pop(keys, tk, tv, meta):
+    out = np.empty(keys.size, np.int32)
+    for j in range(keys.size):
+        out[j] = _delete(tk, tv, meta, keys[j])
+    return out
+
+
+@_kernel(f"void({_U8}, {_I4}, {_TABLE})")
+def table_rehash(old_keys, old_vals, tk, tv, meta):
+    """Insert the live cells of an old table into an empty new one."""
+    for j in range(old_keys.size):
+        if old_keys[j] >= MIN_KEY:
+            _upsert(tk, tv, meta, old_keys[j], old_vals[j])
+
+
+# -- holders -------------------------------------------------------------------------------
+@_inline
+def _bit(column):
+    return _ONE << (np.uint64(column) & _LOW6)
+
+
+@_inline
+def _hold(row, column, owner, shared_of, shared, sfree, hmeta):
+    """Add `column` to the row's holders (a free bitmask row is there when one is needed)."""
+    first = owner[row]
+    if first == column:
+        return
+    s = shared_of[row]
+    if s:
+        shared[s, column >> 6] |= _bit(column)
+    elif first == NOBODY:
+        owner[row] = column
+    else:
+        hmeta[0] -= 1
+        s = sfree[hmeta[0]]
+        shared[s, first >> 6] |= _bit(first)
+        shared[s, column >> 6] |= _bit(column)
+        shared_of[row] = s
+        owner[row] = NOBODY
+
+
+@_inline
+def _unhold(row, column, owner, shared_of, shared, sfree, hmeta):
+    """Take `column` off the row's holders; True when nobody holds the row any more."""
+    if owner[row] == column:
+        owner[row] = NOBODY
+        return True
+    s = shared_of[row]
+    if s == 0:
+        return False
+    shared[s, column >> 6] &= ~_bit(column)
+    for w in range(shared.shape[1]):
+        if shared[s, w]:
+            return False
+    shared_of[row] = 0
+    sfree[hmeta[0]] = s
+    hmeta[0] += 1
+    return True
+
+
+# -- the index -----------------------------------------------------------------------------
+@_inline
+def _drop(row, column, gk, gv, gm, row_key, free_rows, rmeta, owner, shared_of, shared, sfree, hm):
+    """Take `column` off `row`; a row nobody holds leaves the key table and is recycled."""
+    if _unhold(row, column, owner, shared_of, shared, sfree, hm):
+        _delete(gk, gv, gm, row_key[row])
+        free_rows[rmeta[0]] = row
+        rmeta[0] += 1
+
+
+@_kernel(f"{_U8}(u8, {_U8})")
+def prefix_keys(parent, hashes):
+    """Prefix keys of `hashes` continuing the prefix whose key is `parent` (0: none), clamped."""
+    out = np.empty(hashes.size, np.uint64)
+    key = parent
+    for i in range(hashes.size):
+        key = key * P + hashes[i]
+        out[i] = _clamp(key)
+    return out
+
+
+@_kernel(f"b1({_U8}, {_U8}, u8, b1, i8, {_TABLE}, {_TABLE}, {_ROWS}, {_HOLDERS})")
+def store_blocks(
+    engine,
+    local,
+    parent,
+    has_parent,
+    column,
+    sk,
+    sv,
+    sm,
+    gk,
+    gv,
+    gm,
+    row_key,
+    free_rows,
+    rmeta,
+    owner,
+    shared_of,
+    shared,
+    sfree,
+    hm,
+):
+    """A BlockStored on the slot whose engine-hash table is (sk, sv, sm) and bit is `column`:
+    block i has engine hash engine[i] and our hash local[i]; its parent is the slot's block
+    with engine hash `parent` when `has_parent`. False (nothing stored) when the slot does not
+    hold the parent. The caller made room for len(engine) new keys, rows and bitmask rows."""
+    key = np.uint64(0)
+    if has_parent:
+        prow = _find(sk, sv, sm, _clamp(parent))
+        if prow == MISSING:
+            return False
+        key = row_key[prow]
+    for i in range(engine.size):
+        key = key * P + local[i]
+        k = _clamp(key)
+        row = _find(gk, gv, gm, k)
+        if row == MISSING:
+            rmeta[0] -= 1
+            row = free_rows[rmeta[0]]
+            row_key[row] = k
+            _upsert(gk, gv, gm, k, row)
+        old = _upsert(sk, sv, sm, _clamp(engine[i]), row)
+        if old != MISSING and old != row:  # an engine hash reused for other content
+            _drop(
+                old,
+                column,
+                gk,
+                gv,
+                gm,
+                row_key,
+                free_rows,
+                rmeta,
+                owner,
+                shared_of,
+                shared,
+                sfree,
+                hm,
+            )
+        _hold(row, column, owner, shared_of, shared, sfree, hm)
+    return True
+
+
+@_kernel(f"i8({_U8}, i8, {_TABLE}, {_TABLE}, {_ROWS}, {_HOLDERS})")
+def remove_blocks(
+    engine,
+    column,
+    sk,
+    sv,
+    sm,
+    gk,
+    gv,
+    gm,
+    row_key,
+    free_rows,
+    rmeta,
+    owner,
+    shared_of,
+    shared,
+    sfree,
+    hm,
+):
+    """A BlockRemoved on the slot: each engine hash it holds goes; returns how many did."""
+    removed = 0
+    for i in range(engine.size):
+        row = _delete(sk, sv, sm, _clamp(engine[i]))
+        if row != MISSING:
+            removed += 1
+            _drop(
+                row,
+                column,
+                gk,
+                gv,
+                gm,
+                row_key,
+                free_rows,
+                rmeta,
+                owner,
+                shared_of,
+                shared,
+                sfree,
+                hm,
+            )
+    return removed
+
+
+@_inline
+def _emit(dropped, word, depth, out, nout):
+    """Record (column, depth) for every bit of `dropped` (when depth > 0)."""
+    if depth == 0:
+        return nout
+    while dropped:
+        low = dropped & (~dropped + _ONE)
+        out[2 * nout] = word * 64 + np.int64(trailing_zeros(low))
+        out[2 * nout + 1] = depth
+        nout += 1
+        dropped ^= low
+    return nout
+
+
+@_kernel(
+    f"Tuple((b1, u8, i8))({_U8}, i8, u8, b1, {_U8}, {_I8}, i8, {_TABLE}, i2[::1], {_I4}, u8[:, ::1])"
+)
+def match_prefix(hashes, depth, key, last, alive, out, nout, gk, gv, gm, owner, shared_of, shared):
+    """One stage of `find_matches`: hashes are the query's blocks from `depth` on, `key` the
+    prefix key before them, `alive` the bitmask of slots holding every block so far (all ones
+    before the first). Each slot's bit is ANDed with the holders of each block in turn; when
+    it drops at depth d the slot held d blocks contiguously: (column, d) goes to `out` (pairs,
+    `nout` of them). Stops at the first block nobody holds. Returns (done, key, nout); when not
+    done (the stage ran out with slots alive and it was not the `last`), call again with the
+    next stage."""
+    words = alive.size
+    for i in range(hashes.size):
+        key = key * P + hashes[i]
+        row = _find(gk, gv, gm, _clamp(key))
+        d = depth + i
+        if row == MISSING:
+            for w in range(words):
+                nout = _emit(alive[w], w, d, out, nout)
+            return True, key, nout
+        first = owner[row]
+        s = shared_of[row]
+        left = False
+        for w in range(words):
+            a = alive[w]
+            if a == 0:
+                continue
+            if first != NOBODY:
+                h = _bit(first) if (first >> 6) == w else np.uint64(0)
+            else:
+                h = shared[s, w]
+            nout = _emit(a & ~h, w, d, out, nout)
+            a &= h
+            alive[w] = a
+            left = left or a != 0
+        if not left:
+            return True, key, nout
+    if last:
+        for w in range(words):
+            nout = _emit(alive[w], w, depth + hashes.size, out, nout)
+        return True, key, nout
+    return False, key, nout
