@@ -136,6 +136,10 @@ class KvIndex:
             *self._holders.parts,
         )
         self._find_parts = (*self._keys.parts, *self._holders.parts[:3])
+        # find_matches' scratch: the slots' bits still alive, (column, depth) pairs found
+        words = self._holders.words
+        self._alive = np.empty(words, np.uint64)
+        self._found = np.empty(128 * words, np.int64)
 
     # -- slots -----------------------------------------------------------------------------
     def _slot(self, slot: Slot) -> _SlotState:
@@ -342,13 +346,11 @@ class KvIndex:
         n = len(local_hashes)
         if n == 0 or not self._slots:
             return {}
-        words = self._holders.words
-        alive = np.full(words, _U64, np.uint64)
-        out = np.empty(128 * words, np.int64)
-        parts = self._find_parts
+        alive, out, parts = self._alive, self._found, self._find_parts
+        match = kernels.match_prefix
         if isinstance(local_hashes, np.ndarray):
             hashes = np.ascontiguousarray(local_hashes, np.uint64)
-            _, _, nout = kernels.match_prefix(hashes, 0, np.uint64(0), True, alive, out, 0, *parts)
+            _, _, nout = match(hashes, 0, np.uint64(0), True, alive, out, 0, *parts)
         else:
             it = iter(local_hashes)
             depth, size, key, nout = 0, FIRST_STAGE, np.uint64(0), 0
@@ -356,9 +358,7 @@ class KvIndex:
                 count = min(size, n - depth)
                 part = np.fromiter(it, np.uint64, count)
                 last = depth + count == n
-                done, key, nout = kernels.match_prefix(
-                    part, depth, key, last, alive, out, nout, *parts
-                )
+                done, key, nout = match(part, depth, key, last, alive, out, nout, *parts)
                 if done:
                     break
                 depth += count

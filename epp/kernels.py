@@ -390,13 +390,15 @@ def _emit(dropped, word, depth, out, nout):
 )
 def match_prefix(hashes, depth, key, last, alive, out, nout, gk, gv, gm, owner, shared_of, shared):
     """One stage of `find_matches`: hashes are the query's blocks from `depth` on, `key` the
-    prefix key before them, `alive` the bitmask of slots holding every block so far (all ones
-    before the first). Each slot's bit is ANDed with the holders of each block in turn; when
+    prefix key before them, `alive` the bitmask of slots holding every block so far (set to all
+    ones at depth 0). Each slot's bit is ANDed with the holders of each block in turn; when
     it drops at depth d the slot held d blocks contiguously: (column, d) goes to `out` (pairs,
     `nout` of them). Stops at the first block nobody holds. Returns (done, key, nout); when not
     done (the stage ran out with slots alive and it was not the `last`), call again with the
     next stage."""
     words = alive.size
+    if depth == 0:
+        alive[:] = ~np.uint64(0)
     for i in range(hashes.size):
         key = key * P + hashes[i]
         row = _find(gk, gv, gm, _clamp(key))

@@ -6,7 +6,10 @@ the seed (1337 + XXH3-64 of the name, wrapping), so equal tokens under different
 share a block. The hashes are per block, not chained: position comes from the index's path.
 """
 
+import array
+import sys
 from collections.abc import Sequence
+from itertools import repeat
 
 import numpy as np
 import xxhash
@@ -15,6 +18,7 @@ BLOCK_HASH_SEED = 1337
 _U64 = (1 << 64) - 1
 
 _xxh3 = xxhash.xxh3_64_intdigest
+_NATIVE_U32 = sys.byteorder == "little" and array.array("I").itemsize == 4
 
 
 def block_hash_seed(lora_name: str | None = None) -> int:
@@ -26,6 +30,9 @@ def block_hash_seed(lora_name: str | None = None) -> int:
 
 def as_token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
     """Token ids as a contiguous little-endian u32 array (no copy when it already is one)."""
+    if _NATIVE_U32 and not isinstance(token_ids, np.ndarray):
+        # the stdlib converts a list of small ints ~3× faster than numpy does
+        return np.frombuffer(array.array("I", token_ids), dtype="<u4")
     return np.ascontiguousarray(token_ids, dtype="<u4")
 
 
@@ -40,8 +47,8 @@ def block_hash_array(
     step = block_size * 4
     count = len(data) // step
     seed = block_hash_seed(lora_name)
-    blocks = (_xxh3(data[i : i + step], seed) for i in range(0, count * step, step))
-    return np.fromiter(blocks, np.uint64, count)
+    chunks = (data[i : i + step] for i in range(0, count * step, step))
+    return np.fromiter(map(_xxh3, chunks, repeat(seed)), np.uint64, count)
 
 
 def block_hashes(
