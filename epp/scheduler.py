@@ -14,6 +14,11 @@ and the frontend's `kv` mode drive it the same way:
     with decision.guard:                                  # None for query-only requests
         ... first token → decision.guard.mark_prefill_done() ...
 
+Prefill completion has two witnesses: the first output token (the caller's
+`mark_prefill_done`) and, with KV events on, the engine storing the prompt's last full block on
+the booked slot. The second matters behind a gateway: for a non-streaming answer the EPP sees no
+output before the whole answer, and would otherwise count the prefill as pending until the end.
+
 Errors are exceptions carrying the HTTP status a caller should answer with:
 `NoEligibleWorker` (503, with the reason) and `Overloaded` (429, with Retry-After).
 """
@@ -27,10 +32,10 @@ from dataclasses import dataclass, field
 
 from dynamograph.protocol.engine import EngineConfig, Role
 from dynamograph.protocol.headers import RoutingHeaders
-from dynamograph.protocol.kv_events import EventBatch
+from dynamograph.protocol.kv_events import BlockStored, EventBatch
 from dynamograph.protocol.nvext import NvExt, SessionAction, SessionControl
 
-from .active import ActiveRequests, RequestGuard, Slot
+from .active import ActiveRequests, Booking, RequestGuard, Slot
 from .config import Policy, RouterConfig
 from .index import KvIndex, as_u64, chain_keys
 from .plugins import BUSY, FILTERS, SCORERS, Candidate, Context, KvPicker, Phase, make_picker
@@ -190,6 +195,8 @@ class Router:
         self._block_size: int | None = None
         self._seqs = SequenceTracker()
         self._sessions: OrderedDict[str, _Binding] = OrderedDict()
+        # per slot, bookings whose prefill is pending, with the prompt hashes that settle it
+        self._prefilling: dict[Slot, list[tuple[Booking, Sequence[int]]]] = {}
 
     # -- workers -------------------------------------------------------------------------
     def add_engine(self, config: EngineConfig) -> bool:
@@ -270,6 +277,7 @@ class Router:
             self._block_size = None
 
     def _drop_slot(self, slot: Slot) -> None:
+        self._prefilling.pop(slot, None)
         self.index.remove_slot(slot)
         self._seqs.forget(slot)
         self.active.drop_slot(slot)
@@ -345,7 +353,24 @@ class Router:
             log.info("worker %d rank %d: KV event sequence restarted; clearing", worker_id, rank)
             self.index.clear(slot)
         self.index.apply_events(slot, batch.events, self._lora_ids.get(worker_id))
+        if slot in self._prefilling and any(isinstance(e, BlockStored) for e in batch.events):
+            self._settle_prefills(slot)
         return None
+
+    def _settle_prefills(self, slot: Slot) -> None:
+        """Pending prefills on `slot` whose whole keyed prompt the engine now holds are done."""
+        pending = []
+        for booking, hashes in self._prefilling[slot]:
+            if not booking.live or booking.prefill == 0:
+                continue
+            if self.index.find_matches(hashes).get(slot, 0) >= len(hashes):
+                self.active.prefill_done(booking)
+            else:
+                pending.append((booking, hashes))
+        if pending:
+            self._prefilling[slot] = pending
+        else:
+            del self._prefilling[slot]
 
     def replay_failed(self, worker_id: int, dp_rank: int | None = None) -> None:
         """Replay could not fill a gap: clear that worker's (rank's) blocks and restart tracking."""
@@ -470,6 +495,8 @@ class Router:
             for c in candidates:
                 scorer.score(ctx, c)
         chosen = self._picker.pick(ctx, candidates)
+        if log.isEnabledFor(logging.DEBUG):
+            _log_choice(ctx, chosen, candidates)
         return Pick(chosen.slot[0], chosen.slot[1], chosen.overlap, chosen.cost)
 
     def _pinned(self, ctx: Context, worker_id: int, dp_rank: int | None) -> Pick:
@@ -550,4 +577,30 @@ class Router:
             prefill_blocks=0 if prefill is not None else uncached,
             expected_output_tokens=request.expected_output_tokens,
         )
+        if self.config.use_kv_events and len(prompt_keys) > (prefill or decode).overlap_blocks:
+            computing = prefill_booking or decode_booking
+            entries = self._prefilling.setdefault(computing.slot, [])
+            entries.append((computing, request.block_hashes))
+            if len(entries) > 64:  # freed bookings leave only when the slot's events come
+                entries[:] = [(b, h) for b, h in entries if b.live and b.prefill]
         return RequestGuard(self.active, request.request_id, decode_booking, prefill_booking)
+
+
+def _log_choice(ctx: Context, chosen: Candidate, candidates: list[Candidate]) -> None:
+    """Why a selection went where it did: the chosen slot and the cheapest others' cost terms."""
+    others = sorted((c for c in candidates if c is not chosen), key=lambda c: c.cost)[:3]
+    log.debug(
+        "%s pick %s of %d blocks: %s; next: %s",
+        ctx.phase.value,
+        chosen.slot,
+        ctx.prompt_blocks,
+        _terms(chosen),
+        ", ".join(f"{c.slot} {_terms(c)}" for c in others) or "none",
+    )
+
+
+def _terms(c: Candidate) -> str:
+    return (
+        f"overlap={c.overlap} prefill={c.prefill_blocks:g} decode={c.decode_blocks:g} "
+        f"cost={c.cost:g} requests={c.load.requests}"
+    )

@@ -68,6 +68,25 @@ def cache(router: Router, worker: int, toks, rank: int = 0, lora_id=None) -> Non
 # -- cost and temperature -------------------------------------------------------------------
 
 
+def test_engine_storing_the_prompt_settles_its_pending_prefill():
+    """Behind a gateway a non-streaming answer shows no first token until the end; the KV
+    events of the booked worker storing the whole prompt end the prefill load instead."""
+    router = make_router(workers=(1, 2))
+    prompt = tokens(42)  # 10 full blocks + a partial one
+    d = router.schedule(request(prompt))
+    slot = (d.decode.worker_id, d.decode.dp_rank)
+    other = 3 - slot[0]
+    assert router.active.load(slot).prefill_blocks == 11
+    cache(router, other, prompt)  # another worker storing it settles nothing here
+    cache(router, slot[0], prompt[:20])  # the first chunk: still prefilling
+    assert router.active.load(slot).prefill_blocks == 11 and not d.guard.prefill_done
+    cache(router, slot[0], prompt)
+    assert router.active.load(slot).prefill_blocks == 0 and d.guard.prefill_done
+    assert router.active.load(slot).decode_blocks == 11  # still decoding: blocks held
+    d.guard.free()
+    assert router.active.loads() == {} and router._prefilling == {}
+
+
 def test_requests_sharing_a_prefix_load_the_worker_once():
     """Decode load counts a slot's distinct prompt blocks (Dynamo's unique blocks): live
     requests on one system prompt must not push the next one off the worker that caches it."""
@@ -505,7 +524,8 @@ def test_sticky_pick_reports_its_overlap_and_books_only_uncached_blocks():
     cache(router, bound, tokens(32))
     d = router.schedule(request(tokens(40), rid="next", session=s))
     assert d.decode.sticky and d.decode.overlap_blocks == 8
-    assert router.active.load((bound, 0)).prefill_blocks == 2 + 2  # both requests' uncached
+    # the new request's 2 uncached blocks; the first's were settled when the worker stored them
+    assert router.active.load((bound, 0)).prefill_blocks == 2
     first.guard.free()
     d.guard.free()
 
