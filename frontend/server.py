@@ -4,8 +4,9 @@ Per generation request: read the body (capped), merge routing headers into `nvex
 mode's picker choose discovered workers, run the prefill leg when the route is disaggregated,
 then send the decode leg and pass its answer through — byte for byte, chunk by chunk for SSE,
 parsed only when the client asked for response `nvext` fields. A client that goes away cancels
-the handler (aiohttp handler cancellation), which closes the engine connection of whichever leg
-is running, so the engine frees the request.
+the request's task (`asgi.Exchange.cancel_on_disconnect`), which closes the engine connection of
+whichever leg is running, so the engine frees the request. The HTTP server is uvicorn running
+this module's plain ASGI app (`asgi.py`); no web framework sits in the hop.
 """
 
 import asyncio
@@ -16,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from aiohttp import web
 
 from dynamograph.epp.discovery import Discovery, WorkerRecord
 from dynamograph.protocol.engine import Role
@@ -31,6 +31,7 @@ from dynamograph.protocol.openai import (
 )
 
 from . import nvext_out
+from .asgi import AsgiServer, BodyTooLarge, ClientGone, Exchange, Headers, Receive, Scope, Send
 from .directory import WorkerDirectory
 from .handoff import (
     HandoffError,
@@ -48,9 +49,11 @@ from .upstream import EngineClient, UpstreamError, describe
 log = logging.getLogger(__name__)
 
 JSON = "application/json"
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+_JSON_HEADERS: Headers = [(b"content-type", b"application/json")]
+_SSE_HEADERS: Headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 # Engine response headers worth keeping: the request id and which worker / rank served it.
 PASSED_RESPONSE_HEADERS = ("x-request-id", "x-dynamograph-worker-id", "x-dynamograph-dp-rank")
+GENERATE_PATHS = (CHAT_COMPLETIONS, COMPLETIONS)
 DEFAULT_MAX_BODY_BYTES = 10 * 1024 * 1024
 
 
@@ -79,10 +82,16 @@ def _outcome(status: int) -> str:
     return "client_error"
 
 
-def _error(exc: OpenAIError) -> web.Response:
+async def _send_error(exchange: Exchange, exc: OpenAIError) -> None:
+    headers = list(_JSON_HEADERS)
     retry_after = getattr(exc, "retry_after", None)  # kv mode sheds load with 429
-    headers = {"Retry-After": str(max(1, math.ceil(retry_after)))} if retry_after else None
-    return web.Response(body=exc.json(), status=exc.status, content_type=JSON, headers=headers)
+    if retry_after:
+        headers.append((b"retry-after", b"%d" % max(1, math.ceil(retry_after))))
+    await exchange.respond(exc.status, exc.json(), headers)
+
+
+async def _send_json(exchange: Exchange, obj: Any, status: int = 200) -> None:
+    await exchange.respond(status, orjson.dumps(obj), _JSON_HEADERS)
 
 
 def _engine_message(raw: bytes) -> str:
@@ -98,7 +107,8 @@ def _engine_message(raw: bytes) -> str:
 
 class Frontend:
     """One frontend process (or, in tests, one of several in a process). Use as
-    `async with Frontend(config, discovery) as fe:` or start()/stop(); `fe.url` once started."""
+    `async with Frontend(config, discovery) as fe:` or start()/stop(); `fe.url` once started.
+    The instance is the ASGI app uvicorn serves."""
 
     def __init__(self, config: FrontendConfig, graph: Discovery | None = None):
         self.config = config
@@ -108,8 +118,16 @@ class Frontend:
             request_timeout=config.request_timeout, connect_timeout=config.connect_timeout
         )
         self.picker: Picker = self._picker()
-        self.app = self._app()
-        self._runner: web.AppRunner | None = None
+        # path → (methods, handler); HEAD is answered like GET (uvicorn drops the body)
+        self._routes = {
+            CHAT_COMPLETIONS: (("POST",), self.generate),
+            COMPLETIONS: (("POST",), self.generate),
+            MODELS: (("GET", "HEAD"), self.models),
+            "/health": (("GET", "HEAD"), self.health),
+            "/live": (("GET", "HEAD"), self.live),
+            "/metrics": (("GET", "HEAD"), self.metrics_page),
+        }
+        self._server = AsgiServer(self)
         self.url: str | None = None
 
     def _picker(self) -> Picker:
@@ -127,35 +145,18 @@ class Frontend:
             config=cfg.router,
         )
 
-    def _app(self) -> web.Application:
-        # The body cap is enforced by our own reader (with an OpenAI error); aiohttp's limit
-        # is set just above it as a backstop for chunked bodies.
-        app = web.Application(client_max_size=self.config.max_body_bytes + 1)
-        app.router.add_post(CHAT_COMPLETIONS, self.generate)
-        app.router.add_post(COMPLETIONS, self.generate)
-        app.router.add_get(MODELS, self.models)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/live", self.live)
-        app.router.add_get("/metrics", self.metrics_page)
-        return app
-
     # -- lifecycle --
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         await self.client.start()
         await self.directory.start()
         await self.picker.start()
-        self._runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
-        await site.start()
-        bound = self._runner.addresses[0][1]
-        self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{bound}"
+        bound = await self._server.start(host, port)
+        shown = "127.0.0.1" if host in ("0.0.0.0", "") else f"[{host}]" if ":" in host else host
+        self.url = f"http://{shown}:{bound}"
         return self.url
 
     async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        await self._server.stop()
         await self.picker.stop()
         await self.directory.stop()
         await self.client.stop()
@@ -168,8 +169,34 @@ class Frontend:
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
 
+    # -- the ASGI app --
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":  # no lifespan events (off), no websockets
+            return
+        exchange = Exchange(scope, receive, send)
+        found = self._routes.get(exchange.path)
+        try:
+            if found is None:
+                await _send_error(exchange, OpenAIError(404, f"no such path: {exchange.path}"))
+            elif exchange.method not in found[0]:
+                await _send_error(
+                    exchange,
+                    OpenAIError(405, f"{exchange.method} is not allowed on {exchange.path}"),
+                )
+            else:
+                await found[1](exchange)
+        except asyncio.CancelledError:
+            if not exchange.gone:
+                raise
+            # The client went away: nobody to answer, nothing to report (counted already).
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+        finally:
+            exchange.done()
+
     # -- small endpoints --
-    async def health(self, request: web.Request) -> web.Response:
+    async def health(self, exchange: Exchange) -> None:
         local = self.directory.local_record
         body: dict[str, Any] = {
             "status": "ok" if self.directory.ready() else "not ready",
@@ -180,48 +207,49 @@ class Frontend:
         reason = self.directory.not_ready()
         if reason is not None:
             body["reason"] = reason
-        return web.json_response(body, status=503 if reason else 200)
+        await _send_json(exchange, body, 503 if reason else 200)
 
-    async def live(self, request: web.Request) -> web.Response:
+    async def live(self, exchange: Exchange) -> None:
         """Liveness: the process answers. Unlike /health it does not wait for the engine, so a
         slow model load does not get the sidecar restarted."""
-        return web.json_response({"status": "alive"})
+        await _send_json(exchange, {"status": "alive"})
 
-    async def metrics_page(self, request: web.Request) -> web.Response:
+    async def metrics_page(self, exchange: Exchange) -> None:
         for role in Role:
             self.metrics.workers.labels(role.value).set(len(self.directory.with_roles([role])))
-        return web.Response(body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE})
+        await exchange.respond(
+            200, self.metrics.exposition(), [(b"content-type", CONTENT_TYPE.encode())]
+        )
 
-    async def models(self, request: web.Request) -> web.Response:
+    async def models(self, exchange: Exchange) -> None:
         """The local engine's list as it gives it; standalone, the graph's served models."""
         local = self.directory.local_record
         if local is not None:
             try:
-                response = await self.client.get(local, MODELS, "local")
+                status, raw = await self.client.get(local, MODELS, "local")
             except UpstreamError as exc:
-                return _error(exc)
-            return web.Response(body=response[1], status=response[0], content_type=JSON)
+                await _send_error(exchange, exc)
+                return
+            await exchange.respond(status, raw, _JSON_HEADERS)
+            return
         names = sorted({r.config.served_model_name for r in self.directory.records()})
         data = [{"id": n, "object": "model", "owned_by": "dynamograph"} for n in names]
-        return web.json_response({"object": "list", "data": data})
+        await _send_json(exchange, {"object": "list", "data": data})
 
     # -- generation --
-    async def _read_body(self, request: web.Request) -> bytes:
+    async def _read_body(self, exchange: Exchange) -> bytes:
         cap = self.config.max_body_bytes
-        too_large = f"request body is over the frontend's limit of {cap} bytes (--max-body-bytes)"
-        if request.content_length is not None and request.content_length > cap:
-            raise OpenAIError(
-                413, too_large.replace("is over", f"of {request.content_length} B is over")
-            )
         try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise OpenAIError(413, too_large) from None
-        if len(raw) > cap:
-            raise OpenAIError(413, too_large)
-        return raw
+            return await exchange.body(cap)
+        except BodyTooLarge as exc:
+            size = f" of {exc.length} B" if exc.length is not None else ""
+            raise OpenAIError(
+                413,
+                f"request body{size} is over the frontend's limit of {cap} bytes "
+                "(--max-body-bytes)",
+            ) from None
 
-    async def generate(self, request: web.Request) -> web.StreamResponse:
+    async def generate(self, exchange: Exchange) -> None:
         trace = nvext_out.Trace.begin()
         metrics = self.metrics
         mode = self.config.mode.value
@@ -231,51 +259,58 @@ class Frontend:
         route: Route | None = None
         metrics.inflight.inc()
         try:
-            raw = await self._read_body(request)
+            raw = await self._read_body(exchange)
+            exchange.cancel_on_disconnect()
             body = parse_json_body(raw)
             try:
                 nvext = parse_nvext(body.get("nvext"))
             except NvExtError as exc:
                 raise OpenAIError(400, str(exc), param="nvext") from None
-            nvext, pins = merge(nvext, parse_routing_headers(request.headers))
+            nvext, pins = merge(nvext, parse_routing_headers(exchange.headers))
             reject_client_transfer_params(body)
             stream = body.get("stream") is True
-            route = await self.picker.pick(pins, nvext, request.path, body)
+            route = await self.picker.pick(pins, nvext, exchange.path, body)
             trace.decode = route.decode_target
             payload = raw
             if route.prefill is not None:
                 disagg = "true"
-                params = await self._prefill(request, route, body, trace)
+                params = await self._prefill(exchange, route, body, trace)
                 if params is not None:
                     payload = orjson.dumps(decode_request(body, params))
                 else:
                     disagg = "fallback"
-            response = await self._decode(request, route, payload, nvext, trace, stream)
-            outcome = _outcome(trace.stream_error or response.status)
-            return response
+            status = await self._decode(exchange, route, payload, nvext, trace, stream)
+            outcome = _outcome(trace.stream_error or status)
         except OpenAIError as exc:
             outcome = _outcome(exc.status)
             if isinstance(exc, UpstreamError):
                 log.warning("%s", exc.message)
-            return _error(exc)
+            await self._fail(exchange, exc)
+        except ClientGone:  # the client left before its body arrived: nobody to answer
+            outcome = "cancelled"
         except asyncio.CancelledError:
             outcome = "cancelled"
             raise
-        except _ClientGone as gone:
-            outcome = "cancelled"
-            return gone.response
         except Exception as exc:  # a bug: answer in OpenAI's shape and count it, not a bare 500
             outcome = "error"
-            log.exception("frontend failed on %s", request.path)
-            return _error(OpenAIError(500, f"frontend error: {type(exc).__name__}: {exc}"))
+            log.exception("frontend failed on %s", exchange.path)
+            await self._fail(
+                exchange, OpenAIError(500, f"frontend error: {type(exc).__name__}: {exc}")
+            )
         finally:
             metrics.inflight.dec()
             metrics.finished(mode, outcome, disagg, stream, trace.elapsed())
             if route is not None and route.booking is not None:
                 route.booking.free()
 
-    def _headers(self, request: web.Request, dp_rank: int | None) -> bytes:
-        return EngineClient.headers(request.headers, dp_rank)
+    @staticmethod
+    async def _fail(exchange: Exchange, exc: OpenAIError) -> None:
+        """An error answer; once a stream has begun, an in-stream error event that ends it."""
+        if not exchange.started:
+            await _send_error(exchange, exc)
+            return
+        await exchange.write(b"data: " + exc.json() + b"\n\n")
+        await exchange.end()
 
     def _upstream_failed(self, exc: UpstreamError, record: WorkerRecord, leg: str) -> None:
         self.metrics.upstream_errors.labels(leg, exc.kind).inc()
@@ -283,7 +318,7 @@ class Frontend:
             self.directory.mark_unreachable(record.instance_id)
 
     async def _prefill(
-        self, request: web.Request, route: Route, body: dict[str, Any], trace: nvext_out.Trace
+        self, exchange: Exchange, route: Route, body: dict[str, Any], trace: nvext_out.Trace
     ) -> dict[str, Any] | None:
         """Run the prefill leg; its `kv_transfer_params`, or None to serve aggregated instead."""
         assert route.prefill is not None and route.prefill_target is not None
@@ -293,9 +328,9 @@ class Frontend:
         try:
             status, raw = await self._call(
                 record,
-                request.path,
+                exchange.path,
                 orjson.dumps(prefill_request(body)),
-                self._headers(request, route.prefill_target.dp_rank),
+                EngineClient.headers(exchange.headers, route.prefill_target.dp_rank),
                 "prefill",
             )
             where = describe(record, "prefill")
@@ -338,18 +373,19 @@ class Frontend:
 
     async def _decode(
         self,
-        request: web.Request,
+        exchange: Exchange,
         route: Route,
         payload: bytes,
         nvext: NvExt | None,
         trace: nvext_out.Trace,
         stream: bool,
-    ) -> web.StreamResponse:
+    ) -> int:
+        """The decode leg, answered to the client; the status sent."""
         record = route.decode
-        headers = self._headers(request, route.decode_target.dp_rank)
+        headers = EngineClient.headers(exchange.headers, route.decode_target.dp_rank)
         want_ext = nvext_out.wanted(nvext)
         try:
-            upstream = await self.client.open(record, request.path, payload, headers, "decode")
+            upstream = await self.client.open(record, exchange.path, payload, headers, "decode")
         except UpstreamError as exc:
             self._upstream_failed(exc, record, "decode")
             raise
@@ -365,10 +401,12 @@ class Frontend:
                 if want_ext and upstream.status == 200:
                     raw = nvext_out.add_to_body(raw, self._ext(nvext, trace))
                 self._first_byte(route, stream, trace)
-                headers = _passed_headers(upstream)
-                headers["Content-Type"] = upstream.headers.get("content-type", JSON)
-                return web.Response(body=raw, status=upstream.status, headers=headers)
-            return await self._relay(request, upstream, route, nvext, trace, want_ext)
+                content_type = upstream.headers.get("content-type", JSON)
+                headers = [(b"content-type", content_type.encode("latin-1"))]
+                await exchange.respond(upstream.status, raw, headers + _passed_headers(upstream))
+                return upstream.status
+            await self._relay(exchange, upstream, route, nvext, trace, want_ext)
+            return 200
         finally:
             _finish(upstream)
 
@@ -385,18 +423,17 @@ class Frontend:
 
     async def _relay(
         self,
-        request: web.Request,
+        exchange: Exchange,
         upstream: Response,
         route: Route,
         nvext: NvExt | None,
         trace: nvext_out.Trace,
         want_ext: bool,
-    ) -> web.StreamResponse:
+    ) -> None:
         """SSE pass-through, chunk by chunk; the final chunk gains `nvext` when asked."""
         record = route.decode
         injector = nvext_out.FinalChunkInjector(self._ext(nvext, trace)) if want_ext else None
-        response = web.StreamResponse(status=200, headers=SSE_HEADERS | _passed_headers(upstream))
-        await response.prepare(request)
+        await exchange.start(200, _SSE_HEADERS + _passed_headers(upstream))
         first = True
         while True:
             try:
@@ -406,7 +443,7 @@ class Frontend:
                 self._upstream_failed(exc, record, "decode")
                 log.warning("%s", exc.message)
                 trace.stream_error = exc.status
-                await self._write(response, b"data: " + exc.json() + b"\n\n")
+                await exchange.write(b"data: " + exc.json() + b"\n\n")
                 break
             if not chunk:
                 break
@@ -418,40 +455,21 @@ class Frontend:
                 chunk = injector.feed(chunk)
                 if not chunk:
                     continue
-            await self._write(response, chunk)
+            await exchange.write(chunk)
         if injector is not None:
             tail = injector.close()
             if tail:
-                await self._write(response, tail)
-        await self._write_eof(response)
-        return response
-
-    @staticmethod
-    async def _write(response: web.StreamResponse, data: bytes) -> None:
-        try:
-            await response.write(data)
-        except ConnectionError as exc:  # aiohttp's ClientConnectionResetError is one
-            raise _ClientGone(response) from exc
-
-    @staticmethod
-    async def _write_eof(response: web.StreamResponse) -> None:
-        try:
-            await response.write_eof()
-        except ConnectionError as exc:
-            raise _ClientGone(response) from exc
+                await exchange.write(tail)
+        await exchange.end()
 
 
-class _ClientGone(Exception):
-    """The client closed its connection while we were writing to it."""
-
-    def __init__(self, response: web.StreamResponse):
-        super().__init__("client disconnected")
-        self.response = response
-
-
-def _passed_headers(upstream: Response) -> dict[str, str]:
+def _passed_headers(upstream: Response) -> Headers:
     found = upstream.headers
-    return {name: found[name] for name in PASSED_RESPONSE_HEADERS if name in found}
+    return [
+        (name.encode(), found[name].encode("latin-1"))
+        for name in PASSED_RESPONSE_HEADERS
+        if name in found
+    ]
 
 
 def _finish(response: Response) -> None:

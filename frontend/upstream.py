@@ -57,7 +57,7 @@ class EngineClient:
         for name in FORWARDED_HEADERS:
             value = client_headers.get(name)
             if value is not None and "\r" not in value and "\n" not in value:
-                out += b"%s: %s\r\n" % (name.encode(), value.encode("utf-8", "surrogateescape"))
+                out += b"%s: %s\r\n" % (name.encode(), value.encode("latin-1"))
         if dp_rank is not None:
             out += b"%s: %d\r\n" % (_DP_RANK_HEADER, dp_rank)
         return out
