@@ -1,11 +1,16 @@
 """What a worker says about itself at `GET /v1/engine` (DESIGN §3.2).
 
 The seed's `EngineConfig` (from the LLMEngine trait) plus the fields a router needs: instance
-id, role, data-parallel size, tokenizer identity and where the KV events are published. Routers
-take the KV block size from here and nowhere else: a wrong block size silently turns KV routing
-into load-only routing.
+id, role, data-parallel size, tokenizer identity, where the KV events are published and the
+LoRA adapters served. Routers take the KV block size from here and nowhere else: a wrong block
+size silently turns KV routing into load-only routing.
+
+`served_models(configs)` is the one rule for what a request's `model` means (the worker, the
+EPP and the frontend's kv mode all use it): a served model name is the base model, an adapter
+name is that LoRA adapter, anything else is unknown (404).
 """
 
+from collections.abc import Iterable
 from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -52,3 +57,21 @@ class EngineConfig(BaseModel):
     tokenizer: str = Field(description="tokenizer identity; equal strings tokenize identically")
     kv_events: KvEventsEndpoint | None = None
     engine: str = Field(default="mock", description="engine implementation: mock or vllm")
+    lora_adapters: dict[int, str] = Field(
+        default_factory=dict,
+        description="LoRA adapters served, vLLM's lora_int_id → adapter name (ids 1, 2, … in "
+        "load order); KV events name an adapter by this id",
+    )
+
+
+def served_models(configs: Iterable[EngineConfig]) -> dict[str, str | None]:
+    """The `model` names a set of engines answers: each maps to the LoRA adapter it selects,
+    None for the base model. A base model name wins over an adapter of the same name (vLLM
+    checks base models first)."""
+    models: dict[str, str | None] = {}
+    bases: set[str] = set()
+    for config in configs:
+        models.update({name: name for name in config.lora_adapters.values()})
+        bases.add(config.served_model_name)
+    models.update(dict.fromkeys(bases))
+    return models

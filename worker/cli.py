@@ -18,6 +18,7 @@ from dynamograph.protocol.tokenization import tokenizer_for_model
 
 from .cost import CostModel
 from .handoff import DEFAULT_TRANSFER_TIMEOUT
+from .lora import parse_lora_module
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: derived from --model)",
     )
     p.add_argument("--role", choices=[r.value for r in Role], default=Role.AGGREGATED.value)
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        action="extend",
+        type=parse_lora_module,
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters to serve, as vLLM takes them: NAME=PATH or JSON "
+        '\'{"name": ..., "path": ..., "base_model_name": ...}\'; clients select one with '
+        "`model`; the mock only records the path",
+    )
+    p.add_argument(
+        "--max-loras",
+        type=int,
+        default=1,
+        help="distinct LoRA adapters in one batch (vLLM's --max-loras, default 1)",
+    )
     p.add_argument(
         "--name",
         default=None,
@@ -181,6 +199,8 @@ def mock_config(args: argparse.Namespace):
         default_max_tokens=args.default_max_tokens,
         transfer_timeout=args.kv_transfer_timeout,
         cost=_cost_model(args),
+        lora_modules=list(args.lora_modules),
+        max_loras=args.max_loras,
     )
 
 

@@ -38,7 +38,8 @@ class GenerateRequest:
     dp_rank: int | None = None
     kv_transfer_params: dict[str, Any] | None = None
     nvext: NvExt | None = None
-    lora_name: str | None = None
+    lora_name: str | None = None  # the LoRA adapter the request's `model` names
+    lora_id: int | None = None  # its vLLM id (set by the engine that serves the adapter)
 
 
 @dataclass(slots=True)

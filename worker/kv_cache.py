@@ -141,6 +141,7 @@ class KvCache:
         token_ids: np.ndarray,
         start: int,
         parent: int | None,
+        lora_id: int | None = None,
     ) -> None:
         """Cache full blocks `start..len(hashes)` of a sequence (its `blocks`, edited in place).
 
@@ -168,19 +169,22 @@ class KvCache:
                 blocks[i] = twin
                 self.release([b])
             if stored_hashes:  # keep each event's blocks one contiguous chain
-                self._stored(stored_hashes, first_parent, stored_tokens)
+                self._stored(stored_hashes, first_parent, stored_tokens, lora_id)
                 stored_hashes, stored_tokens = [], []
             first_parent = h
         if stored_hashes:
-            self._stored(stored_hashes, first_parent, stored_tokens)
+            self._stored(stored_hashes, first_parent, stored_tokens, lora_id)
 
-    def _stored(self, hashes: list[int], parent: int | None, tokens: list[int]) -> None:
+    def _stored(
+        self, hashes: list[int], parent: int | None, tokens: list[int], lora_id: int | None
+    ) -> None:
         self.events.append(
             BlockStored(
                 block_hashes=hashes,
                 parent_block_hash=parent,
                 token_ids=tokens,
                 block_size=self.block_size,
+                lora_id=lora_id,
             )
         )
 

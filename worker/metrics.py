@@ -5,8 +5,9 @@ engine's state at scrape time; counters and histograms are fed as requests progr
 histograms record *simulated* seconds (what the modelled GPU would show), not wall-clock.
 """
 
+import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -28,11 +29,15 @@ class RankGauges:
     running: int
     waiting: int
     kv_cache_usage: float
+    running_loras: set[str] = field(default_factory=set)
+    waiting_loras: set[str] = field(default_factory=set)
 
 
 class _StateCollector(Collector):
-    def __init__(self, model_name: str, block_size: int, num_gpu_blocks: int, ranks):
+    def __init__(self, model_name: str, block_size: int, num_gpu_blocks: int, ranks,
+                 max_loras: int | None):  # fmt: skip
         self._model = model_name
+        self._max_loras = max_loras
         self._block_size = block_size
         self._num_gpu_blocks = num_gpu_blocks
         self._ranks: Callable[[], Iterable[tuple[int, RankGauges]]] = ranks
@@ -52,11 +57,15 @@ class _StateCollector(Collector):
         usage = GaugeMetricFamily(
             "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels=labels
         )
+        running_loras: set[str] = set()
+        waiting_loras: set[str] = set()
         for rank, g in self._ranks():
             values = [self._model, str(rank)]
             running.add_metric(values, g.running)
             waiting.add_metric(values, g.waiting)
             usage.add_metric(values, g.kv_cache_usage)
+            running_loras |= g.running_loras
+            waiting_loras |= g.waiting_loras
         info = GaugeMetricFamily(
             "vllm:cache_config_info",
             "Information of the LLMEngine CacheConfig",
@@ -64,13 +73,31 @@ class _StateCollector(Collector):
         )
         info.add_metric([str(self._block_size), str(self._num_gpu_blocks), "True", "auto"], 1.0)
         yield from (running, waiting, usage, info)
+        if self._max_loras is not None:
+            # vLLM's shape (GAIE reads it): adapters as comma-joined labels, value = update time
+            lora = GaugeMetricFamily(
+                "vllm:lora_requests_info",
+                "Running stats on lora requests.",
+                labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            )
+            lora.add_metric(
+                [str(self._max_loras), ",".join(sorted(waiting_loras)),
+                 ",".join(sorted(running_loras))],
+                time.time(),
+            )  # fmt: skip
+            yield lora
 
 
 class WorkerMetrics:
-    def __init__(self, model_name: str, block_size: int, num_gpu_blocks: int, ranks):
+    """`max_loras`: set when the engine serves LoRA adapters (adds `vllm:lora_requests_info`)."""
+
+    def __init__(self, model_name: str, block_size: int, num_gpu_blocks: int, ranks,
+                 max_loras: int | None = None):  # fmt: skip
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
-        self.registry.register(_StateCollector(model_name, block_size, num_gpu_blocks, ranks))
+        self.registry.register(
+            _StateCollector(model_name, block_size, num_gpu_blocks, ranks, max_loras)
+        )
         labels = ["model_name", "engine"]
         r = self.registry
         self.prompt_tokens = Counter(

@@ -4,7 +4,8 @@ Holds `data_parallel_size` engine ranks (`rank.EngineRank`) in one process, pick
 request (the `X-data-parallel-rank` header, else the rank holding the request's session, else
 the least loaded), validates requests against the engine's limits, runs the disaggregated
 hand-off (pulling a prefill's KV before a decode request enters its rank) and binds the ZMQ KV
-event sockets of every rank.
+event sockets of every rank. LoRA adapters (`lora_modules`) get vLLM's ids 1, 2, …; a request
+for one hashes and caches its blocks under the adapter's name and its KV events carry the id.
 """
 
 import asyncio
@@ -40,6 +41,7 @@ from .handoff import (
     wants_remote_decode,
 )
 from .kv_cache import chained_hashes
+from .lora import LoraModule, adapter_ids, check_modules
 from .metrics import WorkerMetrics
 from .rank import EngineRank, SimClock
 from .sampler import OutputSampler
@@ -72,6 +74,8 @@ class MockConfig:
     default_max_tokens: int = 128
     transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT
     cost: CostModel = field(default_factory=CostModel)
+    lora_modules: list[LoraModule] = field(default_factory=list)
+    max_loras: int = 1  # distinct adapters in one batch (vLLM's --max-loras)
 
     @property
     def served(self) -> str:
@@ -88,6 +92,13 @@ class MockConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
         if self.speedup <= 0:
             raise ValueError("--speedup must be positive")
+        if self.max_loras < 1:
+            raise ValueError("--max-loras must be positive")
+        check_modules(self.lora_modules, self.served)
+
+    @property
+    def lora_ids(self) -> dict[int, str]:
+        return adapter_ids(self.lora_modules)
 
 
 # Pulls a prefill's blocks: (kv_transfer_params) -> HeldBlocks-like dict or None when gone.
@@ -109,6 +120,7 @@ class MockEngine(LLMEngine):
         self._inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        self._lora_id_of = {name: i for i, name in config.lora_ids.items()}
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -123,6 +135,7 @@ class MockEngine(LLMEngine):
         self.metrics = WorkerMetrics(
             cfg.served, cfg.block_size, cfg.num_gpu_blocks,
             lambda: [(r.rank, r.gauges()) for r in self.ranks],
+            max_loras=cfg.max_loras if cfg.lora_modules else None,
         )  # fmt: skip
         publishers: list = [None] * cfg.data_parallel_size
         kv_events = None
@@ -152,6 +165,7 @@ class MockEngine(LLMEngine):
                 metrics=self.metrics,
                 transfer_timeout=cfg.transfer_timeout,
                 handoff_params=self._handoff_params,
+                max_loras=cfg.max_loras if cfg.lora_modules else None,
             )
             for r in range(cfg.data_parallel_size)
         ]
@@ -174,6 +188,7 @@ class MockEngine(LLMEngine):
             tokenizer=tokenizer.identity,
             kv_events=kv_events,
             engine="mock",
+            lora_adapters=cfg.lora_ids,
         )
         return self.engine_config
 
@@ -244,6 +259,12 @@ class MockEngine(LLMEngine):
         if self._draining:
             raise EngineError(503, "engine is draining; send the request to another worker")
         self.check_limits(request)
+        if request.lora_name:
+            request.lora_id = self._lora_id_of.get(request.lora_name)
+            if request.lora_id is None:
+                raise EngineError(
+                    404, f"The model `{request.lora_name}` does not exist.", param="model"
+                )
         rank = self.pick_rank(request)
         role = self.config.role
         params = request.kv_transfer_params

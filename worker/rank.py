@@ -108,6 +108,7 @@ class EngineRank:
         metrics: WorkerMetrics | None,
         transfer_timeout: float,
         handoff_params: ParamsFactory,
+        max_loras: int | None = None,
     ):
         self.rank = rank
         self.cost = cost
@@ -116,7 +117,8 @@ class EngineRank:
         self.cache = KvCache(num_blocks, block_size)
         self.scheduler = Scheduler(cache=self.cache, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
-                                   transfer_time=cost.transfer_time)  # fmt: skip
+                                   transfer_time=cost.transfer_time,
+                                   max_loras=max_loras)  # fmt: skip
         self.publisher = publisher
         self._m = metrics.for_rank(rank) if metrics is not None else None
         self.transfers = PendingTransfers(transfer_timeout)
@@ -154,7 +156,11 @@ class EngineRank:
 
     def gauges(self) -> RankGauges:
         s = self.scheduler
-        return RankGauges(len(s.running), len(s.waiting) + len(s.loading), self.cache.usage)
+        return RankGauges(
+            len(s.running), len(s.waiting) + len(s.loading), self.cache.usage,
+            running_loras=s.active_loras(),
+            waiting_loras={q.lora_name for q in s.waiting if q.lora_name},
+        )  # fmt: skip
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._states
@@ -174,6 +180,7 @@ class EngineRank:
             max_tokens=request.max_tokens,
             block_size=self.cache.block_size,
             lora_name=request.lora_name,
+            lora_id=request.lora_id,
             remote_tokens=remote_tokens,
         )
         if not (self.scheduler.running or self.scheduler.waiting):

@@ -10,7 +10,9 @@ Pure logic over a `KvCache`, modelled on vLLM V1's scheduler:
 - preemption by recompute: when a running sequence cannot get a block, the most recently
   admitted running sequence releases all of its blocks and goes back to the head of the queue;
 - remote prefill (disaggregated decode): a sequence whose KV is pulled from a prefill engine
-  holds its blocks in `loading` until the simulated transfer completes, then runs.
+  holds its blocks in `loading` until the simulated transfer completes, then runs;
+- LoRA (`max_loras`): at most that many distinct adapters in the batch; a waiting sequence of
+  another adapter is skipped (keeping its place) until one drains, as vLLM's scheduler does.
 """
 
 import enum
@@ -39,6 +41,7 @@ class Sequence:
     max_tokens: int
     block_size: int
     lora_name: str | None = None
+    lora_id: int | None = None  # vLLM's id of the adapter, named in this sequence's KV events
     remote_tokens: int = 0  # prompt tokens whose KV a prefill engine computed (hand-off)
     handle: Any = None  # the engine's per-request state
     status: Status = Status.WAITING
@@ -119,8 +122,10 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         transfer_time=lambda tokens: 0.0,
+        max_loras: int | None = None,
     ):
         self.cache = cache
+        self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.transfer_time = transfer_time
@@ -186,7 +191,20 @@ class Scheduler:
             self._admit(now, budget, plan)
         return plan
 
+    def active_loras(self) -> set[str]:
+        return {s.lora_name for s in (*self.running, *self.loading) if s.lora_name}
+
     def _admit(self, now: float, budget: int, plan: StepPlan) -> None:
+        loras = self.active_loras() if self.max_loras else set()
+        skipped: list[Sequence] = []
+        try:
+            self._admit_in_order(now, budget, plan, loras, skipped)
+        finally:
+            self.waiting.extendleft(reversed(skipped))  # skipped sequences keep their places
+
+    def _admit_in_order(
+        self, now: float, budget: int, plan: StepPlan, loras: set[str], skipped: list[Sequence]
+    ) -> None:
         bs = self.cache.block_size
         while (
             self.waiting
@@ -194,6 +212,11 @@ class Scheduler:
             and len(self.running) + len(self.loading) < self.max_num_seqs
         ):
             seq = self.waiting[0]
+            if self.max_loras and seq.lora_name and seq.lora_name not in loras:
+                if len(loras) >= self.max_loras:
+                    skipped.append(self.waiting.popleft())
+                    continue
+                loras.add(seq.lora_name)
             hits = self.cache.cached_prefix(seq.hashes[: (seq.num_tokens - 1) // bs])
             computed = len(hits) * bs
             if seq.remote_tokens > computed and seq.num_remote_loaded == 0:
@@ -265,5 +288,7 @@ class Scheduler:
         full = min(seq.num_computed // self.cache.block_size, len(seq.hashes))
         if full > seq.num_committed:
             parent = seq.hashes[seq.num_committed - 1] if seq.num_committed else None
-            self.cache.commit(seq.blocks, seq.hashes[:full], seq.buf, seq.num_committed, parent)
+            self.cache.commit(
+                seq.blocks, seq.hashes[:full], seq.buf, seq.num_committed, parent, seq.lora_id
+            )
             seq.num_committed = full

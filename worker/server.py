@@ -6,6 +6,10 @@ vLLM's `POST /tokenize` / `POST /detokenize` / `POST /v1/{chat/,}completions/ren
 the hand-off's `POST /v1/kv_transfer/pull`, and `GET /debug/requests` (what this worker served,
 so tests and operators can check routing from the worker's side).
 
+`model` is the served model name or one of the LoRA adapters (`--lora-modules`), which
+`/v1/models` lists with `parent` = the served model, as vLLM does; any other name is a 404 with
+vLLM's message.
+
 Every generation response carries `x-dynamograph-worker-id` (the instance id) and
 `x-dynamograph-dp-rank` headers. A client that disconnects cancels its request, which frees
 its KV blocks (handler cancellation is on).
@@ -23,7 +27,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from dynamograph.protocol.engine import ENGINE_PATH, EngineConfig, Role
+from dynamograph.protocol.engine import ENGINE_PATH, EngineConfig, Role, served_models
 from dynamograph.protocol.headers import VLLM_DP_RANK, parse_routing_headers
 from dynamograph.protocol.identity import instance_id
 from dynamograph.protocol.nvext import NvExtError, parse_nvext
@@ -39,6 +43,7 @@ from dynamograph.protocol.tokenization import request_tokens
 
 from .engine import EngineError, EngineOutput, FinishReason, RequestContext
 from .handoff import PULL_PATH
+from .lora import adapter_cards
 from .metrics import CONTENT_TYPE
 from .mock import MockEngine, held_to_json
 from .responses import ResponseBuilder, build_request, nvext_body
@@ -99,6 +104,7 @@ class WorkerServer:
         self.host = host
         self.port = port
         self.config: EngineConfig | None = None
+        self._models: dict[str, str | None] = {}
         self.requests = RequestLog()
         self._runner: web.AppRunner | None = None
         self.app = self._build_app()
@@ -138,6 +144,7 @@ class WorkerServer:
         except BaseException:
             await self.stop()
             raise
+        self._models = served_models([self.config])
         return self.config
 
     async def stop(self) -> None:
@@ -162,13 +169,14 @@ class WorkerServer:
 
     async def models(self, request: web.Request) -> web.Response:
         cfg = self.engine.config
+        created = int(time.time())
         return _json({
             "object": "list",
             "data": [{
-                "id": cfg.served, "object": "model", "created": int(time.time()),
+                "id": cfg.served, "object": "model", "created": created,
                 "owned_by": "dynamograph", "root": cfg.model, "parent": None,
                 "max_model_len": cfg.context_length,
-            }],
+            }, *adapter_cards(cfg.lora_modules, cfg.served, created)],
         })  # fmt: skip
 
     async def metrics(self, request: web.Request) -> web.Response:
@@ -197,10 +205,12 @@ class WorkerServer:
     async def _body(self, request: web.Request) -> dict[str, Any]:
         return parse_json_body(await request.read())
 
-    def _check_model(self, body: dict[str, Any]) -> None:
+    def _check_model(self, body: dict[str, Any]) -> str | None:
+        """The LoRA adapter the body's `model` names (None: the base model); 404 if neither."""
         model = require_model(body)
-        if model != self.engine.config.served:
+        if model not in self._models:
             raise OpenAIError(404, f"The model `{model}` does not exist.", param="model")
+        return self._models[model]
 
     async def tokenize(self, request: web.Request) -> web.Response:
         try:
@@ -292,7 +302,7 @@ class WorkerServer:
         path = request.path
         try:
             body = await self._body(request)
-            self._check_model(body)
+            lora_name = self._check_model(body)
             try:
                 nvext = parse_nvext(body.get("nvext"))
             except NvExtError as exc:
@@ -308,6 +318,7 @@ class WorkerServer:
                 context_length=self.engine.config.context_length,
                 default_max_tokens=self.engine.config.default_max_tokens,
             )  # fmt: skip
+            gen.lora_name = lora_name
             self.engine.check_limits(gen)
             gen.dp_rank = self.engine.pick_rank(gen).rank
         except (OpenAIError, EngineError) as exc:
@@ -322,7 +333,8 @@ class WorkerServer:
         stream = self.engine.generate(gen, ctx)
         entry = {
             "request_id": gen.request_id, "path": path, "dp_rank": gen.dp_rank,
-            "prompt_tokens": len(tokens), "routing": _routing(request),
+            "prompt_tokens": len(tokens), "lora_name": gen.lora_name,
+            "routing": _routing(request),
             "kv_transfer": bool(gen.kv_transfer_params), "received": time.time(),
         }  # fmt: skip
         self.requests.record(entry)

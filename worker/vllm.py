@@ -3,8 +3,10 @@
 The same contract as the mock (DESIGN §3.4): OpenAI on `--port`, KV events over ZMQ (PUB on
 `--kv-events-port`, replay ROUTER on `--kv-replay-port`, vLLM adds the DP rank to both), prefix
 caching on with the graph's block size, data parallel ranks in one server, and for prefill /
-decode roles the NIXL connector for the `kv_transfer_params` hand-off. Our `/v1/engine` document
-is not served by vLLM; routers derive it from the same flags (the operator knows them).
+decode roles the NIXL connector for the `kv_transfer_params` hand-off, and `--lora-modules` /
+`--max-loras` passed on with `--enable-lora`. Our `/v1/engine` document (including the adapters'
+ids, which vLLM assigns 1, 2, … in `--lora-modules` order) is not served by vLLM; routers derive
+it from the same flags (the operator knows them).
 """
 
 import argparse
@@ -16,6 +18,8 @@ import sys
 from typing import Any
 
 from dynamograph.protocol.engine import Role
+
+from .lora import LoraModule
 
 
 def kv_events_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -59,7 +63,20 @@ def vllm_argv(args: argparse.Namespace) -> list[str]:
     transfer = kv_transfer_config(role)
     if transfer is not None:
         argv += ["--kv-transfer-config", json.dumps(transfer, separators=(",", ":"))]
+    if args.lora_modules:
+        argv += ["--enable-lora", "--max-loras", str(args.max_loras), "--lora-modules",
+                 *map(lora_module_arg, args.lora_modules)]  # fmt: skip
     return argv + list(args.vllm_arg)
+
+
+def lora_module_arg(module: LoraModule) -> str:
+    """vLLM's `--lora-modules` item: NAME=PATH, or JSON when a base model is named."""
+    if module.base_model_name is None and "," not in module.path and "=" not in module.path:
+        return f"{module.name}={module.path}"
+    fields = {"name": module.name, "path": module.path}
+    if module.base_model_name is not None:
+        fields["base_model_name"] = module.base_model_name
+    return json.dumps(fields, separators=(",", ":"))
 
 
 def vllm_env(args: argparse.Namespace, base: dict[str, str] | None = None) -> dict[str, str]:
