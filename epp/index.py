@@ -184,7 +184,7 @@ class KvIndex:
     # -- room ------------------------------------------------------------------------------
     def _reserve(self, state: _SlotState, n: int) -> None:
         """Room for `n` new blocks on `state`'s slot: keys, rows, bitmask rows (the kernels
-        never allocate)."""
+        never allocate; the store kernel says when it lacks room)."""
         state.blocks.reserve(n)
         grew = self._keys.reserve(n)
         grew |= self._holders.reserve(n)
@@ -249,23 +249,26 @@ class KvIndex:
         if n == 0:
             return True
         state = self._slot(slot)
-        self._reserve(state, n)
         if parent_engine_hash is None:
             parent, has_parent = np.uint64(0), False
         else:
             parent, has_parent = engine_key(parent_engine_hash), True
-        stored = kernels.store_blocks(
-            engine_keys(engine_hashes),
-            as_u64(local_hashes),
-            parent,
-            has_parent,
-            state.column,
-            *state.blocks.parts,
-            *self._store_parts,
+        stored = self._store(
+            state, engine_keys(engine_hashes), as_u64(local_hashes), parent, has_parent
         )
         if not stored:
             log.debug("slot %s: BlockStored parent unknown; skipped", slot)
         return stored
+
+    def _store(
+        self, state: _SlotState, engine: np.ndarray, local: np.ndarray, parent, has_parent: bool
+    ) -> bool:
+        args = (engine, local, parent, has_parent, state.column)
+        code = kernels.store_blocks(*args, *state.blocks.parts, *self._store_parts)
+        if code == kernels.NO_ROOM:  # now and then: grow what could run out, and again
+            self._reserve(state, engine.size)
+            code = kernels.store_blocks(*args, *state.blocks.parts, *self._store_parts)
+        return code == kernels.STORED
 
     def remove(self, slot: Slot, engine_hashes: Sequence[int | bytes] | np.ndarray) -> None:
         state = self._slots.get(slot)
@@ -308,17 +311,7 @@ class KvIndex:
             return
         state = self._slot(slot)
         keys = chain_keys(0, hashes)
-        self._reserve(state, keys.size)
-        # the prefix key doubles as the "engine hash"
-        kernels.store_blocks(
-            keys,
-            hashes,
-            np.uint64(0),
-            False,
-            state.column,
-            *state.blocks.parts,
-            *self._store_parts,
-        )
+        self._store(state, keys, hashes, np.uint64(0), False)  # the key doubles as engine hash
         for key in keys.tolist():
             state.expiry[key] = expires_at
         self._approx.append((expires_at, slot, keys))

@@ -8,7 +8,7 @@ room *before* calling a kernel, so a kernel never allocates index storage: it on
 writes cells and the small int64 counter arrays (`meta`) next to them.
 
 Tables (`U64Table`): open addressing with linear probing over `keys` (uint64) and `vals`
-(int32); `meta = [live, used, shift]`. A key's home cell is the top bits of key · 2^64/φ
+(int32); `meta = [live, used, shift, limit]`. A key's home cell is the top bits of key · 2^64/φ
 (Fibonacci hashing). Keys 0 and 1 are reserved (EMPTY, TOMB): callers' keys are clamped to ≥ 2.
 A lookup stops at the first EMPTY cell; a deletion leaves a tombstone (counted in `used` until
 the next rebuild).
@@ -42,13 +42,14 @@ TOMB = np.uint64(1)
 MIN_KEY = np.uint64(2)
 MISSING = -1
 NOBODY = -1
-LIVE, USED, SHIFT = 0, 1, 2  # a table's meta
+LIVE, USED, SHIFT, LIMIT = 0, 1, 2, 3  # a table's meta: LIMIT = cells usable before a rebuild
 P = np.uint64(0xC2B2AE3D27D4EB4F)  # odd, so chaining is a bijection of the running key
 _GOLD = np.uint64(0x9E3779B97F4A7C15)
 _ONE = np.uint64(1)
 _LOW6 = np.uint64(63)
 
 _KERNELS: list[tuple[object, str]] = []
+_META = np.array([0, 0, 61, 6], np.int64)  # an empty 8-cell table's, for the warm-up call
 _warm = False
 _warm_lock = threading.Lock()
 
@@ -94,6 +95,8 @@ def warm_up() -> None:
                     cached = False
                 disp.compile(signature)
                 disp.disable_compile()
+            # the first call of any kernel sets numba's runtime up (~10 ms here): do it now
+            table_get(np.full(1, MIN_KEY), np.zeros(8, np.uint64), np.zeros(8, np.int32), _META)
         if not cached:
             log.debug("numba cannot write a cache here: index kernels compiled in memory")
         _warm = True
@@ -125,29 +128,48 @@ def _find(tk, tv, meta, key):
 
 
 @_inline
-def _upsert(tk, tv, meta, key, val):
-    """Set `key` to `val` (the table has room); the previous value, or MISSING."""
+def _probe(tk, meta, key):
+    """The cell holding `key`, or -1 - the cell where it would go (the first tombstone on its
+    probe path, else the EMPTY cell that ended it)."""
     mask = tk.size - 1
     i = _home(key, meta)
     free = -1
     while True:
         k = tk[i]
         if k == key:
-            old = tv[i]
-            tv[i] = val
-            return old
+            return i
         if k == EMPTY:
-            break
+            return -1 - (free if free >= 0 else i)
         if k == TOMB and free < 0:
             free = i
         i = (i + 1) & mask
-    if free < 0:
-        free = i
+
+
+@_inline
+def _place(tk, tv, meta, cell, key, val):
+    """Put an absent `key` in the cell `_probe` named (the table has room)."""
+    if tk[cell] == EMPTY:
         meta[USED] += 1
-    tk[free] = key
-    tv[free] = val
+    tk[cell] = key
+    tv[cell] = val
     meta[LIVE] += 1
+
+
+@_inline
+def _upsert(tk, tv, meta, key, val):
+    """Set `key` to `val` (the table has room); the previous value, or MISSING."""
+    cell = _probe(tk, meta, key)
+    if cell >= 0:
+        old = tv[cell]
+        tv[cell] = val
+        return old
+    _place(tk, tv, meta, -1 - cell, key, val)
     return MISSING
+
+
+@_inline
+def _room(meta, n):
+    return meta[USED] + n <= meta[LIMIT]
 
 
 @_inline
@@ -266,7 +288,10 @@ def prefix_keys(parent, hashes):
     return out
 
 
-@_kernel(f"b1({_U8}, {_U8}, u8, b1, i8, {_TABLE}, {_TABLE}, {_ROWS}, {_HOLDERS})")
+STORED, NO_PARENT, NO_ROOM = 1, 0, -1
+
+
+@_kernel(f"i8({_U8}, {_U8}, u8, b1, i8, {_TABLE}, {_TABLE}, {_ROWS}, {_HOLDERS})")
 def store_blocks(
     engine,
     local,
@@ -290,23 +315,29 @@ def store_blocks(
 ):
     """A BlockStored on the slot whose engine-hash table is (sk, sv, sm) and bit is `column`:
     block i has engine hash engine[i] and our hash local[i]; its parent is the slot's block
-    with engine hash `parent` when `has_parent`. False (nothing stored) when the slot does not
-    hold the parent. The caller made room for len(engine) new keys, rows and bitmask rows."""
+    with engine hash `parent` when `has_parent`. Returns STORED; NO_PARENT (nothing stored)
+    when the slot does not hold the parent; NO_ROOM (nothing done) when a table, the free rows
+    or the free bitmask rows could run out: the caller makes room and calls again."""
+    n = engine.size
+    if not (_room(sm, n) and _room(gm, n) and rmeta[0] >= n and hm[0] >= n):
+        return NO_ROOM
     key = np.uint64(0)
     if has_parent:
         prow = _find(sk, sv, sm, _clamp(parent))
         if prow == MISSING:
-            return False
+            return NO_PARENT
         key = row_key[prow]
-    for i in range(engine.size):
+    for i in range(n):
         key = key * P + local[i]
         k = _clamp(key)
-        row = _find(gk, gv, gm, k)
-        if row == MISSING:
+        cell = _probe(gk, gm, k)
+        if cell >= 0:
+            row = gv[cell]
+        else:
             rmeta[0] -= 1
             row = free_rows[rmeta[0]]
             row_key[row] = k
-            _upsert(gk, gv, gm, k, row)
+            _place(gk, gv, gm, -1 - cell, k, row)
         old = _upsert(sk, sv, sm, _clamp(engine[i]), row)
         if old != MISSING and old != row:  # an engine hash reused for other content
             _drop(
@@ -325,7 +356,7 @@ def store_blocks(
                 hm,
             )
         _hold(row, column, owner, shared_of, shared, sfree, hm)
-    return True
+    return STORED
 
 
 @_kernel(f"i8({_U8}, i8, {_TABLE}, {_TABLE}, {_ROWS}, {_HOLDERS})")

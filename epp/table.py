@@ -14,7 +14,7 @@ callers pass keys ≥ 2 (`MIN_KEY`).
 import numpy as np
 
 from . import kernels
-from .kernels import LIVE, MIN_KEY, MISSING, USED
+from .kernels import LIMIT, LIVE, MIN_KEY, MISSING, USED
 
 __all__ = ["MIN_KEY", "MISSING", "U64Table"]
 
@@ -28,7 +28,7 @@ def _cells_for(keys: int, max_load: float) -> int:
 
 
 class U64Table:
-    __slots__ = ("_limit", "_max_load", "keys", "meta", "parts", "vals")
+    __slots__ = ("_max_load", "keys", "meta", "parts", "vals")
 
     def __init__(self, capacity: int = 64, max_load: float = 0.8) -> None:
         kernels.warm_up()
@@ -38,9 +38,9 @@ class U64Table:
     def _alloc(self, cells: int) -> None:
         self.keys = np.zeros(cells, np.uint64)
         self.vals = np.full(cells, MISSING, np.int32)
-        self.meta = np.array([0, 0, 64 - (cells.bit_length() - 1)], np.int64)
+        shift, limit = 64 - (cells.bit_length() - 1), int(self._max_load * cells)
+        self.meta = np.array([0, 0, shift, limit], np.int64)
         self.parts = (self.keys, self.vals, self.meta)  # the kernels' arguments, in order
-        self._limit = int(self._max_load * cells)
 
     def __len__(self) -> int:
         return int(self.meta[LIVE])
@@ -53,7 +53,8 @@ class U64Table:
         """Make room for `n` more keys; True when the arrays were replaced (rebuilt into the
         smallest table holding the live keys plus `n`: growth doubles, and a table full of
         tombstones does not grow)."""
-        if self.meta[USED] + n <= self._limit:
+        meta = self.meta
+        if meta[USED] + n <= meta[LIMIT]:
             return False
         old_keys, old_vals = self.keys, self.vals
         self._alloc(_cells_for(int(self.meta[LIVE]) + n, self._max_load))
