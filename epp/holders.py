@@ -45,10 +45,11 @@ class Holders:
         return self.shared.shape[0] - 1 - int(self.meta[0])
 
     def grow_rows(self, size: int) -> None:
+        """Grow the per-row arrays in place (see `KvIndex._grow_rows`: no views are kept)."""
         old = self.owner.size
-        self.owner = np.concatenate([self.owner, np.full(size - old, NOBODY, np.int16)])
-        self.shared_of = np.concatenate([self.shared_of, np.zeros(size - old, np.int32)])
-        self._parts()
+        self.owner.resize(size, refcheck=False)
+        self.owner[old:] = NOBODY
+        self.shared_of.resize(size, refcheck=False)  # new rows: 0, not shared
 
     def ensure_columns(self, columns: int) -> bool:
         """Room for `columns` slot columns; True when the arrays were replaced."""

@@ -128,14 +128,9 @@ class KvIndex:
 
     def _parts(self) -> None:
         """The kernels' index arguments, in order; renewed whenever an array is replaced."""
-        self._store_parts = (
-            *self._keys.parts,
-            self._row_key,
-            self._free_rows,
-            self._rmeta,
-            *self._holders.parts,
-        )
-        self._find_parts = (*self._keys.parts, *self._holders.parts[:3])
+        # (the key table's arrays are not kept here: its rebuild frees them before allocating)
+        self._store_parts = (self._row_key, self._free_rows, self._rmeta, *self._holders.parts)
+        self._find_parts = self._holders.parts[:3]
         # find_matches' scratch: the slots' bits still alive, (column, depth) pairs found
         words = self._holders.words
         self._alive = np.empty(words, np.uint64)
@@ -186,8 +181,8 @@ class KvIndex:
         """Room for `n` new blocks on `state`'s slot: keys, rows, bitmask rows (the kernels
         never allocate; the store kernel says when it lacks room)."""
         state.blocks.reserve(n)
-        grew = self._keys.reserve(n)
-        grew |= self._holders.reserve(n)
+        self._keys.reserve(n)
+        grew = self._holders.reserve(n)
         if self._rmeta[0] < n:
             self._grow_rows(n)
             grew = True
@@ -195,15 +190,16 @@ class KvIndex:
             self._parts()
 
     def _grow_rows(self, n: int) -> None:
+        """Room for `n` more rows. The row arrays grow in place (realloc: where the allocator
+        can, the pages are remapped rather than copied, so a growth does not hold two copies of
+        a 600 MB array); safe because no view of them is kept anywhere."""
         old = self._row_key.size
         size = max(2 * old, old + n)
-        self._row_key = np.concatenate([self._row_key, np.zeros(size - old, np.uint64)])
+        self._row_key.resize(size, refcheck=False)
         self._holders.grow_rows(size)
         free = int(self._rmeta[0])
-        stack = np.empty(size, np.int32)
-        stack[:free] = self._free_rows[:free]
-        stack[free : free + size - old] = np.arange(size - 1, old - 1, -1)
-        self._free_rows = stack
+        self._free_rows.resize(size, refcheck=False)
+        self._free_rows[free : free + size - old] = np.arange(size - 1, old - 1, -1)
         self._rmeta[0] = free + size - old
 
     # -- events ----------------------------------------------------------------------------
@@ -264,10 +260,14 @@ class KvIndex:
         self, state: _SlotState, engine: np.ndarray, local: np.ndarray, parent, has_parent: bool
     ) -> bool:
         args = (engine, local, parent, has_parent, state.column)
-        code = kernels.store_blocks(*args, *state.blocks.parts, *self._store_parts)
+        code = kernels.store_blocks(
+            *args, *state.blocks.parts, *self._keys.parts, *self._store_parts
+        )
         if code == kernels.NO_ROOM:  # now and then: grow what could run out, and again
             self._reserve(state, engine.size)
-            code = kernels.store_blocks(*args, *state.blocks.parts, *self._store_parts)
+            code = kernels.store_blocks(
+                *args, *state.blocks.parts, *self._keys.parts, *self._store_parts
+            )
         return code == kernels.STORED
 
     def remove(self, slot: Slot, engine_hashes: Sequence[int | bytes] | np.ndarray) -> None:
@@ -277,7 +277,9 @@ class KvIndex:
         self._remove(state, engine_keys(engine_hashes))
 
     def _remove(self, state: _SlotState, engine: np.ndarray) -> None:
-        kernels.remove_blocks(engine, state.column, *state.blocks.parts, *self._store_parts)
+        kernels.remove_blocks(
+            engine, state.column, *state.blocks.parts, *self._keys.parts, *self._store_parts
+        )
 
     def clear(self, slot: Slot) -> None:
         """AllBlocksCleared: the slot holds nothing (it stays known)."""
@@ -339,7 +341,7 @@ class KvIndex:
         n = len(local_hashes)
         if n == 0 or not self._slots:
             return {}
-        alive, out, parts = self._alive, self._found, self._find_parts
+        alive, out, parts = self._alive, self._found, (*self._keys.parts, *self._find_parts)
         match = kernels.match_prefix
         if isinstance(local_hashes, np.ndarray):
             hashes = np.ascontiguousarray(local_hashes, np.uint64)

@@ -182,7 +182,6 @@ def _delete(tk, tv, meta, key):
         if k == key:
             val = tv[i]
             tk[i] = TOMB
-            tv[i] = MISSING
             meta[LIVE] -= 1
             return val
         if k == EMPTY:
@@ -216,7 +215,7 @@ def table_pop(keys, tk, tv, meta):
 
 @_kernel(f"void({_U8}, {_I4}, {_TABLE})")
 def table_rehash(old_keys, old_vals, tk, tv, meta):
-    """Insert the live cells of an old table into an empty new one."""
+    """Insert the live cells among (old_keys, old_vals) into an empty table."""
     for j in range(old_keys.size):
         if old_keys[j] >= MIN_KEY:
             _upsert(tk, tv, meta, old_keys[j], old_vals[j])

@@ -37,7 +37,7 @@ class U64Table:
 
     def _alloc(self, cells: int) -> None:
         self.keys = np.zeros(cells, np.uint64)
-        self.vals = np.full(cells, MISSING, np.int32)
+        self.vals = np.empty(cells, np.int32)  # a value counts only where its key is live
         shift, limit = 64 - (cells.bit_length() - 1), int(self._max_load * cells)
         self.meta = np.array([0, 0, shift, limit], np.int64)
         self.parts = (self.keys, self.vals, self.meta)  # the kernels' arguments, in order
@@ -56,8 +56,11 @@ class U64Table:
         meta = self.meta
         if meta[USED] + n <= meta[LIMIT]:
             return False
-        old_keys, old_vals = self.keys, self.vals
-        self._alloc(_cells_for(int(self.meta[LIVE]) + n, self._max_load))
+        # rehash from a compact copy of the live cells, so the old arrays (twice as big at 50%
+        # load) are freed before the new ones fill: at 25 M keys that is ~400 MB less at peak
+        old_keys, old_vals = self.items()
+        self.keys = self.vals = self.parts = None
+        self._alloc(_cells_for(old_keys.size + n, self._max_load))
         kernels.table_rehash(old_keys, old_vals, *self.parts)
         return True
 
