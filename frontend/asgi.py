@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import uvicorn
+from multidict import CIMultiDict
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -25,6 +26,7 @@ Headers = list[tuple[bytes, bytes]]
 
 KEEP_ALIVE_S = 75  # idle client connections (Envoy's pool) stay open this long, as aiohttp did
 GRACEFUL_S = 60.0  # on stop, requests in flight get this long to finish
+WATCH_AFTER_S = 0.05  # a request watches for its client's disconnect after running this long
 
 
 class BodyTooLarge(Exception):
@@ -42,24 +44,24 @@ class ClientGone(Exception):
 class Exchange:
     """One HTTP request and its response over ASGI.
 
-    `headers`: the request's headers, names lower-case, the first of repeated names wins.
+    `headers`: the request's headers (`get` is case-insensitive; the first of repeated names).
     Responses are either whole (`respond`) or streamed (`start`, `write`..., `end`); `started`
     says whether the status line has gone out (after that, errors can only go in-stream).
     """
 
-    __slots__ = ("_receive", "_send", "_watcher", "gone", "headers", "scope", "started")
+    __slots__ = ("_receive", "_send", "_watch", "gone", "headers", "scope", "started")
 
     def __init__(self, scope: Scope, receive: Receive, send: Send):
         self.scope = scope
         self._receive = receive
         self._send = send
-        self.headers = {
-            name.decode("latin-1"): value.decode("latin-1")
-            for name, value in reversed(scope["headers"])
-        }
+        # A case-insensitive multidict: `protocol.headers` reads it without copying.
+        self.headers = CIMultiDict(
+            [(name.decode("latin-1"), value.decode("latin-1")) for name, value in scope["headers"]]
+        )
         self.started = False
         self.gone = False  # the client disconnected while we were working
-        self._watcher: asyncio.Task | None = None
+        self._watch: asyncio.TimerHandle | asyncio.Future | None = None
 
     @property
     def path(self) -> str:
@@ -94,24 +96,32 @@ class Exchange:
 
     def cancel_on_disconnect(self) -> None:
         """From now until `done()`, a client disconnect cancels the calling task (which closes
-        the engine connection it is waiting on). Call after the body has been read."""
+        the engine connection it is waiting on). Call after the body has been read.
+
+        The waiter on `receive()` is a task, which costs more than the rest of a short
+        request's own work; it starts only once the request has run for `WATCH_AFTER_S`, and
+        a disconnect before then is seen as soon as it starts."""
         task = asyncio.current_task()
         assert task is not None
-        watcher = self._watcher = asyncio.ensure_future(self._receive())
+        loop = asyncio.get_running_loop()
+        self._watch = loop.call_later(WATCH_AFTER_S, self._start_watch, task)
 
-        def disconnected(waiter: asyncio.Task) -> None:
+    def _start_watch(self, task: asyncio.Task) -> None:
+        watcher = self._watch = asyncio.ensure_future(self._receive())
+
+        def disconnected(waiter: asyncio.Future) -> None:
             # The waiter also returns when the response completes; only a waiter still armed
             # (the handler not finished) means the client went away.
-            if self._watcher is waiter and not waiter.cancelled():
+            if self._watch is waiter and not waiter.cancelled() and waiter.exception() is None:
                 self.gone = True
                 task.cancel()
 
         watcher.add_done_callback(disconnected)
 
     def done(self) -> None:
-        watcher, self._watcher = self._watcher, None
-        if watcher is not None:
-            watcher.cancel()
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.cancel()
 
     async def respond(self, status: int, body: bytes, headers: Iterable[tuple[bytes, bytes]]):
         await self.start(status, [*headers, (b"content-length", b"%d" % len(body))])
