@@ -7,6 +7,7 @@ import aiohttp
 import orjson
 import pytest
 
+from dynamograph.frontend import asgi
 from dynamograph.protocol.engine import Role
 from dynamograph.worker.testing import mock_worker
 
@@ -129,3 +130,35 @@ async def test_non_streaming_cancel_frees_the_aggregated_worker(model):
             await task
         await wait_until(lambda: idle(local), what="the worker to abort the request")
         assert _cut_short((await served(local))["recent"][0])
+
+
+async def test_client_gone_before_the_disconnect_waiter_starts_still_frees_the_worker(
+    model, monkeypatch
+):
+    """The disconnect waiter starts only after a while (asgi.WATCH_AFTER_S, 1 s here); a client
+    that hangs up before then is noticed when it starts, and the engine still aborts."""
+    monkeypatch.setattr(asgi, "WATCH_AFTER_S", 1.0)
+    async with mock_worker(speedup=1.0) as local, run_frontend(local) as fe:
+        body = orjson.dumps(
+            {"model": model, "prompt": PROMPT, "max_tokens": 5000, "ignore_eos": True}
+        )
+        headers = {"Content-Type": "application/json", **route(local)}
+
+        async def request() -> None:
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(fe.url + "/v1/completions", data=body, headers=headers) as r,
+            ):
+                await r.read()
+
+        task = asyncio.create_task(request())
+        await wait_until(lambda: busy(local), what="generation to start")
+        task.cancel()  # most likely well within the waiter's first second
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await wait_until(lambda: idle(local), what="the worker to abort the request")
+        assert _cut_short((await served(local))["recent"][0])
+        await wait_until(
+            lambda: _metric_is(fe, "dynamograph_frontend_requests_total", 1, outcome="cancelled"),
+            what="the frontend to count the cancelled request",
+        )

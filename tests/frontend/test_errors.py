@@ -353,3 +353,17 @@ async def test_body_cap_holds_for_chunked_uploads_without_content_length(model):
             error = (await r.json())["error"]
         assert r.status == 413 and "limit of 4096 bytes" in error["message"]
         assert (await served(local))["total"] == 0
+
+
+async def test_unknown_path_and_wrong_method_answer_in_openai_shape(model):
+    async with mock_worker() as local, run_frontend(local) as fe:
+        async with aiohttp.ClientSession() as session:
+            async with session.get(fe.url + "/v1/embeddings") as r:
+                error = (await r.json())["error"]
+            assert r.status == 404 and error["message"] == "no such path: /v1/embeddings"
+            async with session.get(fe.url + "/v1/completions") as r:
+                error = (await r.json())["error"]
+            assert r.status == 405 and "GET is not allowed on /v1/completions" in error["message"]
+            async with session.head(fe.url + "/health") as r:  # HEAD answers like GET, no body
+                assert r.status == 200 and await r.read() == b""
+        assert (await served(local))["total"] == 0
