@@ -3,7 +3,9 @@
 - `KvPicker`: parse the OpenAI body, check the model, tokenize with the model's tokenizer
   (`protocol.tokenization.request_tokens`), hash blocks with the fleet's block size from
   `/v1/engine` (`protocol.hashing.block_hashes`), ask the router core, and turn its decision
-  into the destination endpoint and the routing headers.
+  into the destination endpoint and the routing headers. A `model` that names a LoRA adapter
+  some worker serves (`protocol.engine.served_models`) is hashed under the adapter's name and
+  routed only to workers serving it (the router core's `lora` filter).
 - `RandomPicker`: a random ready endpoint without reading the body: GAIE's behaviour for
   header-only requests, and the pure-protocol floor of `dynamograph bench epp`.
 
@@ -17,7 +19,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from dynamograph.protocol.engine import Role
+from dynamograph.protocol.engine import EngineConfig, Role, lora_for_model, served_models
 from dynamograph.protocol.hashing import block_hashes
 from dynamograph.protocol.headers import routing_header_values
 from dynamograph.protocol.nvext import NvExtError, parse_nvext
@@ -52,25 +54,30 @@ class WorkerView:
         self.workers: dict[int, _Worker] = {}
         self.by_endpoint: dict[str, int] = {}
         self.tokenizer_by_model: dict[str, str] = {}
+        self.lora_by_model: dict[str, str | None] = {}  # served name → None, adapter → itself
+        self._configs: dict[int, EngineConfig] = {}
 
     def added(self, record: WorkerRecord) -> None:
         config = record.config
+        self._configs[record.instance_id] = config
         self.workers[record.instance_id] = _Worker(
             record.instance_id,
             record.serving_endpoint,
             config.role,
-            frozenset({config.served_model_name, config.model}),
+            frozenset(served_models([config])),
             tokenizer_spec(config.tokenizer),
         )
         self._reindex()
 
     def removed(self, record: WorkerRecord) -> None:
+        self._configs.pop(record.instance_id, None)
         if self.workers.pop(record.instance_id, None) is not None:
             self._reindex()
 
     def _reindex(self) -> None:
         self.by_endpoint = {w.endpoint: i for i, w in self.workers.items() if w.endpoint}
         self.tokenizer_by_model = {m: w.tokenizer for w in self.workers.values() for m in w.models}
+        self.lora_by_model = served_models(self._configs.values())
 
     def allowed_ids(self, subset: frozenset[str] | None) -> frozenset[int] | None:
         """Instance ids of the workers in a GAIE subset hint; None = no hint. An empty or
@@ -138,19 +145,13 @@ class KvPicker:
             tokenizer = self._tokenizers[spec] = get_tokenizer(spec)
         return tokenizer
 
-    def _tokenizer(self, model: str) -> Tokenizer:
-        spec = self.view.tokenizer_by_model.get(model)
-        if spec is None:
-            served = ", ".join(sorted(self.view.tokenizer_by_model)) or "none (no workers yet)"
-            raise OpenAIError(404, f"model {model!r} is not served here; available: {served}")
-        return self.load_tokenizer(spec)
-
     def pick(
         self, path: str, headers: Mapping[str, str], body: bytes, subset: frozenset[str] | None
     ) -> Route:
         request = parse_json_body(body)
         model = require_model(request)
-        tokenizer = self._tokenizer(model)
+        lora_name = lora_for_model(model, self.view.lora_by_model)  # 404 when nobody serves it
+        tokenizer = self.load_tokenizer(self.view.tokenizer_by_model[model])
         tokens = request_tokens(tokenizer, path, request)
         block_size = self.router.block_size
         if block_size is None:
@@ -162,8 +163,9 @@ class KvPicker:
         hints = nvext.agent_hints if nvext is not None else None
         route_request = RouteRequest(
             request_id=headers.get("x-request-id") or uuid.uuid4().hex,
-            block_hashes=block_hashes(tokens, block_size),
+            block_hashes=block_hashes(tokens, block_size, lora_name),
             isl_tokens=len(tokens),
+            lora_name=lora_name,
             pins=RoutePins.from_nvext(nvext),
             session=nvext.session_control if nvext is not None else None,
             allowed_ids=self.view.allowed_ids(subset),

@@ -4,7 +4,9 @@ For users without an Envoy gateway and endpoint picker: the frontend runs the EP
 (`epp.scheduler.Router`) fed by the same discovery, the EPP's load scraper (`epp.load`) and,
 unless `--kv-events off`, the EPP's KV-event subscribers (`epp.kv_events`). Each request is
 tokenized with the workers' tokenizer, hashed per KV block and scheduled; the booking is
-released when the request ends.
+released when the request ends. As in the EPP, a `model` naming a LoRA adapter
+(`protocol.engine.served_models`) is hashed under the adapter and goes only to workers serving
+it; a model nobody serves is a 404.
 """
 
 import contextlib
@@ -22,9 +24,10 @@ from dynamograph.epp.scheduler import (
     Router,
     RouteRequest,
 )
+from dynamograph.protocol.engine import lora_for_model, served_models
 from dynamograph.protocol.hashing import block_hashes
 from dynamograph.protocol.nvext import NvExt
-from dynamograph.protocol.openai import OpenAIError
+from dynamograph.protocol.openai import OpenAIError, require_model
 from dynamograph.protocol.tokenization import get_tokenizer, request_tokens
 
 from .directory import WorkerDirectory
@@ -91,21 +94,25 @@ class KvPicker:
             self.router.remove_worker(record.instance_id)
 
     def _tokens(self, path: str, body: dict[str, Any]):
+        """The request's tokens and the LoRA adapter its `model` names (None: the base model)."""
         records = self.directory.records()
         if not records:
             raise OpenAIError(503, "no workers are discovered yet")
-        return request_tokens(get_tokenizer(records[0].config.tokenizer), path, body)
+        lora_name = lora_for_model(require_model(body), served_models(r.config for r in records))
+        tokens = request_tokens(get_tokenizer(records[0].config.tokenizer), path, body)
+        return tokens, lora_name
 
     async def pick(self, pins: Pins, nvext: NvExt | None, path: str, body: dict[str, Any]) -> Route:
         block_size = self.router.block_size
         if block_size is None:
             raise OpenAIError(503, "no workers are discovered yet")
-        tokens = self._tokens(path, body)
+        tokens, lora_name = self._tokens(path, body)
         osl = nvext.agent_hints.osl if nvext and nvext.agent_hints else None
         request = RouteRequest(
             request_id=f"frontend-{next(self._ids)}",
-            block_hashes=block_hashes(tokens, block_size),
+            block_hashes=block_hashes(tokens, block_size, lora_name),
             isl_tokens=len(tokens),
+            lora_name=lora_name,
             pins=RoutePins(
                 pins.decode.worker_id if pins.decode else None,
                 pins.decode.dp_rank if pins.decode else None,

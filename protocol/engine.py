@@ -7,13 +7,15 @@ size silently turns KV routing into load-only routing.
 
 `served_models(configs)` is the one rule for what a request's `model` means (the worker, the
 EPP and the frontend's kv mode all use it): a served model name is the base model, an adapter
-name is that LoRA adapter, anything else is unknown (404).
+name is that LoRA adapter, anything else is unknown (404, `lora_for_model`).
 """
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from .openai import OpenAIError
 
 ENGINE_PATH = "/v1/engine"
 
@@ -75,3 +77,15 @@ def served_models(configs: Iterable[EngineConfig]) -> dict[str, str | None]:
         bases.add(config.served_model_name)
     models.update(dict.fromkeys(bases))
     return models
+
+
+def lora_for_model(model: str, models: Mapping[str, str | None]) -> str | None:
+    """The LoRA adapter `model` selects in a pool's `served_models` (None: the base model);
+    404 naming what the pool serves when it is neither."""
+    try:
+        return models[model]
+    except KeyError:
+        served = ", ".join(sorted(models)) or "none (no workers yet)"
+        raise OpenAIError(
+            404, f"The model `{model}` does not exist here; served: {served}", param="model"
+        ) from None
