@@ -9,7 +9,7 @@ hash tables and map to 2).
 
 Storage, for speed and memory (256 workers × 100k blocks):
 - one global table prefix key → row; per row the key and the slots holding it (`holders.py`:
-  the one owner's column, or a shared bitmask with one bit per slot column);
+  one int32 naming the one holder's column, or a shared bitmask with one bit per slot column);
 - per slot a table engine block hash → row, for BlockRemoved and for finding a BlockStored's
   parent (the engine's hashes are opaque: we never compute them);
 - rows nobody holds any more are recycled.
@@ -130,7 +130,7 @@ class KvIndex:
         """The kernels' index arguments, in order; renewed whenever an array is replaced."""
         # (the key table's arrays are not kept here: its rebuild frees them before allocating)
         self._store_parts = (self._row_key, self._free_rows, self._rmeta, *self._holders.parts)
-        self._find_parts = self._holders.parts[:3]
+        self._find_parts = self._holders.parts[:2]
         # find_matches' scratch: the slots' bits still alive, (column, depth) pairs found
         words = self._holders.words
         self._alive = np.empty(words, np.uint64)

@@ -13,9 +13,9 @@ Tables (`U64Table`): open addressing with linear probing over `keys` (uint64) an
 A lookup stops at the first EMPTY cell; a deletion leaves a tombstone (counted in `used` until
 the next rebuild).
 
-Holders (`Holders`): per row the one owner column (int16, -1 for none) or, once two slots hold
-the row, an index into a matrix of bitmasks (one bit per slot column). `hmeta[0]` counts the
-free bitmask rows on the stack `sfree`.
+Holders (`Holders`): per row one int32 `holder`: the one slot column holding it (≥ 0), NOBODY
+(-1), or, once two slots hold the row, -1 - s for bitmask row s ≥ 1 of a matrix of bitmasks
+(one bit per slot column). `hmeta[0]` counts the free bitmask rows on the stack `sfree`.
 
 Rows (`KvIndex`): `row_key[row]` is the row's prefix key; free rows sit on the stack
 `free_rows` with `rmeta[0]` of them.
@@ -57,7 +57,7 @@ _U8 = "u8[::1]"
 _I4 = "i4[::1]"
 _I8 = "i8[::1]"
 _TABLE = f"{_U8}, {_I4}, {_I8}"
-_HOLDERS = f"i2[::1], {_I4}, u8[:, ::1], {_I4}, {_I8}"
+_HOLDERS = f"{_I4}, u8[:, ::1], {_I4}, {_I8}"
 _ROWS = f"{_U8}, {_I4}, {_I8}"
 
 
@@ -228,39 +228,38 @@ def _bit(column):
 
 
 @_inline
-def _hold(row, column, owner, shared_of, shared, sfree, hmeta):
+def _hold(row, column, holder, shared, sfree, hmeta):
     """Add `column` to the row's holders (a free bitmask row is there when one is needed)."""
-    first = owner[row]
-    if first == column:
+    h = holder[row]
+    if h == column:
         return
-    s = shared_of[row]
-    if s:
-        shared[s, column >> 6] |= _bit(column)
-    elif first == NOBODY:
-        owner[row] = column
+    if h == NOBODY:
+        holder[row] = column
+    elif h < 0:
+        shared[-1 - h, column >> 6] |= _bit(column)
     else:
         hmeta[0] -= 1
         s = sfree[hmeta[0]]
-        shared[s, first >> 6] |= _bit(first)
+        shared[s, h >> 6] |= _bit(h)
         shared[s, column >> 6] |= _bit(column)
-        shared_of[row] = s
-        owner[row] = NOBODY
+        holder[row] = -1 - s
 
 
 @_inline
-def _unhold(row, column, owner, shared_of, shared, sfree, hmeta):
+def _unhold(row, column, holder, shared, sfree, hmeta):
     """Take `column` off the row's holders; True when nobody holds the row any more."""
-    if owner[row] == column:
-        owner[row] = NOBODY
+    h = holder[row]
+    if h == column:
+        holder[row] = NOBODY
         return True
-    s = shared_of[row]
-    if s == 0:
+    if h >= NOBODY:
         return False
+    s = -1 - h
     shared[s, column >> 6] &= ~_bit(column)
     for w in range(shared.shape[1]):
         if shared[s, w]:
             return False
-    shared_of[row] = 0
+    holder[row] = NOBODY
     sfree[hmeta[0]] = s
     hmeta[0] += 1
     return True
@@ -268,9 +267,9 @@ def _unhold(row, column, owner, shared_of, shared, sfree, hmeta):
 
 # -- the index -----------------------------------------------------------------------------
 @_inline
-def _drop(row, column, gk, gv, gm, row_key, free_rows, rmeta, owner, shared_of, shared, sfree, hm):
+def _drop(row, column, gk, gv, gm, row_key, free_rows, rmeta, holder, shared, sfree, hm):
     """Take `column` off `row`; a row nobody holds leaves the key table and is recycled."""
-    if _unhold(row, column, owner, shared_of, shared, sfree, hm):
+    if _unhold(row, column, holder, shared, sfree, hm):
         _delete(gk, gv, gm, row_key[row])
         free_rows[rmeta[0]] = row
         rmeta[0] += 1
@@ -306,8 +305,7 @@ def store_blocks(
     row_key,
     free_rows,
     rmeta,
-    owner,
-    shared_of,
+    holder,
     shared,
     sfree,
     hm,
@@ -348,13 +346,12 @@ def store_blocks(
                 row_key,
                 free_rows,
                 rmeta,
-                owner,
-                shared_of,
+                holder,
                 shared,
                 sfree,
                 hm,
             )
-        _hold(row, column, owner, shared_of, shared, sfree, hm)
+        _hold(row, column, holder, shared, sfree, hm)
     return STORED
 
 
@@ -371,8 +368,7 @@ def remove_blocks(
     row_key,
     free_rows,
     rmeta,
-    owner,
-    shared_of,
+    holder,
     shared,
     sfree,
     hm,
@@ -392,8 +388,7 @@ def remove_blocks(
                 row_key,
                 free_rows,
                 rmeta,
-                owner,
-                shared_of,
+                holder,
                 shared,
                 sfree,
                 hm,
@@ -415,10 +410,8 @@ def _emit(dropped, word, depth, out, nout):
     return nout
 
 
-@_kernel(
-    f"Tuple((b1, u8, i8))({_U8}, i8, u8, b1, {_U8}, {_I8}, i8, {_TABLE}, i2[::1], {_I4}, u8[:, ::1])"
-)
-def match_prefix(hashes, depth, key, last, alive, out, nout, gk, gv, gm, owner, shared_of, shared):
+@_kernel(f"Tuple((b1, u8, i8))({_U8}, i8, u8, b1, {_U8}, {_I8}, i8, {_TABLE}, {_I4}, u8[:, ::1])")
+def match_prefix(hashes, depth, key, last, alive, out, nout, gk, gv, gm, holder, shared):
     """One stage of `find_matches`: hashes are the query's blocks from `depth` on, `key` the
     prefix key before them, `alive` the bitmask of slots holding every block so far (set to all
     ones at depth 0). Each slot's bit is ANDed with the holders of each block in turn; when
@@ -437,19 +430,20 @@ def match_prefix(hashes, depth, key, last, alive, out, nout, gk, gv, gm, owner, 
             for w in range(words):
                 nout = _emit(alive[w], w, d, out, nout)
             return True, key, nout
-        first = owner[row]
-        s = shared_of[row]
+        h = holder[row]
         left = False
         for w in range(words):
             a = alive[w]
             if a == 0:
                 continue
-            if first != NOBODY:
-                h = _bit(first) if (first >> 6) == w else np.uint64(0)
+            if h >= 0:  # one holder
+                m = _bit(h) if (h >> 6) == w else np.uint64(0)
+            elif h == NOBODY:
+                m = np.uint64(0)
             else:
-                h = shared[s, w]
-            nout = _emit(a & ~h, w, d, out, nout)
-            a &= h
+                m = shared[-1 - h, w]
+            nout = _emit(a & ~m, w, d, out, nout)
+            a &= m
             alive[w] = a
             left = left or a != 0
         if not left:
