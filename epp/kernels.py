@@ -89,10 +89,7 @@ def warm_up() -> None:
             warnings.simplefilter("ignore", numba.NumbaWarning)
             cached = True
             for disp, signature in _KERNELS:
-                try:
-                    disp.enable_caching()
-                except RuntimeError:  # no writable cache location: compile in memory
-                    cached = False
+                cached &= enable_cache(disp)
                 disp.compile(signature)
                 disp.disable_compile()
             # the first call of any kernel sets numba's runtime up (~10 ms here): do it now
@@ -100,6 +97,16 @@ def warm_up() -> None:
         if not cached:
             log.debug("numba cannot write a cache here: index kernels compiled in memory")
         _warm = True
+
+
+def enable_cache(disp) -> bool:
+    """Turn numba's on-disk cache on for a dispatcher: in the source's `__pycache__`, else in
+    numba's user-wide cache dir; False (it then compiles in memory) when neither is writable."""
+    try:
+        disp.enable_caching()
+    except RuntimeError:  # "no locator available": nowhere to write
+        return False
+    return True
 
 
 # -- hash tables ---------------------------------------------------------------------------

@@ -147,3 +147,20 @@ def test_first_stage_size_does_not_change_answers(monkeypatch):
         monkeypatch.setattr(index_module, "FIRST_STAGE", first)
         answers.append(index.find_matches(blocks + chain(100, 13)))
     assert answers == [{(1, 0): 700, (2, 0): 333}] * 4
+
+
+def test_kernels_compile_without_a_writable_cache(monkeypatch, recwarn):
+    """A read-only install (no __pycache__, no user cache dir) compiles in memory, silently."""
+    import numba
+    from numba.core import caching
+
+    from dynamograph.epp.kernels import enable_cache
+
+    def read_only(self):
+        raise PermissionError("read-only file system")
+
+    monkeypatch.setattr(caching._CacheLocator, "ensure_cache_path", read_only)
+    disp = numba.njit(lambda x: x + 1)
+    assert enable_cache(disp) is False
+    assert disp(41) == 42
+    assert not [w for w in recwarn if issubclass(w.category, numba.NumbaWarning)]
