@@ -165,7 +165,10 @@ class WorkerServer:
     async def engine_info(self, request: web.Request) -> web.Response:
         if self.config is None:
             return _error(OpenAIError(503, "engine is starting"))
-        return web.Response(body=self.config.model_dump_json(), content_type="application/json")
+        # Without adapters the field is left out: routers older than it refuse unknown fields.
+        exclude = None if self.config.lora_adapters else {"lora_adapters"}
+        body = self.config.model_dump_json(exclude=exclude)
+        return web.Response(body=body, content_type="application/json")
 
     async def models(self, request: web.Request) -> web.Response:
         cfg = self.engine.config

@@ -44,6 +44,14 @@ async def test_models_and_engine_list_the_adapters_under_the_base_model(lora_wor
     assert lora_worker.config.lora_adapters == {1: "sql", 2: "chat"}
 
 
+async def test_engine_document_names_adapters_only_when_there_are_some(lora_worker):
+    async with aiohttp.ClientSession() as http:
+        async with http.get(lora_worker.url + "/v1/engine") as r:
+            assert (await r.json())["lora_adapters"] == {"1": "sql", "2": "chat"}
+        async with mock_worker(model=MODEL) as plain, http.get(plain.url + "/v1/engine") as r:
+            assert "lora_adapters" not in await r.json()  # what routers before LoRA accept
+
+
 async def test_unknown_model_is_a_404_with_vllms_message(lora_worker):
     body = await complete(lora_worker.url, "nope", expect=404)
     assert body["error"]["message"] == "The model `nope` does not exist."
@@ -125,3 +133,25 @@ async def test_cli_serves_adapters_from_both_flag_forms():
     ) as w:  # fmt: skip
         assert w.config.lora_adapters == {1: "sql", 2: "chat"}
         assert (await complete(w.url, "chat"))["model"] == "chat"
+
+
+async def test_handoff_of_an_adapter_request_reuses_the_prefills_kv():
+    from dynamograph.protocol.engine import Role
+
+    async with (
+        mock_worker(model=MODEL, role=Role.PREFILL, lora_modules=ADAPTERS) as prefill,
+        mock_worker(model=MODEL, role=Role.DECODE, lora_modules=ADAPTERS) as decode,
+    ):
+
+        async def handoff(prefill_model, decode_model) -> int:
+            """Prefill leg, then decode leg; the prompt tokens the decode did not recompute."""
+            first = {"model": prefill_model, "prompt": PROMPT, "max_tokens": 1,
+                     "kv_transfer_params": {"do_remote_decode": True}}  # fmt: skip
+            params = (await post_json(prefill.url, "/v1/completions", first))["kv_transfer_params"]
+            second = {"model": decode_model, "prompt": PROMPT, "max_tokens": 2,
+                      "kv_transfer_params": params}  # fmt: skip
+            out = await post_json(decode.url, "/v1/completions", second)
+            return out["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        assert await handoff("sql", "sql") > 0  # the decode's hashes under `sql` match
+        assert await handoff("sql", "chat") == 0  # another adapter's KV is recomputed
