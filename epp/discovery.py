@@ -10,7 +10,8 @@ API:
   (`namespace/name`) or, for static workers, the engine URL.
 - `WorkerRecord(name, instance_id, engine_url, serving_endpoint, config)`: a live worker;
   `serving_endpoint` is `host:port` Envoy sends to (None for prefill-only workers), `config` the
-  worker's `protocol.engine.EngineConfig`.
+  worker's `protocol.engine.EngineConfig` (with its LoRA adapters, `lora_adapters`, which the
+  router core registers through `Router.add_engine` and the picker maps `model` names with).
 - `parse_worker_flag("http://h:8001=h:9001") -> WorkerTarget`, `load_workers_file(path)`.
 - `pod_target(pod: dict) -> WorkerTarget | None`: a Pod (API JSON) that is Ready, not
   terminating and has a container port named `engine`; serving endpoint from the port `http`.
