@@ -212,6 +212,7 @@ class Router:
                 dp_size=config.data_parallel_size,
                 block_size=config.kv_cache_block_size,
                 total_blocks=config.total_kv_blocks,
+                lora_names=config.lora_adapters,
             )
         except ValueError as exc:
             log.error("worker %s not added: %s", config.name, exc)
