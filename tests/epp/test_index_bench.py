@@ -29,4 +29,5 @@ def test_tiny_run_writes_ratios(tmp_path, capsys):
     assert data["find_matches"]["queries"] == 30 and data["find_matches"]["ratio_p50"] > 0
     assert data["removal"]["blocks"] == 900
     assert data["memory"]["pairs"] == 3 * 2000
+    assert data["kernels_warm_up_s"] >= 0
     assert "find_matches" in capsys.readouterr().out
