@@ -197,12 +197,20 @@ class Response:
             await self._wait()
 
     async def read_chunk(self) -> bytes:
-        """The next piece of the body as it arrived; b"" at its end."""
-        while not self._chunks:
+        """The body bytes that have arrived and not been read, waiting for some when there are
+        none; b"" at its end. Pieces that arrived while the reader was busy come joined, so a
+        relay writes once for them rather than once per piece (an engine streaming fast
+        delivers several SSE events per wake-up)."""
+        chunks = self._chunks
+        while not chunks:
             if self._eof:
                 return b""
             await self._wait()
-        data = self._chunks.popleft()
+        if len(chunks) == 1:
+            data = chunks.popleft()
+        else:
+            data = b"".join(chunks)
+            chunks.clear()
         self._buffered -= len(data)
         if self._paused and self._buffered < _HIGH_WATER // 2:
             self._resume()

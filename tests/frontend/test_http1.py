@@ -162,7 +162,7 @@ async def test_response_cut_short_closes_the_connection():
     async with RawServer([CHUNKED[:-5]]) as server:  # the stream never ends
         client = pool()
         response = await client.request(b"POST", server.url, "/", b"", b"{}")
-        assert await response.read_chunk() == b"data: one\n\n"
+        assert (await response.read_chunk()).startswith(b"data: one\n\n")  # what has arrived
         response.close()
         await asyncio.wait_for(server.disconnected.wait(), 5)
         assert not any(client._idle.values())
