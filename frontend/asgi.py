@@ -123,7 +123,9 @@ class Exchange:
         if watch is not None:
             watch.cancel()
 
-    async def respond(self, status: int, body: bytes, headers: Iterable[tuple[bytes, bytes]]):
+    async def respond(
+        self, status: int, body: bytes, headers: Iterable[tuple[bytes, bytes]]
+    ) -> None:
         await self.start(status, [*headers, (b"content-length", b"%d" % len(body))])
         await self._send({"type": "http.response.body", "body": body})
 

@@ -53,7 +53,6 @@ _JSON_HEADERS: Headers = [(b"content-type", b"application/json")]
 _SSE_HEADERS: Headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 # Engine response headers worth keeping: the request id and which worker / rank served it.
 PASSED_RESPONSE_HEADERS = ("x-request-id", "x-dynamograph-worker-id", "x-dynamograph-dp-rank")
-GENERATE_PATHS = (CHAT_COMPLETIONS, COMPLETIONS)
 DEFAULT_MAX_BODY_BYTES = 10 * 1024 * 1024
 
 

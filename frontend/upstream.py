@@ -51,8 +51,9 @@ class EngineClient:
 
     @staticmethod
     def headers(client_headers: Mapping[str, str], dp_rank: int | None) -> bytes:
-        """The engine request's header lines: JSON body, the client's forwardable headers, and
-        vLLM's DP rank selector."""
+        """The engine request's header lines: JSON body, the client's forwardable headers (as
+        the server hands them over: bytes read as latin-1, so they go out unchanged), and vLLM's
+        DP rank selector."""
         out = _JSON_HEADER
         for name in FORWARDED_HEADERS:
             value = client_headers.get(name)
