@@ -74,7 +74,7 @@ def as_u64(values: Sequence[int] | np.ndarray) -> np.ndarray:
 def chain_keys(parent_key: int, hashes: np.ndarray) -> np.ndarray:
     """Prefix keys of `hashes` (uint64) continuing the prefix whose key is `parent_key` (0:
     none), as the index names blocks (reserved values clamped to 2)."""
-    return kernels.prefix_keys(np.uint64(parent_key), as_u64(hashes))
+    return kernels.prefix_keys(parent_key, as_u64(hashes))
 
 
 def engine_keys(hashes: Sequence[int | bytes] | np.ndarray) -> np.ndarray:
@@ -86,13 +86,14 @@ def engine_keys(hashes: Sequence[int | bytes] | np.ndarray) -> np.ndarray:
         return np.array([_fold64(engine_hash_key(h)) for h in hashes], dtype=np.uint64)
 
 
-def engine_key(value: int | bytes) -> np.uint64:
-    """One engine block hash as a uint64 (the scalar twin of `engine_keys`)."""
+def engine_key(value: int | bytes) -> int:
+    """One engine block hash as an int in [0, 2^64) (the scalar twin of `engine_keys`; the
+    kernels take Python ints for uint64 arguments, cheaper than building a numpy scalar)."""
     if isinstance(value, np.integer):
         value = int(value)
     if type(value) is not int or not 0 <= value <= _U64:
         value = _fold64(engine_hash_key(value))
-    return np.uint64(value)
+    return value
 
 
 def _fold64(value: int) -> int:
@@ -246,7 +247,7 @@ class KvIndex:
             return True
         state = self._slot(slot)
         if parent_engine_hash is None:
-            parent, has_parent = np.uint64(0), False
+            parent, has_parent = 0, False
         else:
             parent, has_parent = engine_key(parent_engine_hash), True
         stored = self._store(
@@ -257,7 +258,12 @@ class KvIndex:
         return stored
 
     def _store(
-        self, state: _SlotState, engine: np.ndarray, local: np.ndarray, parent, has_parent: bool
+        self,
+        state: _SlotState,
+        engine: np.ndarray,
+        local: np.ndarray,
+        parent: int,
+        has_parent: bool,
     ) -> bool:
         args = (engine, local, parent, has_parent, state.column)
         code = kernels.store_blocks(
@@ -313,7 +319,7 @@ class KvIndex:
             return
         state = self._slot(slot)
         keys = chain_keys(0, hashes)
-        self._store(state, keys, hashes, np.uint64(0), False)  # the key doubles as engine hash
+        self._store(state, keys, hashes, 0, False)  # the key doubles as engine hash
         for key in keys.tolist():
             state.expiry[key] = expires_at
         self._approx.append((expires_at, slot, keys))
@@ -345,10 +351,10 @@ class KvIndex:
         match = kernels.match_prefix
         if isinstance(local_hashes, np.ndarray):
             hashes = np.ascontiguousarray(local_hashes, np.uint64)
-            _, _, nout = match(hashes, 0, np.uint64(0), True, alive, out, 0, *parts)
+            _, _, nout = match(hashes, 0, 0, True, alive, out, 0, *parts)
         else:
             it = iter(local_hashes)
-            depth, size, key, nout = 0, FIRST_STAGE, np.uint64(0), 0
+            depth, size, key, nout = 0, FIRST_STAGE, 0, 0
             while True:
                 count = min(size, n - depth)
                 part = np.fromiter(it, np.uint64, count)
@@ -358,6 +364,6 @@ class KvIndex:
                     break
                 depth += count
                 size *= _STAGE_GROWTH
-        found = out[: 2 * nout].tolist()
+        found = iter(out[: 2 * nout].tolist())  # column, depth, column, depth …
         col_slot = self._col_slot
-        return {col_slot[c]: d for c, d in zip(found[::2], found[1::2], strict=True)}
+        return {col_slot[col]: next(found) for col in found}
