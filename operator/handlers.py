@@ -21,7 +21,7 @@ import kopf
 
 from .config import OperatorConfig
 from .controller import Operator, sync_graph, sync_owner_of
-from .kube import ApiError, KubeApi, default_login
+from .kube import ApiError, KubeApi, login
 from .manifests import LABEL_MANAGED_BY, MANAGED_BY
 from .models import GROUP, PLURAL, VERSION
 
@@ -70,7 +70,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
     @kopf.on.startup(registry=registry)
     async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
         configure(settings)
-        memo.operator = Operator(api=KubeApi(lambda: default_login(settings)), config=config)
+        memo.operator = Operator(api=KubeApi(lambda: login(settings)), config=config)
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(memo: kopf.Memo, **_: Any) -> None:
@@ -78,8 +78,8 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
             await memo.operator.api.close()
 
     @kopf.on.login(registry=registry)
-    def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
-        return default_login(settings)
+    def authenticate(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
+        return login(settings)  # the same credentials as KubeApi's
 
     @kopf.on.resume(*resource, id="resume", registry=registry)
     @kopf.on.create(*resource, id="create", registry=registry)

@@ -2,10 +2,13 @@
 
 kopf watches and patches the DynamoGraph itself; this client does the rest: list, create, patch
 and delete the owned objects, and patch the graph's status. It knows only the kinds it is given
-in RESOURCES. Credentials come from kopf's login functions (service account in a pod, else
-kubeconfig), re-read once on a 401 so rotated service account tokens keep working.
+in RESOURCES. Credentials come from `login`, the same function kopf's login handler calls, so
+kopf and this client act as one identity; they are re-read once on a 401 (rotated service
+account tokens, expired exec-plugin tokens).
 """
 
+import asyncio
+import logging
 import ssl
 from collections.abc import Callable
 from typing import Any
@@ -15,6 +18,8 @@ import kopf
 import orjson
 
 from .models import API_VERSION, KIND, PLURAL
+
+log = logging.getLogger(__name__)
 
 # (apiVersion, kind) -> plural resource name.
 RESOURCES: dict[tuple[str, str], str] = {
@@ -52,13 +57,27 @@ def matches_selector(obj: dict[str, Any], selector: dict[str, str]) -> bool:
 
 
 def default_login(settings: kopf.OperatorSettings) -> kopf.ConnectionInfo:
-    """kopf's own minimal login: the pod's service account, else $KUBECONFIG / ~/.kube/config."""
+    """kopf's own minimal login: the pod's service account, else $KUBECONFIG / ~/.kube/config
+    (tokens, basic auth and client certificates only: no exec plugins, no auth providers)."""
     info = kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(
         settings=settings
     )
     if info is None:
         raise kopf.LoginError("no service account token and no kubeconfig found")
     return info
+
+
+def login(settings: kopf.OperatorSettings) -> kopf.ConnectionInfo:
+    """The operator's credentials, for kopf and `KubeApi` alike.
+
+    With the official `kubernetes` client importable (a runtime dependency), kopf's
+    `login_via_client` lets the client's loader read them: in-cluster service account, else
+    the kubeconfig, including `exec` credential plugins (EKS, GKE, OIDC helpers) and auth
+    providers. Without it, kopf's minimal readers (`default_login`). Blocking: an exec plugin
+    is a subprocess, so async callers run this in a thread.
+    """
+    info = kopf.login_via_client(settings=settings, logger=log)  # None: no kubernetes package
+    return info if info is not None else default_login(settings)
 
 
 def _ssl_context(info: kopf.ConnectionInfo) -> ssl.SSLContext | bool:
@@ -87,19 +106,21 @@ def _api_error(status: int, reason: str, payload: bytes) -> ApiError:
 class KubeApi:
     def __init__(self, login: Callable[[], kopf.ConnectionInfo]):
         self._login = login
-        self._info: kopf.ConnectionInfo | None = None
         self._session: aiohttp.ClientSession | None = None
+        self._connecting = asyncio.Lock()  # one login at a time, not one per waiting request
 
-    def _connect(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            self._info = self._login()
-            self._session = aiohttp.ClientSession(
-                base_url=self._info.server.rstrip("/") + "/",
-                headers={"Accept": "application/json", **self._info.as_http_headers()},
-                connector=aiohttp.TCPConnector(ssl=_ssl_context(self._info)),
-                timeout=aiohttp.ClientTimeout(total=30),
-            )
-        return self._session
+    async def _connect(self) -> aiohttp.ClientSession:
+        async with self._connecting:
+            if self._session is None:
+                # A thread: the login may run an exec credential plugin (a subprocess).
+                info = await asyncio.to_thread(self._login)
+                self._session = aiohttp.ClientSession(
+                    base_url=info.server.rstrip("/") + "/",
+                    headers={"Accept": "application/json", **info.as_http_headers()},
+                    connector=aiohttp.TCPConnector(ssl=_ssl_context(info)),
+                    timeout=aiohttp.ClientTimeout(total=30),
+                )
+            return self._session
 
     async def close(self) -> None:
         if self._session is not None:
@@ -117,7 +138,7 @@ class KubeApi:
         data = None if body is None else orjson.dumps(body)
         headers = {"Content-Type": content_type} if body is not None else {}
         for attempt in (1, 2):
-            session = self._connect()
+            session = await self._connect()
             try:
                 async with session.request(
                     method, path.lstrip("/"), data=data, headers=headers, params=params

@@ -1,10 +1,11 @@
 """Operator test fixtures: the emulator of `emulator.py` as kmock's server class, with the
-resources declared and $KUBECONFIG pointing at it."""
+resources declared and $KUBECONFIG (also as the `kubernetes` client's default) pointing at it."""
 
 import os
 
 import pytest
 import yaml
+from kubernetes.config import kube_config
 
 from .emulator import ClusterEmulator, declare_resources
 
@@ -34,6 +35,8 @@ def cluster(request, kmock, tmp_path, monkeypatch):
         )
     )
     monkeypatch.setenv("KUBECONFIG", str(config))
+    # The `kubernetes` client (the operator's login) reads $KUBECONFIG once, at import.
+    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(config))
     # kopf checks for a pod's service account first; make sure a developer machine has none.
     assert not os.path.exists("/var/run/secrets/kubernetes.io/serviceaccount/token")
     return kmock

@@ -9,7 +9,8 @@ layer below (`ClusterEmulator`) adds only what the operator's behaviour depends 
 - label selectors on list requests (`?labelSelector=a=b,c=d`, equality only);
 - a Deployment "controller": after a Deployment's spec changes, its status says the rollout
   finished (all replicas updated, ready, available) — unless `rollouts_complete` is off;
-- garbage collection: deleting an object deletes the objects whose ownerReferences name it.
+- garbage collection: deleting an object deletes the objects whose ownerReferences name it;
+- authentication, when a test sets `required_token`: any other bearer token gets a 401.
 
 Still missing, and not needed here: PUT, field selectors, namespace listing (the operator runs
 cluster-wide), admission/validation, server-side apply. Merge patches follow RFC 7386 in kmock.
@@ -37,14 +38,25 @@ EXAMPLES = REPO / "examples"
 DATA = Path(__file__).resolve().parent / "data"
 
 
+UNAUTHORIZED = {
+    "kind": "Status",
+    "apiVersion": "v1",
+    "status": "Failure",
+    "reason": "Unauthorized",
+    "message": "Unauthorized",
+    "code": 401,
+}
 _WRITES = (kmock_enums.action.CREATE, kmock_enums.action.UPDATE, kmock_enums.action.DELETE)
 
 
 class ClusterEmulator(kmock_lib.KubernetesEmulator):
     rollouts_complete: bool = True
+    required_token: str | None = None
     _versions = itertools.count(1000)
 
     async def _handle(self, request):
+        if self.required_token is not None and not self._authenticated(request):
+            return aiohttp.web.json_response(UNAUTHORIZED, status=401)
         if request.resource is not None and isinstance(request.data, dict):
             if request.action == kmock_enums.action.CREATE:
                 self._stamp_create(request)
@@ -62,6 +74,10 @@ class ClusterEmulator(kmock_lib.KubernetesEmulator):
         if request.resource is not None and request.action in _WRITES:
             await self._collect_garbage()
         return response
+
+    def _authenticated(self, request) -> bool:
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        return headers.get("authorization") == f"Bearer {self.required_token}"
 
     # -- identity and status isolation ------------------------------------------------------
 
