@@ -119,6 +119,7 @@ def settings_from_args(args: argparse.Namespace) -> EppSettings:
         max_body_bytes=args.max_body_bytes,
         scrape_interval=args.scrape_interval,
         drain_grace=args.drain_grace,
+        freeze_heap=True,  # this process is the EPP's own
     )
 
 

@@ -34,7 +34,6 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
-from google.protobuf import struct_pb2
 
 from dynamograph.protocol.headers import (
     DESTINATION_ENDPOINT,
@@ -45,7 +44,7 @@ from dynamograph.protocol.headers import (
 from dynamograph.protocol.openai import OpenAIError
 
 from .active import RequestGuard
-from .metrics import OUTCOME_BY_STATUS, ROUTED, ROUTED_HEADER_ONLY, EppMetrics
+from .metrics import OUTCOME_BY_STATUS, EppMetrics
 
 log = logging.getLogger(__name__)
 
@@ -166,67 +165,46 @@ def immediate_response(error: OpenAIError) -> pb.ProcessingResponse:
 def _headers_response(
     route: Route, body_length: int | None, spoofed: list[str]
 ) -> pb.ProcessingResponse:
-    set_headers = [
-        base_pb2.HeaderValueOption(
-            header=base_pb2.HeaderValue(
-                key=DESTINATION_ENDPOINT, raw_value=route.endpoint.encode()
-            ),
-            append_action=_OVERWRITE,
-        )
-    ]
+    # Built by mutating one message in place: upb copies every sub-message handed to a
+    # constructor, which made the nested-constructor form ~4x slower (68 vs 18 µs here).
+    response = pb.ProcessingResponse()
+    common = response.request_headers.response
+    common.clear_route_cache = True
+    mutation = common.header_mutation
+    add = mutation.set_headers.add
+    header = add(append_action=_OVERWRITE).header
+    header.key = DESTINATION_ENDPOINT
+    header.raw_value = route.endpoint.encode()
     for key, value in route.headers.items():
-        set_headers.append(
-            base_pb2.HeaderValueOption(
-                header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
-                append_action=_OVERWRITE,
-            )
-        )
+        header = add(append_action=_OVERWRITE).header
+        header.key = key
+        header.raw_value = value.encode()
     if body_length is not None:
-        set_headers.append(
-            base_pb2.HeaderValueOption(
-                header=base_pb2.HeaderValue(
-                    key="content-length", raw_value=str(body_length).encode()
-                ),
-                append_action=_OVERWRITE,
-            )
-        )
-    # Names we set are overwritten anyway; the rest of the client's copies are removed.
-    ours = {DESTINATION_ENDPOINT, *route.headers}
-    remove = [name for name in spoofed if name not in ours]
-    metadata = struct_pb2.Struct()
-    metadata.fields[LB_NAMESPACE].struct_value.fields[
-        DESTINATION_ENDPOINT
-    ].string_value = route.endpoint
-    return pb.ProcessingResponse(
-        request_headers=pb.HeadersResponse(
-            response=pb.CommonResponse(
-                header_mutation=pb.HeaderMutation(set_headers=set_headers, remove_headers=remove),
-                clear_route_cache=True,
-            )
-        ),
-        dynamic_metadata=metadata,
-    )
+        header = add(append_action=_OVERWRITE).header
+        header.key = "content-length"
+        header.raw_value = b"%d" % body_length
+    if spoofed:
+        # Names we set are overwritten anyway; the rest of the client's copies are removed.
+        ours = {DESTINATION_ENDPOINT, *route.headers}
+        mutation.remove_headers.extend(name for name in spoofed if name not in ours)
+    lb = response.dynamic_metadata.fields[LB_NAMESPACE].struct_value
+    lb.fields[DESTINATION_ENDPOINT].string_value = route.endpoint
+    return response
 
 
 def _body_chunk(chunk: bytes, end_of_stream: bool, *, response: bool) -> pb.ProcessingResponse:
-    body = pb.BodyResponse(
-        response=pb.CommonResponse(
-            body_mutation=pb.BodyMutation(
-                streamed_response=pb.StreamedBodyResponse(body=chunk, end_of_stream=end_of_stream)
-            )
-        )
-    )
-    return (
-        pb.ProcessingResponse(response_body=body)
-        if response
-        else pb.ProcessingResponse(request_body=body)
-    )
+    message = pb.ProcessingResponse()
+    body = message.response_body if response else message.request_body
+    streamed = body.response.body_mutation.streamed_response
+    streamed.body = chunk
+    streamed.end_of_stream = end_of_stream
+    return message
 
 
 def body_chunks(body: bytes, *, end_of_stream: bool = True) -> list[pb.ProcessingResponse]:
     """The request body re-streamed in chunks of at most 62,000 bytes (at least one chunk)."""
-    if not body:
-        return [_body_chunk(b"", end_of_stream, response=False)]
+    if len(body) <= MAX_CHUNK_BYTES:
+        return [_body_chunk(body, end_of_stream, response=False)]  # no copy
     view = memoryview(body)
     last = len(body) - 1
     return [
@@ -344,7 +322,7 @@ class Exchange:
         route = self._picker.pick_any(self._subset)
         self._routed = True
         self.route = route
-        self._metrics.requests.labels(ROUTED_HEADER_ONLY).inc()
+        self._metrics.routed_header_only.inc()
         return [_headers_response(route, None, spoofed)]
 
     def _on_request_body(self, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
@@ -377,7 +355,7 @@ class Exchange:
         self._metrics.pick_seconds.observe(time.perf_counter() - start)
         self._routed = True
         self.route = route
-        self._metrics.requests.labels(ROUTED).inc()
+        self._metrics.routed.inc()
         if route.prompt_tokens:
             self._metrics.prompt_tokens.inc(route.prompt_tokens)
             self._metrics.predicted_cached_tokens.inc(route.predicted_cached_tokens)
@@ -399,7 +377,7 @@ class Exchange:
                     self._metrics.served_mismatch.inc()
                     log.info("served endpoint %s differs from pick %s", served, self.route.endpoint)
         if self.status is not None:
-            self._metrics.responses.labels(f"{self.status // 100}xx").inc()
+            self._metrics.response_status(self.status)
         if headers.end_of_stream:
             self._end_of_response()
         return [_RESPONSE_HEADERS_ACK]
@@ -471,7 +449,10 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
                     await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
                 for response in responses:
                     yield response
-                if exchange.done:
+                if exchange.done or exchange.response_complete:
+                    # Nothing is left to process: end the stream now (status OK) rather than
+                    # wait for Envoy's half-close, one read fewer per request. Envoy treats
+                    # a server close as "no more processing" for the rest of the request.
                     break
         finally:
             if exchange.route is not None and not exchange.response_complete:

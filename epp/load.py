@@ -22,34 +22,62 @@ from .tasks import cancel_all
 log = logging.getLogger(__name__)
 
 _FIELDS = {
-    "vllm:num_requests_waiting": "waiting",
-    "vllm:num_requests_running": "running",
-    "vllm:kv_cache_usage_perc": "kv_usage",
+    b"vllm:num_requests_waiting": "waiting",
+    b"vllm:num_requests_running": "running",
+    b"vllm:kv_cache_usage_perc": "kv_usage",
 }
-_PREFIXES = tuple(_FIELDS)
-_LINE = re.compile(r"^(vllm:[a-z_]+)(?:\{([^}]*)\})?\s+(\S+)")
-_RANK = re.compile(r'(?:^|,)\s*engine="(\d+)"')
+_RANK = re.compile(rb'(?:^|,)\s*engine="(\d+)"')
 
 
-def parse_load(text: str) -> dict[int, dict[str, float]]:
-    """{dp_rank: {waiting, running, kv_usage}} from a Prometheus text page (vLLM names)."""
+def parse_load(page: str | bytes) -> dict[int, dict[str, float]]:
+    """{dp_rank: {waiting, running, kv_usage}} from a Prometheus text page (vLLM names).
+
+    Jumps to each series' first sample and reads the lines of its family that follow, instead
+    of walking every line: a vLLM page has hundreds (histograms), and splitting it cost ~60 µs
+    of each scrape here, against a few µs this way."""
+    data = page.encode() if isinstance(page, str) else page
     out: dict[int, dict[str, float]] = {}
-    for line in text.splitlines():
-        if not line.startswith(_PREFIXES):
-            continue
-        match = _LINE.match(line)
-        if match is None or match.group(1) not in _FIELDS:
-            continue
-        rank_match = _RANK.search(match.group(2) or "")
-        rank = int(rank_match.group(1)) if rank_match else 0
-        try:
-            value = float(match.group(3))
-        except ValueError:
-            continue
-        slot = out.setdefault(rank, {})
-        key = _FIELDS[match.group(1)]
-        slot[key] = slot.get(key, 0.0) + value
+    for name, key in _FIELDS.items():
+        # A sample starts a line; "# HELP name" and "# TYPE name" lines don't match "\nname".
+        if data.startswith(name):
+            at = 0
+        else:
+            at = data.find(b"\n" + name)
+            if at < 0:
+                continue
+            at += 1
+        while at >= 0:
+            start = at + len(name)
+            end = data.find(b"\n", start)
+            if end < 0:
+                end = len(data)
+            _add_sample(out, key, data[start:end])
+            # The family's samples are consecutive lines.
+            at = end + 1 if data.startswith(name, end + 1) else -1
     return out
+
+
+def _add_sample(out: dict[int, dict[str, float]], key: str, rest: bytes) -> None:
+    """`rest` is a sample line after the metric name: `{labels} value [timestamp]`."""
+    labels = b""
+    if rest.startswith(b"{"):
+        close = rest.find(b"}")
+        if close < 0:
+            return
+        labels, rest = rest[1:close], rest[close + 1 :]
+    elif rest[:1] not in (b" ", b"\t"):
+        return  # a longer metric name with this prefix
+    fields = rest.split()
+    if not fields:
+        return
+    try:
+        value = float(fields[0])
+    except ValueError:
+        return
+    rank_match = _RANK.search(labels)
+    rank = int(rank_match.group(1)) if rank_match else 0
+    slot = out.setdefault(rank, {})
+    slot[key] = slot.get(key, 0.0) + value
 
 
 class LoadScraper:
@@ -65,10 +93,10 @@ class LoadScraper:
     ):
         self.router = router
         self.interval = interval
-        self.timeout = timeout
         self.failures_to_drop = failures_to_drop
         self.on_unreachable = on_unreachable
         self.metrics = metrics
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
         self.workers: dict[int, WorkerRecord] = {}
         self._failures: dict[int, int] = {}
         self._wake: dict[int, asyncio.Event] = {}
@@ -104,18 +132,25 @@ class LoadScraper:
             await self.scrape(record)
             wake.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(wake.wait(), self.interval)
+                async with asyncio.timeout(self.interval):  # no extra task, unlike wait_for
+                    await wake.wait()
 
     async def scrape(self, record: WorkerRecord) -> bool:
         if self._session is None:
-            self._session = aiohttp.ClientSession()
+            # Every worker is scraped every interval, so the per-request overhead of the
+            # client counts (64 workers at 0.5 s = 128 scrapes/s): no cookie jar, no
+            # compression asked for (the page is parsed as bytes; a gzip round trip would
+            # cost both sides more than the bytes saved on a local network).
+            self._session = aiohttp.ClientSession(
+                cookie_jar=aiohttp.DummyCookieJar(),
+                skip_auto_headers=("Accept-Encoding", "User-Agent"),
+                timeout=self._timeout,
+            )
         wid = record.instance_id
         try:
-            async with self._session.get(
-                record.engine_url + "/metrics", timeout=aiohttp.ClientTimeout(total=self.timeout)
-            ) as response:
+            async with self._session.get(record.engine_url + "/metrics") as response:
                 response.raise_for_status()
-                text = await response.text()
+                page = await response.read()
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             if self.metrics is not None:
                 self.metrics.scrape_failures.inc()
@@ -126,7 +161,7 @@ class LoadScraper:
                 self.on_unreachable(wid)
             return False
         self._failures[wid] = 0
-        for rank, values in parse_load(text).items():
+        for rank, values in parse_load(page).items():
             self.router.update_load(
                 wid,
                 rank,

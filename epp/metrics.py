@@ -152,6 +152,20 @@ class EppMetrics:
         self.scrape_failures = Counter(
             PREFIX + "scrape_failures", "failed /metrics scrapes of workers", registry=r
         )
+        # Label children of the per-request counters, bound once: `labels()` costs a lock and
+        # a dict lookup on every call.
+        self.routed = self.requests.labels(ROUTED)
+        self.routed_header_only = self.requests.labels(ROUTED_HEADER_ONLY)
+        self._responses_by_class = {
+            code: self.responses.labels(f"{code}xx") for code in range(1, 6)
+        }
+
+    def response_status(self, status: int) -> None:
+        """Count an upstream response by status class (2xx, 4xx, …)."""
+        child = self._responses_by_class.get(status // 100)
+        if child is None:
+            child = self.responses.labels(f"{status // 100}xx")
+        child.inc()
 
     def observe_usage(self, predicted: int, reported_cached: int, reported_prompt: int) -> None:
         self.reported_cached_tokens.inc(reported_cached)
