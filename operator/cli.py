@@ -1,9 +1,23 @@
-"""`dynamograph operator`: run the kopf operator that reconciles DynamoGraph resources."""
+"""`dynamograph operator`: run the kopf operator that reconciles DynamoGraph resources.
+
+Standalone by default: one operator, no peering objects needed. With `--peering NAME`, several
+replicas share kopf's peering object NAME (a ClusterKopfPeering, or a KopfPeering per watched
+namespace): each records keep-alives in it, and every replica but the one with the highest
+priority pauses (stops watching) until the higher ones are gone. That is kopf's own peering,
+used as leader election; `run_options` turns the flags into `kopf.run` arguments.
+"""
 
 import argparse
+import logging
 import os
+import random
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from .config import PULL_POLICIES, OperatorConfig
+
+log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +50,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=8080,
         help="serve kopf's liveness probe on http://0.0.0.0:PORT/healthz (0: off)",
     )
+    parser.add_argument(
+        "--peering",
+        metavar="NAME",
+        help="run as one of several replicas sharing kopf's peering object NAME: only the "
+        "highest-priority one acts (default: $DYNAMOGRAPH_PEERING, else standalone)",
+    )
+    parser.add_argument(
+        "--priority",
+        type=int,
+        help="peering priority (default: $DYNAMOGRAPH_PEERING_PRIORITY, else automatic: the "
+        "longest-running replica leads, and any explicit priority outranks automatic ones)",
+    )
 
 
 def config_from_args(args: argparse.Namespace, env=os.environ) -> OperatorConfig:
@@ -47,6 +73,54 @@ def config_from_args(args: argparse.Namespace, env=os.environ) -> OperatorConfig
     )
 
 
+def automatic_priority(started: float, rng: random.Random) -> int:
+    """The peering priority of a replica started at `started` (epoch seconds).
+
+    Earlier start, higher priority: the running leader keeps leading when another replica
+    restarts, and a rollout's new pod waits (paused) until the old leader has gone, instead of
+    both acting at once. Negative, so an explicit priority (kopf's default 0, `--dev`'s 666)
+    always outranks the replicas. The last three digits are random: kopf pauses *every*
+    operator of a same-priority tie, so two pods started in the same millisecond must differ.
+    """
+    return -(int(started * 1000) * 1000 + rng.randrange(1000))
+
+
+def run_options(
+    args: argparse.Namespace,
+    env: Mapping[str, str] = os.environ,
+    clock: Callable[[], float] = time.time,
+    rng: random.Random | None = None,
+) -> dict[str, Any]:
+    """The `kopf.run` keyword arguments for these flags and environment. Raises ValueError."""
+    if args.all_namespaces:
+        namespaces = []
+    else:
+        namespaces = args.namespace or [
+            ns.strip() for ns in env.get("WATCH_NAMESPACE", "").split(",") if ns.strip()
+        ]
+    peering = args.peering or env.get("DYNAMOGRAPH_PEERING") or None
+    priority = args.priority
+    if priority is None and env.get("DYNAMOGRAPH_PEERING_PRIORITY"):
+        try:
+            priority = int(env["DYNAMOGRAPH_PEERING_PRIORITY"])
+        except ValueError:
+            raise ValueError("DYNAMOGRAPH_PEERING_PRIORITY must be an integer") from None
+    if peering is None and priority is not None:
+        raise ValueError("a peering priority needs a peering object (--peering NAME)")
+    if peering is not None and priority is None:
+        priority = automatic_priority(clock(), rng or random.SystemRandom())
+    return {
+        "clusterwide": not namespaces,
+        "namespaces": namespaces,
+        "standalone": peering is None,
+        "peering_name": peering,
+        "priority": priority,
+        "liveness_endpoint": f"http://0.0.0.0:{args.liveness_port}/healthz"
+        if args.liveness_port
+        else None,
+    }
+
+
 def run(args: argparse.Namespace) -> int:
     import kopf
 
@@ -54,19 +128,11 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         config = config_from_args(args)
+        options = run_options(args)
     except ValueError as exc:
         print(f"dynamograph operator: {exc}")
         return 2
-    namespaces = args.namespace or [
-        ns for ns in os.environ.get("WATCH_NAMESPACE", "").split(",") if ns.strip()
-    ]
-    kopf.run(
-        registry=build_registry(config),
-        clusterwide=not namespaces,
-        namespaces=namespaces,
-        standalone=True,  # one replica (the chart's Deployment uses Recreate); no peering CRDs
-        liveness_endpoint=f"http://0.0.0.0:{args.liveness_port}/healthz"
-        if args.liveness_port
-        else None,
-    )
+    if options["peering_name"]:
+        log.info("peering %r with priority %d", options["peering_name"], options["priority"])
+    kopf.run(registry=build_registry(config), **options)
     return 0

@@ -4,10 +4,9 @@ resources declared and $KUBECONFIG (also as the `kubernetes` client's default) p
 import os
 
 import pytest
-import yaml
 from kubernetes.config import kube_config
 
-from .emulator import ClusterEmulator, declare_resources
+from .emulator import ClusterEmulator, declare_resources, write_kubeconfig
 
 
 @pytest.fixture
@@ -20,20 +19,7 @@ def cluster(request, kmock, tmp_path, monkeypatch):
     """The emulator with resources declared and $KUBECONFIG pointing at it. Parametrize it
     indirectly with a tuple of kinds to leave their CRDs out."""
     declare_resources(kmock, without=getattr(request, "param", ()))
-    config = tmp_path / "kubeconfig"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "kind": "Config",
-                "current-context": "emulator",
-                "clusters": [{"name": "emulator", "cluster": {"server": str(kmock.url)}}],
-                "users": [{"name": "emulator", "user": {}}],
-                "contexts": [
-                    {"name": "emulator", "context": {"cluster": "emulator", "user": "emulator"}}
-                ],
-            }
-        )
-    )
+    config = write_kubeconfig(tmp_path / "kubeconfig", str(kmock.url))
     monkeypatch.setenv("KUBECONFIG", str(config))
     # The `kubernetes` client (the operator's login) reads $KUBECONFIG once, at import.
     monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(config))

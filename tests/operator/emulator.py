@@ -5,7 +5,8 @@ layer below (`ClusterEmulator`) adds only what the operator's behaviour depends 
 
 - object identity: uid, resourceVersion, creationTimestamp on create; resourceVersion on every
   write; `metadata.generation` bumped when `spec` changes (kopf and status rely on these);
-- status isolation: a PATCH to `/status` changes only status, a PATCH to the object never does;
+- status isolation for kinds with a status subresource: a PATCH to `/status` changes only
+  status, a PATCH to the object never does (kopf's peering objects keep status in the object);
 - label selectors on list requests (`?labelSelector=a=b,c=d`, equality only);
 - a Deployment "controller": after a Deployment's spec changes, its status says the rollout
   finished (all replicas updated, ready, available) — unless `rollouts_complete` is off;
@@ -101,7 +102,7 @@ class ClusterEmulator(kmock_lib.KubernetesEmulator):
         if request.subresource == "status":
             for field in [k for k in data if k != "status"]:
                 del data[field]
-        else:
+        elif self._has_status_subresource(request.resource):
             data.pop("status", None)
         meta = data.setdefault("metadata", {})
         meta["resourceVersion"] = str(next(self._versions))
@@ -109,6 +110,12 @@ class ClusterEmulator(kmock_lib.KubernetesEmulator):
             new = kmock_dicts.patch_dict(dict(current), {"spec": data["spec"]})
             if new.get("spec") != current.get("spec"):
                 meta["generation"] = current.get("metadata", {}).get("generation", 1) + 1
+
+    def _has_status_subresource(self, resource) -> bool:
+        try:
+            return "status" in self.resources[resource].subresources
+        except KeyError:
+            return False
 
     # -- label selectors --------------------------------------------------------------------
 
@@ -180,6 +187,9 @@ UPSTREAM_CRDS = {
 }
 
 
+KOPF_PEERING_CRDS = REPO / "crds" / "kopfpeerings.kopf.dev.yaml"
+
+
 @functools.cache
 def upstream_crd(kind: str) -> dict:
     """An upstream CRD from the test data (parsed once: the HTTPRoute CRD is 400 kB of YAML)."""
@@ -188,12 +198,13 @@ def upstream_crd(kind: str) -> dict:
 
 
 def declare_resources(emulator, without: tuple[str, ...] = ()) -> None:
-    """Builtin kinds plus the CRDs the operator uses (but the kinds `without`), as the real
-    cluster's discovery shows them."""
+    """Builtin kinds plus the CRDs the operator uses (but the kinds `without`) and kopf's
+    peering CRDs, as the real cluster's discovery shows them."""
     emulator.resources.load_bundled()
     all_verbs = {"get", "list", "watch", "create", "patch", "update", "delete"}
     upstream = [upstream_crd(kind) for kind in UPSTREAM_CRDS if kind not in without]
-    for crd in [crds.build_crd(), *upstream]:
+    peering = list(yaml.safe_load_all(KOPF_PEERING_CRDS.read_text()))
+    for crd in [crds.build_crd(), *upstream, *peering]:
         spec = crd["spec"]
         for version in spec["versions"]:
             if not version.get("served"):
@@ -207,6 +218,25 @@ def declare_resources(emulator, without: tuple[str, ...] = ()) -> None:
                 shortnames=set(spec["names"].get("shortNames", [])),
                 subresources=set(version.get("subresources", {})),
             )
+
+
+def write_kubeconfig(path: Path, server: str, user: dict | None = None) -> Path:
+    """A kubeconfig with one context: the emulator at `server`, as `user` (e.g. {"token": …})."""
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "emulator",
+                "clusters": [{"name": "emulator", "cluster": {"server": server}}],
+                "users": [{"name": "emulator", "user": user or {}}],
+                "contexts": [
+                    {"name": "emulator", "context": {"cluster": "emulator", "user": "emulator"}}
+                ],
+            }
+        )
+    )
+    return path
 
 
 async def wait_for(predicate, limit: float = 20.0, what: str = "condition"):

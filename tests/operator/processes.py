@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
+from .emulator import write_kubeconfig
 
 IMAGE = "registry.example/dynamograph:cli"
 
@@ -86,18 +86,5 @@ def exec_credentials(directory: Path, server: str, token: str) -> ExecCredential
         "args": [str(creds.token_file), str(creds.calls)],
         "interactiveMode": "Never",
     }
-    creds.kubeconfig.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "current-context": "emulator",
-                "clusters": [{"name": "emulator", "cluster": {"server": server}}],
-                "users": [{"name": "plugin-user", "user": {"exec": exec_config}}],
-                "contexts": [
-                    {"name": "emulator", "context": {"cluster": "emulator", "user": "plugin-user"}}
-                ],
-            }
-        )
-    )
+    write_kubeconfig(creds.kubeconfig, server, {"exec": exec_config})
     return creds

@@ -8,9 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from kopf._cogs.structs import references as peering_refs
 
 from dynamograph.operator import crds
 
@@ -22,6 +24,8 @@ pytestmark = [
 ]
 
 CHART = REPO / "charts" / "dynamograph"
+PEERING_CRDS = "kopfpeerings.kopf.dev.yaml"
+PEERING = ("operator.replicas=2", "operator.peering=dg-operator")
 K8S_VERSION = "1.33"
 
 
@@ -72,18 +76,55 @@ def test_chart_crd_is_the_generated_one():
     assert (REPO / "crds" / crds.CRD_FILE).read_text() == crds.render_crd()
 
 
+def test_kopf_peering_crds_are_what_kopf_watches():
+    """The vendored peering CRDs: the chart's copy is the repo's, and they serve the resources
+    kopf looks for (kopf.dev/v1 clusterkopfpeerings and kopfpeerings)."""
+    shipped = (CHART / "crds" / PEERING_CRDS).read_text()
+    assert shipped == (REPO / "crds" / PEERING_CRDS).read_text()
+    served = {}
+    for crd in yaml.safe_load_all(shipped):
+        kubernetes_validate.validate(crd, K8S_VERSION, strict=True)
+        spec = crd["spec"]
+        (version,) = spec["versions"]
+        served[spec["group"], version["name"], spec["names"]["plural"]] = spec["scope"]
+    cluster, namespaced = peering_refs.CLUSTER_PEERINGS_K, peering_refs.NAMESPACED_PEERINGS_K
+    assert served == {
+        (cluster.group, cluster.version, cluster.any_name): "Cluster",
+        (namespaced.group, namespaced.version, namespaced.any_name): "Namespaced",
+    }
+
+
 def test_lint_strict(helm):
     result = helm("lint", "--strict", str(CHART))
     assert "1 chart(s) linted, 0 chart(s) failed" in result.stdout
 
 
-@pytest.mark.parametrize("sets", [(), ("watchNamespaces={team-a,team-b}", "resyncSeconds=10")])
+def peering_schemas() -> dict[str, dict]:
+    return {
+        crd["spec"]["names"]["kind"]: crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+        for crd in yaml.safe_load_all((REPO / "crds" / PEERING_CRDS).read_text())
+    }
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [
+        (),
+        ("watchNamespaces={team-a,team-b}", "resyncSeconds=10"),
+        PEERING,
+        (*PEERING, "watchNamespaces={team-a}"),
+    ],
+)
 def test_rendered_manifests_validate_strictly(helm, sets):
     docs = render(helm, *sets)
+    schemas = peering_schemas()
     for doc in docs:
-        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        if doc["apiVersion"] == "kopf.dev/v1":  # a custom resource: its CRD's schema
+            jsonschema.validate(doc, schemas[doc["kind"]])
+        else:
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
     kinds = [d["kind"] for d in docs]
-    assert kinds.count("CustomResourceDefinition") == 1
+    assert kinds.count("CustomResourceDefinition") == 3  # DynamoGraph + kopf's two peerings
     assert "Deployment" in kinds and "ServiceAccount" in kinds
 
 
@@ -167,6 +208,60 @@ def test_operator_deployment(helm):
     assert pod["serviceAccountName"] == "dg-dynamograph"
 
 
+def test_peered_replicas(helm):
+    docs = render(helm, *PEERING)
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    spec = deployment["spec"]
+    assert spec["replicas"] == 2
+    assert spec["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
+    env = {e["name"]: e for e in spec["template"]["spec"]["containers"][0]["env"]}
+    assert env["DYNAMOGRAPH_PEERING"]["value"] == "dg-operator"
+    assert env["POD_ID"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    (peering,) = [d for d in docs if d["kind"] == "ClusterKopfPeering"]
+    assert peering["metadata"]["name"] == "dg-operator"
+    (role,) = [
+        d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"] == "dg-dynamograph"
+    ]
+    kopf_rules = [r for r in role["rules"] if r["apiGroups"] == ["kopf.dev"]]
+    assert kopf_rules == [
+        {
+            "apiGroups": ["kopf.dev"],
+            "resources": ["clusterkopfpeerings"],
+            "verbs": ["list", "watch"],
+        },
+        {
+            "apiGroups": ["kopf.dev"],
+            "resources": ["clusterkopfpeerings"],
+            "resourceNames": ["dg-operator"],
+            "verbs": ["get", "patch"],
+        },
+    ]
+
+
+def test_peered_replicas_watching_namespaces(helm):
+    docs = render(helm, *PEERING, "watchNamespaces={team-a,team-b}")
+    peerings = sorted(
+        (d["metadata"]["namespace"], d["metadata"]["name"])
+        for d in docs
+        if d["kind"] == "KopfPeering"
+    )
+    assert peerings == [("team-a", "dg-operator"), ("team-b", "dg-operator")]
+    assert not [d for d in docs if d["kind"] == "ClusterKopfPeering"]
+    for role in [d for d in docs if d["kind"] == "Role"]:
+        resources = {r for rule in role["rules"] for r in rule["resources"]}
+        assert "kopfpeerings" in resources and "clusterkopfpeerings" not in resources
+
+
+def test_standalone_has_no_peering(helm):
+    docs = render(helm)
+    assert not [d for d in docs if d["apiVersion"] == "kopf.dev/v1"]
+    roles = [d for d in docs if d["kind"] in ("ClusterRole", "Role")]
+    assert all("kopf.dev" not in rule["apiGroups"] for role in roles for rule in role["rules"])
+
+
 @pytest.mark.parametrize(
     ("bad", "where"),
     [
@@ -174,6 +269,8 @@ def test_operator_deployment(helm):
         ("image.pullPolicy=Sometimes", "/image/pullPolicy"),
         ("watchNamespaces={Bad_NS}", "/watchNamespaces/0"),
         ("unknownKey=1", "unknownKey"),
+        ("operator.replicas=2", "/operator/peering"),  # two standalone operators would fight
+        ("operator.peering=Not_A_Name", "/operator/peering"),
     ],
 )
 def test_values_schema_refuses_bad_values(helm, bad, where):

@@ -1,6 +1,13 @@
-"""`dynamograph operator` as a process: the real entry point against the API emulator."""
+"""`dynamograph operator`: flags → kopf's run options, and the real entry point as a process
+against the API emulator."""
+
+import argparse
+import asyncio
+import random
 
 import pytest
+
+from dynamograph.operator.cli import add_arguments, automatic_priority, run_options
 
 from .emulator import wait_for
 from .processes import IMAGE, operator_process
@@ -26,3 +33,61 @@ async def test_operator_command_reconciles_and_stops_on_sigterm(cluster, tmp_pat
         image = decode["spec"]["template"]["spec"]["containers"][0]["image"]
         assert image == IMAGE
     assert proc.returncode == 0, log.read_text()[-3000:]
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_standalone_by_default():
+    options = run_options(parse(), env={})
+    assert options == {
+        "clusterwide": True,
+        "namespaces": [],
+        "standalone": True,
+        "peering_name": None,
+        "priority": None,
+        "liveness_endpoint": "http://0.0.0.0:8080/healthz",
+    }
+    scoped = run_options(parse("--liveness-port", "0"), env={"WATCH_NAMESPACE": "a, b"})
+    assert (scoped["clusterwide"], scoped["namespaces"]) == (False, ["a", "b"])
+    assert scoped["liveness_endpoint"] is None
+    assert run_options(parse("-A"), env={"WATCH_NAMESPACE": "a"})["clusterwide"] is True
+
+
+def test_peering_flags_and_environment():
+    options = run_options(parse("--peering", "dg", "--priority", "7"), env={})
+    assert (options["standalone"], options["peering_name"], options["priority"]) == (
+        False,
+        "dg",
+        7,
+    )
+    env = {"DYNAMOGRAPH_PEERING": "from-env", "DYNAMOGRAPH_PEERING_PRIORITY": "-3"}
+    options = run_options(parse(), env=env)
+    assert (options["peering_name"], options["priority"]) == ("from-env", -3)
+    with pytest.raises(ValueError, match="needs a peering object"):
+        run_options(parse("--priority", "5"), env={})
+    with pytest.raises(ValueError, match="must be an integer"):
+        run_options(parse("--peering", "dg"), env={"DYNAMOGRAPH_PEERING_PRIORITY": "high"})
+
+
+def test_automatic_priority_favours_the_older_replica_and_never_ties():
+    older = run_options(parse("--peering", "dg"), env={}, clock=lambda: 1_800_000_000.0)
+    newer = run_options(parse("--peering", "dg"), env={}, clock=lambda: 1_800_000_000.001)
+    assert older["priority"] > newer["priority"]
+    assert older["priority"] < 0  # any explicit priority (kopf's default 0) outranks replicas
+    same_moment = {automatic_priority(1_800_000_000.0, random.Random(seed)) for seed in range(50)}
+    assert len(same_moment) > 40  # random tie-breaker digits below the millisecond
+    assert all(
+        -(1_800_000_000_000 * 1000 + 999) <= p <= -1_800_000_000_000 * 1000 for p in same_moment
+    )
+
+
+async def test_bad_peering_settings_exit_with_a_message(tmp_path):
+    log = tmp_path / "operator.log"
+    async with operator_process(log, "--priority", "5") as proc:
+        await asyncio.wait_for(proc.wait(), 30)
+    assert proc.returncode == 2
+    assert "needs a peering object" in log.read_text()

@@ -63,3 +63,18 @@ Kubernetes only lets it grant (in each graph's discovery Role) what it holds its
   resources: [events]
   verbs: [create]
 {{- end -}}
+
+{{/*
+The peering rules for the operator's replicas: watch the peering objects (kopf lists and
+watches them all), read and patch only its own (keep-alives go into its status).
+*/}}
+{{- define "dynamograph.peeringRules" -}}
+{{- $resource := ternary "clusterkopfpeerings" "kopfpeerings" (empty .Values.watchNamespaces) -}}
+- apiGroups: [kopf.dev]
+  resources: [{{ $resource }}]
+  verbs: [list, watch]
+- apiGroups: [kopf.dev]
+  resources: [{{ $resource }}]
+  resourceNames: [{{ .Values.operator.peering | quote }}]
+  verbs: [get, patch]
+{{- end -}}
