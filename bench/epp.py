@@ -13,9 +13,12 @@ chat body in 64 KiB chunks, response headers and body), in two modes measured in
 Reported per mode: pick latency p50/p99 (client side, last body chunk → headers response, one
 stream at a time), then EPP CPU per routed request and routed requests/s per EPP core at
 `--concurrency` streams (EPP process CPU time from /proc, divided by requests), all in and net
-of the EPP's idle background CPU (scrapes, sockets; measured idle just before). The run also
-prints the machine's speed at the time (Qwen tokenizer ns/token, load average): on a shared box
-every figure scales with it. Target: ≤ 2.0 ms EPP CPU per routed request (kv mode, all in).
+of the EPP's idle background CPU (scrapes, sockets; measured idle just before), and the EPP's
+main thread alone (the event loop: our code and grpc.aio's Python side; the rest is gRPC core's
+threads). In process, the stages: our ext_proc handling with a fixed pick (`exchange`), then
+the kv pick's parse, tokenize, hash and schedule. The run also prints the machine's speed at the
+time (Qwen tokenizer ns/token, load average): on a shared box every figure scales with it.
+Target: ≤ 2.0 ms EPP CPU per routed request (kv mode, all in).
 """
 
 import argparse
@@ -162,9 +165,13 @@ def _tokenizer_ns_per_token() -> float:
     return (time.process_time() - start) / 5 / n * 1e9
 
 
-def _pick_breakdown(bodies: list[bytes], workers: int, block_size: int) -> dict[str, float]:
+def _pick_breakdown(
+    bodies: list[bytes], prefixes: list[str], workers: int, block_size: int
+) -> dict[str, float]:
     """CPU ms per request of each pick stage, in this process, against a router core with
-    `workers` empty workers: where the kv mode's cost above the floor goes."""
+    `workers` empty workers: where the kv mode's cost above the floor goes. `new_text` is part
+    of `tokenize`, measured apart: BPE of each request's unique message alone, the share no
+    cache can save."""
     from dynamograph.epp.scheduler import Router, RouteRequest
     from dynamograph.protocol.hashing import block_hashes
     from dynamograph.protocol.identity import instance_id
@@ -175,11 +182,15 @@ def _pick_breakdown(bodies: list[bytes], workers: int, block_size: int) -> dict[
         router.add_worker(instance_id(f"breakdown-{i}"), block_size=block_size, total_blocks=8192)
     tokenizer = get_tokenizer("qwen")
     path = "/v1/chat/completions"
-    for body in bodies[:20]:  # warm the segment cache as the EPP's would be
-        request_tokens(tokenizer, path, orjson.loads(body))
+    for prefix in prefixes:  # the segment cache holds every shared system prompt, as the EPP's
+        request_tokens(tokenizer, path, {"messages": [{"role": "system", "content": prefix}]})
     totals = dict.fromkeys(("parse", "tokenize", "hash", "schedule"), 0.0)
     sample = bodies[20:220]
     clock = time.process_time
+    start = clock()
+    for body in sample:
+        tokenizer.encode(orjson.loads(body)["messages"][-1]["content"])
+    new_text = clock() - start
     for n, body in enumerate(sample):
         t0 = clock()
         request = orjson.loads(body)
@@ -193,6 +204,7 @@ def _pick_breakdown(bodies: list[bytes], workers: int, block_size: int) -> dict[
         decision.guard.free()
         for key, spent in zip(totals, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
             totals[key] += spent
+    totals["new_text"] = new_text
     return {key: spent / len(sample) * 1e3 for key, spent in totals.items()}
 
 
@@ -212,8 +224,10 @@ async def _warm(urls: list[str], prefixes: list[str]) -> None:
 # ---- the EPP process and the Envoy-like client ---------------------------------------------
 
 
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def _cpu_seconds(pid: int, *, main_thread: bool = False) -> float:
+    """CPU seconds of a process (all threads), or of its main thread (the event loop)."""
+    stat = Path(f"/proc/{pid}/task/{pid}/stat" if main_thread else f"/proc/{pid}/stat")
+    fields = stat.read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -257,20 +271,22 @@ async def _start_epp(workers_file: Path, picker: str, count: int):
     return proc, grpc_port, metrics_port
 
 
-async def _exchange(stub, body: bytes) -> float:
-    """One request as Envoy sends it; seconds from the last body chunk to the headers answer."""
+def _envoy_messages(body: bytes) -> tuple[list, list]:
+    """One request's ext_proc messages as Envoy sends them: (request side: headers with the
+    protocol config, the body in 64 KiB chunks, an empty end_of_stream chunk; response side:
+    headers, then the body with end_of_stream)."""
     from envoy.config.core.v3 import base_pb2
     from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
     from dynamograph.epp.extproc import FULL_DUPLEX
 
-    call = stub.Process()
     headers = [
         (":authority", "bench"), (":path", "/v1/chat/completions"), (":method", "POST"),
         (":scheme", "http"), ("content-type", "application/json"),
         ("content-length", str(len(body))), ("x-request-id", os.urandom(8).hex()),
     ]  # fmt: skip
-    await call.write(
+    chunk = 65536
+    request = [
         pb.ProcessingRequest(
             request_headers=pb.HttpHeaders(
                 headers=base_pb2.HeaderMap(
@@ -282,34 +298,81 @@ async def _exchange(stub, body: bytes) -> float:
                 response_body_mode=FULL_DUPLEX,
                 send_body_without_waiting_for_header_response=True,
             ),
-        )
-    )
-    chunk = 65536
-    for i in range(0, len(body), chunk):
-        await call.write(pb.ProcessingRequest(request_body=pb.HttpBody(body=body[i : i + chunk])))
+        ),
+        *(
+            pb.ProcessingRequest(request_body=pb.HttpBody(body=body[i : i + chunk]))
+            for i in range(0, len(body), chunk)
+        ),
+        pb.ProcessingRequest(request_body=pb.HttpBody(end_of_stream=True)),
+    ]
+    status = base_pb2.HeaderValue(key=":status", raw_value=b"200")
+    response = [
+        pb.ProcessingRequest(
+            response_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[status]))
+        ),
+        pb.ProcessingRequest(
+            response_body=pb.HttpBody(body=b'{"choices": []}', end_of_stream=True)
+        ),
+    ]
+    return request, response
+
+
+async def _exchange(stub, body: bytes) -> float:
+    """One request as Envoy sends it; seconds from the last body chunk to the headers answer."""
+    request, response = _envoy_messages(body)
+    call = stub.Process()
+    for message in request[:-1]:
+        await call.write(message)
     start = time.perf_counter()
-    await call.write(pb.ProcessingRequest(request_body=pb.HttpBody(end_of_stream=True)))
+    await call.write(request[-1])
     first = await call.read()
     elapsed = time.perf_counter() - start
     if not first.HasField("request_headers"):
         raise RuntimeError(f"EPP refused a bench request: {first}")
     received = 0
     while received < len(body):
-        response = await call.read()
-        received += len(response.request_body.response.body_mutation.streamed_response.body)
-    status = base_pb2.HeaderValue(key=":status", raw_value=b"200")
-    await call.write(
-        pb.ProcessingRequest(
-            response_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[status]))
-        )
-    )
-    await call.read()
-    await call.write(
-        pb.ProcessingRequest(response_body=pb.HttpBody(body=b'{"choices": []}', end_of_stream=True))
-    )
-    await call.read()
+        answer = await call.read()
+        received += len(answer.request_body.response.body_mutation.streamed_response.body)
+    for message in response:
+        await call.write(message)
+        await call.read()
     await call.done_writing()
     return elapsed
+
+
+def _exchange_stage(bodies: list[bytes]) -> float:
+    """CPU ms per request of the EPP's own ext_proc handling (`extproc.Exchange`: protobuf
+    parsed and serialized as grpc does, headers, body buffering and re-chunking, metrics) with
+    a fixed pick: the part of the floor that is our code rather than grpc.aio's transport."""
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+    from dynamograph.epp.extproc import Exchange, Route
+    from dynamograph.epp.metrics import EppMetrics
+    from dynamograph.protocol.headers import routing_header_values
+
+    route = Route(endpoint="10.0.0.1:8000", headers=routing_header_values(1, 0, None, None))
+
+    class FixedPicker:
+        def pick(self, path, headers, body, subset):
+            return route
+
+        def pick_any(self, subset):
+            return route
+
+    picker, metrics = FixedPicker(), EppMetrics()
+    wires = []
+    for body in bodies:
+        request, response = _envoy_messages(body)
+        wires.append([m.SerializeToString() for m in (*request, *response)])
+    parse = pb.ProcessingRequest.FromString
+    start = time.process_time()
+    for wire in wires:
+        exchange = Exchange(picker, metrics, 64 << 20)
+        for raw in wire:
+            for answer in exchange.on_message(parse(raw)):
+                answer.SerializeToString()
+        exchange.close()
+    return (time.process_time() - start) / len(wires) * 1e3
 
 
 async def _server_picks(metrics_port: int) -> tuple[float, float]:
@@ -352,6 +415,7 @@ async def _measure(args, workers_file: Path, picker: str, bodies: list[bytes]) -
             idle_rate = (_cpu_seconds(proc.pid) - idle0) / (time.perf_counter() - idle_wall0)
             picks0 = await _server_picks(metrics_port)
             cpu0, wall0 = _cpu_seconds(proc.pid), time.perf_counter()
+            main0 = _cpu_seconds(proc.pid, main_thread=True)
 
             async def client() -> None:
                 for body in queue:
@@ -359,6 +423,7 @@ async def _measure(args, workers_file: Path, picker: str, bodies: list[bytes]) -
 
             await asyncio.gather(*(client() for _ in range(args.concurrency)))
             cpu, wall = _cpu_seconds(proc.pid) - cpu0, time.perf_counter() - wall0
+            main = _cpu_seconds(proc.pid, main_thread=True) - main0
         picks1 = await _server_picks(metrics_port)
         picked = picks1[1] - picks0[1]
         server_pick_ms = (picks1[0] - picks0[0]) / picked * 1e3 if picked else 0.0
@@ -375,6 +440,8 @@ async def _measure(args, workers_file: Path, picker: str, bodies: list[bytes]) -
         "pick_p50_ms": float(np.percentile(latencies, 50) * 1e3),
         "pick_p99_ms": float(np.percentile(latencies, 99) * 1e3),
         "cpu_ms_per_request": cpu_ms,
+        # The rest is gRPC core's threads (completion-queue poller, event engine) and ZMQ.
+        "main_thread_ms_per_request": main / len(load) * 1e3,
         "requests_per_core_s": len(load) / cpu if cpu else float("inf"),
         "requests_per_s_wall": len(load) / wall,
         "requests": len(load),
@@ -385,7 +452,10 @@ async def _measure(args, workers_file: Path, picker: str, bodies: list[bytes]) -
 async def _main(args) -> int:
     prefixes, bodies = _prompts(args)
     calibration = _tokenizer_ns_per_token()
-    breakdown = _pick_breakdown(bodies, args.workers, 16)
+    breakdown = {
+        "exchange": _exchange_stage(bodies[:200]),
+        **_pick_breakdown(bodies, prefixes, args.workers, 16),
+    }
     spawn = multiprocessing.get_context("spawn")
     parent, child = spawn.Pipe()
     fleet = spawn.Process(target=_fleet_main, args=(args.workers, child), daemon=True)
@@ -410,12 +480,13 @@ async def _main(args) -> int:
             fleet.kill()
     columns = [
         "mode", "pick p50 ms", "pick p99 ms", "EPP pick mean ms", "EPP CPU ms/req",
-        "net of idle ms/req", "routed req/s per core", "req/s wall", "idle CPU %", "requests",
+        "main thread ms/req", "net of idle ms/req", "routed req/s per core", "req/s wall",
+        "idle CPU %", "requests",
     ]  # fmt: skip
     keys = [
         "mode", "pick_p50_ms", "pick_p99_ms", "server_pick_mean_ms", "cpu_ms_per_request",
-        "net_cpu_ms_per_request", "requests_per_core_s", "requests_per_s_wall",
-        "idle_cpu_percent", "requests",
+        "main_thread_ms_per_request", "net_cpu_ms_per_request", "requests_per_core_s",
+        "requests_per_s_wall", "idle_cpu_percent", "requests",
     ]  # fmt: skip
     print_table(
         f"EPP: {args.workers} workers, {args.prompt_tokens}-token chat prompts "
@@ -424,7 +495,10 @@ async def _main(args) -> int:
         [[row[k] for k in keys] for row in rows],
     )
     print_table(
-        "kv pick stages in process (CPU ms per request, empty index)",
+        "stages in process, CPU ms per request: exchange = our ext_proc handling with a fixed "
+        "pick (protobuf in/out, headers, body re-chunking, metrics); then the kv pick's stages "
+        "against an empty index (new_text: the part of tokenize that is BPE of the unique "
+        "message)",
         list(breakdown),
         [[round(v, 3) for v in breakdown.values()]],
     )
