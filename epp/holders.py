@@ -1,28 +1,23 @@
-"""Which slots hold each row of the KV index, stored for memory: one owner, or a shared bitmask.
+"""The shared holder bitmasks of the KV index: which slots hold a row that two or more hold.
 
 Most cached blocks live on one slot only (a KV-aware router avoids computing a prefix twice), so
-a row records its single holder as a column number in one int32 (`holder`). Only rows held by
-two or more slots get a bitmask row (one bit per slot column, 64 per uint64 word) in a separate,
-smaller matrix, and `holder` then names it: -1 - s for bitmask row s (NOBODY = -1 is nobody).
-At 256 slots that is 4 bytes instead of 32 for the common row.
+a row records its single holder as a column number in one int32 (the key table's value for the
+row: see `kernels.py`). Only rows held by two or more slots get a bitmask row (one bit per slot
+column, 64 per uint64 word) in this separate, smaller matrix, and the row's int32 then names it:
+-1 - s for bitmask row s. At 256 slots that is 4 bytes instead of 32 for the common row.
 
-This class owns the arrays and their growth; the compiled kernels (`kernels.py`: `_hold`,
-`_unhold`) change them. Rows are allocated by the index; row 0 is "nobody" and stays empty, and
-bitmask row 0 is never used. Free bitmask rows sit on a stack
-(`free_shared`, `meta[0]` of them), of which the caller keeps at least as many as an operation
-could take (`reserve`).
+This class owns the matrix and its growth; the compiled kernels (`_hold`, `_unhold`) change it.
+Bitmask row 0 is never used. Free bitmask rows sit on a stack (`free_shared`, `meta[0]` of
+them), of which the caller keeps at least as many as an operation could take (`reserve`).
 """
 
 import numpy as np
-
-from .kernels import NOBODY
 
 MAX_COLUMNS = 32767  # a bound on the bitmask matrix (4 KiB per shared row at most)
 
 
 class Holders:
-    def __init__(self, rows: int = 1024) -> None:
-        self.holder = np.full(rows, NOBODY, np.int32)
+    def __init__(self) -> None:
         self.shared = np.zeros((64, 1), np.uint64)
         self.free_shared = np.zeros(64, np.int32)
         self.free_shared[:63] = np.arange(63, 0, -1)
@@ -31,7 +26,7 @@ class Holders:
 
     def _parts(self) -> None:
         """The kernels' arguments, in order; renewed whenever an array is replaced."""
-        self.parts = (self.holder, self.shared, self.free_shared, self.meta)
+        self.parts = (self.shared, self.free_shared, self.meta)
 
     @property
     def words(self) -> int:
@@ -39,16 +34,10 @@ class Holders:
 
     @property
     def nbytes(self) -> int:
-        return self.holder.nbytes + self.shared.nbytes + self.free_shared.nbytes
+        return self.shared.nbytes + self.free_shared.nbytes
 
     def shared_rows(self) -> int:
         return self.shared.shape[0] - 1 - int(self.meta[0])
-
-    def grow_rows(self, size: int) -> None:
-        """Grow the per-row arrays in place (see `KvIndex._grow_rows`: no views are kept)."""
-        old = self.holder.size
-        self.holder.resize(size, refcheck=False)
-        self.holder[old:] = NOBODY
 
     def ensure_columns(self, columns: int) -> bool:
         """Room for `columns` slot columns; True when the arrays were replaced."""

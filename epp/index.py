@@ -115,12 +115,9 @@ class KvIndex:
     """Prefix keys per slot, from KV events or (approximate mode) from routing decisions."""
 
     def __init__(self) -> None:
+        # prefix key → which slots hold it; a key's cell number is its row (see kernels.py)
         self._keys = U64Table(capacity=1024, max_load=0.5)
-        self._row_key = np.zeros(1024, np.uint64)
-        self._holders = Holders(1024)
-        self._free_rows = np.zeros(1024, np.int32)  # a stack; row 0 = "nobody", never used
-        self._free_rows[:1023] = np.arange(1023, 0, -1)
-        self._rmeta = np.array([1023], np.int64)  # free rows on the stack
+        self._holders = Holders()
         self._slots: dict[Slot, _SlotState] = {}
         self._col_slot: list[Slot | None] = []
         self._free_cols: list[int] = []
@@ -128,11 +125,10 @@ class KvIndex:
         self._parts()
 
     def _parts(self) -> None:
-        """The kernels' index arguments, in order; renewed whenever an array is replaced."""
-        # (the key table's arrays are not kept here: its rebuild frees them before allocating)
-        self._store_parts = (self._row_key, self._free_rows, self._rmeta, *self._holders.parts)
-        self._find_parts = self._holders.parts[:2]
-        # find_matches' scratch: the slots' bits still alive, (column, depth) pairs found
+        """The kernels' bitmask arguments and find_matches' scratch (the slots' bits still
+        alive, (column, depth) pairs found); renewed whenever the bitmask matrix is replaced.
+        The key table's arrays are not kept here: its rebuild frees them before allocating."""
+        self._holder_parts = self._holders.parts
         words = self._holders.words
         self._alive = np.empty(words, np.uint64)
         self._found = np.empty(128 * words, np.int64)
@@ -171,37 +167,21 @@ class KvIndex:
         """Bytes of the index's arrays (the Python objects around them are small and few)."""
         return (
             self._keys.nbytes
-            + self._row_key.nbytes
             + self._holders.nbytes
-            + self._free_rows.nbytes
             + sum(s.blocks.nbytes for s in self._slots.values())
         )
 
     # -- room ------------------------------------------------------------------------------
     def _reserve(self, state: _SlotState, n: int) -> None:
-        """Room for `n` new blocks on `state`'s slot: keys, rows, bitmask rows (the kernels
-        never allocate; the store kernel says when it lacks room)."""
+        """Room for `n` new blocks on `state`'s slot: keys and bitmask rows (the kernels never
+        allocate; the store kernel says when it lacks room)."""
         state.blocks.reserve(n)
-        self._keys.reserve(n)
-        grew = self._holders.reserve(n)
-        if self._rmeta[0] < n:
-            self._grow_rows(n)
-            grew = True
-        if grew:
+        moved = self._keys.reserve_moving(n)
+        if moved is not None:  # rows are key cells, and the cells moved: renumber every slot
+            for other in self._slots.values():
+                kernels.renumber(other.blocks.keys, other.blocks.vals, moved)
+        if self._holders.reserve(n):
             self._parts()
-
-    def _grow_rows(self, n: int) -> None:
-        """Room for `n` more rows. The row arrays grow in place (realloc: where the allocator
-        can, the pages are remapped rather than copied, so a growth does not hold two copies of
-        a 600 MB array); safe because no view of them is kept anywhere."""
-        old = self._row_key.size
-        size = max(2 * old, old + n)
-        self._row_key.resize(size, refcheck=False)
-        self._holders.grow_rows(size)
-        free = int(self._rmeta[0])
-        self._free_rows.resize(size, refcheck=False)
-        self._free_rows[free : free + size - old] = np.arange(size - 1, old - 1, -1)
-        self._rmeta[0] = free + size - old
 
     # -- events ----------------------------------------------------------------------------
     def apply_events(
@@ -267,12 +247,12 @@ class KvIndex:
     ) -> bool:
         args = (engine, local, parent, has_parent, state.column)
         code = kernels.store_blocks(
-            *args, *state.blocks.parts, *self._keys.parts, *self._store_parts
+            *args, *state.blocks.parts, *self._keys.parts, *self._holder_parts
         )
         if code == kernels.NO_ROOM:  # now and then: grow what could run out, and again
             self._reserve(state, engine.size)
             code = kernels.store_blocks(
-                *args, *state.blocks.parts, *self._keys.parts, *self._store_parts
+                *args, *state.blocks.parts, *self._keys.parts, *self._holder_parts
             )
         return code == kernels.STORED
 
@@ -284,7 +264,7 @@ class KvIndex:
 
     def _remove(self, state: _SlotState, engine: np.ndarray) -> None:
         kernels.remove_blocks(
-            engine, state.column, *state.blocks.parts, *self._keys.parts, *self._store_parts
+            engine, state.column, *state.blocks.parts, *self._keys.parts, *self._holder_parts
         )
 
     def clear(self, slot: Slot) -> None:
@@ -347,7 +327,7 @@ class KvIndex:
         n = len(local_hashes)
         if n == 0 or not self._slots:
             return {}
-        alive, out, parts = self._alive, self._found, (*self._keys.parts, *self._find_parts)
+        alive, out, parts = self._alive, self._found, (*self._keys.parts, self._holders.shared)
         match = kernels.match_prefix
         if isinstance(local_hashes, np.ndarray):
             hashes = np.ascontiguousarray(local_hashes, np.uint64)

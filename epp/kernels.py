@@ -13,12 +13,12 @@ Tables (`U64Table`): open addressing with linear probing over `keys` (uint64) an
 A lookup stops at the first EMPTY cell; a deletion leaves a tombstone (counted in `used` until
 the next rebuild).
 
-Holders (`Holders`): per row one int32 `holder`: the one slot column holding it (≥ 0), NOBODY
-(-1), or, once two slots hold the row, -1 - s for bitmask row s ≥ 1 of a matrix of bitmasks
-(one bit per slot column). `hmeta[0]` counts the free bitmask rows on the stack `sfree`.
-
-Rows (`KvIndex`): `row_key[row]` is the row's prefix key; free rows sit on the stack
-`free_rows` with `rmeta[0]` of them.
+Rows (`KvIndex`): a block (prefix key) is a row of the index, and its row number is its cell in
+the key table (`gk`, `gv`): the key is gk[row], and gv[row] says which slots hold it — the one
+slot column (≥ 0), NOBODY (-1), or, once two slots hold the row, -1 - s for bitmask row s ≥ 1
+of the matrix `shared` (one bit per slot column; `Holders`, whose `hmeta[0]` counts the free
+bitmask rows on the stack `sfree`). The slots' tables map engine hashes to rows; when the key
+table is rebuilt its rows move, and the slots' tables are renumbered (`renumber`).
 
 Prefix keys chain the per-block hashes: key_i = P · key_{i-1} + h_i (mod 2^64), key_{-1} = 0.
 
@@ -57,8 +57,7 @@ _U8 = "u8[::1]"
 _I4 = "i4[::1]"
 _I8 = "i8[::1]"
 _TABLE = f"{_U8}, {_I4}, {_I8}"
-_HOLDERS = f"{_I4}, u8[:, ::1], {_I4}, {_I8}"
-_ROWS = f"{_U8}, {_I4}, {_I8}"
+_HOLDERS = f"u8[:, ::1], {_I4}, {_I8}"
 
 
 def _kernel(signature: str):
@@ -129,6 +128,20 @@ def _find(tk, tv, meta, key):
         k = tk[i]
         if k == key:
             return tv[i]
+        if k == EMPTY:
+            return MISSING
+        i = (i + 1) & mask
+
+
+@_inline
+def _cell(tk, meta, key):
+    """The cell holding `key`, or MISSING."""
+    mask = tk.size - 1
+    i = _home(key, meta)
+    while True:
+        k = tk[i]
+        if k == key:
+            return i
         if k == EMPTY:
             return MISSING
         i = (i + 1) & mask
@@ -228,6 +241,23 @@ def table_rehash(old_keys, old_vals, tk, tv, meta):
             _upsert(tk, tv, meta, old_keys[j], old_vals[j])
 
 
+@_kernel(f"void({_U8}, {_I4}, {_I4}, {_I4}, {_TABLE})")
+def table_rehash_moving(old_keys, old_vals, old_cells, moved, tk, tv, meta):
+    """`table_rehash` of cells that are row numbers: moved[old_cells[j]] = the new cell."""
+    for j in range(old_keys.size):
+        cell = -1 - _probe(tk, meta, old_keys[j])
+        _place(tk, tv, meta, cell, old_keys[j], old_vals[j])
+        moved[old_cells[j]] = cell
+
+
+@_kernel(f"void({_U8}, {_I4}, {_I4})")
+def renumber(tk, tv, moved):
+    """A table whose values are rows of a rebuilt table: each value v becomes moved[v]."""
+    for i in range(tk.size):
+        if tk[i] >= MIN_KEY:
+            tv[i] = moved[tv[i]]
+
+
 # -- holders -------------------------------------------------------------------------------
 @_inline
 def _bit(column):
@@ -274,12 +304,12 @@ def _unhold(row, column, holder, shared, sfree, hmeta):
 
 # -- the index -----------------------------------------------------------------------------
 @_inline
-def _drop(row, column, gk, gv, gm, row_key, free_rows, rmeta, holder, shared, sfree, hm):
-    """Take `column` off `row`; a row nobody holds leaves the key table and is recycled."""
-    if _unhold(row, column, holder, shared, sfree, hm):
-        _delete(gk, gv, gm, row_key[row])
-        free_rows[rmeta[0]] = row
-        rmeta[0] += 1
+def _drop(row, column, gk, gv, gm, shared, sfree, hm):
+    """Take `column` off `row`; a row nobody holds leaves the key table (its cell becomes a
+    tombstone: the row number is free for a later key)."""
+    if _unhold(row, column, gv, shared, sfree, hm):
+        gk[row] = TOMB
+        gm[LIVE] -= 1
 
 
 @_kernel(f"{_U8}(u8, {_U8})")
@@ -296,110 +326,47 @@ def prefix_keys(parent, hashes):
 STORED, NO_PARENT, NO_ROOM = 1, 0, -1
 
 
-@_kernel(f"i8({_U8}, {_U8}, u8, b1, i8, {_TABLE}, {_TABLE}, {_ROWS}, {_HOLDERS})")
+@_kernel(f"i8({_U8}, {_U8}, u8, b1, i8, {_TABLE}, {_TABLE}, {_HOLDERS})")
 def store_blocks(
-    engine,
-    local,
-    parent,
-    has_parent,
-    column,
-    sk,
-    sv,
-    sm,
-    gk,
-    gv,
-    gm,
-    row_key,
-    free_rows,
-    rmeta,
-    holder,
-    shared,
-    sfree,
-    hm,
+    engine, local, parent, has_parent, column, sk, sv, sm, gk, gv, gm, shared, sfree, hm
 ):
     """A BlockStored on the slot whose engine-hash table is (sk, sv, sm) and bit is `column`:
     block i has engine hash engine[i] and our hash local[i]; its parent is the slot's block
     with engine hash `parent` when `has_parent`. Returns STORED; NO_PARENT (nothing stored)
-    when the slot does not hold the parent; NO_ROOM (nothing done) when a table, the free rows
-    or the free bitmask rows could run out: the caller makes room and calls again."""
+    when the slot does not hold the parent; NO_ROOM (nothing done) when a table or the free
+    bitmask rows could run out: the caller makes room and calls again."""
     n = engine.size
-    if not (_room(sm, n) and _room(gm, n) and rmeta[0] >= n and hm[0] >= n):
+    if not (_room(sm, n) and _room(gm, n) and hm[0] >= n):
         return NO_ROOM
     key = np.uint64(0)
     if has_parent:
         prow = _find(sk, sv, sm, _clamp(parent))
         if prow == MISSING:
             return NO_PARENT
-        key = row_key[prow]
+        key = gk[prow]
     for i in range(n):
         key = key * P + local[i]
         k = _clamp(key)
-        cell = _probe(gk, gm, k)
-        if cell >= 0:
-            row = gv[cell]
-        else:
-            rmeta[0] -= 1
-            row = free_rows[rmeta[0]]
-            row_key[row] = k
-            _place(gk, gv, gm, -1 - cell, k, row)
+        row = _probe(gk, gm, k)
+        if row < 0:  # a new key: its cell is its row
+            row = -1 - row
+            _place(gk, gv, gm, row, k, NOBODY)
         old = _upsert(sk, sv, sm, _clamp(engine[i]), row)
         if old != MISSING and old != row:  # an engine hash reused for other content
-            _drop(
-                old,
-                column,
-                gk,
-                gv,
-                gm,
-                row_key,
-                free_rows,
-                rmeta,
-                holder,
-                shared,
-                sfree,
-                hm,
-            )
-        _hold(row, column, holder, shared, sfree, hm)
+            _drop(old, column, gk, gv, gm, shared, sfree, hm)
+        _hold(row, column, gv, shared, sfree, hm)
     return STORED
 
 
-@_kernel(f"i8({_U8}, i8, {_TABLE}, {_TABLE}, {_ROWS}, {_HOLDERS})")
-def remove_blocks(
-    engine,
-    column,
-    sk,
-    sv,
-    sm,
-    gk,
-    gv,
-    gm,
-    row_key,
-    free_rows,
-    rmeta,
-    holder,
-    shared,
-    sfree,
-    hm,
-):
+@_kernel(f"i8({_U8}, i8, {_TABLE}, {_TABLE}, {_HOLDERS})")
+def remove_blocks(engine, column, sk, sv, sm, gk, gv, gm, shared, sfree, hm):
     """A BlockRemoved on the slot: each engine hash it holds goes; returns how many did."""
     removed = 0
     for i in range(engine.size):
         row = _delete(sk, sv, sm, _clamp(engine[i]))
         if row != MISSING:
             removed += 1
-            _drop(
-                row,
-                column,
-                gk,
-                gv,
-                gm,
-                row_key,
-                free_rows,
-                rmeta,
-                holder,
-                shared,
-                sfree,
-                hm,
-            )
+            _drop(row, column, gk, gv, gm, shared, sfree, hm)
     return removed
 
 
@@ -417,8 +384,8 @@ def _emit(dropped, word, depth, out, nout):
     return nout
 
 
-@_kernel(f"Tuple((b1, u8, i8))({_U8}, i8, u8, b1, {_U8}, {_I8}, i8, {_TABLE}, {_I4}, u8[:, ::1])")
-def match_prefix(hashes, depth, key, last, alive, out, nout, gk, gv, gm, holder, shared):
+@_kernel(f"Tuple((b1, u8, i8))({_U8}, i8, u8, b1, {_U8}, {_I8}, i8, {_TABLE}, u8[:, ::1])")
+def match_prefix(hashes, depth, key, last, alive, out, nout, gk, gv, gm, shared):
     """One stage of `find_matches`: hashes are the query's blocks from `depth` on, `key` the
     prefix key before them, `alive` the bitmask of slots holding every block so far (set to all
     ones at depth 0). Each slot's bit is ANDed with the holders of each block in turn; when
@@ -431,13 +398,13 @@ def match_prefix(hashes, depth, key, last, alive, out, nout, gk, gv, gm, holder,
         alive[:] = ~np.uint64(0)
     for i in range(hashes.size):
         key = key * P + hashes[i]
-        row = _find(gk, gv, gm, _clamp(key))
+        row = _cell(gk, gm, _clamp(key))
         d = depth + i
         if row == MISSING:
             for w in range(words):
                 nout = _emit(alive[w], w, d, out, nout)
             return True, key, nout
-        h = holder[row]
+        h = gv[row]
         left = False
         for w in range(words):
             a = alive[w]

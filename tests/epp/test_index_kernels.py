@@ -35,6 +35,27 @@ def test_one_event_larger_than_every_table_grows_them_all():
     assert index.distinct_blocks() == 5000 and index.total_blocks() == 8003
 
 
+def test_rows_renumbered_when_the_key_table_grows_keep_every_slot_right():
+    """A row is its key's cell: a rebuild moves rows under slots that hold them."""
+    index = KvIndex()
+    a, b = chain(800, 20), chain(6000, 21)
+    ea, eb = engine_of(a), engine_of(b)
+    index.store((1, 0), ea, None, a)
+    index.store((2, 0), engine_of(a[:300], 1), None, a[:300])
+    cells = index._keys.keys.size
+    for i in range(0, 6000, 50):  # grows the key table several times under slots 1 and 2
+        index.store((3, 0), eb[i : i + 50], eb[i - 1] if i else None, b[i : i + 50])
+    assert index._keys.keys.size >= 4 * cells
+    assert index.find_matches(a) == {(1, 0): 800, (2, 0): 300}
+    assert index.find_matches(b) == {(3, 0): 6000}
+    index.remove((1, 0), [ea[400]])  # removal and parent lookups go through renumbered rows
+    index.store((1, 0), [ea[400]], ea[399], [a[400]])
+    index.store((1, 0), [7777], ea[799], chain(1, 22))
+    assert index.find_matches(a + chain(1, 22)) == {(1, 0): 801, (2, 0): 300}
+    index.remove_slot((3, 0))
+    assert index.distinct_blocks() == 801 and index.find_matches(b) == {}
+
+
 @pytest.mark.parametrize("length", [0, 1, 63, 64, 65, 319, 320, 321, 1999, 2000])
 def test_query_stages_end_anywhere(length):
     index = KvIndex()
@@ -49,7 +70,7 @@ def test_query_stages_end_anywhere(length):
 
 def test_rows_are_recycled():
     index = KvIndex()
-    rows = index._row_key.size
+    cells = index._keys.keys.size
     for round_ in range(20):
         blocks = chain(900, 100 + round_)
         engine = engine_of(blocks)
@@ -57,7 +78,7 @@ def test_rows_are_recycled():
         assert index.distinct_blocks() == 900
         index.remove((1, 0), engine[::-1])
         assert index.distinct_blocks() == 0 and index.total_blocks() == 0
-    assert index._row_key.size == rows  # 18,000 blocks went through 1,024 rows
+    assert index._keys.keys.size == cells  # 18,000 blocks went through the same cells
 
 
 def test_more_than_64_slots_share_rows():
