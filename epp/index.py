@@ -8,11 +8,12 @@ key_i = P · key_{i-1} + h_i with key_{-1} = 0 (`chain_keys`; keys 0 and 1 are r
 hash tables and map to 2).
 
 Storage, for speed and memory (256 workers × 100k blocks):
-- one global table prefix key → row; per row the key and the slots holding it (`holders.py`:
-  one int32 naming the one holder's column, or a shared bitmask with one bit per slot column);
+- one global hash table prefix key → the slots holding it (one int32: the one holder's column,
+  or a shared bitmask in `holders.py` with one bit per slot column). A block's *row* is its
+  key's cell in that table, so one probe gives both; a cell nobody holds any more becomes a
+  tombstone, and a rebuild of the table (growth) moves rows, renumbered in every slot's table;
 - per slot a table engine block hash → row, for BlockRemoved and for finding a BlockStored's
-  parent (the engine's hashes are opaque: we never compute them);
-- rows nobody holds any more are recycled.
+  parent (the engine's hashes are opaque: we never compute them).
 
 The work per message runs in compiled kernels (`kernels.py`, numba) over those arrays: an event
 is one kernel call whatever its size (this class makes room in the tables first), and
