@@ -1,6 +1,7 @@
 """`dynamograph epp` flags: the router config file, flag overrides, discovery sources."""
 
 import argparse
+import asyncio
 
 import pytest
 
@@ -26,6 +27,38 @@ def test_flags_override_the_config_file(tmp_path):
     assert settings.router.busy_threshold == 0.9
     assert settings.router.use_kv_events is False and settings.kv_events is False
     assert (settings.grpc_port, settings.health_port, settings.metrics_port) == (9002, 9003, 9090)
+    assert settings.freeze_heap  # the CLI's process is the EPP's own
+
+
+async def test_heap_frozen_once_started_only_when_asked():
+    import gc
+
+    from dynamograph.epp.server import Epp, EppSettings
+
+    async def freeze_count(freeze_heap: bool) -> int:
+        epp = Epp(
+            EppSettings(
+                host="127.0.0.1",
+                grpc_port=0,
+                health_port=0,
+                metrics_port=0,
+                freeze_heap=freeze_heap,
+            ),
+            StaticSource([]),
+        )
+        await epp.start()
+        try:
+            await asyncio.sleep(0.2)  # the freeze runs on the loop right after start
+            return gc.get_freeze_count()
+        finally:
+            await epp.stop()
+
+    assert gc.get_freeze_count() == 0
+    try:
+        assert await freeze_count(False) == 0
+        assert await freeze_count(True) > 0
+    finally:
+        gc.unfreeze()  # this test process is shared with the other tests
 
 
 def test_bad_config_is_a_clear_error(tmp_path):

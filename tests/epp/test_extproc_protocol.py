@@ -283,3 +283,33 @@ async def test_many_concurrent_streams_all_freed(epp, client):
 
     await asyncio.gather(*(one(i) for i in range(20)))
     await eventually(lambda: booked(epp) == 0)
+
+
+def _ending(kind: str) -> list[pb.ProcessingRequest]:
+    if kind == "body":
+        return [response_headers(), response_body(b"data: [DONE]\n\n", end_of_stream=True)]
+    if kind == "headers":  # a response without a body
+        ending = response_headers()
+        ending.response_headers.end_of_stream = True
+        return [ending]
+    return [  # the body ended by trailers
+        response_headers(),
+        response_body(b"data: [DONE]\n\n"),
+        pb.ProcessingRequest(response_trailers=pb.HttpTrailers()),
+    ]
+
+
+@pytest.mark.parametrize("kind", ["body", "headers", "trailers"])
+async def test_stream_ends_with_ok_once_the_response_is_complete(epp, client, kind):
+    stream = client.stream()
+    first, _, _ = await stream.request(chat_body(f"ends with {kind} " * 20))
+    assert first.HasField("request_headers")
+    for message in _ending(kind):
+        await stream.send(message)
+        assert (await stream.recv()).WhichOneof("response") is not None
+    # Nothing is left to process: the EPP closes the stream itself, without waiting for
+    # Envoy's half-close, and the booking is free.
+    async with asyncio.timeout(10):
+        assert await stream.call.read() is grpc.aio.EOF
+    assert await stream.call.code() == grpc.StatusCode.OK
+    await eventually(lambda: booked(epp) == 0)

@@ -84,6 +84,33 @@ other_metric 1
     assert parse_load("vllm:num_requests_running 2\n") == {0: {"running": 2.0}}
 
 
+def test_parse_vllm_load_reads_bytes_and_skips_look_alikes():
+    page = b"""# HELP vllm:num_requests_waiting waiting requests
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting_by_reason{engine="0",reason="kv"} 99
+vllm:num_requests_waiting{engine="0"} 4 1700000000000
+vllm:num_requests_waiting{engine="2"} 1e1
+vllm:num_requests_running{engine="2",model_name="m"} NaN-ish
+vllm:kv_cache_usage_perc 0.75"""  # no final newline
+    assert parse_load(page) == {0: {"waiting": 4.0, "kv_usage": 0.75}, 2: {"waiting": 10.0}}
+    assert parse_load(b"") == {}
+    assert parse_load(b"# only comments\nvllm:other 1\n") == {}
+
+
+def test_response_status_counts_by_class():
+    from dynamograph.epp.metrics import EppMetrics
+
+    metrics = EppMetrics()
+    for status in (200, 201, 404, 503, 503, 799):
+        metrics.response_status(status)
+    value = metrics.registry.get_sample_value
+    total = "dynamograph_epp_responses_total"
+    assert value(total, {"status": "2xx"}) == 2
+    assert value(total, {"status": "4xx"}) == 1
+    assert value(total, {"status": "5xx"}) == 2
+    assert value(total, {"status": "7xx"}) == 1
+
+
 def test_a_picker_bug_answers_500_not_a_hang():
     from dynamograph.epp.extproc import Exchange
     from dynamograph.epp.metrics import EppMetrics
