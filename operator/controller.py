@@ -2,7 +2,8 @@
 
 `sync_graph` is what every kopf handler calls: it validates the graph, builds the desired objects
 (`manifests`), lists what the graph owns, applies the plan (`reconcile`), computes the status
-(`status`), patches it when it changed and posts an Event when the graph newly becomes Degraded.
+(`status`), patches it when it changed and posts an Event when the graph newly becomes Degraded
+or its gateway newly rejects it.
 Idempotent: running it twice in a row changes nothing the second time. Passes for one graph are
 serialised by a lock, because the create handler, the timer and Deployment events can overlap.
 """
@@ -30,7 +31,15 @@ from .manifests import (
 )
 from .models import API_VERSION, KIND, GraphError, load_graph
 from .reconcile import Conflict, Create, Delete, Patch, merge_patch, owned_by, plan
-from .status import Problem, ServiceObservation, degraded_message, graph_status, status_body
+from .status import (
+    GatewayObservation,
+    Problem,
+    ServiceObservation,
+    degraded_message,
+    gateway_rejection,
+    graph_status,
+    status_body,
+)
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +97,7 @@ async def reconcile(api: KubeApi, body: dict[str, Any], config: OperatorConfig) 
     problems: list[Problem] = []
     graph = None
     desired: list[dict[str, Any]] | None = None
+    wants_route = False
     try:
         # Validate what the user wrote; status is ours and may come from another version.
         graph = load_graph({k: v for k, v in body.items() if k != "status"})
@@ -119,6 +129,7 @@ async def reconcile(api: KubeApi, body: dict[str, Any], config: OperatorConfig) 
                     f"{kind}: not served by this cluster; install {_CRD_SOURCES.get(kind, 'its CRD')}",
                 )
             )
+        wants_route = any(o["kind"] == "HTTPRoute" for o in desired)
         desired = [o for o in desired if o["kind"] not in missing]
         for action in plan(desired, actual, owner.uid):
             if isinstance(action, Conflict):
@@ -129,6 +140,12 @@ async def reconcile(api: KubeApi, body: dict[str, Any], config: OperatorConfig) 
             except ApiError as exc:
                 key = object_key(action.obj) if isinstance(action, Create) else action.key
                 if isinstance(action, Create) and exc.status == 409:
+                    # Created meanwhile by this graph's own pass elsewhere (a peered replica
+                    # handing over) is no conflict; anybody else's object is.
+                    existing = await api.get(key[0], key[1], owner.namespace, key[2])
+                    if existing is not None and owned_by(existing, owner.uid):
+                        live[key] = {"apiVersion": key[0], "kind": key[1], **existing}
+                        continue
                     message = f"{key[1]} {key[2]} exists and is not owned by this graph"
                     problems.append(Problem("NameConflict", message))
                 else:
@@ -143,6 +160,7 @@ async def reconcile(api: KubeApi, body: dict[str, Any], config: OperatorConfig) 
         previous=body.get("status"),
         endpoint=f"http://{frontend_service_name(owner.name)}.{owner.namespace}.svc:{HTTP_PORT}",
         now=_now(),
+        gateway=_observe_gateway(graph, wants_route, owner, live),
     )
     return Outcome(status_body(status), problems)
 
@@ -168,6 +186,21 @@ async def _apply(
         log.info("deleting %s %s/%s", kind, namespace, name)
         await api.delete(api_version, kind, namespace, name)
         live.pop(action.key, None)
+
+
+def _observe_gateway(
+    graph, wants_route: bool, owner: Owner, live: dict
+) -> GatewayObservation | None:
+    """The graph's HTTPRoute and InferencePool as read, when the spec attaches it to a Gateway."""
+    if graph is None or not wants_route:
+        return None
+    named = {(k[1], k[2]): o for k, o in live.items()}
+    return GatewayObservation(
+        parent=graph.spec.gateway.parent_ref.model_dump(by_alias=True, exclude_none=True),
+        namespace=owner.namespace,
+        route=named.get(("HTTPRoute", owner.name)),
+        pool=named.get(("InferencePool", owner.name)),
+    )
 
 
 def _observe(graph, graph_name: str, live: dict) -> dict[str, ServiceObservation]:
@@ -220,6 +253,9 @@ async def sync_graph(
         message = degraded_message(outcome.status)
         if message and message != degraded_message(previous):
             announce(body, outcome.problems[0].reason if outcome.problems else "Degraded", message)
+        rejection = gateway_rejection(outcome.status)
+        if rejection and rejection != gateway_rejection(previous):
+            announce(body, "GatewayRejected", rejection)
         return outcome
 
 

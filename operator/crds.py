@@ -179,6 +179,13 @@ def _printer_columns() -> list[dict[str, Any]]:
         column("Replicas", "integer", ".status.replicas", description="desired pods"),
         column("Backend", "string", ".spec.backend"),
         column("Model", "string", ".spec.model.name", priority=1),
+        column(
+            "Gateway",
+            "string",
+            '.status.conditions[?(@.type=="GatewayAccepted")].status',
+            priority=1,
+            description="whether the gateway accepted the graph's HTTPRoute and InferencePool",
+        ),
         column("Age", "date", ".metadata.creationTimestamp"),
     ]
 

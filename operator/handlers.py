@@ -4,6 +4,9 @@
 - a timer per graph (`resync_seconds`): repair drift and refresh status even if no event came.
 - any event of a Deployment the operator manages (including its deletion): reconcile its graph,
   so a deleted Deployment comes back and status follows rollouts as they happen.
+- any event of a managed HTTPRoute or InferencePool: the same, so the GatewayAccepted condition
+  follows the gateway controller's status writes within seconds (the timer would take up to
+  `resync_seconds`). kopf watches these kinds only where their CRDs are installed.
 
 No deletion handler: every object carries an ownerReference, so Kubernetes' garbage collector
 deletes them with the graph. (kopf adds its finalizer because timers need one; it removes it
@@ -22,8 +25,9 @@ import kopf
 from .config import OperatorConfig
 from .controller import Operator, sync_graph, sync_owner_of
 from .kube import ApiError, KubeApi, login
-from .manifests import LABEL_MANAGED_BY, MANAGED_BY
+from .manifests import LABEL_MANAGED_BY, MANAGED_BY, POOL_GROUP
 from .models import GROUP, PLURAL, VERSION
+from .status import GATEWAY_GROUP
 
 ANNOTATION_PREFIX = "dynamograph.io"
 RETRY_SECONDS = 10
@@ -97,10 +101,12 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
     async def resync_graph(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
         await _sync(memo, body)
 
-    @kopf.on.event(
-        "apps", "v1", "deployments", labels={LABEL_MANAGED_BY: MANAGED_BY}, registry=registry
-    )
-    async def owned_deployment(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    owned = {LABEL_MANAGED_BY: MANAGED_BY}
+
+    @kopf.on.event("apps", "v1", "deployments", labels=owned, registry=registry)
+    @kopf.on.event(GATEWAY_GROUP, "v1", "httproutes", labels=owned, registry=registry)
+    @kopf.on.event(POOL_GROUP, "v1", "inferencepools", labels=owned, registry=registry)
+    async def owned_object(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
         try:
             await sync_owner_of(memo.operator, plain(body), _announce)
         except ApiError as exc:

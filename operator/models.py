@@ -420,7 +420,7 @@ class ServiceStatus(_Model):
 
 
 class Condition(_Model):
-    type: Literal["Ready", "Available", "Progressing", "Degraded"]
+    type: Literal["Ready", "Available", "Progressing", "Degraded", "GatewayAccepted"]
     status: Literal["True", "False", "Unknown"]
     reason: str = Field(min_length=1, pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
     message: str = ""

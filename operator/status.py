@@ -12,8 +12,17 @@ describes and a one-word state:
 - Ready: every wanted pod is up to date and ready, and nothing is degraded.
 
 state: failed (degraded), ready, pending (no pod ready anywhere yet) or progressing.
+
+When the graph attaches to a gateway (an HTTPRoute to `spec.gateway.parentRef`), a fifth
+condition, GatewayAccepted, repeats the gateway's own verdict: True when its controller has
+accepted and resolved both the HTTPRoute and the InferencePool for that Gateway, False with the
+gateway's reason and message when it refused either, Unknown while no controller has written
+status for the latest generation. It describes another controller's work, so it does not gate
+Ready, Available or state (a gateway that never writes InferencePool status would otherwise
+keep every graph from being Ready); a rejection is named in the Degraded message instead.
 """
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +35,110 @@ class Problem:
 
     reason: str
     message: str
+
+
+@dataclass(frozen=True)
+class GatewayObservation:
+    """The Gateway the graph attaches to (its parentRef, as the spec gives it) and the graph's
+    HTTPRoute and InferencePool as last read (None: not there)."""
+
+    parent: dict[str, Any]
+    namespace: str
+    route: dict[str, Any] | None
+    pool: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    status: str  # "True", "False" or "Unknown"
+    reason: str
+    message: str
+
+
+GATEWAY_ACCEPTED = "GatewayAccepted"
+GATEWAY_GROUP = "gateway.networking.k8s.io"
+# The conditions a Gateway API controller writes per parent on an HTTPRoute, and a GAIE v1
+# controller on an InferencePool; both must be True for traffic to flow.
+_PARENT_CONDITIONS = ("Accepted", "ResolvedRefs")
+_REASON = re.compile(r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")  # metav1.Condition's rule
+
+
+def _same_parent(ref: dict[str, Any], want: dict[str, Any], namespace: str, section: bool) -> bool:
+    """Whether a status entry's parentRef names the spec's parent (defaults as Gateway API's)."""
+    return (
+        (ref.get("group") or GATEWAY_GROUP) == (want.get("group") or GATEWAY_GROUP)
+        and (ref.get("kind") or "Gateway") == (want.get("kind") or "Gateway")
+        and ref.get("name") == want.get("name")
+        and (ref.get("namespace") or namespace) == (want.get("namespace") or namespace)
+        and (not section or ref.get("sectionName") == want.get("sectionName"))
+    )
+
+
+def _object_verdict(
+    kind: str, obj: dict[str, Any] | None, gateway: GatewayObservation, section: bool
+) -> Verdict:
+    """The gateway's verdict on one object (HTTPRoute or InferencePool) for the spec's parent."""
+    parent_name = f"{gateway.parent.get('kind') or 'Gateway'} {gateway.parent.get('name')}"
+    if obj is None:
+        return Verdict("Unknown", "NotCreated", f"{kind} not created yet")
+    name = f"{kind} {obj.get('metadata', {}).get('name')}"
+    entries = [
+        entry
+        for entry in (obj.get("status") or {}).get("parents") or []
+        if _same_parent(entry.get("parentRef") or {}, gateway.parent, gateway.namespace, section)
+    ]
+    if not entries:
+        return Verdict("Unknown", "NoGatewayStatus", f"{name}: no status from {parent_name} yet")
+    generation = obj.get("metadata", {}).get("generation")
+    unknown: Verdict | None = None
+    for entry in entries:
+        by_type = {c.get("type"): c for c in entry.get("conditions") or []}
+        controller = entry.get("controllerName")
+        source = f"{parent_name} ({controller})" if controller else parent_name
+        for kind_of in _PARENT_CONDITIONS:
+            cond = by_type.get(kind_of)
+            if cond is None:
+                unknown = unknown or Verdict(
+                    "Unknown", "NoGatewayStatus", f"{name}: {source} has not reported {kind_of}"
+                )
+                continue
+            seen = cond.get("observedGeneration")
+            if generation is not None and seen is not None and seen < generation:
+                unknown = unknown or Verdict(
+                    "Unknown",
+                    "StaleGatewayStatus",
+                    f"{name}: {source} has not seen generation {generation} yet ({kind_of} "
+                    f"is about generation {seen})",
+                )
+                continue
+            reason = cond.get("reason") or ""
+            reason = reason if _REASON.match(reason) else f"{kind_of}{cond.get('status')}"
+            if cond.get("status") == "False":
+                detail = f": {cond['message']}" if cond.get("message") else ""
+                return Verdict(
+                    "False", reason, f"{name}: {source} says {kind_of}=False ({reason}){detail}"
+                )
+            if cond.get("status") != "True":
+                unknown = unknown or Verdict(
+                    "Unknown", reason, f"{name}: {source} says {kind_of}=Unknown ({reason})"
+                )
+    if unknown is not None:
+        return unknown
+    return Verdict("True", "Accepted", f"{name}: accepted by {parent_name}")
+
+
+def gateway_verdict(gateway: GatewayObservation) -> Verdict:
+    """The gateway's verdict on the graph: False if it refused the HTTPRoute or the
+    InferencePool, else Unknown if either lacks current status, else True."""
+    verdicts = [
+        _object_verdict("HTTPRoute", gateway.route, gateway, section=True),
+        _object_verdict("InferencePool", gateway.pool, gateway, section=False),
+    ]
+    for status in ("False", "Unknown"):
+        found = [v for v in verdicts if v.status == status]
+        if found:
+            return Verdict(status, found[0].reason, "; ".join(v.message for v in found))
+    return Verdict("True", "Accepted", "; ".join(v.message for v in verdicts))
 
 
 @dataclass(frozen=True)
@@ -80,14 +193,13 @@ def _deployment_failure(dep: dict[str, Any] | None) -> str | None:
 
 def _condition(
     kind: str,
-    ok: bool,
+    status: str,
     reason: str,
     message: str,
     previous: dict[str, dict[str, Any]],
     generation: int | None,
     now: str,
 ) -> Condition:
-    status = "True" if ok else "False"
     before = previous.get(kind)
     since = before.get("lastTransitionTime") if before and before.get("status") == status else None
     return Condition(
@@ -108,8 +220,10 @@ def graph_status(
     previous: dict[str, Any] | None,
     endpoint: str | None,
     now: str,
+    gateway: GatewayObservation | None = None,
 ) -> DynamoGraphStatus:
-    """The status for the observed services and problems; `previous` keeps transition times."""
+    """The status for the observed services and problems; `previous` keeps transition times.
+    With `gateway`, a GatewayAccepted condition too (see the module's docstring)."""
     previous_conditions = {
         c.get("type"): c for c in (previous or {}).get("conditions") or [] if isinstance(c, dict)
     }
@@ -133,10 +247,14 @@ def graph_status(
     degraded = bool(problems)
 
     def cond(kind: str, ok: bool, reason: str, message: str) -> Condition:
-        return _condition(kind, ok, reason, message, previous_conditions, generation, now)
+        status = "True" if ok else "False"
+        return _condition(kind, status, reason, message, previous_conditions, generation, now)
 
+    verdict = gateway_verdict(gateway) if gateway is not None else None
     degraded_reason = problems[0].reason if problems else "AsExpected"
     degraded_message = "; ".join(p.message for p in problems) if problems else "no problems found"
+    if verdict is not None and verdict.status == "False":
+        degraded_message += f"; the gateway does not accept the graph: {verdict.message}"
     progress_message = "; ".join(f"{n}: {d}" for n, d in sorted(pending.items()))
     conditions = [
         cond(
@@ -161,6 +279,18 @@ def graph_status(
         ),
         cond("Degraded", degraded, degraded_reason, degraded_message),
     ]
+    if verdict is not None:
+        conditions.append(
+            _condition(
+                GATEWAY_ACCEPTED,
+                verdict.status,
+                verdict.reason,
+                verdict.message,
+                previous_conditions,
+                generation,
+                now,
+            )
+        )
     ready_total = sum(s.ready_replicas for s in per_service.values())
     if degraded:
         state = GraphState.FAILED
@@ -183,6 +313,14 @@ def graph_status(
 
 def status_body(status: DynamoGraphStatus) -> dict[str, Any]:
     return status.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+def gateway_rejection(status: dict[str, Any] | None) -> str | None:
+    """The GatewayAccepted condition's message when it is False (what an Event repeats)."""
+    for cond in (status or {}).get("conditions") or []:
+        if cond.get("type") == GATEWAY_ACCEPTED and cond.get("status") == "False":
+            return cond.get("message")
+    return None
 
 
 def degraded_message(status: dict[str, Any] | None) -> str | None:

@@ -1,38 +1,14 @@
-"""`dynamograph operator`: flags → kopf's run options, and the real entry point as a process
-against the API emulator."""
+"""`dynamograph operator`: flags → kopf's run options. (The command as a process is in
+test_login.py and test_peering.py.)"""
 
 import argparse
-import asyncio
 import random
 
 import pytest
 
-from dynamograph.operator.cli import add_arguments, automatic_priority, run_options
+from dynamograph.operator.cli import add_arguments, automatic_priority, run, run_options
 
-from .emulator import wait_for
-from .processes import IMAGE, operator_process
-from .test_operator import GRAPH_PATH, GRAPHS, disagg_graph, live
-
-pytestmark = [
-    pytest.mark.operator,
-    pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning"),
-]
-
-
-async def test_operator_command_reconciles_and_stops_on_sigterm(cluster, tmp_path):
-    log = tmp_path / "operator.log"
-    async with operator_process(log, "--resync-seconds", "600") as proc:
-        await cluster.post(GRAPH_PATH, json=disagg_graph())
-
-        def ready():
-            status = (live(cluster, GRAPHS, "g") or {}).get("status") or {}
-            return status.get("state") == "ready"
-
-        await wait_for(ready, 60, f"the graph to be ready (log: {log})")
-        decode = live(cluster, "apps/v1/deployments", "g-decode")
-        image = decode["spec"]["template"]["spec"]["containers"][0]["image"]
-        assert image == IMAGE
-    assert proc.returncode == 0, log.read_text()[-3000:]
+pytestmark = pytest.mark.unit
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -85,9 +61,6 @@ def test_automatic_priority_favours_the_older_replica_and_never_ties():
     )
 
 
-async def test_bad_peering_settings_exit_with_a_message(tmp_path):
-    log = tmp_path / "operator.log"
-    async with operator_process(log, "--priority", "5") as proc:
-        await asyncio.wait_for(proc.wait(), 30)
-    assert proc.returncode == 2
-    assert "needs a peering object" in log.read_text()
+def test_bad_peering_settings_exit_with_a_message(capsys):
+    assert run(parse("--priority", "5")) == 2
+    assert "needs a peering object (--peering NAME)" in capsys.readouterr().out

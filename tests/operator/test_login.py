@@ -1,5 +1,6 @@
-"""The operator's login: a kubeconfig whose user has an `exec` credential plugin (as EKS and GKE
-kubeconfigs do), read by the official `kubernetes` client through kopf's `login_via_client`.
+"""`dynamograph operator` as a process, logging in with a kubeconfig whose user has an `exec`
+credential plugin (as EKS and GKE kubeconfigs do), read by the official `kubernetes` client
+through kopf's `login_via_client`; it stops cleanly (exit 0) on SIGTERM.
 
 The emulator refuses every request without the plugin's current token, so the graph becomes
 ready only if kopf (watches, graph patches, Events) and the operator's own client (owned
@@ -9,7 +10,7 @@ objects, status) both authenticate with it.
 import pytest
 
 from .emulator import wait_for
-from .processes import exec_credentials, operator_process
+from .processes import IMAGE, exec_credentials, operator_process
 from .test_operator import GRAPH_PATH, GRAPHS, disagg_graph, live
 
 pytestmark = [
@@ -43,7 +44,8 @@ async def test_exec_plugin_token_is_used_and_renewed(cluster, tmp_path):
         await wait_for(ready("g"), 60, f"graph g ready with the plugin's token (log: {log})")
         assert creds.runs() >= 1
         # Deployments are written by the operator's own client, the graph's finalizer by kopf.
-        assert live(cluster, "apps/v1/deployments", "g-decode") is not None
+        decode = live(cluster, "apps/v1/deployments", "g-decode")
+        assert decode["spec"]["template"]["spec"]["containers"][0]["image"] == IMAGE  # from env
         assert live(cluster, GRAPHS, "g")["metadata"]["finalizers"]
         assert authorizations(cluster) == {"Bearer token-one"}
 

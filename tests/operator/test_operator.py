@@ -15,7 +15,11 @@ import yaml
 from kopf.testing import KopfRunner
 
 from dynamograph.operator.config import OperatorConfig
+from dynamograph.operator.controller import reconcile
 from dynamograph.operator.handlers import build_registry
+from dynamograph.operator.kube import KubeApi, login
+from dynamograph.operator.manifests import Owner, desired_objects
+from dynamograph.operator.models import load_graph
 
 from .emulator import EXAMPLES, NAMESPACE, wait_for
 
@@ -421,3 +425,114 @@ async def test_deleting_the_graph_finishes_cleanly(cluster):
         # The operator goes quiet (no handler keeps acting on the deleted graph) with nothing left.
         await wait_quiet(cluster)
         assert all_collected()
+
+
+async def write_gateway_status(cluster, path: str, accepted: dict, resolved: dict) -> None:
+    """What a gateway controller does: write its verdict per parent into the object's status."""
+    conditions = [
+        {"type": "Accepted", "observedGeneration": 1, "lastTransitionTime": "2026-01-01T00:00:00Z"}
+        | accepted,
+        {
+            "type": "ResolvedRefs",
+            "observedGeneration": 1,
+            "lastTransitionTime": "2026-01-01T00:00:00Z",
+        }
+        | resolved,
+    ]
+    parents = [
+        {
+            "parentRef": {
+                "group": "gateway.networking.k8s.io",
+                "kind": "Gateway",
+                "name": "inference-gateway",
+            },
+            "controllerName": "example.net/gateway",
+            "conditions": conditions,
+        }
+    ]
+    response = await cluster.patch(
+        f"{path}/status",
+        json={"status": {"parents": parents}},
+        headers={"Content-Type": "application/merge-patch+json"},
+    )
+    assert response.status == 200, await response.text()
+
+
+async def test_graph_status_follows_the_gateways_verdict(cluster):
+    """The gateway controller's status on the HTTPRoute and InferencePool reaches the graph's
+    GatewayAccepted condition through the watches (the timer is 10 minutes away)."""
+    route = f"/apis/gateway.networking.k8s.io/v1/namespaces/{NAMESPACE}/httproutes/g"
+    pool = f"/apis/inference.networking.k8s.io/v1/namespaces/{NAMESPACE}/inferencepools/g"
+    ok = {"status": "True", "reason": "Accepted", "message": ""}
+    resolved = {"status": "True", "reason": "ResolvedRefs", "message": ""}
+    with running_operator():
+        await create_graph(cluster, disagg_graph())
+        status = await wait_ready(cluster)
+        gateway = condition(status, "GatewayAccepted")
+        assert (gateway["status"], gateway["reason"]) == ("Unknown", "NoGatewayStatus")
+
+        def gateway_is(expected: str):
+            def check():
+                cond = condition(graph_status(cluster), "GatewayAccepted")
+                return cond if cond.get("status") == expected else None
+
+            return check
+
+        refused = {
+            "status": "False",
+            "reason": "NotAllowedByListeners",
+            "message": "no listener of inference-gateway allows routes from ns1",
+        }
+        await write_gateway_status(cluster, route, refused, resolved)
+        cond = await wait_for(gateway_is("False"), 20, "GatewayAccepted=False")
+        assert cond["reason"] == "NotAllowedByListeners"
+        assert "no listener of inference-gateway allows routes from ns1" in cond["message"]
+        status = graph_status(cluster)
+        assert status["state"] == "ready"  # the graph's own pods are fine
+        assert condition(status, "Ready")["status"] == "True"
+        assert "the gateway does not accept the graph" in condition(status, "Degraded")["message"]
+
+        def event():
+            posts = [
+                r.data
+                for r in list(cluster)
+                if r.method == "POST" and r.url.path.endswith("/events")
+            ]
+            return [e for e in posts if e.get("reason") == "GatewayRejected"]
+
+        events = await wait_for(event, 15, "a GatewayRejected Event")
+        assert "NotAllowedByListeners" in events[0]["message"]
+
+        # The gateway admin fixes the listener: route and pool are accepted.
+        await write_gateway_status(cluster, route, ok, resolved)
+        await write_gateway_status(cluster, pool, ok, resolved)
+        cond = await wait_for(gateway_is("True"), 20, "GatewayAccepted=True")
+        assert cond["reason"] == "Accepted"
+        assert "the gateway" not in condition(graph_status(cluster), "Degraded")["message"]
+
+
+async def test_a_create_raced_by_the_same_graph_is_no_conflict(cluster):
+    """A pass lists, then finds an object it meant to create already there: made meanwhile by
+    the same graph's pass in another replica (peered operators overlap for a moment while the
+    leader hands over). Owned by the graph, so not a NameConflict; anybody else's still is."""
+    await create_graph(cluster, disagg_graph())
+    body = live(cluster, GRAPHS, "g")
+    meta = body["metadata"]
+    owner = Owner(name="g", namespace=NAMESPACE, uid=meta["uid"])
+    config = OperatorConfig(image=IMAGE)
+    ours = next(
+        o for o in desired_objects(load_graph(body), owner, config) if o["kind"] == "ConfigMap"
+    )
+    # Unlabelled, so this pass's list does not see it: as if created just after the list.
+    raced = copy.deepcopy(ours)
+    raced["metadata"]["labels"] = {}
+    response = await cluster.post(f"/api/v1/namespaces/{NAMESPACE}/configmaps", json=raced)
+    assert response.status in (200, 201), await response.text()
+
+    api = KubeApi(lambda: login(kopf.OperatorSettings()))
+    try:
+        outcome = await reconcile(api, body, config)
+    finally:
+        await api.close()
+    assert outcome.problems == []
+    assert condition(outcome.status, "Degraded")["status"] == "False"

@@ -77,15 +77,15 @@ async def test_one_replica_leads_and_the_other_takes_over(cluster, tmp_path):
     hint = f"logs: {log_a}, {log_b}"
 
     async with operator_process(log_a, "--peering", PEERING, env=env_a) as a:
-        await create_ready_graph(cluster, "g1", hint)
-        assert len(peers(cluster)) == 1
+        # Started first, so the older replica: it leads once it has registered.
+        await wait_for(lambda: len(peers(cluster)) == 1, 30, f"the first peer ({hint})")
 
         async with operator_process(log_b, "--peering", PEERING, env=env_b) as b:
             await wait_for(lambda: len(peers(cluster)) == 2, 30, f"two peers ({hint})")
             priorities = sorted(p["priority"] for p in peers(cluster).values())
             assert priorities[0] != priorities[1]  # a tie would pause both
 
-            # A new graph while both run: reconciled by the leader alone.
+            # A graph while both run: reconciled by the leader alone.
             await create_ready_graph(cluster, "g2", hint)
             assert any("g2-decode" in w for w in graph_writes(requests_by(cluster, "replica-a")))
             assert graph_writes(requests_by(cluster, "replica-b")) == []

@@ -3,9 +3,12 @@
 import pytest
 
 from dynamograph.operator.status import (
+    GatewayObservation,
     Problem,
     ServiceObservation,
     degraded_message,
+    gateway_rejection,
+    gateway_verdict,
     graph_status,
     status_body,
 )
@@ -32,7 +35,7 @@ def deployment(
     }
 
 
-def status_of(services, problems=(), previous=None, now=T0):
+def status_of(services, problems=(), previous=None, now=T0, gateway=None):
     return status_body(
         graph_status(
             services,
@@ -41,6 +44,7 @@ def status_of(services, problems=(), previous=None, now=T0):
             previous=previous,
             endpoint="http://g-frontend.ns.svc:8080",
             now=now,
+            gateway=gateway,
         )
     )
 
@@ -149,3 +153,175 @@ def test_transition_times_survive_unchanged_conditions():
     times = {c["type"]: c["lastTransitionTime"] for c in broken["conditions"]}
     assert times == {"Ready": T1, "Available": T0, "Progressing": T0, "Degraded": T1}
     assert degraded_message(first) is None
+
+
+# -- the gateway's verdict (GatewayAccepted) ------------------------------------------------------
+
+PARENT = {"name": "inference-gateway", "group": "gateway.networking.k8s.io", "kind": "Gateway"}
+CONTROLLER = "example.net/gateway-controller"
+
+
+def cond(kind, status="True", reason=None, message="", observed=1):
+    return {
+        "type": kind,
+        "status": status,
+        "reason": reason or ("Accepted" if kind == "Accepted" else "ResolvedRefs"),
+        "message": message,
+        "observedGeneration": observed,
+        "lastTransitionTime": T0,
+    }
+
+
+def parent_status(*conditions, ref=None):
+    return {
+        "parentRef": ref or {"name": "inference-gateway", "namespace": "ns"},
+        "controllerName": CONTROLLER,
+        "conditions": list(conditions),
+    }
+
+
+def obj(kind, *parents, generation=1):
+    return {
+        "kind": kind,
+        "metadata": {"name": "g", "generation": generation},
+        "status": {"parents": list(parents)} if parents else {},
+    }
+
+
+def accepted(kind, generation=1):
+    return obj(kind, parent_status(cond("Accepted"), cond("ResolvedRefs")), generation=generation)
+
+
+def gateway(route, pool, parent=PARENT):
+    return GatewayObservation(parent=parent, namespace="ns", route=route, pool=pool)
+
+
+def verdict(route, pool, parent=PARENT):
+    v = gateway_verdict(gateway(route, pool, parent))
+    return v.status, v.reason, v.message
+
+
+def test_gateway_accepts_route_and_pool():
+    status, reason, message = verdict(accepted("HTTPRoute"), accepted("InferencePool"))
+    assert (status, reason) == ("True", "Accepted")
+    assert "HTTPRoute g: accepted by Gateway inference-gateway" in message
+    assert "InferencePool g: accepted" in message
+
+
+def test_no_gateway_status_yet_is_unknown():
+    assert verdict(None, None)[:2] == ("Unknown", "NotCreated")
+    status, reason, message = verdict(obj("HTTPRoute"), obj("InferencePool"))
+    assert (status, reason) == ("Unknown", "NoGatewayStatus")
+    assert message == (
+        "HTTPRoute g: no status from Gateway inference-gateway yet; "
+        "InferencePool g: no status from Gateway inference-gateway yet"
+    )
+    # The route is accepted but no controller has written the pool's status (yet).
+    status, reason, message = verdict(accepted("HTTPRoute"), obj("InferencePool"))
+    assert (status, reason) == ("Unknown", "NoGatewayStatus")
+    assert message == "InferencePool g: no status from Gateway inference-gateway yet"
+
+
+def test_rejection_carries_the_gateways_reason_and_message():
+    refused = obj(
+        "HTTPRoute",
+        parent_status(
+            cond("Accepted", "False", "NotAllowedByListeners", "no listener allows namespace ns"),
+            cond("ResolvedRefs"),
+        ),
+    )
+    status, reason, message = verdict(refused, accepted("InferencePool"))
+    assert (status, reason) == ("False", "NotAllowedByListeners")
+    assert message == (
+        f"HTTPRoute g: Gateway inference-gateway ({CONTROLLER}) says Accepted=False "
+        "(NotAllowedByListeners): no listener allows namespace ns"
+    )
+    # An InferencePool whose endpoint picker the gateway cannot resolve: False even though the
+    # route is fine, and a refusal outranks another object's missing status.
+    pool = obj(
+        "InferencePool",
+        parent_status(
+            cond("Accepted"), cond("ResolvedRefs", "False", "InvalidExtensionRef", "no g-epp")
+        ),
+    )
+    status, reason, message = verdict(obj("HTTPRoute"), pool)
+    assert (status, reason) == ("False", "InvalidExtensionRef")
+    assert "InferencePool g: " in message and "ResolvedRefs=False" in message
+    assert "no g-epp" in message
+
+
+def test_stale_or_unknown_gateway_conditions_are_unknown():
+    stale_route = accepted("HTTPRoute", generation=2)  # conditions are about generation 1
+    status, reason, message = verdict(stale_route, accepted("InferencePool"))
+    assert (status, reason) == ("Unknown", "StaleGatewayStatus")
+    assert "has not seen generation 2 yet" in message
+    pending = obj("HTTPRoute", parent_status(cond("Accepted", "Unknown", "Pending")))
+    assert verdict(pending, accepted("InferencePool"))[:2] == ("Unknown", "Pending")
+    half = obj("HTTPRoute", parent_status(cond("Accepted")))  # no ResolvedRefs reported
+    assert verdict(half, accepted("InferencePool"))[:2] == ("Unknown", "NoGatewayStatus")
+
+
+def test_only_the_specs_parent_counts():
+    other = parent_status(
+        cond("Accepted", "False", "NotAllowedByListeners"),
+        cond("ResolvedRefs"),
+        ref={"name": "inference-gateway", "namespace": "elsewhere"},
+    )
+    route = obj("HTTPRoute", other, parent_status(cond("Accepted"), cond("ResolvedRefs")))
+    assert verdict(route, accepted("InferencePool"))[0] == "True"
+    # A sectionName in the spec selects that listener's entry on the route.
+    section = {**PARENT, "sectionName": "https"}
+    assert verdict(route, accepted("InferencePool"), parent=section)[:2] == (
+        "Unknown",
+        "NoGatewayStatus",
+    )
+    listener = parent_status(
+        cond("Accepted"),
+        cond("ResolvedRefs"),
+        ref={"name": "inference-gateway", "sectionName": "https"},
+    )
+    assert verdict(obj("HTTPRoute", listener), accepted("InferencePool"), parent=section)[0] == (
+        "True"
+    )
+
+
+def test_a_malformed_gateway_reason_is_replaced():
+    bad = obj(
+        "HTTPRoute", parent_status(cond("Accepted", "False", "not a reason!"), cond("ResolvedRefs"))
+    )
+    assert verdict(bad, accepted("InferencePool"))[:2] == ("False", "AcceptedFalse")
+
+
+def test_gateway_condition_in_status_does_not_gate_ready():
+    services = {"decode": ServiceObservation(2, deployment(2, 2))}
+    ok = status_of(services, gateway=gateway(accepted("HTTPRoute"), accepted("InferencePool")))
+    assert conditions(ok)["GatewayAccepted"] == ("True", "Accepted")
+    assert ok["state"] == "ready"
+
+    refused = obj(
+        "HTTPRoute",
+        parent_status(cond("Accepted", "False", "NotAllowedByListeners", "wrong namespace")),
+    )
+    status = status_of(
+        services, previous=ok, now=T1, gateway=gateway(refused, accepted("InferencePool"))
+    )
+    # The graph's own workloads are ready; the gateway's refusal is its own condition, named
+    # in the Degraded message and repeated by an Event (gateway_rejection), not a failure.
+    assert status["state"] == "ready"
+    assert conditions(status) == {
+        "Ready": ("True", "AllReplicasReady"),
+        "Available": ("True", "MinimumReplicasAvailable"),
+        "Progressing": ("False", "RolloutComplete"),
+        "Degraded": ("False", "AsExpected"),
+        "GatewayAccepted": ("False", "NotAllowedByListeners"),
+    }
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert "the gateway does not accept the graph" in degraded["message"]
+    assert "wrong namespace" in degraded["message"]
+    assert "wrong namespace" in gateway_rejection(status)
+    assert gateway_rejection(ok) is None
+    times = {c["type"]: c["lastTransitionTime"] for c in status["conditions"]}
+    assert times["GatewayAccepted"] == T1 and times["Ready"] == T0
+
+    # Without a gateway in the spec there is no such condition.
+    assert "GatewayAccepted" not in conditions(status_of(services))
