@@ -120,20 +120,6 @@ def _clamp(key):
 
 
 @_inline
-def _find(tk, tv, meta, key):
-    """The value of `key`, or MISSING."""
-    mask = tk.size - 1
-    i = _home(key, meta)
-    while True:
-        k = tk[i]
-        if k == key:
-            return tv[i]
-        if k == EMPTY:
-            return MISSING
-        i = (i + 1) & mask
-
-
-@_inline
 def _cell(tk, meta, key):
     """The cell holding `key`, or MISSING."""
     mask = tk.size - 1
@@ -145,6 +131,13 @@ def _cell(tk, meta, key):
         if k == EMPTY:
             return MISSING
         i = (i + 1) & mask
+
+
+@_inline
+def _find(tk, tv, meta, key):
+    """The value of `key`, or MISSING."""
+    cell = _cell(tk, meta, key)
+    return tv[cell] if cell != MISSING else MISSING
 
 
 @_inline
@@ -195,18 +188,12 @@ def _room(meta, n):
 @_inline
 def _delete(tk, tv, meta, key):
     """Remove `key`; its value, or MISSING."""
-    mask = tk.size - 1
-    i = _home(key, meta)
-    while True:
-        k = tk[i]
-        if k == key:
-            val = tv[i]
-            tk[i] = TOMB
-            meta[LIVE] -= 1
-            return val
-        if k == EMPTY:
-            return MISSING
-        i = (i + 1) & mask
+    cell = _cell(tk, meta, key)
+    if cell == MISSING:
+        return MISSING
+    tk[cell] = TOMB
+    meta[LIVE] -= 1
+    return tv[cell]
 
 
 @_kernel(f"i4[::1]({_U8}, {_TABLE})")
