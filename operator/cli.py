@@ -134,5 +134,5 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if options["peering_name"]:
         log.info("peering %r with priority %d", options["peering_name"], options["priority"])
-    kopf.run(registry=build_registry(config), **options)
+    kopf.run(registry=build_registry(config, options["namespaces"]), **options)
     return 0

@@ -17,7 +17,8 @@ would prune unknown status fields. `build_registry` makes a fresh registry per o
 timer period comes from the configuration and tests can run several operators in one process.
 """
 
-from collections.abc import Mapping
+import logging
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import kopf
@@ -28,6 +29,8 @@ from .kube import ApiError, KubeApi, login
 from .manifests import LABEL_MANAGED_BY, MANAGED_BY, POOL_GROUP
 from .models import GROUP, PLURAL, VERSION
 from .status import GATEWAY_GROUP
+
+log = logging.getLogger(__name__)
 
 ANNOTATION_PREFIX = "dynamograph.io"
 RETRY_SECONDS = 10
@@ -67,7 +70,41 @@ async def _sync(memo: kopf.Memo, body: Mapping[str, Any]) -> None:
         raise kopf.TemporaryError(f"Kubernetes API: {exc}", delay=RETRY_SECONDS) from exc
 
 
-def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
+async def warn_missing_peering(
+    api: KubeApi, settings: kopf.OperatorSettings, namespaces: Sequence[str]
+) -> list[str]:
+    """Log an error for each peering object the operator will wait for in vain: kopf keeps a
+    peered operator paused, silently, until its peering object exists. Returns them."""
+    peering = settings.peering
+    if peering.clusterwide or not namespaces:
+        wanted = [("ClusterKopfPeering", None)]
+    else:
+        # kopf namespace patterns (globs, exclusions) name no single object: not checked.
+        wanted = [("KopfPeering", ns) for ns in namespaces if not set(ns) & set("*?[!")]
+    missing = []
+    for kind, namespace in wanted:
+        try:
+            found = await api.get("kopf.dev/v1", kind, namespace, peering.name)
+        except ApiError as exc:  # e.g. no peering CRDs (404 is None) or no RBAC to read it
+            log.warning("cannot read %s %s: %s", kind, peering.name, exc)
+            continue
+        if found is None:
+            where = f" in namespace {namespace}" if namespace else ""
+            missing.append(f"{kind} {peering.name}{where}")
+    if missing:
+        log.error(
+            "peering object(s) missing: %s; this operator stays paused until they exist "
+            "(the Helm chart creates them; else apply kopf's peering CRDs from crds/ and e.g. "
+            "`apiVersion: kopf.dev/v1, kind: ClusterKopfPeering, metadata: {name: %s}`)",
+            ", ".join(missing),
+            peering.name,
+        )
+    return missing
+
+
+def build_registry(config: OperatorConfig, namespaces: Sequence[str] = ()) -> kopf.OperatorRegistry:
+    """The operator's handlers; `namespaces` are the watched ones (empty: cluster-wide), which
+    says where the peering objects live."""
     registry = kopf.OperatorRegistry()
     resource = (GROUP, VERSION, PLURAL)
 
@@ -75,6 +112,8 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
     async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
         configure(settings)
         memo.operator = Operator(api=KubeApi(lambda: login(settings)), config=config)
+        if not settings.peering.standalone:
+            await warn_missing_peering(memo.operator.api, settings, namespaces)
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(memo: kopf.Memo, **_: Any) -> None:

@@ -32,6 +32,9 @@ RESOURCES: dict[tuple[str, str], str] = {
     ("inference.networking.k8s.io/v1", "InferencePool"): "inferencepools",
     ("gateway.networking.k8s.io/v1", "HTTPRoute"): "httproutes",
     (API_VERSION, KIND): PLURAL,
+    # kopf's peering objects, read once at startup to say when one is missing.
+    ("kopf.dev/v1", "ClusterKopfPeering"): "clusterkopfpeerings",
+    ("kopf.dev/v1", "KopfPeering"): "kopfpeerings",
 }
 
 
@@ -42,13 +45,16 @@ class ApiError(Exception):
         super().__init__(f"{status} {reason}: {message}")
 
 
-def collection_path(api_version: str, kind: str, namespace: str) -> str:
+def collection_path(api_version: str, kind: str, namespace: str | None) -> str:
+    """The collection's URL path; namespace None for a cluster-scoped kind."""
     try:
         plural = RESOURCES[api_version, kind]
     except KeyError:
         raise ValueError(f"unknown resource {api_version} {kind}") from None
     prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
-    return f"{prefix}/namespaces/{namespace}/{plural}"
+    return (
+        f"{prefix}/{plural}" if namespace is None else f"{prefix}/namespaces/{namespace}/{plural}"
+    )
 
 
 def matches_selector(obj: dict[str, Any], selector: dict[str, str]) -> bool:
@@ -174,7 +180,7 @@ class KubeApi:
         return out
 
     async def get(
-        self, api_version: str, kind: str, namespace: str, name: str
+        self, api_version: str, kind: str, namespace: str | None, name: str
     ) -> dict[str, Any] | None:
         try:
             return await self._request(

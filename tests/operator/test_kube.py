@@ -141,5 +141,9 @@ def test_collection_paths():
         collection_path("inference.networking.k8s.io/v1", "InferencePool", "ns")
         == "/apis/inference.networking.k8s.io/v1/namespaces/ns/inferencepools"
     )
+    assert (
+        collection_path("kopf.dev/v1", "ClusterKopfPeering", None)
+        == "/apis/kopf.dev/v1/clusterkopfpeerings"
+    )
     with pytest.raises(ValueError, match="unknown resource"):
         collection_path("v1", "Pod", "ns")

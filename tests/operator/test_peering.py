@@ -6,6 +6,8 @@ leader's higher priority and stays paused (it never even watches DynamoGraphs); 
 stops (SIGTERM: it removes itself from the peering object), the second resumes and reconciles.
 """
 
+import asyncio
+
 import pytest
 
 from .emulator import wait_for, write_kubeconfig
@@ -101,3 +103,32 @@ async def test_one_replica_leads_and_the_other_takes_over(cluster, tmp_path):
             assert live(cluster, "apps/v1/deployments", "g3-decode") is not None
             assert len(requests_by(cluster, "replica-a")) == seen_a
         assert b.returncode == 0, log_b.read_text()[-3000:]
+
+
+async def test_a_missing_peering_object_is_reported_and_waited_for(cluster, tmp_path):
+    """kopf keeps a peered operator paused until its peering object exists, silently: the
+    operator says so at startup, and starts working as soon as the object is created."""
+    log = tmp_path / "operator.log"
+    env = {"KUBECONFIG": str(write_kubeconfig(tmp_path / "a", str(cluster.url), {"token": "a"}))}
+    async with operator_process(log, "--peering", PEERING, env=env) as proc:
+        await wait_for(
+            lambda: "peering object(s) missing" in log.read_text(), 30, f"the error ({log})"
+        )
+        assert f"ClusterKopfPeering {PEERING}" in log.read_text()
+        body = disagg_graph()
+        response = await cluster.post(GRAPH_PATH, json=body)
+        assert response.status in (200, 201), await response.text()
+        await asyncio.sleep(1.0)  # paused: the operator does not even watch graphs
+        assert graph_writes(requests_by(cluster, "a")) == []
+
+        peering = {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering"}
+        response = await cluster.post(
+            f"/apis/{PEERINGS}", json={**peering, "metadata": {"name": PEERING}}
+        )
+        assert response.status in (200, 201), await response.text()
+
+        def ready():
+            return ((live(cluster, GRAPHS, "g") or {}).get("status") or {}).get("state") == "ready"
+
+        await wait_for(ready, 60, f"the graph reconciled once the peering object exists ({log})")
+    assert proc.returncode == 0, log.read_text()[-3000:]
