@@ -8,6 +8,9 @@
   follows the gateway controller's status writes within seconds (the timer would take up to
   `resync_seconds`). kopf watches these kinds only where their CRDs are installed.
 
+Startup also names any missing peering object when the operator runs peered (kopf would wait
+for it silently, paused).
+
 No deletion handler: every object carries an ownerReference, so Kubernetes' garbage collector
 deletes them with the graph. (kopf adds its finalizer because timers need one; it removes it
 as soon as the graph's timer has stopped.)
@@ -85,7 +88,7 @@ async def warn_missing_peering(
     for kind, namespace in wanted:
         try:
             found = await api.get("kopf.dev/v1", kind, namespace, peering.name)
-        except ApiError as exc:  # e.g. no peering CRDs (404 is None) or no RBAC to read it
+        except ApiError as exc:  # e.g. no RBAC to read it (a 404, no CRD or no object, is None)
             log.warning("cannot read %s %s: %s", kind, peering.name, exc)
             continue
         if found is None:

@@ -94,8 +94,9 @@ def test_kopf_peering_crds_are_what_kopf_watches():
     }
 
 
-def test_lint_strict(helm):
-    result = helm("lint", "--strict", str(CHART))
+@pytest.mark.parametrize("sets", [(), PEERING])
+def test_lint_strict(helm, sets):
+    result = helm("lint", "--strict", str(CHART), *[arg for v in sets for arg in ("--set", v)])
     assert "1 chart(s) linted, 0 chart(s) failed" in result.stdout
 
 
