@@ -21,7 +21,8 @@ from dynamograph.operator.kube import KubeApi, login
 from dynamograph.operator.manifests import Owner, desired_objects
 from dynamograph.operator.models import load_graph
 
-from .emulator import EXAMPLES, NAMESPACE, wait_for
+from .emulator import EXAMPLES, NAMESPACE, upstream_crd, wait_for
+from .schemas import validate_against_crd
 
 pytestmark = [
     pytest.mark.operator,
@@ -427,8 +428,14 @@ async def test_deleting_the_graph_finishes_cleanly(cluster):
         assert all_collected()
 
 
-async def write_gateway_status(cluster, path: str, accepted: dict, resolved: dict) -> None:
-    """What a gateway controller does: write its verdict per parent into the object's status."""
+async def write_gateway_status(cluster, kind: str, accepted: dict, resolved: dict) -> None:
+    """What a gateway controller does: write its verdict per parent into the status of the
+    graph's HTTPRoute or InferencePool (checked against the upstream CRD's schema)."""
+    resource, group = {
+        "HTTPRoute": ("httproutes", "gateway.networking.k8s.io"),
+        "InferencePool": ("inferencepools", "inference.networking.k8s.io"),
+    }[kind]
+    path = f"/apis/{group}/v1/namespaces/{NAMESPACE}/{resource}/g"
     conditions = [
         {"type": "Accepted", "observedGeneration": 1, "lastTransitionTime": "2026-01-01T00:00:00Z"}
         | accepted,
@@ -456,13 +463,12 @@ async def write_gateway_status(cluster, path: str, accepted: dict, resolved: dic
         headers={"Content-Type": "application/merge-patch+json"},
     )
     assert response.status == 200, await response.text()
+    validate_against_crd(live(cluster, f"{group}/v1/{resource}", "g"), upstream_crd(kind))
 
 
 async def test_graph_status_follows_the_gateways_verdict(cluster):
     """The gateway controller's status on the HTTPRoute and InferencePool reaches the graph's
     GatewayAccepted condition through the watches (the timer is 10 minutes away)."""
-    route = f"/apis/gateway.networking.k8s.io/v1/namespaces/{NAMESPACE}/httproutes/g"
-    pool = f"/apis/inference.networking.k8s.io/v1/namespaces/{NAMESPACE}/inferencepools/g"
     ok = {"status": "True", "reason": "Accepted", "message": ""}
     resolved = {"status": "True", "reason": "ResolvedRefs", "message": ""}
     with running_operator():
@@ -483,7 +489,7 @@ async def test_graph_status_follows_the_gateways_verdict(cluster):
             "reason": "NotAllowedByListeners",
             "message": "no listener of inference-gateway allows routes from ns1",
         }
-        await write_gateway_status(cluster, route, refused, resolved)
+        await write_gateway_status(cluster, "HTTPRoute", refused, resolved)
         cond = await wait_for(gateway_is("False"), 20, "GatewayAccepted=False")
         assert cond["reason"] == "NotAllowedByListeners"
         assert "no listener of inference-gateway allows routes from ns1" in cond["message"]
@@ -504,8 +510,8 @@ async def test_graph_status_follows_the_gateways_verdict(cluster):
         assert "NotAllowedByListeners" in events[0]["message"]
 
         # The gateway admin fixes the listener: route and pool are accepted.
-        await write_gateway_status(cluster, route, ok, resolved)
-        await write_gateway_status(cluster, pool, ok, resolved)
+        await write_gateway_status(cluster, "HTTPRoute", ok, resolved)
+        await write_gateway_status(cluster, "InferencePool", ok, resolved)
         cond = await wait_for(gateway_is("True"), 20, "GatewayAccepted=True")
         assert cond["reason"] == "Accepted"
         assert "the gateway" not in condition(graph_status(cluster), "Degraded")["message"]
