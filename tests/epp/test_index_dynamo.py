@@ -241,3 +241,19 @@ def test_many_slots_sharing_prefixes(paths):
         if step % 100 == 99:
             matched += fleet.compare(10)
     assert matched > 50
+
+
+def test_key_table_rebuilds_under_random_interleavings():
+    """Long, varied sequences: the key table rebuilds (rows move, slots renumbered) mid-stream."""
+    rng = random.Random(103)
+    fleet = Fleet(rng, workers=20, ranks=2, alphabet=50)
+    fleet.families = [fleet.random_seq(rng.randint(50, 400)) for _ in range(6)]
+    sizes, matched = set(), 0
+    for step in range(800):
+        fleet.step()
+        sizes.add(fleet.ours._keys.keys.size)
+        if step % 100 == 99:
+            matched += fleet.compare(10)
+    assert len(sizes) > 1  # it did rebuild
+    assert matched > 40
+    assert fleet.ours.total_blocks() == sum(len(e.held) for e in fleet.engines.values())
