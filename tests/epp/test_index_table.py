@@ -83,3 +83,17 @@ def test_a_table_full_of_tombstones_is_rebuilt_without_growing():
 def test_reserved_keys_are_refused():
     with pytest.raises(ValueError, match="reserved"):
         U64Table().put(np.array([5, 1], np.uint64), np.array([1, 2], np.int32))
+
+
+def test_reserve_moving_says_where_every_cell_went():
+    table = U64Table(capacity=8)  # 16 cells, 12 usable
+    keys = np.arange(2, 14, dtype=np.uint64)
+    table.put(keys, np.arange(12, dtype=np.int32) + 50)
+    table.pop(keys[:3])  # tombstones are not carried over
+    old_cells = {int(k): int(c) for c, k in enumerate(table.keys.tolist()) if k >= 2}
+    assert table.reserve_moving(0) is None  # 12 cells used of 12: room for nothing more
+    moved = table.reserve_moving(20)
+    assert moved is not None and moved.size == 16
+    for key, cell in old_cells.items():
+        assert table.keys[moved[cell]] == key
+    assert table.get(keys).tolist() == [MISSING] * 3 + list(range(53, 62))
