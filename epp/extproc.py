@@ -256,7 +256,7 @@ class Exchange:
         self._body_size = 0
         self._routed = False
         self._first_token_seen = False
-        self._tail = b""
+        self._tail = bytearray()
         self.route: Route | None = None
         self.status: int | None = None  # upstream response status
         self.done = False  # an ImmediateResponse was sent: nothing more to do
@@ -390,7 +390,12 @@ class Exchange:
                 self._first_token_seen = True
                 route.guard.mark_prefill_done()
             # Keep only the tail: usage comes last (the final SSE event or the end of the JSON).
-            self._tail = (self._tail + chunk)[-_USAGE_TAIL_BYTES:]
+            # Appended in place and trimmed now and then: copying the tail on every chunk
+            # cost O(16 KiB) per streamed token.
+            tail = self._tail
+            tail += chunk
+            if len(tail) > 2 * _USAGE_TAIL_BYTES:
+                del tail[:-_USAGE_TAIL_BYTES]
         end = body.end_of_stream or body.end_of_stream_without_message
         if end:
             self._observe_usage()
