@@ -2,7 +2,7 @@
 
 - `KvPicker`: parse the OpenAI body, check the model, tokenize with the model's tokenizer
   (`protocol.tokenization.request_tokens`), hash blocks with the fleet's block size from
-  `/v1/engine` (`protocol.hashing.block_hashes`), ask the router core, and turn its decision
+  `/v1/engine` (`protocol.hashing.block_hash_array`), ask the router core, and turn its decision
   into the destination endpoint and the routing headers. A `model` that names a LoRA adapter
   some worker serves (`protocol.engine.served_models`) is hashed under the adapter's name and
   routed only to workers serving it (the router core's `lora` filter).
@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from dynamograph.protocol.engine import EngineConfig, Role, lora_for_model, served_models
-from dynamograph.protocol.hashing import block_hashes
+from dynamograph.protocol.hashing import block_hash_array
 from dynamograph.protocol.headers import routing_header_values
 from dynamograph.protocol.nvext import NvExtError, parse_nvext
 from dynamograph.protocol.openai import OpenAIError, parse_json_body, require_model
@@ -163,7 +163,7 @@ class KvPicker:
         hints = nvext.agent_hints if nvext is not None else None
         route_request = RouteRequest(
             request_id=headers.get("x-request-id") or uuid.uuid4().hex,
-            block_hashes=block_hashes(tokens, block_size, lora_name),
+            block_hashes=block_hash_array(tokens, block_size, lora_name),
             isl_tokens=len(tokens),
             lora_name=lora_name,
             pins=RoutePins.from_nvext(nvext),

@@ -30,6 +30,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from dynamograph.protocol.engine import EngineConfig, Role
 from dynamograph.protocol.headers import RoutingHeaders
 from dynamograph.protocol.kv_events import BlockStored, EventBatch
@@ -117,11 +119,12 @@ class RoutePins:
 class RouteRequest:
     """What the scheduler needs to know about one request.
 
-    `block_hashes` are `protocol.hashing.block_hashes(tokens, router.block_size, lora_name)`.
+    `block_hashes` are `protocol.hashing.block_hash_array(tokens, router.block_size,
+    lora_name)`: a uint64 array (a list of the same ints works too, converted on each use).
     """
 
     request_id: str
-    block_hashes: Sequence[int]
+    block_hashes: "Sequence[int] | np.ndarray"
     isl_tokens: int
     lora_name: str | None = None
     pins: RoutePins = field(default_factory=RoutePins)

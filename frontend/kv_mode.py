@@ -25,7 +25,7 @@ from dynamograph.epp.scheduler import (
     RouteRequest,
 )
 from dynamograph.protocol.engine import lora_for_model, served_models
-from dynamograph.protocol.hashing import block_hashes
+from dynamograph.protocol.hashing import block_hash_array
 from dynamograph.protocol.nvext import NvExt
 from dynamograph.protocol.openai import OpenAIError, require_model
 from dynamograph.protocol.tokenization import get_tokenizer, request_tokens
@@ -110,7 +110,7 @@ class KvPicker:
         osl = nvext.agent_hints.osl if nvext and nvext.agent_hints else None
         request = RouteRequest(
             request_id=f"frontend-{next(self._ids)}",
-            block_hashes=block_hashes(tokens, block_size, lora_name),
+            block_hashes=block_hash_array(tokens, block_size, lora_name),
             isl_tokens=len(tokens),
             lora_name=lora_name,
             pins=RoutePins(
