@@ -148,11 +148,16 @@ class ActiveRequests:
 
     def prefill_done(self, booking: Booking) -> None:
         """The slot finished computing the prompt: drop the prefill part (idempotent)."""
+        self.prefill_progress(booking, 0)
+
+    def prefill_progress(self, booking: Booking, remaining: int) -> None:
+        """The slot computed part of the prompt: `remaining` blocks are left (never grows)."""
         self._reap()
+        remaining = max(0, min(remaining, booking.prefill))
         load = booking.current(self._loads)
         if load is not None:
-            load.prefill_blocks -= booking.prefill
-        booking.prefill = 0
+            load.prefill_blocks -= booking.prefill - remaining
+        booking.prefill = remaining
 
     def add_output_tokens(self, booking: Booking, tokens: int) -> None:
         """Account generated tokens; changes the decode load only when output tracking is on."""

@@ -15,9 +15,10 @@ and the frontend's `kv` mode drive it the same way:
         ... first token → decision.guard.mark_prefill_done() ...
 
 Prefill completion has two witnesses: the first output token (the caller's
-`mark_prefill_done`) and, with KV events on, the engine storing the prompt's last full block on
-the booked slot. The second matters behind a gateway: for a non-streaming answer the EPP sees no
-output before the whole answer, and would otherwise count the prefill as pending until the end.
+`mark_prefill_done`) and, with KV events on, the engine storing the prompt's blocks on the booked
+slot (chunk by chunk, so a long prefill's booked load shrinks as it progresses). The second
+matters behind a gateway: for a non-streaming answer the EPP sees no output before the whole
+answer, and would otherwise count the prefill as pending until the end.
 
 Errors are exceptions carrying the HTTP status a caller should answer with:
 `NoEligibleWorker` (503, with the reason) and `Overloaded` (429, with Retry-After).
@@ -198,8 +199,8 @@ class Router:
         self._block_size: int | None = None
         self._seqs = SequenceTracker()
         self._sessions: OrderedDict[str, _Binding] = OrderedDict()
-        # per slot, bookings whose prefill is pending, with the prompt hashes that settle it
-        self._prefilling: dict[Slot, list[tuple[Booking, Sequence[int]]]] = {}
+        # per slot, bookings whose prefill is pending, with their prompt hashes and blocks
+        self._prefilling: dict[Slot, list[tuple[Booking, Sequence[int], int]]] = {}
 
     # -- workers -------------------------------------------------------------------------
     def add_engine(self, config: EngineConfig) -> bool:
@@ -362,15 +363,19 @@ class Router:
         return None
 
     def _settle_prefills(self, slot: Slot) -> None:
-        """Pending prefills on `slot` whose whole keyed prompt the engine now holds are done."""
+        """Pending prefills on `slot` shrink to the prompt blocks its engine hasn't stored yet
+        (a chunked prefill stores each chunk's blocks as it goes); all stored = done."""
         pending = []
-        for booking, hashes in self._prefilling[slot]:
+        for entry in self._prefilling[slot]:
+            booking, hashes, prompt_blocks = entry
             if not booking.live or booking.prefill == 0:
                 continue
-            if self.index.find_matches(hashes).get(slot, 0) >= len(hashes):
+            stored = self.index.find_matches(hashes).get(slot, 0)
+            if stored >= len(hashes):
                 self.active.prefill_done(booking)
             else:
-                pending.append((booking, hashes))
+                self.active.prefill_progress(booking, prompt_blocks - stored)
+                pending.append(entry)
         if pending:
             self._prefilling[slot] = pending
         else:
@@ -584,9 +589,9 @@ class Router:
         if self.config.use_kv_events and len(prompt_keys) > (prefill or decode).overlap_blocks:
             computing = prefill_booking or decode_booking
             entries = self._prefilling.setdefault(computing.slot, [])
-            entries.append((computing, request.block_hashes))
+            entries.append((computing, request.block_hashes, prompt_blocks))
             if len(entries) > 64:  # freed bookings leave only when the slot's events come
-                entries[:] = [(b, h) for b, h in entries if b.live and b.prefill]
+                entries[:] = [e for e in entries if e[0].live and e[0].prefill]
         return RequestGuard(self.active, request.request_id, decode_booking, prefill_booking)
 
 

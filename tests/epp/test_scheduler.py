@@ -78,8 +78,8 @@ def test_engine_storing_the_prompt_settles_its_pending_prefill():
     other = 3 - slot[0]
     assert router.active.load(slot).prefill_blocks == 11
     cache(router, other, prompt)  # another worker storing it settles nothing here
-    cache(router, slot[0], prompt[:20])  # the first chunk: still prefilling
-    assert router.active.load(slot).prefill_blocks == 11 and not d.guard.prefill_done
+    cache(router, slot[0], prompt[:20])  # the first chunk (5 blocks): 6 left to compute
+    assert router.active.load(slot).prefill_blocks == 6 and not d.guard.prefill_done
     cache(router, slot[0], prompt)
     assert router.active.load(slot).prefill_blocks == 0 and d.guard.prefill_done
     assert router.active.load(slot).decode_blocks == 11  # still decoding: blocks held
