@@ -39,6 +39,11 @@ EXAMPLES = REPO / "examples"
 DATA = Path(__file__).resolve().parent / "data"
 
 
+def authorization(request) -> str | None:
+    """A recorded request's Authorization header (header names are case-insensitive)."""
+    return {k.lower(): v for k, v in request.headers.items()}.get("authorization")
+
+
 UNAUTHORIZED = {
     "kind": "Status",
     "apiVersion": "v1",
@@ -77,8 +82,7 @@ class ClusterEmulator(kmock_lib.KubernetesEmulator):
         return response
 
     def _authenticated(self, request) -> bool:
-        headers = {k.lower(): v for k, v in request.headers.items()}
-        return headers.get("authorization") == f"Bearer {self.required_token}"
+        return authorization(request) == f"Bearer {self.required_token}"
 
     # -- identity and status isolation ------------------------------------------------------
 

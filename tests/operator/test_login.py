@@ -9,7 +9,7 @@ objects, status) both authenticate with it.
 
 import pytest
 
-from .emulator import wait_for
+from .emulator import authorization, wait_for
 from .processes import IMAGE, exec_credentials, operator_process
 from .test_operator import GRAPH_PATH, GRAPHS, disagg_graph, live
 
@@ -20,9 +20,7 @@ pytestmark = [
 
 
 def authorizations(cluster) -> set:
-    return {
-        {k.lower(): v for k, v in r.headers.items()}.get("authorization") for r in list(cluster)
-    }
+    return {authorization(r) for r in list(cluster)}
 
 
 async def test_exec_plugin_token_is_used_and_renewed(cluster, tmp_path):

@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from .emulator import wait_for, write_kubeconfig
+from .emulator import authorization, wait_for, write_kubeconfig
 from .processes import operator_process, stop
 from .test_operator import GRAPH_PATH, GRAPHS, disagg_graph, live
 
@@ -24,10 +24,7 @@ PEERINGS = "kopf.dev/v1/clusterkopfpeerings"
 
 
 def requests_by(cluster, token: str) -> list:
-    def auth(r):
-        return {k.lower(): v for k, v in r.headers.items()}.get("authorization")
-
-    return [r for r in list(cluster) if auth(r) == f"Bearer {token}"]
+    return [r for r in list(cluster) if authorization(r) == f"Bearer {token}"]
 
 
 def peers(cluster) -> dict:
@@ -55,9 +52,9 @@ def named(r) -> str:
     return f"{r.method.name} {r.url.path} {(data.get('metadata') or {}).get('name', '')}".strip()
 
 
-def graph_writes(requests: list) -> list:
-    """Everything but kopf's peering keep-alives and read-only discovery, as "METHOD path
-    [name of a created object]"."""
+def graph_work(requests: list) -> list:
+    """The requests that do an operator's work (all but kopf's peering keep-alives and API
+    discovery), as "METHOD path [name of a created object]"."""
     return [
         named(r)
         for r in requests
@@ -89,8 +86,8 @@ async def test_one_replica_leads_and_the_other_takes_over(cluster, tmp_path):
 
             # A graph while both run: reconciled by the leader alone.
             await create_ready_graph(cluster, "g2", hint)
-            assert any("g2-decode" in w for w in graph_writes(requests_by(cluster, "replica-a")))
-            assert graph_writes(requests_by(cluster, "replica-b")) == []
+            assert any("g2-decode" in w for w in graph_work(requests_by(cluster, "replica-a")))
+            assert graph_work(requests_by(cluster, "replica-b")) == []
 
             # The leader stops; the standby resumes and serves the next graph.
             await stop(a)
@@ -98,7 +95,7 @@ async def test_one_replica_leads_and_the_other_takes_over(cluster, tmp_path):
             await wait_for(lambda: len(peers(cluster)) == 1, 30, f"the leader gone ({hint})")
             seen_a = len(requests_by(cluster, "replica-a"))
             await create_ready_graph(cluster, "g3", hint)
-            b_writes = graph_writes(requests_by(cluster, "replica-b"))
+            b_writes = graph_work(requests_by(cluster, "replica-b"))
             assert "POST /apis/apps/v1/namespaces/ns1/deployments g3-decode" in b_writes
             assert live(cluster, "apps/v1/deployments", "g3-decode") is not None
             assert len(requests_by(cluster, "replica-a")) == seen_a
@@ -119,7 +116,7 @@ async def test_a_missing_peering_object_is_reported_and_waited_for(cluster, tmp_
         response = await cluster.post(GRAPH_PATH, json=body)
         assert response.status in (200, 201), await response.text()
         await asyncio.sleep(1.0)  # paused: the operator does not even watch graphs
-        assert graph_writes(requests_by(cluster, "a")) == []
+        assert graph_work(requests_by(cluster, "a")) == []
 
         peering = {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering"}
         response = await cluster.post(
