@@ -5,9 +5,15 @@ replicas share kopf's peering object NAME (a ClusterKopfPeering, or a KopfPeerin
 namespace): each records keep-alives in it, and every replica but the one with the highest
 priority pauses (stops watching) until the higher ones are gone. That is kopf's own peering,
 used as leader election; `run_options` turns the flags into `kopf.run` arguments.
+
+A peered operator refuses to start without its peering object (`missing_peering`): kopf would
+wait for it silently, paused, and once it appeared the operator would act unregistered (its
+first keep-alive already failed) until its next keep-alive, up to a minute, invisible to a
+second replica. Exiting instead makes Kubernetes restart the pod, which registers at once.
 """
 
 import argparse
+import asyncio
 import logging
 import os
 import random
@@ -121,6 +127,35 @@ def run_options(
     }
 
 
+async def missing_peering(name: str, namespaces: list[str]) -> list[str]:
+    """The peering objects kopf will use (a ClusterKopfPeering, or a KopfPeering per watched
+    namespace) that do not exist. Unreadable ones (no RBAC, API down) are logged, not counted."""
+    import kopf
+
+    from .kube import ApiError, KubeApi, login
+
+    # kopf namespace patterns (globs, exclusions) name no single object: not checked.
+    wanted = [("KopfPeering", ns) for ns in namespaces if not set(ns) & set("*?[!")]
+    if not namespaces:
+        wanted = [("ClusterKopfPeering", None)]
+    api = KubeApi(lambda: login(kopf.OperatorSettings()))
+    missing = []
+    try:
+        for kind, namespace in wanted:
+            try:
+                found = await api.get("kopf.dev/v1", kind, namespace, name)
+            except ApiError as exc:  # a 404 (no CRD or no object) is None, not an error
+                log.warning("cannot check %s %s: %s", kind, name, exc)
+                continue
+            if found is None:
+                missing.append(
+                    f"{kind} {name}" + (f" in namespace {namespace}" if namespace else "")
+                )
+    finally:
+        await api.close()
+    return missing
+
+
 def run(args: argparse.Namespace) -> int:
     import kopf
 
@@ -132,7 +167,17 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"dynamograph operator: {exc}")
         return 2
-    if options["peering_name"]:
-        log.info("peering %r with priority %d", options["peering_name"], options["priority"])
-    kopf.run(registry=build_registry(config, options["namespaces"]), **options)
+    peering = options["peering_name"]
+    if peering:
+        missing = asyncio.run(missing_peering(peering, options["namespaces"]))
+        if missing:
+            print(
+                f"dynamograph operator: peering object missing: {', '.join(missing)}. The Helm "
+                "chart creates it; else apply kopf's peering CRDs (crds/kopfpeerings.kopf.dev.yaml)"
+                f" and create it, e.g. {{apiVersion: kopf.dev/v1, kind: ClusterKopfPeering, "
+                f"metadata: {{name: {peering}}}}}"
+            )
+            return 1
+        log.info("peering %r with priority %d", peering, options["priority"])
+    kopf.run(registry=build_registry(config), **options)
     return 0

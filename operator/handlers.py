@@ -8,9 +8,6 @@
   follows the gateway controller's status writes within seconds (the timer would take up to
   `resync_seconds`). kopf watches these kinds only where their CRDs are installed.
 
-Startup also names any missing peering object when the operator runs peered (kopf would wait
-for it silently, paused).
-
 No deletion handler: every object carries an ownerReference, so Kubernetes' garbage collector
 deletes them with the graph. (kopf adds its finalizer because timers need one; it removes it
 as soon as the graph's timer has stopped.)
@@ -20,8 +17,7 @@ would prune unknown status fields. `build_registry` makes a fresh registry per o
 timer period comes from the configuration and tests can run several operators in one process.
 """
 
-import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import kopf
@@ -32,8 +28,6 @@ from .kube import ApiError, KubeApi, login
 from .manifests import LABEL_MANAGED_BY, MANAGED_BY, POOL_GROUP
 from .models import GROUP, PLURAL, VERSION
 from .status import GATEWAY_GROUP
-
-log = logging.getLogger(__name__)
 
 ANNOTATION_PREFIX = "dynamograph.io"
 RETRY_SECONDS = 10
@@ -73,41 +67,7 @@ async def _sync(memo: kopf.Memo, body: Mapping[str, Any]) -> None:
         raise kopf.TemporaryError(f"Kubernetes API: {exc}", delay=RETRY_SECONDS) from exc
 
 
-async def warn_missing_peering(
-    api: KubeApi, settings: kopf.OperatorSettings, namespaces: Sequence[str]
-) -> list[str]:
-    """Log an error for each peering object the operator will wait for in vain: kopf keeps a
-    peered operator paused, silently, until its peering object exists. Returns them."""
-    peering = settings.peering
-    if peering.clusterwide or not namespaces:
-        wanted = [("ClusterKopfPeering", None)]
-    else:
-        # kopf namespace patterns (globs, exclusions) name no single object: not checked.
-        wanted = [("KopfPeering", ns) for ns in namespaces if not set(ns) & set("*?[!")]
-    missing = []
-    for kind, namespace in wanted:
-        try:
-            found = await api.get("kopf.dev/v1", kind, namespace, peering.name)
-        except ApiError as exc:  # e.g. no RBAC to read it (a 404, no CRD or no object, is None)
-            log.warning("cannot read %s %s: %s", kind, peering.name, exc)
-            continue
-        if found is None:
-            where = f" in namespace {namespace}" if namespace else ""
-            missing.append(f"{kind} {peering.name}{where}")
-    if missing:
-        log.error(
-            "peering object(s) missing: %s; this operator stays paused until they exist "
-            "(the Helm chart creates them; else apply kopf's peering CRDs from crds/ and e.g. "
-            "`apiVersion: kopf.dev/v1, kind: ClusterKopfPeering, metadata: {name: %s}`)",
-            ", ".join(missing),
-            peering.name,
-        )
-    return missing
-
-
-def build_registry(config: OperatorConfig, namespaces: Sequence[str] = ()) -> kopf.OperatorRegistry:
-    """The operator's handlers; `namespaces` are the watched ones (empty: cluster-wide), which
-    says where the peering objects live."""
+def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
     resource = (GROUP, VERSION, PLURAL)
 
@@ -115,8 +75,6 @@ def build_registry(config: OperatorConfig, namespaces: Sequence[str] = ()) -> ko
     async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
         configure(settings)
         memo.operator = Operator(api=KubeApi(lambda: login(settings)), config=config)
-        if not settings.peering.standalone:
-            await warn_missing_peering(memo.operator.api, settings, namespaces)
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(memo: kopf.Memo, **_: Any) -> None:
