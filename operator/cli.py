@@ -134,9 +134,10 @@ async def missing_peering(name: str, namespaces: list[str]) -> list[str]:
 
     from .kube import ApiError, KubeApi, login
 
-    # kopf namespace patterns (globs, exclusions) name no single object: not checked.
-    wanted = [("KopfPeering", ns) for ns in namespaces if not set(ns) & set("*?[!")]
-    if not namespaces:
+    if namespaces:
+        # kopf namespace patterns (globs, exclusions) name no single object: not checked.
+        wanted = [("KopfPeering", ns) for ns in namespaces if not set(ns) & set("*?[!")]
+    else:
         wanted = [("ClusterKopfPeering", None)]
     api = KubeApi(lambda: login(kopf.OperatorSettings()))
     missing = []

@@ -142,7 +142,12 @@ async def reconcile(api: KubeApi, body: dict[str, Any], config: OperatorConfig) 
                 if isinstance(action, Create) and exc.status == 409:
                     # Created meanwhile by this graph's own pass elsewhere (a peered replica
                     # handing over) is no conflict; anybody else's object is.
-                    existing = await api.get(key[0], key[1], owner.namespace, key[2])
+                    try:
+                        existing = await api.get(key[0], key[1], owner.namespace, key[2])
+                    except ApiError as read:
+                        message = f"create {key[1]} {key[2]}: exists, and reading it: {read}"
+                        problems.append(Problem("ApplyFailed", message))
+                        continue
                     if existing is not None and owned_by(existing, owner.uid):
                         live[key] = {"apiVersion": key[0], "kind": key[1], **existing}
                         continue
