@@ -80,7 +80,7 @@ def _object_verdict(
     """The gateway's verdict on one object (HTTPRoute or InferencePool) for the spec's parent."""
     parent_name = f"{gateway.parent.get('kind') or 'Gateway'} {gateway.parent.get('name')}"
     if obj is None:
-        return Verdict("Unknown", "NotCreated", f"{kind} not created yet")
+        return Verdict("Unknown", "NotCreated", f"{kind} does not exist")
     name = f"{kind} {obj.get('metadata', {}).get('name')}"
     entries = [
         entry
