@@ -6,15 +6,19 @@ request pins (decode, and prefill for the disaggregated hand-off) and enforces t
 frontend's modes. No I/O: the server resolves the pinned ids to discovered engines.
 """
 
+import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
 from dynamograph.epp.scheduler import RoutePins
 from dynamograph.protocol.headers import (
+    ALL_ROUTING_HEADERS,
     PREFILL_INSTANCE_ID,
     WORKER_INSTANCE_ID,
     RoutingHeaders,
     apply_header_routing_overrides,
+    parse_routing_headers,
 )
 from dynamograph.protocol.nvext import NvExt
 from dynamograph.protocol.openai import OpenAIError
@@ -74,6 +78,24 @@ def read_pins(nvext: NvExt | None) -> Pins:
     return _from_route(RoutePins.from_nvext(nvext))
 
 
+# The routing headers of a fleet take few distinct values (one per worker and rank), so their
+# parse and the pins they give are memoised: together they were ~15% of the hop's instructions.
+_MEMO = 4096
+
+
+def routing_headers(headers: Mapping[str, str]) -> RoutingHeaders:
+    """`protocol.headers.parse_routing_headers(headers)` for a case-insensitive mapping (the
+    server's request headers), memoised on the raw values of the routing headers."""
+    return _parse_values(tuple(map(headers.get, ALL_ROUTING_HEADERS)))
+
+
+@functools.lru_cache(maxsize=_MEMO)
+def _parse_values(values: tuple[str | None, ...]) -> RoutingHeaders:
+    present = {name: v for name, v in zip(ALL_ROUTING_HEADERS, values, strict=True) if v}
+    return parse_routing_headers(present)
+
+
+@functools.lru_cache(maxsize=_MEMO)
 def pins_from_headers(routing: RoutingHeaders) -> Pins:
     """`read_pins(apply_header_routing_overrides(None, routing))` without building an NvExt:
     the hot path of requests whose body has no nvext (a test keeps the two equal)."""

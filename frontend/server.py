@@ -20,7 +20,6 @@ import orjson
 
 from dynamograph.epp.discovery import Discovery, WorkerRecord
 from dynamograph.protocol.engine import Role
-from dynamograph.protocol.headers import parse_routing_headers
 from dynamograph.protocol.nvext import NvExt, NvExtError, parse_nvext
 from dynamograph.protocol.openai import (
     CHAT_COMPLETIONS,
@@ -43,7 +42,7 @@ from .handoff import (
 from .http1 import Response
 from .metrics import CONTENT_TYPE, FrontendMetrics
 from .pickers import DirectPicker, Picker, RoundRobinPicker, Route
-from .routing import Mode, merge
+from .routing import Mode, merge, routing_headers
 from .upstream import EngineClient, UpstreamError, describe
 
 log = logging.getLogger(__name__)
@@ -256,7 +255,7 @@ class Frontend:
         disagg = "false"
         outcome = "ok"
         route: Route | None = None
-        metrics.inflight.inc()
+        metrics.started()
         try:
             raw = await self._read_body(exchange)
             exchange.cancel_on_disconnect()
@@ -265,7 +264,7 @@ class Frontend:
                 nvext = parse_nvext(body.get("nvext"))
             except NvExtError as exc:
                 raise OpenAIError(400, str(exc), param="nvext") from None
-            nvext, pins = merge(nvext, parse_routing_headers(exchange.headers))
+            nvext, pins = merge(nvext, routing_headers(exchange.headers))
             reject_client_transfer_params(body)
             stream = body.get("stream") is True
             route = await self.picker.pick(pins, nvext, exchange.path, body)
@@ -297,7 +296,6 @@ class Frontend:
                 exchange, OpenAIError(500, f"frontend error: {type(exc).__name__}: {exc}")
             )
         finally:
-            metrics.inflight.dec()
             metrics.finished(mode, outcome, disagg, stream, trace.elapsed())
             if route is not None and route.booking is not None:
                 route.booking.free()

@@ -2,6 +2,7 @@
 
 import orjson
 import pytest
+from multidict import CIMultiDict
 
 from dynamograph.frontend.handoff import (
     KV_TRANSFER_PARAMS,
@@ -27,6 +28,7 @@ from dynamograph.frontend.routing import (
     merge,
     pins_from_headers,
     read_pins,
+    routing_headers,
 )
 from dynamograph.protocol.headers import apply_header_routing_overrides, parse_routing_headers
 from dynamograph.protocol.nvext import NvExt
@@ -122,6 +124,13 @@ def test_fast_path_pins_equal_the_protocol_merge(headers):
     nvext, pins = merge(body, routing)
     assert nvext == apply_header_routing_overrides(body, headers)
     assert pins == read_pins(nvext) and nvext.wants("timing")
+
+
+@pytest.mark.parametrize("headers", HEADER_CASES)
+def test_memoised_header_parse_equals_the_protocol_parse(headers):
+    request_headers = CIMultiDict({"Content-Type": "application/json", **headers})
+    for _ in range(2):  # computed, then from the memo
+        assert routing_headers(request_headers) == parse_routing_headers(headers)
 
 
 @pytest.mark.parametrize("mode", [Mode.KV, Mode.ROUND_ROBIN])
@@ -262,3 +271,42 @@ def test_crlf_event_framing():
     injector = FinalChunkInjector(_ext)
     out = injector.feed(b'data: {"a": 1}\r\n\r\ndata: [DONE]\r\n\r\n') + injector.close()
     assert b'"nvext"' in out and out.endswith(b"data: [DONE]\r\n\r\n")
+
+
+# ---- metrics --------------------------------------------------------------------------------
+
+
+def test_per_request_metrics_expose_counts_buckets_and_inflight():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from dynamograph.frontend.metrics import FrontendMetrics
+
+    metrics = FrontendMetrics()
+    for _ in range(3):
+        metrics.started()
+    metrics.finished("direct", "ok", "false", False, 0.001)  # on a bucket bound: counted in it
+    metrics.finished("direct", "ok", "false", False, 0.3)
+    metrics.first_byte("direct", True, 0.0002)
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(metrics.exposition().decode())
+        for s in family.samples
+    }
+    ok = (("disagg", "false"), ("mode", "direct"), ("outcome", "ok"))
+    assert samples[("dynamograph_frontend_requests_total", ok)] == 2
+    assert samples[("dynamograph_frontend_inflight_requests", ())] == 1
+
+    def bucket(name, le, stream):
+        return samples[(name, (("le", le), ("mode", "direct"), ("stream", stream)))]
+
+    latency = "dynamograph_frontend_request_duration_seconds_bucket"
+    assert [bucket(latency, le, "false") for le in ("0.0005", "0.001", "0.25", "0.5", "+Inf")] == [
+        0,
+        1,
+        1,
+        2,
+        2,
+    ]
+    labels = (("mode", "direct"), ("stream", "false"))
+    assert samples[("dynamograph_frontend_request_duration_seconds_sum", labels)] == 0.301
+    assert bucket("dynamograph_frontend_time_to_first_byte_seconds_bucket", "0.0005", "true") == 1
