@@ -66,6 +66,19 @@ op = st.one_of(
 )
 
 
+def expected_decode(active: ActiveRequests, guards: list[RequestGuard]) -> dict:
+    """Decode load per slot recomputed from the live bookings: distinct keys + private blocks.
+    (A function, so no loop variable keeps a dropped guard alive.)"""
+    keys: dict = {}
+    private: dict = {}
+    for guard in guards:
+        for booking in (guard._decode, guard._prefill):
+            if booking is not None and booking.current(active._loads) is not None:
+                keys.setdefault(booking.slot, set()).update(booking.keys)
+                private[booking.slot] = private.get(booking.slot, 0) + booking.private
+    return {slot: len(keys[slot]) + private[slot] for slot in keys}
+
+
 @settings(max_examples=120, deadline=None)
 @given(st.lists(op, max_size=60), st.booleans())
 def test_any_lifecycle_ends_with_zero_load(ops, track_output):
@@ -95,9 +108,12 @@ def test_any_lifecycle_ends_with_zero_load(ops, track_output):
             guards.pop(step[1] % len(guards))
         elif kind == "remove_slot":
             active.drop_slot(step[1])
-        # loads never go negative on the way
-        for load in active.loads().values():
+        # loads never go negative on the way, and each slot's decode load is its live
+        # bookings' distinct prompt keys plus their private blocks
+        loads = active.loads()
+        for load in loads.values():
             assert load.prefill_blocks >= 0 and load.decode_blocks >= 0 and load.requests >= 0
+        assert expected_decode(active, guards) == {s: v.decode_blocks for s, v in loads.items()}
     for guard in guards:
         guard.free()
     guards.clear()
