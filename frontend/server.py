@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 
 from dynamograph.epp.discovery import Discovery, WorkerRecord
-from dynamograph.protocol.engine import Role
+from dynamograph.protocol.engine import Role, served_models
 from dynamograph.protocol.nvext import NvExt, NvExtError, parse_nvext
 from dynamograph.protocol.openai import (
     CHAT_COMPLETIONS,
@@ -220,7 +220,8 @@ class Frontend:
         )
 
     async def models(self, exchange: Exchange) -> None:
-        """The local engine's list as it gives it; standalone, the graph's served models."""
+        """The local engine's list as it gives it; standalone, the graph's served models and
+        LoRA adapters."""
         local = self.directory.local_record
         if local is not None:
             try:
@@ -230,7 +231,7 @@ class Frontend:
                 return
             await exchange.respond(status, raw, _JSON_HEADERS)
             return
-        names = sorted({r.config.served_model_name for r in self.directory.records()})
+        names = sorted(served_models(r.config for r in self.directory.records()))
         data = [{"id": n, "object": "model", "owned_by": "dynamograph"} for n in names]
         await _send_json(exchange, {"object": "list", "data": data})
 

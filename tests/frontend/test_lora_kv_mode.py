@@ -39,6 +39,7 @@ async def test_adapter_routing_and_caching_in_kv_mode(model):
             "lora_names=config.lora_adapters to add_worker (epp/scheduler.py)"
         )
         api = client(fe)
+        assert sorted(m.id for m in (await api.models.list()).data) == [model, "sql"]
         for i in range(4):
             out = await api.completions.create(model="sql", prompt=f"{i}: {PROMPT}", max_tokens=1)
             assert out.model == "sql"
