@@ -24,11 +24,12 @@ from dynamograph.protocol.hashing import block_hash_array
 from dynamograph.protocol.headers import routing_header_values
 from dynamograph.protocol.nvext import NvExtError, parse_nvext
 from dynamograph.protocol.openai import OpenAIError, parse_json_body, require_model
+from dynamograph.protocol.pins import RoutePins
 from dynamograph.protocol.tokenization import Tokenizer, get_tokenizer, request_tokens
 
 from .discovery import WorkerRecord
 from .extproc import Refusal, Route
-from .scheduler import NoEligibleWorker, Overloaded, RoutePins, Router, RouteRequest
+from .scheduler import NoEligibleWorker, Overloaded, Router, RouteRequest
 
 log = logging.getLogger(__name__)
 

@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dynamograph.protocol.engine import EngineConfig, Role
-from dynamograph.protocol.headers import RoutingHeaders
 from dynamograph.protocol.kv_events import BlockStored, EventBatch
-from dynamograph.protocol.nvext import NvExt, SessionAction, SessionControl
+from dynamograph.protocol.nvext import SessionAction, SessionControl
+from dynamograph.protocol.pins import RoutePins
 
 from .active import ActiveRequests, Booking, RequestGuard, Slot
 from .config import Policy, RouterConfig
@@ -52,7 +52,6 @@ __all__ = [
     "Pick",
     "Policy",
     "RequestGuard",
-    "RoutePins",
     "RouteRequest",
     "Router",
     "RouterConfig",
@@ -88,32 +87,6 @@ class Overloaded(RoutingError):
         super().__init__(reason)
         self.reason = reason
         self.retry_after_s = retry_after_s
-
-
-@dataclass(frozen=True, slots=True)
-class RoutePins:
-    """Explicit placement from headers or nvext; a pinned phase bypasses selection."""
-
-    worker_id: int | None = None
-    dp_rank: int | None = None
-    prefill_worker_id: int | None = None
-    prefill_dp_rank: int | None = None
-
-    @classmethod
-    def from_nvext(cls, nvext: NvExt | None) -> "RoutePins":
-        """Pins from an nvext (apply `headers.apply_header_routing_overrides` first)."""
-        if nvext is None:
-            return cls()
-        worker = nvext.decode_worker_id
-        if worker is None:
-            worker = nvext.backend_instance_id
-        return cls(worker, nvext.dp_rank, nvext.prefill_worker_id, nvext.prefill_dp_rank)
-
-    @classmethod
-    def from_headers(cls, headers: RoutingHeaders) -> "RoutePins":
-        return cls(
-            headers.worker_id, headers.dp_rank, headers.prefill_worker_id, headers.prefill_dp_rank
-        )
 
 
 @dataclass(slots=True)

@@ -20,7 +20,6 @@ from dynamograph.epp.load import LoadScraper
 from dynamograph.epp.scheduler import (
     NoEligibleWorker,
     Overloaded,
-    RoutePins,
     Router,
     RouteRequest,
 )
@@ -28,6 +27,7 @@ from dynamograph.protocol.engine import lora_for_model, served_models
 from dynamograph.protocol.hashing import block_hash_array
 from dynamograph.protocol.nvext import NvExt
 from dynamograph.protocol.openai import OpenAIError, require_model
+from dynamograph.protocol.pins import RoutePins
 from dynamograph.protocol.tokenization import get_tokenizer, request_tokens
 
 from .directory import WorkerDirectory

@@ -11,7 +11,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
-from dynamograph.epp.scheduler import RoutePins
 from dynamograph.protocol.headers import (
     ALL_ROUTING_HEADERS,
     PREFILL_INSTANCE_ID,
@@ -22,6 +21,7 @@ from dynamograph.protocol.headers import (
 )
 from dynamograph.protocol.nvext import NvExt
 from dynamograph.protocol.openai import OpenAIError
+from dynamograph.protocol.pins import RoutePins
 
 
 class Mode(StrEnum):

@@ -12,7 +12,6 @@ from dynamograph.epp.plugins import kv_cost
 from dynamograph.epp.scheduler import (
     NoEligibleWorker,
     Overloaded,
-    RoutePins,
     Router,
     RouteRequest,
 )
@@ -21,6 +20,7 @@ from dynamograph.protocol.hashing import block_hashes
 from dynamograph.protocol.headers import parse_routing_headers
 from dynamograph.protocol.kv_events import AllBlocksCleared, BlockStored, EventBatch
 from dynamograph.protocol.nvext import NvExt, SessionControl
+from dynamograph.protocol.pins import RoutePins
 
 pytestmark = pytest.mark.unit
 
