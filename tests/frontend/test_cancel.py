@@ -80,6 +80,15 @@ async def test_streaming_cancel_frees_both_legs(model):
         assert await frontend_metric(fe, "dynamograph_frontend_inflight_requests") == 0
 
 
+async def post_completion(url: str, body: bytes, headers: dict) -> None:
+    """A non-streaming client; the tests cancel its task to hang up mid-request."""
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(url + "/v1/completions", data=body, headers=headers) as r,
+    ):
+        await r.read()
+
+
 async def _metric_is(fe, name, value, **labels) -> bool:
     return await frontend_metric(fe, name, **labels) == value
 
@@ -93,14 +102,7 @@ async def test_cancel_during_the_prefill_leg_frees_the_prefill_worker(model):
         body = orjson.dumps({"model": model, "prompt": PROMPT * 4, "max_tokens": 5})
         headers = {"Content-Type": "application/json", **route(decode, prefill=prefill)}
 
-        async def request() -> None:
-            async with (
-                aiohttp.ClientSession() as session,
-                session.post(fe.url + "/v1/completions", data=body, headers=headers) as r,
-            ):
-                await r.read()
-
-        task = asyncio.create_task(request())
+        task = asyncio.create_task(post_completion(fe.url, body, headers))
         await wait_until(lambda: busy(prefill), what="the prefill leg to start")
         task.cancel()  # the client hangs up while the prefill worker computes
         with pytest.raises(asyncio.CancelledError):
@@ -144,14 +146,7 @@ async def test_client_gone_before_the_disconnect_waiter_starts_still_frees_the_w
         )
         headers = {"Content-Type": "application/json", **route(local)}
 
-        async def request() -> None:
-            async with (
-                aiohttp.ClientSession() as session,
-                session.post(fe.url + "/v1/completions", data=body, headers=headers) as r,
-            ):
-                await r.read()
-
-        task = asyncio.create_task(request())
+        task = asyncio.create_task(post_completion(fe.url, body, headers))
         await wait_until(lambda: busy(local), what="generation to start")
         task.cancel()  # most likely well within the waiter's first second
         with pytest.raises(asyncio.CancelledError):
