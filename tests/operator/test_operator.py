@@ -130,6 +130,12 @@ async def wait_quiet(cluster, quiet: float = 1.5, limit: float = 30.0) -> None:
             raise AssertionError(f"still writing to the API after {limit}s")
 
 
+def posted_events(cluster, reason: str) -> list[dict]:
+    """Events the operator posted with `reason`, oldest first."""
+    posts = [r.data for r in list(cluster) if r.method == "POST" and r.url.path.endswith("/events")]
+    return [e for e in posts if e.get("reason") == reason]
+
+
 def deployment_patches(cluster, name: str) -> list:
     path = f"{DEPLOYMENT_PATH}/{name}"
     return [r for r in list(cluster) if r.method == "PATCH" and r.url.path == path]
@@ -352,15 +358,9 @@ async def test_invalid_spec_is_degraded_with_an_event(cluster):
         # Nothing was created from a spec the operator could not understand.
         assert live(cluster, DEPLOYMENTS, "g-prefill") is None
 
-        def event():
-            posts = [
-                r.data
-                for r in list(cluster)
-                if r.method == "POST" and r.url.path.endswith("/events")
-            ]
-            return [e for e in posts if e.get("reason") == "InvalidSpec"]
-
-        events = await wait_for(event, 15, "an InvalidSpec Event")
+        events = await wait_for(
+            lambda: posted_events(cluster, "InvalidSpec"), 15, "an InvalidSpec Event"
+        )
         assert field in events[0]["message"]
         assert events[0]["type"] == "Warning"
         assert events[0]["involvedObject"]["name"] == "g"
@@ -498,15 +498,9 @@ async def test_graph_status_follows_the_gateways_verdict(cluster):
         assert condition(status, "Ready")["status"] == "True"
         assert "the gateway does not accept the graph" in condition(status, "Degraded")["message"]
 
-        def event():
-            posts = [
-                r.data
-                for r in list(cluster)
-                if r.method == "POST" and r.url.path.endswith("/events")
-            ]
-            return [e for e in posts if e.get("reason") == "GatewayRejected"]
-
-        events = await wait_for(event, 15, "a GatewayRejected Event")
+        events = await wait_for(
+            lambda: posted_events(cluster, "GatewayRejected"), 15, "a GatewayRejected Event"
+        )
         assert "NotAllowedByListeners" in events[0]["message"]
 
         # The gateway admin fixes the listener: route and pool are accepted.
