@@ -155,13 +155,22 @@ class RankSubscriber:
             if self.next_seq > seq:
                 return
         # The replay could not fill the gap: start this slot over from the freshest state.
-        log.warning(
-            "replay of worker %s rank %s could not fill %d..%d; clearing its index state",
-            self.worker_id,
-            self.dp_rank,
-            start,
-            seq - 1,
-        )
+        if self.applied == 0:  # nothing seen yet: joining a worker that has run a while
+            log.info(
+                "joined worker %s rank %s at KV event %d (its replay keeps fewer); blocks it "
+                "cached before count once it stores them again",
+                self.worker_id,
+                self.dp_rank,
+                seq,
+            )
+        else:
+            log.warning(
+                "replay of worker %s rank %s could not fill %d..%d; clearing its index state",
+                self.worker_id,
+                self.dp_rank,
+                start,
+                seq - 1,
+            )
         self._restart([(seq, batch), *(f for f in frames if f[0] > seq)])
 
     def _restart(self, frames: list[tuple[int, EventBatch]]) -> None:

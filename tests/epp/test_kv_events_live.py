@@ -140,3 +140,24 @@ async def test_late_joining_epp_gets_history_from_replay():
             hashes = _hashes(epp, early)
             await eventually(lambda: _held(epp, wid, hashes) >= len(hashes) - 1)
             assert epp.metrics.kv_batches.labels("replay")._value.get() >= 1
+
+
+async def test_joining_a_worker_whose_replay_lost_the_start_indexes_what_comes_next(caplog):
+    """vLLM's replay keeps the last 10,000 batches: an EPP joining a worker that has run longer
+    cannot get its whole history. It says so at info level (not a failure), starts the slot
+    from what it can get, and indexes every batch after."""
+    async with mock_worker(model=MODEL, name="kv-long") as worker, aiohttp.ClientSession() as http:
+        old = _chat("cached long before the EPP started " * 100)
+        await _complete(http, worker, old)
+        for rank in worker.engine.ranks:  # a worker running for days: the first batches are gone
+            rank.publisher.buffer.clear()
+        async with running_epp([worker]) as epp:
+            wid = worker.config.instance_id
+            new = _chat("arrived after the EPP joined " * 100)
+            with caplog.at_level("INFO", logger="dynamograph.epp.kv_events"):
+                await _complete(http, worker, new)
+                hashes = _hashes(epp, new)
+                await eventually(lambda: _held(epp, wid, hashes) >= len(hashes) - 1)
+            assert "joined worker" in caplog.text
+            assert not [r for r in caplog.records if r.levelname == "WARNING"]
+            assert _held(epp, wid, _hashes(epp, old)) == 0  # its history is unknown, not guessed
