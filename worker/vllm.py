@@ -4,9 +4,9 @@ The same contract as the mock (DESIGN §3.4): OpenAI on `--port`, KV events over
 `--kv-events-port`, replay ROUTER on `--kv-replay-port`, vLLM adds the DP rank to both), prefix
 caching on with the graph's block size, data parallel ranks in one server, and for prefill /
 decode roles the NIXL connector for the `kv_transfer_params` hand-off, and `--lora-modules` /
-`--max-loras` passed on with `--enable-lora`. Our `/v1/engine` document (including the adapters'
-ids, which vLLM assigns 1, 2, … in `--lora-modules` order) is not served by vLLM; routers derive
-it from the same flags (the operator knows them).
+`--max-loras` passed on with `--enable-lora`. vLLM has no `/v1/engine`: the launcher builds our
+document from the same flags (`engine_document`; adapters' ids are vLLM's 1, 2, … in
+`--lora-modules` order) and vLLM serves it through the `vllm_engine.EngineDocument` middleware.
 """
 
 import argparse
@@ -18,8 +18,13 @@ import sys
 from typing import Any
 
 from dynamograph.protocol.engine import Role
+from dynamograph.protocol.identity import instance_id
 
-from .lora import LoraModule
+from .lora import LoraModule, adapter_ids
+from .vllm_engine import ENV as ENGINE_DOC_ENV
+from .vllm_engine import EngineDocument
+
+MIDDLEWARE = f"{EngineDocument.__module__}.{EngineDocument.__qualname__}"
 
 
 def kv_events_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -55,6 +60,7 @@ def vllm_argv(args: argparse.Namespace) -> list[str]:
         "--data-parallel-size", str(args.data_parallel_size),
         "--seed", str(args.seed),
         "--kv-events-config", json.dumps(kv_events_config(args), separators=(",", ":")),
+        "--middleware", MIDDLEWARE,
     ]  # fmt: skip
     if args.num_gpu_blocks is not None:
         argv += ["--num-gpu-blocks-override", str(args.num_gpu_blocks)]
@@ -79,12 +85,51 @@ def lora_module_arg(module: LoraModule) -> str:
     return json.dumps(fields, separators=(",", ":"))
 
 
-def vllm_env(args: argparse.Namespace, base: dict[str, str] | None = None) -> dict[str, str]:
+def engine_document(
+    args: argparse.Namespace, name: str, tokenizer: str, env: dict[str, str]
+) -> dict[str, Any]:
+    """Our `/v1/engine` document for this vLLM server (`total_kv_blocks` None when vLLM sizes
+    its cache itself: the middleware fills it in from the running server)."""
+    role = Role(args.role)
+    advertise = _advertised_host(args, env)
+    return {
+        "model": args.model,
+        "served_model_name": args.served_model_name or args.model,
+        "context_length": args.context_length,
+        "kv_cache_block_size": args.block_size,
+        "total_kv_blocks": args.num_gpu_blocks,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "bootstrap_host": advertise if role is Role.PREFILL else None,
+        "bootstrap_port": args.port if role is Role.PREFILL else None,
+        "instance_id": instance_id(name),
+        "name": name,
+        "role": role.value,
+        "data_parallel_size": args.data_parallel_size,
+        "tokenizer": tokenizer,
+        "kv_events": {
+            "endpoint": f"tcp://{advertise}:{args.kv_events_port}",
+            "replay_endpoint": f"tcp://{advertise}:{args.kv_replay_port}",
+            "topic": kv_events_config(args)["topic"],
+        },
+        "engine": "vllm",
+        "lora_adapters": adapter_ids(args.lora_modules or []),
+    }
+
+
+def _advertised_host(args: argparse.Namespace, env: dict[str, str]) -> str:
+    """Where other pods reach this one (KV events, the NIXL side channel)."""
+    return args.advertise_host or env.get("POD_IP") or args.host
+
+
+def vllm_env(
+    args: argparse.Namespace, document: dict[str, Any], base: dict[str, str] | None = None
+) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
+    env[ENGINE_DOC_ENV] = json.dumps(document, separators=(",", ":"))
     if Role(args.role) is not Role.AGGREGATED:
         # The NIXL side channel must be reachable by the other side of the hand-off.
-        advertise = args.advertise_host or env.get("POD_IP") or args.host
-        env.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", advertise)
+        env.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", _advertised_host(args, env))
     return env
 
 
@@ -108,6 +153,18 @@ def run_vllm(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    from dynamograph.protocol.tokenization import get_tokenizer, tokenizer_for_model
+
+    from .cli import default_name
+
+    name = args.name or default_name()
+    spec = args.tokenizer or tokenizer_for_model(args.model)
+    try:
+        tokenizer = get_tokenizer(spec).identity
+    except (OSError, ValueError) as exc:
+        print(f"dynamograph worker --engine vllm: tokenizer {spec!r}: {exc}", file=sys.stderr)
+        return 2
+    document = engine_document(args, name, tokenizer, dict(os.environ))
     argv = vllm_argv(args)
-    os.execvpe(argv[0], argv, vllm_env(args))
+    os.execvpe(argv[0], argv, vllm_env(args, document))
     return 0  # not reached
