@@ -12,7 +12,7 @@ import logging
 import re
 from collections.abc import Callable
 
-from dynamograph.frontend.http1 import Http1Pool
+from dynamograph.protocol.http1 import Http1Pool
 
 from .discovery import WorkerRecord
 from .metrics import EppMetrics
@@ -103,7 +103,7 @@ class LoadScraper:
         self._tasks: dict[int, asyncio.Task] = {}
         # Every worker is scraped every interval (64 workers at 0.5 s = 128 scrapes/s), so
         # the client's own cost per request counts: the project's lean keep-alive HTTP/1.1
-        # client (frontend.http1) took ~0.5 ms of the EPP's idle CPU per scrape off aiohttp's
+        # client (protocol.http1) took ~0.5 ms of the EPP's idle CPU per scrape off aiohttp's
         # ClientSession here. No compression is asked for: the page is parsed as bytes.
         self._pool = Http1Pool(connect_timeout=None, read_timeout=None)  # one total timeout
 

@@ -20,6 +20,7 @@ import orjson
 
 from dynamograph.epp.discovery import Discovery, WorkerRecord
 from dynamograph.protocol.engine import Role, served_models
+from dynamograph.protocol.http1 import Response
 from dynamograph.protocol.nvext import NvExt, NvExtError, parse_nvext
 from dynamograph.protocol.openai import (
     CHAT_COMPLETIONS,
@@ -39,7 +40,6 @@ from .handoff import (
     reject_client_transfer_params,
     transfer_params,
 )
-from .http1 import Response
 from .metrics import CONTENT_TYPE, FrontendMetrics
 from .pickers import DirectPicker, Picker, RoundRobinPicker, Route
 from .routing import Mode, merge, routing_headers

@@ -10,9 +10,8 @@ from collections.abc import Mapping
 
 from dynamograph.epp.discovery import WorkerRecord
 from dynamograph.protocol.headers import VLLM_DP_RANK
+from dynamograph.protocol.http1 import ConnectError, Http1Pool, Response
 from dynamograph.protocol.openai import OpenAIError
-
-from .http1 import ConnectError, Http1Pool, Response
 
 # Client headers an engine may need (auth for `vllm serve --api-key`, tracing); nothing else
 # of the client's reaches the engine, routing headers least of all.

@@ -7,7 +7,7 @@ import contextlib
 
 import pytest
 
-from dynamograph.frontend.http1 import ConnectError, Http1Pool, ProtocolError
+from dynamograph.protocol.http1 import ConnectError, Http1Pool, ProtocolError
 from dynamograph.worker.testing import free_port
 
 pytestmark = pytest.mark.integration

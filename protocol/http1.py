@@ -1,4 +1,5 @@
-"""A lean keep-alive HTTP/1.1 client for the frontend's engine calls (the hot path).
+"""A lean keep-alive HTTP/1.1 client for calls to engines: the frontend's engine legs (its hot
+path) and the EPP's `/metrics` scrapes. Shared by both, so it lives here, not in either.
 
 aiohttp's ClientSession spends about half of the frontend's CPU per request on features an
 engine hop never uses (cookies, redirects, proxies, tracing, multipart). This client does one
