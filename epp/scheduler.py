@@ -40,7 +40,7 @@ from dynamograph.protocol.pins import RoutePins
 
 from .active import ActiveRequests, Booking, RequestGuard, Slot
 from .config import Policy, RouterConfig
-from .index import KvIndex, as_u64, chain_keys
+from .index import KvIndex, chain_keys
 from .plugins import BUSY, FILTERS, SCORERS, Candidate, Context, KvPicker, Phase, make_picker
 from .seqtrack import GapInfo, SequenceTracker, Verdict
 
@@ -376,7 +376,7 @@ class Router:
             self.index.expire(now)
         has_blocks = len(request.block_hashes) > 0
         overlaps = self.index.find_matches(request.block_hashes) if has_blocks else {}
-        prompt_keys = chain_keys(0, as_u64(request.block_hashes)).tolist() if has_blocks else []
+        prompt_keys = chain_keys(0, request.block_hashes).tolist() if has_blocks else []
         # every hashed block is a prompt block, whatever isl_tokens says
         prompt_blocks = max(-(-request.isl_tokens // self._block_size), len(prompt_keys))
         output_blocks = 0
