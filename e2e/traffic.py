@@ -139,34 +139,33 @@ def _int_or_none(value: Any) -> int | None:
     return int(value) if isinstance(value, int | str) and str(value).isdigit() else None
 
 
-async def chat(
-    session: aiohttp.ClientSession, base_url: str, body: dict, *, request_timeout: float = 60.0
-) -> Reply:
+async def _post_chat(
+    session: aiohttp.ClientSession, base_url: str, body: dict, request_timeout: float
+) -> tuple[int, bytes]:
     async with session.post(
         f"{base_url}/v1/chat/completions",
         data=orjson.dumps(body),
         headers={"content-type": "application/json"},
         timeout=aiohttp.ClientTimeout(total=request_timeout),
     ) as response:
-        return parse_reply(response.status, await response.read())
+        return response.status, await response.read()
+
+
+async def chat(
+    session: aiohttp.ClientSession, base_url: str, body: dict, *, request_timeout: float = 60.0
+) -> Reply:
+    return parse_reply(*await _post_chat(session, base_url, body, request_timeout))
 
 
 async def chat_stream(
     session: aiohttp.ClientSession, base_url: str, body: dict, *, request_timeout: float = 60.0
 ) -> tuple[int, list[bytes]]:
     """A streamed chat completion: the status and its SSE `data:` payloads, in order."""
-    body = {**body, "stream": True}
-    async with session.post(
-        f"{base_url}/v1/chat/completions",
-        data=orjson.dumps(body),
-        headers={"content-type": "application/json"},
-        timeout=aiohttp.ClientTimeout(total=request_timeout),
-    ) as response:
-        raw = await response.read()
+    status, raw = await _post_chat(session, base_url, {**body, "stream": True}, request_timeout)
     events = [
         line[len(b"data:") :].strip() for line in raw.splitlines() if line.startswith(b"data:")
     ]
-    return response.status, events
+    return status, events
 
 
 async def run_families(
