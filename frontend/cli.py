@@ -6,6 +6,7 @@ Flags follow the cross-component contract; discovery flags are the EPP's own (`e
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -116,6 +117,11 @@ def graph_from_args(args: argparse.Namespace) -> Discovery | None:
 async def serve(args: argparse.Namespace) -> None:
     frontend = Frontend(config_from_args(args), graph_from_args(args))
     url = await frontend.start(args.host, args.port)
+    # Everything allocated so far lives as long as the process: move it out of the cyclic
+    # collector's reach. Unfrozen, every older-generation pass walked these ~100k objects,
+    # about a quarter of the hop's instructions (callgrind: ~105k of 428k per request).
+    gc.collect()
+    gc.freeze()
     log.info("frontend listening", extra={"url": url, "mode": args.mode})
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
