@@ -9,6 +9,9 @@ BENCHMARKS = {
     "index": Command("dynamograph.bench.index", "KV index: ours vs Dynamo's RadixTree"),
     "worker": Command("dynamograph.bench.worker", "mock engine: simulated vs wall-clock timing"),
     "epp": Command("dynamograph.bench.epp", "endpoint picker: routed requests/s and pick latency"),
+    "schedule": Command(
+        "dynamograph.bench.schedule", "router core: schedule + free CPU time, A/B vs a revision"
+    ),
     "frontend": Command("dynamograph.bench.frontend", "frontend hop: added latency vs direct"),
     "route": Command(
         "dynamograph.bench.route", "routing quality on a trace, against other routers"

@@ -15,6 +15,10 @@ already hold" is a bisection, not a scan.
 Every booking remembers exactly what it added, so freeing always returns a slot to zero:
 nothing drifts, whatever order book / prefill-done / free / cancel arrive in.
 
+Each slot also has a *column*: its row in `sums`, a small int64 matrix (prefill, decode,
+requests per slot) kept equal to its `SlotLoad` on every change, so the scheduler reads every
+slot's load with one numpy index instead of one Python object per slot per request.
+
 A `RequestGuard` owns the bookings of one routed request (a prefill slot and/or a decode slot).
 Every exit path frees: `free()`, the context manager, cancellation, and garbage collection (with
 a warning, since a collected booked guard means a caller forgot to free it).
@@ -29,9 +33,13 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Self
 
+import numpy as np
+
 log = logging.getLogger(__name__)
 
 Slot = tuple[int, int]  # (worker_id, dp_rank)
+
+PREFILL, DECODE, REQUESTS = 0, 1, 2  # the columns of `ActiveRequests.sums`
 
 
 @dataclass(slots=True)
@@ -42,6 +50,7 @@ class SlotLoad:
     private_blocks: int = 0  # decode blocks no other request can share (partial, output)
     requests: int = 0
     shared: Counter[int] = field(default_factory=Counter)  # prompt prefix key → bookings
+    column: int = -1  # the slot's row of `ActiveRequests.sums` (-1: a copy, or idle)
 
     @property
     def decode_blocks(self) -> int:
@@ -91,6 +100,41 @@ class ActiveRequests:
     # Guards collected while booked push their bookings here (an atomic deque append) instead
     # of freeing inside __del__, which may run in the middle of another update.
     _orphans: deque[Booking] = field(default_factory=deque)
+    # (prefill, decode, requests) per slot column; a slot without live bookings has zeros
+    sums: np.ndarray = field(
+        default_factory=lambda: np.zeros((64, 3), np.int64), compare=False, repr=False
+    )
+    _columns: dict[Slot, int] = field(default_factory=dict, repr=False)
+    _free_columns: list[int] = field(default_factory=list, repr=False)
+
+    def column(self, slot: Slot) -> int:
+        """The slot's row of `sums` (assigned on first use; kept until `drop_slot`)."""
+        col = self._columns.get(slot)
+        if col is None:
+            if self._free_columns:
+                col = self._free_columns.pop()
+            else:
+                col = len(self._columns)
+                if col == len(self.sums):
+                    self.sums = np.concatenate([self.sums, np.zeros_like(self.sums)])
+            self._columns[slot] = col
+        return col
+
+    def reap(self) -> None:
+        """Free the bookings of guards collected since the last operation (read `sums` after)."""
+        self._reap()
+
+    def held_prefixes(self, keys: Sequence[int]) -> list[tuple[int, int]]:
+        """(column, held) for every slot whose live requests hold a leading part of the prompt
+        with prefix `keys` (`SlotLoad.held_prefix`); other slots hold none of it."""
+        if not keys:
+            return []
+        first = keys[0]
+        return [
+            (load.column, load.held_prefix(keys))
+            for load in self._loads.values()
+            if first in load.shared
+        ]
 
     def load(self, slot: Slot) -> SlotLoad:
         """The slot's sums (read-only: an idle slot shares one empty SlotLoad)."""
@@ -128,7 +172,9 @@ class ActiveRequests:
             raise ValueError("block counts must be non-negative")
         if len(prompt_keys) > prompt_blocks:
             raise ValueError("more prompt keys than prompt blocks")
-        load = self._loads.setdefault(slot, SlotLoad())
+        load = self._loads.get(slot)
+        if load is None:
+            load = self._loads[slot] = SlotLoad(column=self.column(slot))
         keys = prompt_keys if decode else ()
         booking = Booking(
             slot=slot,
@@ -144,6 +190,7 @@ class ActiveRequests:
         load.private_blocks += booking.private
         load.shared.update(keys)
         load.requests += 1
+        self._sync(load)
         return booking
 
     def prefill_done(self, booking: Booking) -> None:
@@ -157,6 +204,7 @@ class ActiveRequests:
         load = booking.current(self._loads)
         if load is not None:
             load.prefill_blocks -= booking.prefill - remaining
+            self.sums[load.column, PREFILL] = load.prefill_blocks
         booking.prefill = remaining
 
     def add_output_tokens(self, booking: Booking, tokens: int) -> None:
@@ -169,6 +217,7 @@ class ActiveRequests:
         load = booking.current(self._loads)
         if load is not None:
             load.private_blocks += value - booking.private
+            self.sums[load.column, DECODE] = len(load.shared) + load.private_blocks
         booking.private = value
 
     def free(self, booking: Booking) -> None:
@@ -185,6 +234,10 @@ class ActiveRequests:
         the slot comes back."""
         self._reap()
         self._loads.pop(slot, None)
+        col = self._columns.pop(slot, None)
+        if col is not None:
+            self.sums[col] = 0
+            self._free_columns.append(col)
 
     def _free(self, booking: Booking) -> None:
         load = booking.current(self._loads)
@@ -193,11 +246,19 @@ class ActiveRequests:
             return
         if load.requests == 1:  # the slot's last booking: its sums leave with it
             del self._loads[booking.slot]
+            self.sums[load.column] = 0
             return
         load.requests -= 1
         load.prefill_blocks -= booking.prefill
         load.private_blocks -= booking.private
         _release(load.shared, booking.keys)
+        self._sync(load)
+
+    def _sync(self, load: SlotLoad) -> None:
+        row = self.sums[load.column]
+        row[PREFILL] = load.prefill_blocks
+        row[DECODE] = len(load.shared) + load.private_blocks
+        row[REQUESTS] = load.requests
 
     def _private_load(self, booking: Booking) -> int:
         """Unshared prompt blocks, plus (output tracking) generated blocks decayed by the

@@ -149,6 +149,16 @@ class KvIndex:
             state = self._slots[slot] = _SlotState(col)
         return state
 
+    def column(self, slot: Slot) -> int:
+        """The slot's column (its bit in the holder bitmasks; registers the slot if new). It
+        stays the slot's until `remove_slot`."""
+        return self._slot(slot).column
+
+    @property
+    def column_count(self) -> int:
+        """Columns handed out so far (a freed column is reused before a new one is made)."""
+        return len(self._col_slot)
+
     def slots(self) -> list[Slot]:
         return list(self._slots)
 
@@ -325,9 +335,19 @@ class KvIndex:
         The kernel walks the request's prefix keys, ANDing each slot's bit with the holders of
         each block, and stops at the first block nobody holds. A list is converted to an array
         in stages (64 blocks, then 256, 1,024 …) as the walk goes on."""
+        found = iter(self._match(local_hashes).tolist())  # column, depth, column, depth …
+        col_slot = self._col_slot
+        return {col_slot[col]: next(found) for col in found}
+
+    def match_columns(self, local_hashes: Sequence[int] | np.ndarray) -> np.ndarray:
+        """`find_matches` by slot column (`column(slot)`): an int64 array of (column, depth)
+        pairs, for slots with depth > 0 — what the scheduler scatters into its columns."""
+        return self._match(local_hashes).reshape(-1, 2)
+
+    def _match(self, local_hashes: Sequence[int] | np.ndarray) -> np.ndarray:
         n = len(local_hashes)
         if n == 0 or not self._slots:
-            return {}
+            return self._found[:0].copy()
         alive, out, parts = self._alive, self._found, (*self._keys.parts, self._holders.shared)
         match = kernels.match_prefix
         if isinstance(local_hashes, np.ndarray):
@@ -345,6 +365,4 @@ class KvIndex:
                     break
                 depth += count
                 size *= _STAGE_GROWTH
-        found = iter(out[: 2 * nout].tolist())  # column, depth, column, depth …
-        col_slot = self._col_slot
-        return {col_slot[col]: next(found) for col in found}
+        return out[: 2 * nout].copy()

@@ -40,8 +40,9 @@ from dynamograph.protocol.pins import RoutePins
 
 from .active import ActiveRequests, Booking, RequestGuard, Slot
 from .config import Policy, RouterConfig
+from .fleet import Fleet, WorkerState
 from .index import KvIndex, chain_keys
-from .plugins import BUSY, FILTERS, SCORERS, Candidate, Context, KvPicker, Phase, make_picker
+from .plugins import BUSY, FILTERS, SCORERS, Candidates, Context, KvPicker, Phase, make_picker
 from .seqtrack import GapInfo, SequenceTracker, Verdict
 
 __all__ = [
@@ -133,26 +134,13 @@ class Decision:
 
 
 @dataclass(slots=True)
-class WorkerState:
-    """What the router knows about one worker (all of its DP ranks)."""
-
-    worker_id: int
-    role: Role
-    dp_size: int
-    block_size: int
-    total_blocks: int
-    lora_names: frozenset[str]
-    ready: bool = True
-    # per dp rank, from /metrics scrapes
-    waiting: list[int] = field(default_factory=list)
-    running: list[int] = field(default_factory=list)
-    kv_usage: list[float] = field(default_factory=list)
-
-
-@dataclass(slots=True)
 class _Binding:
     slot: Slot
     expires_at: float
+
+
+_NO_MATCHES = np.zeros((0, 2), np.int64)
+_PINNED_PICKER = KvPicker()  # a pinned worker's ranks go by the KV cost, whatever the policy
 
 
 class Router:
@@ -168,6 +156,7 @@ class Router:
         self._rng = random.Random(self.config.seed)
         self._picker = make_picker(self.config.policy)
         self._workers: dict[int, WorkerState] = {}
+        self._fleet: Fleet | None = None  # the workers as columns; None: rebuild before use
         self._lora_ids: dict[int, dict[int, str]] = {}
         self._block_size: int | None = None
         self._seqs = SequenceTracker()
@@ -240,6 +229,7 @@ class Router:
                 kept = getattr(old, name)[:dp_size]
                 getattr(state, name)[: len(kept)] = kept
         self._workers[worker_id] = state
+        self._fleet = None
         self._lora_ids[worker_id] = ids
         self._block_size = self.active.block_size = block_size
 
@@ -249,6 +239,7 @@ class Router:
         self._lora_ids.pop(worker_id, None)
         if state is None:
             return
+        self._fleet = None
         for rank in range(state.dp_size):
             self._drop_slot((worker_id, rank))
         if not self._workers:
@@ -261,7 +252,10 @@ class Router:
         self.active.drop_slot(slot)
 
     def set_ready(self, worker_id: int, ready: bool) -> None:
-        self._worker(worker_id).ready = ready
+        state = self._worker(worker_id)
+        state.ready = ready
+        if self._fleet is not None:
+            self._fleet.set_ready(worker_id, state.dp_size, ready)
 
     def update_load(
         self,
@@ -281,6 +275,8 @@ class Router:
             state.running[dp_rank] = running
         if kv_usage is not None:
             state.kv_usage[dp_rank] = kv_usage
+            if self._fleet is not None:
+                self._fleet.set_kv_usage(worker_id, dp_rank, kv_usage)
 
     @property
     def block_size(self) -> int | None:
@@ -365,6 +361,12 @@ class Router:
             self._seqs.forget((worker_id, rank))
 
     # -- scheduling ----------------------------------------------------------------------
+    def _current_fleet(self) -> Fleet:
+        fleet = self._fleet
+        if fleet is None or fleet.index_columns != self.index.column_count:
+            fleet = self._fleet = Fleet(self._workers.values(), self.index, self.active)
+        return fleet
+
     def schedule(self, request: RouteRequest) -> Decision:
         """Pick decode (and, disaggregated, prefill) slots and book them unless query-only.
 
@@ -374,39 +376,40 @@ class Router:
         now = self._clock()
         if not self.config.use_kv_events:
             self.index.expire(now)
+        fleet = self._current_fleet()
         has_blocks = len(request.block_hashes) > 0
-        overlaps = self.index.find_matches(request.block_hashes) if has_blocks else {}
+        matches = self.index.match_columns(request.block_hashes) if has_blocks else _NO_MATCHES
         prompt_keys = chain_keys(0, request.block_hashes).tolist() if has_blocks else []
         # every hashed block is a prompt block, whatever isl_tokens says
         prompt_blocks = max(-(-request.isl_tokens // self._block_size), len(prompt_keys))
         output_blocks = 0
         if self.config.track_output_blocks and request.expected_output_tokens:
             output_blocks = -(-request.expected_output_tokens // self._block_size)
+        self.active.reap()
+        candidates = fleet.candidates(matches, self.active, prompt_keys)
 
         def select(phase: Phase, pinned_worker: int | None, pinned_rank: int | None) -> Pick:
             ctx = Context(
                 phase=phase,
                 prompt_blocks=prompt_blocks,
-                prompt_keys=prompt_keys,
-                overlaps=overlaps,
                 lora_name=request.lora_name,
                 allowed_ids=request.allowed_ids,
                 output_blocks=output_blocks if phase != Phase.PREFILL else 0,
                 config=self.config,
                 rng=self._rng,
             )
-            return self._select(ctx, pinned_worker, pinned_rank)
+            return self._select(ctx, candidates, pinned_worker, pinned_rank)
 
         pins = request.pins
         fallback = None
         prefill: Pick | None = None
-        disagg = self._disaggregated(request)
+        disagg = self._disaggregated(request, fleet)
         if isinstance(disagg, str):
             fallback, disagg = disagg, False
         session = request.session
         sticky = None
         if session is not None and pins.worker_id is None:
-            sticky = self._sticky(session, now, overlaps)
+            sticky = self._sticky(session, now, candidates)
         if disagg:
             prefill = select(Phase.PREFILL, pins.prefill_worker_id, pins.prefill_dp_rank)
             decode = sticky or select(Phase.DECODE, pins.worker_id, pins.dp_rank)
@@ -425,85 +428,67 @@ class Router:
                     self.index.record((pick.worker_id, pick.dp_rank), request.block_hashes, expires)
         return decision
 
-    def _disaggregated(self, request: RouteRequest) -> bool | str:
+    def _disaggregated(self, request: RouteRequest, fleet: Fleet) -> bool | str:
         """True: pick prefill and decode; False: aggregated; a string: fallback, and why."""
-        prefill_workers = [w for w in self._workers.values() if w.role == Role.PREFILL]
         if request.pins.prefill_worker_id is not None:
             return True
-        if not prefill_workers:
+        if not fleet.has_prefill:
             if self.config.enforce_disagg:
                 raise NoEligibleWorker(
                     "disaggregation is enforced but no prefill worker is registered"
                 )
             return False
-        if any(w.ready for w in prefill_workers):
+        if fleet.any_prefill_ready():
             return True
         if self.config.enforce_disagg:
             raise NoEligibleWorker("disaggregation is enforced but no prefill worker is ready")
         log.debug("no prefill worker is ready; serving aggregated")
         return "no prefill worker is ready"
 
-    def _candidates(self, ctx: Context, worker_ids: Iterable[int]) -> list[Candidate]:
-        out = []
-        for wid in worker_ids:
-            w = self._workers[wid]
-            for rank in range(w.dp_size):
-                slot = (wid, rank)
-                out.append(
-                    Candidate(
-                        slot=slot,
-                        role=w.role,
-                        ready=w.ready,
-                        lora_names=w.lora_names,
-                        total_blocks=w.total_blocks,
-                        kv_usage=w.kv_usage[rank],
-                        load=self.active.load(slot),
-                    )
-                )
-        return out
-
-    def _select(self, ctx: Context, pinned_worker: int | None, pinned_rank: int | None) -> Pick:
+    def _select(
+        self, ctx: Context, c: Candidates, pinned_worker: int | None, pinned_rank: int | None
+    ) -> Pick:
+        c.cost = None  # a phase's picker may leave no cost (then 0.0), not the last phase's
         if pinned_worker is not None:
-            return self._pinned(ctx, pinned_worker, pinned_rank)
-        candidates = self._candidates(ctx, self._workers)
+            return self._pinned(ctx, c, pinned_worker, pinned_rank)
+        keep = None
         for f in FILTERS:
-            kept = [c for c in candidates if f.keep(ctx, c)]
-            if not kept:
+            mask = f.mask(ctx, c)
+            if mask is None:
+                continue
+            keep = mask if keep is None else keep & mask
+            if not keep.any():
                 if f.name == BUSY:
                     raise Overloaded(f.reason(ctx), self.config.retry_after_s)
                 raise NoEligibleWorker(f.reason(ctx))
-            candidates = kept
+        at = np.flatnonzero(keep) if keep is not None else np.arange(len(c.fleet))
         for scorer in SCORERS:
-            for c in candidates:
-                scorer.score(ctx, c)
-        chosen = self._picker.pick(ctx, candidates)
+            scorer.score(ctx, c)
+        chosen = self._picker.pick(ctx, c, at)
         if log.isEnabledFor(logging.DEBUG):
-            _log_choice(ctx, chosen, candidates)
-        return Pick(chosen.slot[0], chosen.slot[1], chosen.overlap, chosen.cost)
+            _log_choice(ctx, c, chosen, at)
+        return _pick(c, chosen)
 
-    def _pinned(self, ctx: Context, worker_id: int, dp_rank: int | None) -> Pick:
+    def _pinned(self, ctx: Context, c: Candidates, worker_id: int, dp_rank: int | None) -> Pick:
         """A pinned phase skips the filters and the picker; an unpinned rank goes to the KV cost."""
         state = self._workers.get(worker_id)
         if state is None:
             raise NoEligibleWorker(f"pinned {ctx.phase.value} worker {worker_id} is not registered")
+        ranks = c.fleet.positions(worker_id, state.dp_size)
         if dp_rank is not None:
             try:
                 self._check_rank(state, dp_rank)
             except ValueError as exc:
                 raise NoEligibleWorker(f"pinned {exc}") from None
-        candidates = [
-            c for c in self._candidates(ctx, [worker_id]) if dp_rank is None or c.slot[1] == dp_rank
-        ]
+            ranks = ranks[dp_rank : dp_rank + 1]
         for scorer in SCORERS:
-            for c in candidates:
-                scorer.score(ctx, c)
-        chosen = KvPicker().pick(ctx, candidates)
-        return Pick(chosen.slot[0], chosen.slot[1], chosen.overlap, chosen.cost, pinned=True)
+            scorer.score(ctx, c)
+        chosen = _PINNED_PICKER.pick(ctx, c, np.arange(ranks.start, ranks.stop))
+        pick = _pick(c, chosen)
+        return Pick(pick.worker_id, pick.dp_rank, pick.overlap_blocks, pick.cost, pinned=True)
 
     # -- sticky sessions -----------------------------------------------------------------
-    def _sticky(
-        self, session: SessionControl, now: float, overlaps: dict[Slot, int]
-    ) -> Pick | None:
+    def _sticky(self, session: SessionControl, now: float, c: Candidates) -> Pick | None:
         """The session's bound slot, if still alive and eligible (hard filters, not load)."""
         binding = self._sessions.get(session.session_id)
         if binding is None:
@@ -515,7 +500,8 @@ class Router:
         state = self._workers.get(wid)
         if state is None or rank >= state.dp_size or not state.ready or state.role == Role.PREFILL:
             return None
-        return Pick(wid, rank, overlaps.get(binding.slot, 0), None, sticky=True)
+        overlap = int(c.overlap[c.fleet.first[wid] + rank])
+        return Pick(wid, rank, overlap, None, sticky=True)
 
     def _bind(self, session: SessionControl, slot: Slot, now: float) -> None:
         sid = session.session_id
@@ -568,21 +554,28 @@ class Router:
         return RequestGuard(self.active, request.request_id, decode_booking, prefill_booking)
 
 
-def _log_choice(ctx: Context, chosen: Candidate, candidates: list[Candidate]) -> None:
+def _pick(c: Candidates, position: int) -> Pick:
+    worker_id, dp_rank = c.fleet.slots[position]
+    cost = 0.0 if c.cost is None else float(c.cost[position])
+    return Pick(worker_id, dp_rank, int(c.overlap[position]), cost)
+
+
+def _log_choice(ctx: Context, c: Candidates, chosen: int, at: np.ndarray) -> None:
     """Why a selection went where it did: the chosen slot and the cheapest others' cost terms."""
-    others = sorted((c for c in candidates if c is not chosen), key=lambda c: c.cost)[:3]
+    costs = c.cost if c.cost is not None else np.zeros(len(c.fleet))
+    others = sorted((p for p in at.tolist() if p != chosen), key=costs.__getitem__)[:3]
     log.debug(
         "%s pick %s of %d blocks: %s; next: %s",
         ctx.phase.value,
-        chosen.slot,
+        c.fleet.slots[chosen],
         ctx.prompt_blocks,
-        _terms(chosen),
-        ", ".join(f"{c.slot} {_terms(c)}" for c in others) or "none",
+        _terms(c, costs, chosen),
+        ", ".join(f"{c.fleet.slots[p]} {_terms(c, costs, p)}" for p in others) or "none",
     )
 
 
-def _terms(c: Candidate) -> str:
+def _terms(c: Candidates, costs: np.ndarray, p: int) -> str:
     return (
-        f"overlap={c.overlap} prefill={c.prefill_blocks:g} decode={c.decode_blocks:g} "
-        f"cost={c.cost:g} requests={c.load.requests}"
+        f"overlap={c.overlap[p]} prefill={c.prefill_blocks[p]:g} decode={c.decode_blocks[p]:g} "
+        f"cost={costs[p]:g} requests={c.requests[p]}"
     )

@@ -1,0 +1,169 @@
+"""`dynamograph bench schedule`: CPU time of the router core's `schedule` + free, A/B in process.
+
+The EPP's schedule stage alone (no tokenizing, hashing or gRPC), on a fleet like `bench epp`'s:
+`--workers` single-rank workers, `--families` shared prefixes of `--prefix-blocks` blocks, each
+stored on one worker through real KV events (`BlockStored` with token ids, so the index holds
+what a vLLM fleet would report), and requests of `--prompt-blocks` blocks: a family's prefix
+plus a unique tail. `--live` requests stay booked while the next are scheduled (the oldest is
+freed as each new one is booked), as under a gateway's concurrency.
+
+With `--baseline REV` the router core of git revision REV (its `epp/` modules, extracted with
+`git show` into a temporary package) runs beside the current one, on identical state, request by
+request, who goes first alternating: CPU time (`time.process_time`) of schedule + the free it
+triggers, per request, for each; and every decision is compared (worker, rank, overlap, cost),
+so the bench also checks that a faster scheduler routes exactly as the old one did.
+"""
+
+import argparse
+import importlib
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from pathlib import Path
+
+import numpy as np
+
+from .report import add_output_argument, print_table, write_json
+from .timing import percentiles
+
+# the router core's modules (a baseline revision must have these; extras are taken if present)
+_CORE = ("scheduler", "plugins", "active", "index", "kernels", "table", "holders", "seqtrack")
+_OPTIONAL = ("config", "columns", "fleet")
+BLOCK_SIZE = 16
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workers", type=int, default=64, help="single-rank workers (64)")
+    parser.add_argument("--families", type=int, default=32, help="shared prefixes (32)")
+    parser.add_argument("--prefix-blocks", type=int, default=384, help="blocks per prefix (384)")
+    parser.add_argument("--prompt-blocks", type=int, default=512, help="blocks per request (512)")
+    parser.add_argument("--requests", type=int, default=2000, help="requests timed (2000)")
+    parser.add_argument("--live", type=int, default=8, help="requests kept booked (8)")
+    parser.add_argument(
+        "--baseline", help="git revision whose router core runs beside the current one (A/B)"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    add_output_argument(parser)
+
+
+def _baseline_package(rev: str) -> str:
+    """The router core of `rev` as an importable package (a folder under the temp dir)."""
+    repo = Path(__file__).resolve().parent.parent
+    sha = subprocess.run(
+        ["git", "rev-parse", "--short", rev], cwd=repo, check=True, capture_output=True, text=True
+    ).stdout.strip()
+    root = Path(tempfile.gettempdir()) / "dynamograph-bench-schedule"
+    name = f"baseline_{sha}"
+    folder = root / name
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "__init__.py").touch()
+    for module in _CORE + _OPTIONAL:
+        shown = subprocess.run(
+            ["git", "show", f"{sha}:epp/{module}.py"], cwd=repo, capture_output=True, text=True
+        )
+        if shown.returncode != 0:
+            if module in _CORE:
+                raise SystemExit(f"revision {rev} has no epp/{module}.py")
+            continue
+        path = folder / f"{module}.py"
+        if not path.exists() or path.read_text() != shown.stdout:
+            path.write_text(shown.stdout)
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    return name
+
+
+def _fleet(scheduler, args, prefixes: list[list[int]]):
+    """A router with `args.workers` workers; prefix family i stored on worker i % workers."""
+    from dynamograph.protocol.kv_events import BlockStored, EventBatch
+
+    router = scheduler.Router(scheduler.RouterConfig(seed=args.seed))
+    for w in range(args.workers):
+        router.add_worker(w + 1, block_size=BLOCK_SIZE, total_blocks=65536)
+    seqs: dict[int, int] = {}
+    for i, toks in enumerate(prefixes):
+        worker = i % args.workers + 1
+        engine = [(worker << 40) + (i << 20) + b for b in range(len(toks) // BLOCK_SIZE)]
+        seq = seqs.get(worker, 0)
+        seqs[worker] = seq + 1
+        batch = EventBatch(0.0, [BlockStored(engine, None, toks, BLOCK_SIZE, None)])
+        assert router.apply_kv_batch(worker, seq, batch) is None
+    return router
+
+
+def _decision_key(decision) -> tuple:
+    d = decision.decode
+    return d.worker_id, d.dp_rank, d.overlap_blocks, d.cost
+
+
+def run(args) -> int:
+    from dynamograph.protocol.hashing import block_hash_array
+
+    rng = random.Random(args.seed)
+    vocab = 150_000
+    prefix_tokens = args.prefix_blocks * BLOCK_SIZE
+    tail_tokens = (args.prompt_blocks - args.prefix_blocks) * BLOCK_SIZE + BLOCK_SIZE // 2
+    prefixes = [[rng.randrange(vocab) for _ in range(prefix_tokens)] for _ in range(args.families)]
+    requests = []
+    for _ in range(args.requests + 20):
+        toks = rng.choice(prefixes) + [rng.randrange(vocab) for _ in range(tail_tokens)]
+        requests.append((block_hash_array(toks, BLOCK_SIZE, None), len(toks)))
+
+    impls = {"current": importlib.import_module("dynamograph.epp.scheduler")}
+    if args.baseline:
+        package = _baseline_package(args.baseline)
+        impls = {
+            f"baseline {args.baseline}": importlib.import_module(f"{package}.scheduler"),
+            **impls,
+        }
+    routers = {name: _fleet(mod, args, prefixes) for name, mod in impls.items()}
+    live = {name: deque() for name in impls}
+    samples = {name: np.empty(args.requests) for name in impls}
+    names = list(impls)
+    mismatches = 0
+    clock = time.process_time
+    for n, (hashes, isl) in enumerate(requests):
+        timed = n - 20  # the first 20 warm up
+        order = names if n % 2 == 0 else names[::-1]
+        keys = {}
+        for name in order:
+            request = impls[name].RouteRequest(f"r{n}", hashes, isl)
+            queue = live[name]
+            start = clock()
+            decision = routers[name].schedule(request)
+            queue.append(decision.guard)
+            if len(queue) > args.live:
+                queue.popleft().free()
+            spent = clock() - start
+            if timed >= 0:
+                samples[name][timed] = spent
+            keys[name] = _decision_key(decision)
+        if len(set(keys.values())) > 1:
+            mismatches += 1
+    for queue in live.values():
+        while queue:
+            queue.popleft().free()
+    stats = {name: percentiles(s) for name, s in samples.items()}
+    rows = [[name, s["p50"], s["p99"], s["mean"]] for name, s in stats.items()]
+    print_table(
+        f"schedule + free, CPU µs per request: {args.workers} workers, {args.prompt_blocks}-block "
+        f"prompts ({args.prefix_blocks} shared by {args.families} families), {args.live} live",
+        ["router core", "p50 µs", "p99 µs", "mean µs"],
+        rows,
+    )
+    if len(impls) > 1:
+        print(f"decisions differing between the two: {mismatches} of {len(requests)}")
+    write_json(
+        args.out,
+        "schedule",
+        {
+            "args": {k: v for k, v in vars(args).items() if k != "out" and not callable(v)}
+            | {"out": str(args.out)},
+            "cpu_us": stats,
+            "decision_mismatches": mismatches if len(impls) > 1 else None,
+        },
+    )
+    return 1 if mismatches else 0
