@@ -4,9 +4,9 @@ Per generation request: read the body (capped), merge routing headers into `nvex
 mode's picker choose discovered workers, run the prefill leg when the route is disaggregated,
 then send the decode leg and pass its answer through — byte for byte, chunk by chunk for SSE,
 parsed only when the client asked for response `nvext` fields. A client that goes away cancels
-the request's task (`asgi.Exchange.cancel_on_disconnect`), which closes the engine connection of
-whichever leg is running, so the engine frees the request. The HTTP server is uvicorn running
-this module's plain ASGI app (`asgi.py`); no web framework sits in the hop.
+the request's task (`http_server.Exchange.cancel_on_disconnect`), which closes the engine connection of
+whichever leg is running, so the engine frees the request. The HTTP server is the package's own
+lean HTTP/1.1 protocol (`http_server.py`); no web framework sits in the hop.
 """
 
 import asyncio
@@ -31,7 +31,6 @@ from dynamograph.protocol.openai import (
 )
 
 from . import nvext_out
-from .asgi import AsgiServer, BodyTooLarge, ClientGone, Exchange, Headers, Receive, Scope, Send
 from .directory import WorkerDirectory
 from .handoff import (
     HandoffError,
@@ -40,6 +39,7 @@ from .handoff import (
     reject_client_transfer_params,
     transfer_params,
 )
+from .http_server import BodyTooLarge, ClientGone, Exchange, Headers, HttpServer
 from .metrics import CONTENT_TYPE, FrontendMetrics
 from .pickers import DirectPicker, Picker, RoundRobinPicker, Route
 from .routing import Mode, merge, routing_headers
@@ -106,7 +106,7 @@ def _engine_message(raw: bytes) -> str:
 class Frontend:
     """One frontend process (or, in tests, one of several in a process). Use as
     `async with Frontend(config, discovery) as fe:` or start()/stop(); `fe.url` once started.
-    The instance is the ASGI app uvicorn serves."""
+    `serve` answers every request of its HTTP server."""
 
     def __init__(self, config: FrontendConfig, graph: Discovery | None = None):
         self.config = config
@@ -116,7 +116,7 @@ class Frontend:
             request_timeout=config.request_timeout, connect_timeout=config.connect_timeout
         )
         self.picker: Picker = self._picker()
-        # path → (methods, handler); HEAD is answered like GET (uvicorn drops the body)
+        # path → (methods, handler); HEAD is answered like GET (the server drops the body)
         self._routes = {
             CHAT_COMPLETIONS: (("POST",), self.generate),
             COMPLETIONS: (("POST",), self.generate),
@@ -125,7 +125,7 @@ class Frontend:
             "/live": (("GET", "HEAD"), self.live),
             "/metrics": (("GET", "HEAD"), self.metrics_page),
         }
-        self._server = AsgiServer(self)
+        self._server = HttpServer(self.serve)
         self.url: str | None = None
 
     def _picker(self) -> Picker:
@@ -167,11 +167,8 @@ class Frontend:
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
 
-    # -- the ASGI app --
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":  # no lifespan events (off), no websockets
-            return
-        exchange = Exchange(scope, receive, send)
+    # -- requests --
+    async def serve(self, exchange: Exchange) -> None:
         found = self._routes.get(exchange.path)
         try:
             if found is None:

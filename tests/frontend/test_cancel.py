@@ -7,7 +7,6 @@ import aiohttp
 import orjson
 import pytest
 
-from dynamograph.frontend import asgi
 from dynamograph.protocol.engine import Role
 from dynamograph.worker.testing import mock_worker
 
@@ -134,12 +133,9 @@ async def test_non_streaming_cancel_frees_the_aggregated_worker(model):
         assert _cut_short((await served(local))["recent"][0])
 
 
-async def test_client_gone_before_the_disconnect_waiter_starts_still_frees_the_worker(
-    model, monkeypatch
-):
-    """The disconnect waiter starts only after a while (asgi.WATCH_AFTER_S, 1 s here); a client
-    that hangs up before then is noticed when it starts, and the engine still aborts."""
-    monkeypatch.setattr(asgi, "WATCH_AFTER_S", 1.0)
+async def test_client_gone_right_after_sending_frees_the_worker(model):
+    """No waiter, no grace period: the connection closing is the signal, so a client that
+    hangs up as soon as generation starts is noticed at once and the engine aborts."""
     async with mock_worker(speedup=1.0) as local, run_frontend(local) as fe:
         body = orjson.dumps(
             {"model": model, "prompt": PROMPT, "max_tokens": 5000, "ignore_eos": True}
@@ -148,7 +144,7 @@ async def test_client_gone_before_the_disconnect_waiter_starts_still_frees_the_w
 
         task = asyncio.create_task(post_completion(fe.url, body, headers))
         await wait_until(lambda: busy(local), what="generation to start")
-        task.cancel()  # most likely well within the waiter's first second
+        task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         await wait_until(lambda: idle(local), what="the worker to abort the request")
@@ -157,3 +153,29 @@ async def test_client_gone_before_the_disconnect_waiter_starts_still_frees_the_w
             lambda: _metric_is(fe, "dynamograph_frontend_requests_total", 1, outcome="cancelled"),
             what="the frontend to count the cancelled request",
         )
+
+
+async def test_client_gone_mid_body_never_reaches_the_engine(model):
+    """A client that sends its head and part of its body, then hangs up: counted as
+    cancelled, nothing sent to the engine, nothing left in flight."""
+    async with mock_worker() as local, run_frontend(local) as fe:
+        host, port = fe.url.removeprefix("http://").split(":")
+        _reader, writer = await asyncio.open_connection(host, int(port))
+        worker_id = local.config.instance_id
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'x-worker-instance-id: %d\r\nContent-Length: 1000\r\n\r\n{"model": ' % worker_id
+        )
+        await writer.drain()
+        await wait_until(
+            lambda: _metric_is(fe, "dynamograph_frontend_inflight_requests", 1),
+            what="the frontend to start the request",
+        )
+        writer.close()
+        await writer.wait_closed()
+        await wait_until(
+            lambda: _metric_is(fe, "dynamograph_frontend_requests_total", 1, outcome="cancelled"),
+            what="the frontend to count the cancelled request",
+        )
+        assert await frontend_metric(fe, "dynamograph_frontend_inflight_requests") == 0
+        assert (await served(local))["total"] == 0
