@@ -8,6 +8,12 @@ both paths and the added p50 (frontend − direct), time to first byte for strea
 frontend process's CPU time per request (from /proc: the hop's own cost, without the waiting for
 a CPU that dominates wall-clock latency on a busy machine; it still scales with the core's speed,
 so the machine's load and Python speed are recorded too). Target: ≤ 0.5 ms added at p50, c=1.
+
+Two estimates of the added latency: `added p50` = p50(frontend) − p50(direct) over all samples,
+and `paired` = the median over rounds of each round's p50 difference — rounds are adjacent in
+time, so a load change between rounds drops out of the paired figure. `--baseline-tree DIR`
+runs a second frontend from another source tree (`git archive <commit> | tar -x -C DIR`) in
+the same rotation, for a before/after in one run.
 """
 
 import argparse
@@ -29,8 +35,13 @@ from .route_fleet import DYNAMOGRAPH, Proc, WorkerSpec, stop_all, wait_http, wor
 from .timing import percentiles
 
 TARGET_ADDED_P50_MS = 0.5
-COLUMNS = ["c", "stream", "direct p50", "fe p50", "added p50", "direct p99", "fe p99"]
-COLUMNS += ["added TTFB p50", "fe CPU µs/req"]
+# (p99s are in the JSON: at a few hundred samples they mostly show the machine's hiccups)
+COLUMNS = ["c", "stream", "direct p50", "fe p50", "added p50", "paired", "added TTFB"]
+COLUMNS += ["fe CPU µs/req"]
+BASELINE_COLUMNS = ["c", "stream", "baseline: added p50", "paired", "CPU µs/req"]
+BASELINE_COLUMNS += ["this: added p50", "paired", "CPU µs/req"]
+# The top-level folders the package maps into the `dynamograph` namespace (pyproject.toml).
+PACKAGE_FOLDERS = ("protocol", "epp", "frontend", "worker", "operator", "local", "bench", "cli")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,6 +59,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--quick", action="store_true", help="8 rounds of 4 requests per client (a smoke run)"
+    )
+    parser.add_argument(
+        "--baseline-tree",
+        type=Path,
+        help="source tree of another dynamograph version (e.g. `git archive <commit> | tar -x "
+        "-C DIR`): its frontend runs too, in the same rotation, for a same-run before/after",
     )
     add_output_argument(parser)
 
@@ -110,52 +127,88 @@ def _cpu_seconds(pid: int) -> float:
     return total / 1e9
 
 
-async def _measure(args, engine: str, frontend: str, worker_id: int, fe_pid: int) -> list[dict]:
-    paths = {
-        "direct": (engine + "/v1/completions", {"Content-Type": "application/json"}),
-        "frontend": (
-            frontend + "/v1/completions",
+async def _measure(args, engine: str, frontends: dict[str, tuple[str, int]], worker_id: int):
+    """`frontends`: name → (url, pid). Rounds rotate the order of the paths, so none always
+    runs first (warmest caches, right after the client's own work)."""
+    paths = {"direct": (engine + "/v1/completions", {"Content-Type": "application/json"})}
+    for name, (url, _) in frontends.items():
+        paths[name] = (
+            url + "/v1/completions",
             {"Content-Type": "application/json", "x-worker-instance-id": str(worker_id)},
-        ),
-    }
+        )
+    names = list(paths)
     results = []
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
         for clients in args.concurrency:
             for stream in (False, True):
                 body = _body(stream, args.max_tokens)
-                samples: dict[str, list[tuple[float, float]]] = {name: [] for name in paths}
+                rounds: dict[str, list[list[tuple[float, float]]]] = {n: [] for n in names}
+                cpu = dict.fromkeys(frontends, 0.0)
                 for url, headers in paths.values():  # warm connections and caches
                     await _phase(session, url, body, headers, clients, 4, [])
-                fe_cpu = 0.0
-                for _ in range(args.rounds):
-                    for name, (url, headers) in paths.items():
-                        before = _cpu_seconds(fe_pid)
-                        await _phase(
-                            session, url, body, headers, clients, args.per_round, samples[name]
-                        )
-                        if name == "frontend":
-                            fe_cpu += _cpu_seconds(fe_pid) - before
-                row = _summarise(clients, stream, samples)
-                row["frontend_cpu_us_per_request"] = fe_cpu / len(samples["frontend"]) * 1e6
-                results.append(row)
+                for r in range(args.rounds):
+                    for name in names[r % len(names) :] + names[: r % len(names)]:
+                        url, headers = paths[name]
+                        pid = frontends[name][1] if name in frontends else None
+                        before = _cpu_seconds(pid) if pid else 0.0
+                        samples: list[tuple[float, float]] = []
+                        await _phase(session, url, body, headers, clients, args.per_round, samples)
+                        rounds[name].append(samples)
+                        if pid:
+                            cpu[name] += _cpu_seconds(pid) - before
+                results.append(_summarise(clients, stream, rounds, cpu))
     return results
 
 
-def _summarise(clients: int, stream: bool, samples: dict[str, list]) -> dict:
+def _summarise(
+    clients: int, stream: bool, rounds: dict[str, list[list]], cpu: dict[str, float]
+) -> dict:
     row: dict = {"concurrency": clients, "stream": stream}
-    for name, values in samples.items():
-        arr = np.asarray(values)
+    for name, per_round in rounds.items():
+        arr = np.asarray([s for samples in per_round for s in samples])
         row[name] = {
-            "requests": len(values),
+            "requests": len(arr),
             "total_ms": percentiles(arr[:, 0], 1e3),
             "first_byte_ms": percentiles(arr[:, 1], 1e3),
         }
-    row["added_p50_ms"] = row["frontend"]["total_ms"]["p50"] - row["direct"]["total_ms"]["p50"]
-    row["added_first_byte_p50_ms"] = (
-        row["frontend"]["first_byte_ms"]["p50"] - row["direct"]["first_byte_ms"]["p50"]
-    )
+        if name in cpu:
+            row[name]["cpu_us_per_request"] = cpu[name] / len(arr) * 1e6
+    direct = row["direct"]
+    direct_rounds = np.array([np.median([s[0] for s in r]) for r in rounds["direct"]])
+    for name in cpu:
+        fe = row[name]
+        fe["added_p50_ms"] = fe["total_ms"]["p50"] - direct["total_ms"]["p50"]
+        fe["added_first_byte_p50_ms"] = fe["first_byte_ms"]["p50"] - direct["first_byte_ms"]["p50"]
+        fe_rounds = np.array([np.median([s[0] for s in r]) for r in rounds[name]])
+        diff = (fe_rounds - direct_rounds) * 1e3
+        fe["added_paired_ms"] = float(np.median(diff))
+        fe["added_paired_iqr_ms"] = [float(np.percentile(diff, 25)), float(np.percentile(diff, 75))]
+    # The frontend under test, flat (what `bench all` and earlier runs read).
+    row["added_p50_ms"] = row["frontend"]["added_p50_ms"]
+    row["added_paired_ms"] = row["frontend"]["added_paired_ms"]
+    row["added_first_byte_p50_ms"] = row["frontend"]["added_first_byte_p50_ms"]
+    row["frontend_cpu_us_per_request"] = row["frontend"]["cpu_us_per_request"]
     return row
+
+
+def _baseline_path(tree: Path, where: Path) -> Path:
+    """A PYTHONPATH entry under which `dynamograph.*` imports come from `tree` (a namespace
+    folder of links to its top-level folders; it shadows the installed editable package)."""
+    root = where / "baseline-path"
+    package = root / "dynamograph"
+    package.mkdir(parents=True)
+    for folder in PACKAGE_FOLDERS:
+        if not (tree / folder).is_dir():
+            raise SystemExit(f"--baseline-tree {tree}: no {folder}/ folder (not a source tree?)")
+        (package / folder).symlink_to((tree / folder).resolve())
+    return root
+
+
+def _frontend_proc(name: str, url: str, engine_url: str, log: Path, env=None) -> Proc:
+    port = url.rsplit(":", 1)[1]
+    argv = [*DYNAMOGRAPH, "frontend", "--host=127.0.0.1", f"--port={port}"]
+    return Proc(name, [*argv, f"--engine-url={engine_url}"], log, env or {})
 
 
 async def _bench(args) -> dict:
@@ -163,35 +216,34 @@ async def _bench(args) -> dict:
     logs = Path(tempfile.mkdtemp(prefix="bench-frontend-"))
     # A fast simulated GPU: the engine's own time is small, so the hop's share is visible.
     (worker,) = worker_procs(1, WorkerSpec(speedup=1000.0), logs, ports)
-    fe_port = ports.take()
-    frontend = Proc(
-        "frontend",
-        [
-            *DYNAMOGRAPH,
-            "frontend",
-            "--host=127.0.0.1",
-            f"--port={fe_port}",
-            f"--engine-url={worker.url}",
-        ],
-        logs / "frontend.log",
-    )
-    procs = [worker.proc, frontend]
+    urls = {"frontend": f"http://127.0.0.1:{ports.take()}"}
+    procs = {"frontend": _frontend_proc("frontend", urls["frontend"], worker.url, logs / "fe.log")}
+    if args.baseline_tree is not None:
+        urls["baseline"] = f"http://127.0.0.1:{ports.take()}"
+        env = {"PYTHONPATH": str(_baseline_path(args.baseline_tree, logs))}
+        procs["baseline"] = _frontend_proc(
+            "baseline", urls["baseline"], worker.url, logs / "baseline.log", env
+        )
     ports.release()
     try:
         worker.proc.start()
-        frontend.start()
-        fe_url = f"http://127.0.0.1:{fe_port}"
+        for proc in procs.values():
+            proc.start()
         await wait_http(worker.proc, worker.url + "/health")
-        await wait_http(frontend, fe_url + "/health")
+        for name, proc in procs.items():
+            await wait_http(proc, urls[name] + "/health")
         async with (
             aiohttp.ClientSession() as session,
             session.get(worker.url + "/v1/engine") as response,
         ):
             worker_id = (await response.json())["instance_id"]
-        assert frontend.popen is not None
-        rows = await _measure(args, worker.url, fe_url, worker_id, frontend.popen.pid)
+        frontends = {}
+        for name, proc in procs.items():
+            assert proc.popen is not None
+            frontends[name] = (urls[name], proc.popen.pid)
+        rows = await _measure(args, worker.url, frontends, worker_id)
     finally:
-        stop_all(procs)
+        stop_all([worker.proc, *procs.values()])
     return {"rows": rows, "logs": str(logs)}
 
 
@@ -201,6 +253,7 @@ def _summary(rows: list[dict], verdict: bool | None) -> dict:
     for r in rows:
         key = f"c{r['concurrency']}{'_stream' if r['stream'] else ''}"
         out[f"added_p50_ms_{key}"] = round(r["added_p50_ms"], 3)
+        out[f"added_paired_ms_{key}"] = round(r["added_paired_ms"], 3)
         out[f"fe_cpu_us_{key}"] = round(r["frontend_cpu_us_per_request"])
     return out
 
@@ -234,14 +287,31 @@ def run(args: argparse.Namespace) -> int:
                 r["direct"]["total_ms"]["p50"],
                 r["frontend"]["total_ms"]["p50"],
                 r["added_p50_ms"],
-                r["direct"]["total_ms"]["p99"],
-                r["frontend"]["total_ms"]["p99"],
+                r["added_paired_ms"],
                 r["added_first_byte_p50_ms"] if r["stream"] else "",
                 r["frontend_cpu_us_per_request"],
             ]
             for r in rows
         ],
     )
+    if args.baseline_tree is not None:
+        print_table(
+            f"same run: baseline ({args.baseline_tree}) and this frontend, added ms vs direct",
+            BASELINE_COLUMNS,
+            [
+                [r["concurrency"], "yes" if r["stream"] else "no"]
+                + [
+                    value
+                    for name in ("baseline", "frontend")
+                    for value in (
+                        r[name]["added_p50_ms"],
+                        r[name]["added_paired_ms"],
+                        r[name]["cpu_us_per_request"],
+                    )
+                ]
+                for r in rows
+            ],
+        )
     c1 = [r["added_p50_ms"] for r in rows if r["concurrency"] == 1]
     verdict = max(c1) <= TARGET_ADDED_P50_MS if c1 else None
     if c1:
@@ -263,7 +333,8 @@ def run(args: argparse.Namespace) -> int:
             "load": machine,
             "target_added_p50_ms": TARGET_ADDED_P50_MS,
             "target_met_c1": verdict,
-            "config": vars(args) | {"out": str(args.out)},
+            "config": vars(args)
+            | {"out": str(args.out), "baseline_tree": str(args.baseline_tree or "")},
         },
     )
     return 0
