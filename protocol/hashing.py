@@ -10,11 +10,20 @@ of the blocks a request shares with an earlier one (a system prompt, a conversat
 can be copied rather than recomputed: `PrefixReuse` keeps the last token array seen per first
 block and finds the common prefix with one numpy comparison. Only blocks whose ids are equal
 are copied, so the result is always what hashing every block gives.
+
+Processes that run numba anyway (the EPP, the frontend's kv mode) call `warm_up()` once: from
+then on blocks of 5..32 ids (XXH3's 17-128-byte case) are hashed by one compiled loop over the
+whole array, ~10x less CPU than a Python call per block, and with no cache needed. numba is
+imported there and only there, so other processes (the direct-mode frontend, workers) never
+load it.
 """
 
 import array
+import functools
+import logging
 import sys
 import threading
+import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 from itertools import repeat
@@ -27,6 +36,7 @@ _U64 = (1 << 64) - 1
 
 _xxh3 = xxhash.xxh3_64_intdigest
 _NATIVE_U32 = sys.byteorder == "little" and array.array("I").itemsize == 4
+_log = logging.getLogger(__name__)
 
 
 def block_hash_seed(lora_name: str | None = None) -> int:
@@ -121,16 +131,87 @@ class PrefixReuse:
 
 _REUSE = PrefixReuse()
 
+# ---- XXH3-64 of 17..128-byte inputs, compiled (xxHash's XXH3_len_17to128_64b) -----------------
+
+# The first 128 bytes of XXH3's default secret (`kSecret`): all that inputs of ≤ 128 bytes read.
+_SECRET = bytes.fromhex(
+    "b8fe6c3923a44bbe7c01812cf721ad1cded46de9839097db7240a4a4b7b3671f"
+    "cb79e64eccc0e578825ad07dccff7221b8084674f743248ee03590e6813a264c"
+    "3c2852bb91c300cb88d0658b1b532ea371644897a20df94e3819ef46a9deacd8"
+    "a8fa763fe39c343ff9dcbbc7c70b4f1d8a51e04bcdb45931c89f7ec9d9787364"
+)
+_PRIME64_1 = 0x9E3779B185EBCA87
+KERNEL_BLOCK_SIZES = range(5, 33)  # 20..128 bytes of ids: XXH3's 17-128-byte case
+_kernel = None  # set by warm_up()
+_kernel_lock = threading.Lock()
+
+
+@functools.lru_cache(maxsize=64)
+def _kernel_constants(block_size: int, seed: int) -> tuple[np.ndarray, ...]:
+    """Per 16-byte lane XXH3 mixes for this length: the lane's u32 offset in the block and the
+    secret's two words with the seed added / subtracted; then the accumulator's start."""
+    length = 4 * block_size
+    lanes = [(0, 0), (length - 16, 16)]  # (offset in the block, offset in the secret)
+    for k in range(1, 4):
+        if length > 32 * k:
+            lanes += [(16 * k, 32 * k), (length - 16 * (k + 1), 32 * k + 16)]
+
+    def word(offset: int) -> int:
+        return int.from_bytes(_SECRET[offset : offset + 8], "little")
+
+    offsets = np.array([lane // 4 for lane, _ in lanes], np.int64)
+    low = np.array([(word(sec) + seed) & _U64 for _, sec in lanes], np.uint64)
+    high = np.array([(word(sec + 8) - seed) & _U64 for _, sec in lanes], np.uint64)
+    return offsets, low, high, np.uint64(length * _PRIME64_1 & _U64)
+
+
+def _compile_kernel():
+    import numba
+
+    from . import xxh3_kernel
+
+    kernel = xxh3_kernel.hash_blocks
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", numba.NumbaWarning)
+        try:
+            kernel.enable_caching()
+        except RuntimeError:  # nowhere to write numba's cache: compile in memory
+            _log.debug("numba cannot cache the block-hash kernel here")
+        kernel.compile(xxh3_kernel.SIGNATURE)
+    kernel.disable_compile()
+    return kernel
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's on-disk cache) the block-hash kernel and use it from now
+    on in this process. Imports numba: for processes that already run it."""
+    global _kernel
+    if _kernel is None and _NATIVE_U32:
+        with _kernel_lock:
+            if _kernel is None:
+                _kernel = _compile_kernel()
+
+
+def _kernel_hash(tokens: np.ndarray, block_size: int, seed: int) -> np.ndarray:
+    out = np.empty(len(tokens) // block_size, np.uint64)
+    _kernel(tokens, block_size, *_kernel_constants(block_size, seed), out)
+    return out
+
 
 def block_hash_array(
     token_ids: Sequence[int] | np.ndarray, block_size: int, lora_name: str | None = None
 ) -> np.ndarray:
     """Hash every full block of `block_size` token ids into a uint64 array (what the router's
-    index takes without conversion); a partial tail block is dropped. Blocks shared with a
-    recent sequence are copied from it (`PrefixReuse`)."""
+    index takes without conversion); a partial tail block is dropped. With the compiled kernel
+    (`warm_up`) every block is hashed by it; otherwise blocks shared with a recent sequence are
+    copied from it (`PrefixReuse`) and the rest hashed one call each."""
     if block_size <= 0:
         raise ValueError(f"block_size must be a positive number of tokens, got {block_size}")
-    return _REUSE.hash(as_token_array(token_ids), block_size, block_hash_seed(lora_name))
+    tokens = as_token_array(token_ids)
+    seed = block_hash_seed(lora_name)
+    if _kernel is not None and block_size in KERNEL_BLOCK_SIZES:
+        return _kernel_hash(tokens, block_size, seed)
+    return _REUSE.hash(tokens, block_size, seed)
 
 
 def block_hashes(
