@@ -396,6 +396,14 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
 
+    def stop(self) -> None:
+        """The server stops: close now if idle, else after the answer under way (which says
+        `connection: close` unless its head has gone out already)."""
+        if self._current is None:
+            self.close()
+        else:
+            self._current.keep_alive = False
+
 
 class HttpServer:
     """Serves `handler(exchange)` for every request, in the running event loop."""
@@ -463,8 +471,7 @@ class HttpServer:
         if self._sweeper is not None:
             self._sweeper.cancel()
         for conn in list(self.connections):
-            if conn.idle_since is not None:
-                conn.close()
+            conn.stop()
         if self.tasks:
             _, late = await asyncio.wait(set(self.tasks), timeout=GRACEFUL_S)
             for task in late:
