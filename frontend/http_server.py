@@ -161,7 +161,7 @@ class Exchange:
     def cancel_on_disconnect(self) -> None:
         """From now until `done()`, a client disconnect cancels the calling task (which closes
         the engine connection it is waiting on). A client already gone cancels it at once."""
-        self._task = task = asyncio.current_task()
+        self._task = task = asyncio.current_task(self._conn.loop)  # (no loop lookup: getpid)
         if self.gone and task is not None:
             task.cancel()
 
@@ -213,9 +213,12 @@ class Exchange:
         self._conn.write(head + out if head is not None else out)
         await self._conn.drain()
 
-    async def end(self) -> None:
+    async def end(self, data: bytes = b"") -> None:
+        """End a streamed response; `data`, its last bytes, go out in the same write."""
+        tail = b""
+        if self.method != "HEAD":
+            tail = b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data) if data else b"0\r\n\r\n"
         head, self._head = self._head, None
-        tail = b"0\r\n\r\n" if self.method != "HEAD" else b""
         self._finish(head + tail if head is not None else tail)
 
     def _finish(self, data: bytes) -> None:

@@ -430,6 +430,7 @@ class Frontend:
         injector = nvext_out.FinalChunkInjector(self._ext(nvext, trace)) if want_ext else None
         await exchange.start(200, _SSE_HEADERS + _passed_headers(upstream))
         first = True
+        last = b""  # the engine's final bytes: they go out with the end of the stream
         while True:
             try:
                 chunk = await self.client.read_chunk(upstream, record, "decode")
@@ -438,7 +439,7 @@ class Frontend:
                 self._upstream_failed(exc, record, "decode")
                 log.warning("%s", exc.message)
                 trace.stream_error = exc.status
-                await exchange.write(b"data: " + exc.json() + b"\n\n")
+                last = b"data: " + exc.json() + b"\n\n"
                 break
             if not chunk:
                 break
@@ -450,12 +451,13 @@ class Frontend:
                 chunk = injector.feed(chunk)
                 if not chunk:
                     continue
+            if upstream.is_eof():  # the engine's answer is complete: this is the last piece
+                last = chunk
+                break
             await exchange.write(chunk)
         if injector is not None:
-            tail = injector.close()
-            if tail:
-                await exchange.write(tail)
-        await exchange.end()
+            last += injector.close()
+        await exchange.end(last)
 
 
 def _passed_headers(upstream: Response) -> Headers:

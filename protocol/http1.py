@@ -8,7 +8,9 @@ and hands back the response head, then the body as it arrives — whole, or chun
 Response framing (status line, headers, content-length, chunked, close-delimited) is parsed by
 httptools (llhttp, the parser uvicorn uses); this module owns the pool, timeouts and flow
 control. Timeouts: `connect_timeout` to open a connection; `read_timeout` for any wait on the
-engine (no byte for that long → TimeoutError). A response not read to its end is closed, never
+engine (no byte for that long → TimeoutError), enforced by one sweep of the waiting responses
+every `read_timeout / 4` (at most 1 s) rather than a timer armed and cancelled around every
+wait — a streamed response waits once per chunk. A response not read to its end is closed, never
 pooled, so the engine sees the disconnect; a connection is reused only when the parser saw the
 message complete and says it may be kept alive.
 """
@@ -34,9 +36,10 @@ class ConnectError(ConnectionError):
 class _Conn(asyncio.Protocol):
     """One connection; feeds the bytes of one response at a time to its `Response`."""
 
-    def __init__(self, pool: "Http1Pool", key: tuple[str, int]):
+    def __init__(self, pool: "Http1Pool", key: tuple[str, int], loop: asyncio.AbstractEventLoop):
         self.pool = pool
         self.key = key
+        self.loop = loop
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.response: Response | None = None
@@ -74,9 +77,9 @@ class Response:
     It is its own httptools parser's callback object (the `on_*` methods); one parser per
     response, so a connection carries no parser state from one request to the next."""
 
-    def __init__(self, conn: _Conn, read_timeout: float | None):
+    def __init__(self, conn: _Conn):
         self._conn = conn
-        self._read_timeout = read_timeout
+        self._waiting_since = 0.0  # loop time the current wait began
         self._parser = httptools.HttpResponseParser(self)
         self._waiter: asyncio.Future | None = None
         self._error: BaseException | None = None
@@ -176,21 +179,26 @@ class Response:
     async def _wait(self) -> None:
         if self._error is not None:
             raise self._error
-        loop = asyncio.get_running_loop()
-        waiter = self._waiter = loop.create_future()
-        # A bare timer on the waiter, not asyncio.timeout(): this runs for every response
-        # and every streamed chunk, and the context manager costs ~5x as much.
-        timer = None
-        if self._read_timeout is not None:
-            timer = loop.call_later(self._read_timeout, _expire, waiter)
+        conn = self._conn
+        waiter = self._waiter = conn.loop.create_future()
+        # No timer per wait: the pool's sweep fails a wait that has lasted `read_timeout`.
+        waiting = conn.pool._waiting
+        if waiting is not None:
+            self._waiting_since = conn.loop.time()
+            waiting.add(self)
         try:
             await waiter
         finally:
             self._waiter = None
-            if timer is not None:
-                timer.cancel()
+            if waiting is not None:
+                waiting.discard(self)
         if self._error is not None:
             raise self._error
+
+    def _expire(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(TimeoutError())
 
     # -- reading (called by the frontend) --
     async def _head(self) -> None:
@@ -255,11 +263,6 @@ class Response:
         conn.close()
 
 
-def _expire(waiter: asyncio.Future) -> None:
-    if not waiter.done():
-        waiter.set_exception(TimeoutError())
-
-
 class Http1Pool:
     def __init__(self, *, connect_timeout: float | None, read_timeout: float | None):
         self.connect_timeout = connect_timeout
@@ -267,6 +270,20 @@ class Http1Pool:
         self._idle: dict[tuple[str, int], list[_Conn]] = {}
         self._addresses: dict[str, tuple[tuple[str, int], bytes]] = {}
         self._closed = False
+        # Responses waiting on their engine, and the task that times them out (no timeout:
+        # neither). The sweeper starts with the first connection, in the running loop.
+        self._waiting: set[Response] | None = set() if read_timeout is not None else None
+        self._sweeper: asyncio.Task | None = None
+
+    async def _sweep(self, limit_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(min(1.0, limit_s / 4))
+            waiting = self._waiting
+            if waiting:
+                limit = loop.time() - limit_s
+                for response in [r for r in waiting if r._waiting_since <= limit]:
+                    response._expire()
 
     def address(self, base_url: str) -> tuple[tuple[str, int], bytes]:
         """(host, port) and the Host header value of an engine base URL (parsed once)."""
@@ -302,7 +319,7 @@ class Http1Pool:
             conn, reused = self._take(key), True
             if conn is None:
                 conn, reused = await self._connect(key), False
-            response = Response(conn, self.read_timeout)
+            response = Response(conn)
             conn.response = response
             assert conn.transport is not None
             conn.transport.write(message)
@@ -334,9 +351,11 @@ class Http1Pool:
 
     async def _connect(self, key: tuple[str, int]) -> _Conn:
         loop = asyncio.get_running_loop()
+        if self._sweeper is None and self.read_timeout is not None and not self._closed:
+            self._sweeper = loop.create_task(self._sweep(self.read_timeout))
         try:
             async with asyncio.timeout(self.connect_timeout):
-                _, conn = await loop.create_connection(lambda: _Conn(self, key), *key)
+                _, conn = await loop.create_connection(lambda: _Conn(self, key, loop), *key)
         except TimeoutError:
             raise ConnectError(f"no connection within {self.connect_timeout:g} s") from None
         except OSError as exc:
@@ -345,6 +364,9 @@ class Http1Pool:
 
     async def close(self) -> None:
         self._closed = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         for idle in self._idle.values():
             for conn in idle:
                 conn.close()

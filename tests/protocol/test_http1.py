@@ -15,11 +15,20 @@ pytestmark = pytest.mark.integration
 
 class RawServer:
     """Answers each request (read up to the blank line and its Content-Length body) with the
-    next scripted reply: bytes written `step` bytes at a time; `close` after it."""
+    next scripted reply: bytes written `step` bytes at a time, `pause` seconds apart; `close`
+    after it."""
 
-    def __init__(self, replies, *, step: int | None = None, close_after: bool = False):
+    def __init__(
+        self,
+        replies,
+        *,
+        step: int | None = None,
+        pause: float = 0.001,
+        close_after: bool = False,
+    ):
         self.replies = list(replies)
         self.step = step
+        self.pause = pause
         self.close_after = close_after
         self.connections = 0
         self.requests: list[bytes] = []
@@ -51,7 +60,7 @@ class RawServer:
                     writer.write(reply[i : i + step])
                     await writer.drain()
                     if self.step:
-                        await asyncio.sleep(0.001)
+                        await asyncio.sleep(self.pause)
                 if self.close_after:
                     return  # (finally) close the connection after this reply
             await reader.read()  # until the client hangs up
@@ -156,6 +165,18 @@ async def test_silent_engine_times_out_and_refused_connect_fails():
         await client.close()
     with pytest.raises(ConnectError):
         await pool().request(b"GET", f"http://127.0.0.1:{free_port()}", "/")
+
+
+async def test_read_timeout_is_silence_not_a_total():
+    """Bytes keep coming, each well within the timeout, for longer than the timeout in all."""
+    body = b"0123456789"
+    reply = b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n" + body
+    async with RawServer([reply], step=4, pause=0.1) as server:
+        client = pool(read_timeout=0.4)
+        response = await client.request(b"GET", server.url, "/")
+        assert await response.read() == body  # ~1.2 s in all
+        response.release()
+        await client.close()
 
 
 async def test_response_cut_short_closes_the_connection():
