@@ -10,7 +10,7 @@ Per request, `candidates` gathers the changing parts (booked load, cached overla
 blocks already held by live requests) with a few array operations into `plugins.Candidates`.
 """
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -102,7 +102,7 @@ class Fleet:
         self,
         matches: np.ndarray,
         active: ActiveRequests,
-        prompt_keys: Sequence[int],
+        prompt_keys: np.ndarray,
     ) -> Candidates:
         """The per-request columns: `matches` is `KvIndex.match_columns` of the prompt."""
         n = len(self.slots)

@@ -245,6 +245,57 @@ def renumber(tk, tv, moved):
             tv[i] = moved[tv[i]]
 
 
+# -- reference counts (active requests' shared prompt blocks) -------------------------------
+@_kernel(f"i8({_U8}, {_TABLE})")
+def count_up(keys, tk, tv, meta):
+    """Add a reference to each key (the table has room for them all); returns how many were
+    new. Values are counts."""
+    new = 0
+    for j in range(keys.size):
+        key = _clamp(keys[j])
+        cell = _probe(tk, meta, key)
+        if cell >= 0:
+            tv[cell] += 1
+        else:
+            _place(tk, tv, meta, -1 - cell, key, 1)
+            new += 1
+    return new
+
+
+@_kernel(f"i8({_U8}, {_TABLE})")
+def count_down(keys, tk, tv, meta):
+    """Drop a reference to each key (absent keys are skipped); a key whose count reaches zero
+    leaves the table. Returns how many left."""
+    gone = 0
+    for j in range(keys.size):
+        cell = _cell(tk, meta, _clamp(keys[j]))
+        if cell == MISSING:
+            continue
+        if tv[cell] > 1:
+            tv[cell] -= 1
+        else:
+            tk[cell] = TOMB
+            meta[LIVE] -= 1
+            gone += 1
+    return gone
+
+
+@_kernel(f"i8({_U8}, {_TABLE})")
+def held_prefix(keys, tk, tv, meta):
+    """How many leading `keys` the table holds, by bisection: the keys are a chain's prefix
+    keys, and whoever holds key i holds every key before it, so the held ones are a prefix."""
+    if keys.size == 0 or _cell(tk, meta, _clamp(keys[0])) == MISSING:
+        return 0
+    lo, hi = 1, keys.size
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if _cell(tk, meta, _clamp(keys[mid - 1])) != MISSING:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 # -- holders -------------------------------------------------------------------------------
 @_inline
 def _bit(column):

@@ -140,6 +140,7 @@ class _Binding:
 
 
 _NO_MATCHES = np.zeros((0, 2), np.int64)
+_NO_KEYS = np.zeros(0, np.uint64)
 _PINNED_PICKER = KvPicker()  # a pinned worker's ranks go by the KV cost, whatever the policy
 
 
@@ -379,7 +380,7 @@ class Router:
         fleet = self._current_fleet()
         has_blocks = len(request.block_hashes) > 0
         matches = self.index.match_columns(request.block_hashes) if has_blocks else _NO_MATCHES
-        prompt_keys = chain_keys(0, request.block_hashes).tolist() if has_blocks else []
+        prompt_keys = chain_keys(0, request.block_hashes) if has_blocks else _NO_KEYS
         # every hashed block is a prompt block, whatever isl_tokens says
         prompt_blocks = max(-(-request.isl_tokens // self._block_size), len(prompt_keys))
         output_blocks = 0
@@ -525,7 +526,11 @@ class Router:
 
     # -- booking -------------------------------------------------------------------------
     def _book(
-        self, request: RouteRequest, decision: Decision, prompt_blocks: int, prompt_keys: list[int]
+        self,
+        request: RouteRequest,
+        decision: Decision,
+        prompt_blocks: int,
+        prompt_keys: np.ndarray,
     ) -> RequestGuard:
         decode = decision.decode
         prefill = decision.prefill

@@ -81,6 +81,13 @@ class U64Table:
         self._alloc(_cells_for(old_keys.size + n, self._max_load))
         return old_keys, old_vals
 
+    def copy(self) -> "U64Table":
+        other = U64Table.__new__(U64Table)
+        other._max_load = self._max_load
+        other.keys, other.vals, other.meta = self.keys.copy(), self.vals.copy(), self.meta.copy()
+        other.parts = (other.keys, other.vals, other.meta)
+        return other
+
     def get(self, keys: np.ndarray) -> np.ndarray:
         """Values of `keys` (uint64), MISSING where absent."""
         return kernels.table_get(_as_keys(keys), *self.parts)

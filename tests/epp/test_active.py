@@ -3,6 +3,7 @@
 import gc
 import logging
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -15,8 +16,9 @@ SLOTS = [(1, 0), (1, 1), (2, 0)]
 
 
 def family_keys(family: int, n: int) -> list[int]:
-    """Prefix keys of the first `n` blocks of a prompt of `family` (equal prefixes, equal keys)."""
-    return [family * 100_000 + i for i in range(n)]
+    """Prefix keys of the first `n` blocks of a prompt of `family` (equal prefixes, equal keys;
+    ≥ 2, as `index.chain_keys` makes them)."""
+    return [family * 100_000 + i + 2 for i in range(n)]
 
 
 def summary(load: SlotLoad) -> tuple[int, int, int]:
@@ -66,17 +68,47 @@ op = st.one_of(
 )
 
 
-def expected_decode(active: ActiveRequests, guards: list[RequestGuard]) -> dict:
-    """Decode load per slot recomputed from the live bookings: distinct keys + private blocks.
+def live_keys(active: ActiveRequests, guards: list[RequestGuard]) -> tuple[dict, dict]:
+    """Per slot, the live bookings' distinct prompt keys and the sum of their private blocks.
     (A function, so no loop variable keeps a dropped guard alive.)"""
     keys: dict = {}
     private: dict = {}
     for guard in guards:
         for booking in (guard._decode, guard._prefill):
             if booking is not None and booking.current(active._loads) is not None:
-                keys.setdefault(booking.slot, set()).update(booking.keys)
+                keys.setdefault(booking.slot, set()).update(booking.keys.tolist())
                 private[booking.slot] = private.get(booking.slot, 0) + booking.private
+    return keys, private
+
+
+def expected_decode(active: ActiveRequests, guards: list[RequestGuard]) -> dict:
+    """Decode load per slot recomputed from the live bookings: distinct keys + private blocks."""
+    keys, private = live_keys(active, guards)
     return {slot: len(keys[slot]) + private[slot] for slot in keys}
+
+
+def check_columns_and_held(active: ActiveRequests, guards: list[RequestGuard]) -> None:
+    """The scheduler's views agree with the bookings: each slot's row of `sums`, and how much
+    of each family's prompt its live requests hold (counted key by key here)."""
+    loads = active.loads()
+    keys, _ = live_keys(active, guards)
+    for slot in SLOTS:
+        load = loads.get(slot)
+        row = tuple(active.sums[active.column(slot)].tolist())
+        if load is None:
+            assert row == (0, 0, 0)
+            continue
+        assert row == (load.prefill_blocks, load.decode_blocks, load.requests)
+        held = keys.get(slot, set())
+        for family in range(3):
+            prompt = family_keys(family, 70)
+            expected = next((i for i, k in enumerate(prompt) if k not in held), len(prompt))
+            assert active.load(slot).held_prefix(prompt) == expected
+    by_column = dict(active.held_prefixes(np.array(family_keys(1, 70), np.uint64)))
+    for slot in SLOTS:
+        held = keys.get(slot, set())
+        expected = next((i for i, k in enumerate(family_keys(1, 70)) if k not in held), 70)
+        assert by_column.get(active.column(slot), 0) == expected
 
 
 @settings(max_examples=120, deadline=None)
@@ -114,6 +146,7 @@ def test_any_lifecycle_ends_with_zero_load(ops, track_output):
         for load in loads.values():
             assert load.prefill_blocks >= 0 and load.decode_blocks >= 0 and load.requests >= 0
         assert expected_decode(active, guards) == {s: v.decode_blocks for s, v in loads.items()}
+        check_columns_and_held(active, guards)
     for guard in guards:
         guard.free()
     guards.clear()
