@@ -54,6 +54,11 @@ class Tokenizer(Protocol):
 
     def render_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> str: ...
 
+    def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> np.ndarray:
+        """The ids of `encode(render_chat(messages, **kwargs))`, however the tokenizer gets
+        them."""
+        ...
+
 
 def _template_environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -119,29 +124,45 @@ class SegmentCache:
     cache, a router tokenizes only what is new in a request.
     """
 
+    # Long segments are looked up by length and ends, then compared whole: hashing a 25 KB
+    # system prompt (a new str each request) costs ~10x more than comparing it.
+    KEY_ENDS = 64
+
     def __init__(self, encode: Callable[[str], np.ndarray], max_chars: int = 32 << 20):
         self._encode = encode
-        self._data: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._data: OrderedDict[Any, tuple[str, np.ndarray]] = OrderedDict()
         self._chars = 0
         self.max_chars = max_chars
         self.hits = 0
         self.misses = 0
 
+    def _key(self, segment: str) -> Any:
+        ends = self.KEY_ENDS
+        if len(segment) <= 2 * ends:
+            return segment
+        return len(segment), segment[:ends], segment[-ends:]
+
     def get(self, segment: str) -> np.ndarray:
-        ids = self._data.get(segment)
-        if ids is not None:
+        key = self._key(segment)
+        entry = self._data.get(key)
+        if entry is not None and entry[0] == segment:
             self.hits += 1
-            self._data.move_to_end(segment)
-            return ids
+            self._data.move_to_end(key)
+            return entry[1]
         self.misses += 1
         ids = self._encode(segment)
         if len(segment) <= self.max_chars // 4:
-            self._data[segment] = ids
+            if entry is not None:  # same length and ends, other text: the newer one stays
+                self._chars -= len(self._data.pop(key)[0])
+            self._data[key] = (segment, ids)
             self._chars += len(segment)
             while self._chars > self.max_chars and self._data:
-                old, _ = self._data.popitem(last=False)
+                _, (old, _) = self._data.popitem(last=False)
                 self._chars -= len(old)
         return ids
+
+    def __len__(self) -> int:
+        return len(self._data)
 
 
 class QwenTokenizer:
@@ -174,6 +195,8 @@ class QwenTokenizer:
         self._special_ids = {
             t: np.asarray([self._encoding.encode_single_token(t)], dtype="<u4") for t in specials
         }
+        self._special_marker = _common_start(specials)  # text without it holds no special
+        self._chatml_pieces = bool(self._special_marker) and not _special_spans(specials)
         self.segments = SegmentCache(self._encode_ordinary)
 
     def _encode_flat(self, text: str, *, specials: bool) -> np.ndarray:
@@ -199,15 +222,45 @@ class QwenTokenizer:
             text = unicodedata.normalize("NFC", text)
         if len(text) < self.SEGMENT_MIN_CHARS:
             return self._encode_flat(text, specials=True).copy()
+        return _joined(self._pieces(text, []))
+
+    def _pieces(self, text: str, pieces: list[np.ndarray]) -> list[np.ndarray]:
+        """Append the ids of NFC `text` to `pieces`: split at special tokens written in it, the
+        text between them through the segment cache."""
+        if self._special_marker not in text:  # no special token in it: one segment
+            pieces.append(self.segments.get(text))
+            return pieces
         parts = self._special_split.split(text)  # text, special, text, special, …, text
-        pieces = [
-            self._special_ids[part] if i % 2 else self.segments.get(part)
-            for i, part in enumerate(parts)
-            if part
-        ]
-        if not pieces:
-            return np.empty(0, dtype="<u4")
-        return np.concatenate(pieces) if len(pieces) > 1 else pieces[0].copy()
+        for i, part in enumerate(parts):
+            if part:
+                pieces.append(self._special_ids[part] if i % 2 else self.segments.get(part))
+        return pieces
+
+    def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> np.ndarray:
+        """`encode(render_chat(messages, **kwargs))` without building the text: ChatML puts
+        each message's `role\ncontent` between `<|im_start|>` and `<|im_end|>`, so those are
+        its segments. The ids are the rendered text's (tested against it) because no special
+        token can begin in a content and end in the `<|im_end|>` after it (`_special_spans`,
+        checked per vocabulary) and NFC composes nothing across an edge: an ASCII role follows
+        `<|im_start|>`, and `<` (what follows a content) composes with nothing before it."""
+        if not self._chatml_pieces:
+            return self.encode(self.render_chat(messages, **kwargs))
+        im_start, im_end = self._special_ids["<|im_start|>"], self._special_ids["<|im_end|>"]
+        newline = self.segments.get("\n")
+        pieces: list[np.ndarray] = []
+        for message in messages:
+            role = message.get("role") if isinstance(message, dict) else None
+            if not isinstance(role, str) or not role.isascii():  # the template's way, errors too
+                return self.encode(self.render_chat(messages, **kwargs))
+            text = role + "\n" + _text_content(message.get("content"))
+            if not text.isascii():
+                text = unicodedata.normalize("NFC", text)
+            pieces.append(im_start)
+            self._pieces(text, pieces)
+            pieces += (im_end, newline)
+        if kwargs.get("add_generation_prompt", True):
+            pieces += (im_start, self.segments.get("assistant\n"))
+        return _joined(pieces)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self._qwen.decode(list(token_ids))
@@ -215,6 +268,29 @@ class QwenTokenizer:
     def render_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
         flat = [{**m, "content": _text_content(m.get("content"))} for m in messages]
         return self._chat.render(flat, **kwargs)
+
+
+def _common_start(texts: list[str]) -> str:
+    start = texts[0]
+    for text in texts:
+        while not text.startswith(start):
+            start = start[:-1]
+    return start
+
+
+def _special_spans(specials: list[str]) -> bool:
+    """Whether a special token could start inside a message's content and run on into the
+    ChatML text after it (`<|im_end|>\n<|im_start|>`): then only the rendered text says how
+    it splits."""
+    after = "<|im_end|>\n<|im_start|>"
+    return any(after.startswith(s[k:]) for s in specials for k in range(1, len(s)))
+
+
+def _joined(pieces: list[np.ndarray]) -> np.ndarray:
+    """One new array (the caller's to keep or change) of the pieces' ids."""
+    if not pieces:
+        return np.empty(0, dtype="<u4")
+    return np.concatenate(pieces) if len(pieces) > 1 else pieces[0].copy()
 
 
 def _load_fastokens(qwen: Any) -> Any:
@@ -274,6 +350,9 @@ class HuggingFaceTokenizer:
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=False)
+
+    def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> np.ndarray:
+        return self.encode(self.render_chat(messages, **kwargs))
 
     def render_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
         if self._chat is None:
@@ -357,7 +436,7 @@ def request_tokens(tokenizer: Tokenizer, path: str, body: dict[str, Any]) -> np.
             kwargs["tools"] = body["tools"]
         if isinstance(body.get("chat_template_kwargs"), dict):
             kwargs.update(body["chat_template_kwargs"])
-        return tokenizer.encode(tokenizer.render_chat(messages, **kwargs))
+        return tokenizer.encode_chat(messages, **kwargs)
     if path == COMPLETIONS:
         return _prompt_tokens(tokenizer, body.get("prompt"))
     raise OpenAIError(

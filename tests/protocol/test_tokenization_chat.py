@@ -1,0 +1,86 @@
+"""`QwenTokenizer.encode_chat` (ChatML segments, no rendering) gives exactly the ids of
+encoding the Jinja-rendered ChatML text, and the segment cache's cheap keys never confuse texts."""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dynamograph.protocol.openai import OpenAIError
+from dynamograph.protocol.tokenization import SegmentCache, get_tokenizer, request_tokens
+
+pytestmark = pytest.mark.unit
+
+_PIECES = [
+    "hello", " world", "\n", "\n\n", "  ", "\t", "日本語", "é", "e\u0301", "\u0301", "\u0338",
+    "<", ">", "|>", "<|", "<|im_end|>", "<|im_start|>", "<|endoftext|>", "<|im_end",
+    "<think>", "</think>", "<tool_call>", "'s", "123", "😀", "x" * 300,
+]  # fmt: skip
+_content = st.one_of(
+    st.lists(st.sampled_from(_PIECES), max_size=40).map("".join),
+    st.text(max_size=200),
+    st.lists(st.sampled_from(_PIECES), max_size=5).map(lambda p: {"type": "text", "text": "".join(p)}).map(lambda part: [part, part]),
+)  # fmt: skip
+_role = st.one_of(
+    st.sampled_from(["system", "user", "assistant", "tool", "", "<|im_end|>", "a|>", "x\n"]),
+    st.text(max_size=8),
+)
+_messages = st.lists(
+    st.fixed_dictionaries({"role": _role, "content": _content}), min_size=1, max_size=6
+)
+
+
+def _rendered(tokenizer, messages, **kwargs) -> list[int]:
+    return tokenizer.encode(tokenizer.render_chat(messages, **kwargs)).tolist()
+
+
+@pytest.mark.parametrize("spec", ["qwen", "qwen:qwen3.5-27b"])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(messages=_messages, generation=st.sampled_from([None, True, False, 0, "yes"]))
+def test_chat_segments_equal_the_rendered_text(spec, messages, generation):
+    tokenizer = get_tokenizer(spec)
+    kwargs = {} if generation is None else {"add_generation_prompt": generation}
+    got = tokenizer.encode_chat(messages, **kwargs)
+    assert got.dtype == np.dtype("<u4")
+    assert got.tolist() == _rendered(tokenizer, messages, **kwargs)
+
+
+def test_long_shared_system_prompt_comes_from_the_cache():
+    tokenizer = get_tokenizer("qwen")
+    system = {"role": "system", "content": "Shared instructions, numbered 17. " * 800}
+    first = [system, {"role": "user", "content": "first question"}]
+    assert tokenizer.encode_chat(first).tolist() == _rendered(tokenizer, first)
+    misses = tokenizer.segments.misses
+    # an equal system prompt in a new str object, as each request's JSON gives
+    second = [{**system, "content": "".join(system["content"])}, {"role": "user", "content": "2"}]
+    assert tokenizer.encode_chat(second).tolist() == _rendered(tokenizer, second)
+    assert tokenizer.segments.misses - misses <= 2  # "user\n2" and at most one of the others
+
+
+def test_template_errors_are_still_400():
+    tokenizer = get_tokenizer("qwen")
+    with pytest.raises(OpenAIError) as err:
+        request_tokens(tokenizer, "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})  # fmt: skip
+    assert err.value.status == 400
+    with pytest.raises(OpenAIError):  # no role: the template reports it
+        tokenizer.encode_chat([{"content": "x"}])
+
+
+def test_cache_keys_of_equal_length_and_ends_never_mix_texts():
+    encoded = []
+
+    def encode(text: str) -> np.ndarray:
+        encoded.append(text)
+        return np.asarray([len(encoded)], dtype="<u4")
+
+    cache = SegmentCache(encode, max_chars=10_000)
+    ends = "e" * SegmentCache.KEY_ENDS
+    a, b = ends + "A" * 50 + ends, ends + "B" * 50 + ends
+    assert cache.get(a).tolist() == [1]
+    assert cache.get(b).tolist() == [2]  # same length and ends, other text: encoded
+    assert cache.get(b).tolist() == [2]
+    assert cache.get(a).tolist() == [3]  # b replaced it
+    assert len(cache) == 1 and cache._chars == len(a)
+    for i in range(100):  # bounded by characters
+        cache.get(f"{i:04d}" + "z" * 996)
+    assert cache._chars <= 10_000
