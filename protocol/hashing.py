@@ -5,12 +5,6 @@ little-endian, bit-exact with Dynamo's `compute_block_hash_for_seq`. A LoRA adap
 the seed (1337 + XXH3-64 of the name, wrapping), so equal tokens under different adapters never
 share a block. The hashes are per block, not chained: position comes from the index's path.
 
-Because they are per block, a block's hash depends on its 16-ish token ids alone, so the hashes
-of the blocks a request shares with an earlier one (a system prompt, a conversation's history)
-can be copied rather than recomputed: `PrefixReuse` keeps the last token array seen per first
-block and finds the common prefix with one numpy comparison. Only blocks whose ids are equal
-are copied, so the result is always what hashing every block gives.
-
 Processes that run numba anyway (the EPP, the frontend's kv mode) call `warm_up()` once: from
 then on blocks of 5..32 ids (XXH3's 17-128-byte case) are hashed by one compiled loop over the
 whole array, ~10x less CPU than a Python call per block, and with no cache needed. numba is
@@ -24,7 +18,6 @@ import logging
 import sys
 import threading
 import warnings
-from collections import OrderedDict
 from collections.abc import Sequence
 from itertools import repeat
 
@@ -54,82 +47,11 @@ def as_token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(token_ids, dtype="<u4")
 
 
-def _hash_blocks(data: bytes, step: int, first: int, count: int, seed: int) -> np.ndarray:
-    """XXH3 of blocks first..count-1 of `data` (`step` bytes each)."""
-    chunks = (data[i : i + step] for i in range(first * step, count * step, step))
-    return np.fromiter(map(_xxh3, chunks, repeat(seed)), np.uint64, count - first)
+def _hash_blocks(data: bytes, step: int, count: int, seed: int) -> np.ndarray:
+    """XXH3 of the first `count` blocks of `data` (`step` bytes each), one call per block."""
+    chunks = (data[i : i + step] for i in range(0, count * step, step))
+    return np.fromiter(map(_xxh3, chunks, repeat(seed)), np.uint64, count)
 
-
-class PrefixReuse:
-    """The last token array hashed per (first block's hash, block size, seed), with its hashes:
-    what a request sharing a prefix with an earlier one copies instead of rehashing.
-
-    Bounded by entries and by stored tokens (least recently used out first). Entries hold
-    private copies, so callers may change their arrays afterwards. Thread-safe.
-    """
-
-    MIN_BLOCKS = 8  # shorter sequences are hashed outright: the lookup would cost more
-
-    def __init__(self, max_entries: int = 256, max_tokens: int = 4 << 20):
-        self.max_entries = max_entries
-        self.max_tokens = max_tokens
-        self._entries: OrderedDict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = (
-            OrderedDict()
-        )
-        self._tokens = 0
-        self._lock = threading.Lock()
-        self.reused_blocks = 0
-        self.hashed_blocks = 0
-
-    def hash(self, tokens: np.ndarray, block_size: int, seed: int) -> np.ndarray:
-        count = len(tokens) // block_size
-        data = tokens.tobytes()
-        step = block_size * 4
-        if count < self.MIN_BLOCKS:
-            return _hash_blocks(data, step, 0, count, seed)
-        key = (_xxh3(data[:step], seed), block_size, seed)
-        with self._lock:
-            entry = self._entries.get(key)
-        reuse = 0
-        if entry is not None:
-            old_tokens, old_hashes = entry
-            n = min(len(old_tokens), count * block_size)
-            differ = np.flatnonzero(old_tokens[:n] != tokens[:n])
-            reuse = (int(differ[0]) if differ.size else n) // block_size
-        if reuse == count:
-            hashes = old_hashes[:count].copy()
-        else:
-            hashes = _hash_blocks(data, step, reuse, count, seed)
-            if reuse:
-                hashes = np.concatenate((old_hashes[:reuse], hashes))
-        self.reused_blocks += reuse
-        self.hashed_blocks += count - reuse
-        if reuse == count:  # nothing new: keep the (maybe longer) entry, mark it recent
-            with self._lock:
-                if key in self._entries:
-                    self._entries.move_to_end(key)
-        else:
-            self._store(key, tokens[: count * block_size].copy(), hashes.copy())
-        return hashes
-
-    def _store(self, key: tuple[int, int, int], tokens: np.ndarray, hashes: np.ndarray) -> None:
-        if len(tokens) > self.max_tokens:
-            return
-        with self._lock:
-            old = self._entries.pop(key, None)
-            if old is not None:
-                self._tokens -= len(old[0])
-            self._entries[key] = (tokens, hashes)
-            self._tokens += len(tokens)
-            while len(self._entries) > self.max_entries or self._tokens > self.max_tokens:
-                _, (dropped, _) = self._entries.popitem(last=False)
-                self._tokens -= len(dropped)
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-
-_REUSE = PrefixReuse()
 
 # ---- XXH3-64 of 17..128-byte inputs, compiled (xxHash's XXH3_len_17to128_64b) -----------------
 
@@ -193,6 +115,8 @@ def warm_up() -> None:
 
 
 def _kernel_hash(tokens: np.ndarray, block_size: int, seed: int) -> np.ndarray:
+    if not tokens.flags.writeable:  # numba types read-only arrays apart; compiled for one
+        tokens = tokens.copy()
     out = np.empty(len(tokens) // block_size, np.uint64)
     _kernel(tokens, block_size, *_kernel_constants(block_size, seed), out)
     return out
@@ -202,16 +126,15 @@ def block_hash_array(
     token_ids: Sequence[int] | np.ndarray, block_size: int, lora_name: str | None = None
 ) -> np.ndarray:
     """Hash every full block of `block_size` token ids into a uint64 array (what the router's
-    index takes without conversion); a partial tail block is dropped. With the compiled kernel
-    (`warm_up`) every block is hashed by it; otherwise blocks shared with a recent sequence are
-    copied from it (`PrefixReuse`) and the rest hashed one call each."""
+    index takes without conversion); a partial tail block is dropped. After `warm_up` the
+    compiled kernel hashes block sizes 5..32; otherwise each block is one xxhash call."""
     if block_size <= 0:
         raise ValueError(f"block_size must be a positive number of tokens, got {block_size}")
     tokens = as_token_array(token_ids)
     seed = block_hash_seed(lora_name)
     if _kernel is not None and block_size in KERNEL_BLOCK_SIZES:
         return _kernel_hash(tokens, block_size, seed)
-    return _REUSE.hash(tokens, block_size, seed)
+    return _hash_blocks(tokens.tobytes(), block_size * 4, len(tokens) // block_size, seed)
 
 
 def block_hashes(

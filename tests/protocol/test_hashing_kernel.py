@@ -54,6 +54,14 @@ def test_public_path_after_warm_up(compiled, block_size):
         assert hashing.block_hashes(tokens.tolist(), block_size, lora) == want
 
 
+def test_read_only_and_list_inputs(compiled):
+    tokens = np.random.default_rng(3).integers(0, 1 << 32, 800, dtype=np.uint64).astype("<u4")
+    frozen = np.frombuffer(tokens.tobytes(), dtype="<u4")  # read-only, as from a bytes buffer
+    want = _oracle(tokens, 16, 1337)
+    assert hashing.block_hash_array(frozen, 16).tolist() == want
+    assert hashing.block_hash_array(tokens.tolist(), 16).tolist() == want
+
+
 def test_importing_hashing_and_tokenization_does_not_load_numba():
     code = (
         "import sys\n"
