@@ -6,7 +6,7 @@ import unicodedata
 import numpy as np
 import pytest
 
-from dynamograph.protocol.tokenization import QwenTokenizer, get_tokenizer
+from dynamograph.protocol.tokenization import QwenTokenizer, SegmentCache, get_tokenizer
 
 pytestmark = pytest.mark.unit
 
@@ -38,8 +38,9 @@ def test_segmented_encoding_equals_whole_text(seed):
     assert np.array_equal(tokenizer.encode(text), expected)  # now from the cache
 
 
-def test_chat_history_hits_the_cache():
-    tokenizer = QwenTokenizer("qwen2.5-72b-instruct")
+def test_chat_history_hits_the_cache(monkeypatch):
+    tokenizer = get_tokenizer("qwen")
+    monkeypatch.setattr(tokenizer, "segments", SegmentCache(tokenizer._encode_ordinary))
     history = [{"role": "system", "content": "You are helpful. " * 400}]
     tokenizer.encode(tokenizer.render_chat(history))
     misses = tokenizer.segments.misses
