@@ -46,10 +46,14 @@ PACKAGE_FOLDERS = ("protocol", "epp", "frontend", "worker", "operator", "local",
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--rounds", type=int, default=30, help="alternations per configuration (default 30)"
+        "--rounds",
+        type=int,
+        default=80,
+        help="alternations per configuration (default 80; short rounds, so that a change in the "
+        "machine's load between them hits every path alike)",
     )
     parser.add_argument(
-        "--per-round", type=int, default=8, help="requests per client per round (default 8)"
+        "--per-round", type=int, default=3, help="requests per client per round (default 3)"
     )
     parser.add_argument(
         "--concurrency", type=int, nargs="+", default=[1, 16], help="client counts (default 1 16)"
@@ -58,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-tokens", type=int, default=4, help="tokens generated per request (default 4)"
     )
     parser.add_argument(
-        "--quick", action="store_true", help="8 rounds of 4 requests per client (a smoke run)"
+        "--quick", action="store_true", help="16 rounds of 2 requests per client (a smoke run)"
     )
     parser.add_argument(
         "--baseline-tree",
@@ -272,7 +276,7 @@ def run(args: argparse.Namespace) -> int:
 
         uvloop.install()
     if args.quick:
-        args.rounds, args.per_round = 8, 4
+        args.rounds, args.per_round = 16, 2
     machine = {"load_before": os.getloadavg()[0], "python_loop_ns": _python_loop_ns()}
     result = asyncio.run(_bench(args))
     machine["load_after"] = os.getloadavg()[0]
