@@ -2,6 +2,8 @@
 
 Flags follow the cross-component contract; `--config` is a YAML `RouterConfig` that single
 flags override. SIGTERM/SIGINT drain: readiness goes NOT_SERVING and streams in flight finish.
+TLS flags carry GAIE's EPP names (`--secure-serving`, `--cert-path`, `--enable-cert-reload`);
+unlike GAIE, secure serving is off unless asked for (or implied by `--cert-path`).
 """
 
 import argparse
@@ -11,17 +13,38 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
 
 from .config import RouterConfig
 from .discovery import add_discovery_arguments, source_from_args
 from .extproc import DEFAULT_MAX_BODY_BYTES
 from .server import Epp, EppSettings
+from .tls import TlsError, TlsSettings, load_key_pair
 
 log = logging.getLogger(__name__)
 
 
 def _env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
+
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+def parse_bool(text: str) -> bool:
+    """Go's flag syntax GAIE users write: `--secure-serving=false`, `--enable-cert-reload`."""
+    value = text.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, not {text!r}")
+
+
+def _env_bool(name: str) -> bool | None:
+    value = os.environ.get(name)
+    return None if value is None or value == "" else parse_bool(value)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--health-port",
+        "--grpc-health-port",  # GAIE's name
         type=int,
         default=_env_int("DYNAMOGRAPH_EPP_HEALTH_PORT", 9003),
         help="gRPC health port: liveness, readiness, the ext_proc service (default 9003)",
@@ -47,6 +71,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=_env_int("DYNAMOGRAPH_EPP_METRICS_PORT", 9090),
         help="Prometheus /metrics port (default 9090)",
+    )
+    tls = parser.add_argument_group("TLS on the ext_proc port (GAIE EPP flag names)")
+    tls.add_argument(
+        "--secure-serving",
+        type=parse_bool,
+        nargs="?",
+        const=True,
+        default=_env_bool("DYNAMOGRAPH_EPP_SECURE_SERVING"),
+        metavar="BOOL",
+        help="serve ext_proc over TLS: the --cert-path pair, else a self-signed certificate made "
+        "at start (default: off, on when --cert-path is given; GAIE's default is on)",
+    )
+    tls.add_argument(
+        "--cert-path",
+        default=os.environ.get("DYNAMOGRAPH_EPP_CERT_PATH") or None,
+        metavar="DIR",
+        help="folder holding tls.crt and tls.key (a mounted kubernetes.io/tls Secret)",
+    )
+    tls.add_argument(
+        "--enable-cert-reload",
+        type=parse_bool,
+        nargs="?",
+        const=True,
+        default=_env_bool("DYNAMOGRAPH_EPP_CERT_RELOAD") or False,
+        metavar="BOOL",
+        help="take up new files in --cert-path (cert-manager rotation) for new connections, "
+        "without a restart",
     )
     add_discovery_arguments(parser)
     parser.add_argument(
@@ -99,6 +150,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def tls_from_args(args: argparse.Namespace) -> TlsSettings | None:
+    """The TLS choice of the flags; ValueError for combinations that cannot mean anything."""
+    cert_path = Path(args.cert_path) if args.cert_path else None
+    secure = args.secure_serving if args.secure_serving is not None else cert_path is not None
+    if not secure:
+        if cert_path is not None:
+            raise ValueError("--cert-path needs secure serving; drop --secure-serving=false")
+        if args.enable_cert_reload:
+            raise ValueError("--enable-cert-reload needs --cert-path (and secure serving)")
+        return None
+    if args.enable_cert_reload and cert_path is None:
+        raise ValueError(
+            "--enable-cert-reload needs --cert-path: a self-signed certificate is not reloaded"
+        )
+    if cert_path is not None:
+        try:
+            load_key_pair(cert_path)  # fail at start with the file's name, not on a connection
+        except TlsError as exc:
+            raise ValueError(str(exc)) from None
+    return TlsSettings(cert_path=cert_path, reload=args.enable_cert_reload)
+
+
 def settings_from_args(args: argparse.Namespace) -> EppSettings:
     use_events = args.kv_events == "on"
     router = RouterConfig.load(
@@ -119,6 +192,7 @@ def settings_from_args(args: argparse.Namespace) -> EppSettings:
         max_body_bytes=args.max_body_bytes,
         scrape_interval=args.scrape_interval,
         drain_grace=args.drain_grace,
+        tls=tls_from_args(args),
         freeze_heap=True,  # this process is the EPP's own
     )
 

@@ -3,7 +3,9 @@
 `Epp(settings)` wires the parts and runs them on one event loop:
 - `Discovery` feeds worker add/remove into the router core, the KV event subscribers
   (`kv_events.KvEventIngest`), the load scraper (`load.LoadScraper`) and the pickers' view;
-- the ext_proc service (`extproc.ExtProcService`) on the gRPC port;
+- the ext_proc service (`extproc.ExtProcService`) on the gRPC port, plaintext or, with
+  `settings.tls`, TLS (`tls.server_credentials`: a certificate folder, optionally reloaded, or a
+  self-signed one) like GAIE's `--secure-serving`;
 - gRPC health on the health port: `liveness`, `readiness` (ready once a worker is known) and
   `envoy.service.ext_proc.v3.ExternalProcessor`;
 - Prometheus metrics on the metrics port (`/metrics`).
@@ -31,6 +33,7 @@ from .load import LoadScraper
 from .metrics import EppMetrics
 from .picker import KvPicker, RandomPicker, WorkerView, tokenizer_spec
 from .scheduler import Router
+from .tls import CertificateSource, TlsSettings, server_credentials
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +55,9 @@ class EppSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     scrape_interval: float = 0.5
     drain_grace: float = 30.0
+    # TLS on the ext_proc port (None: plaintext h2c). Health and metrics stay plaintext, as in
+    # GAIE: kubelet probes and Prometheus scrapes reach them directly.
+    tls: TlsSettings | None = None
     # Move the long-lived heap (modules, tokenizers, the router) out of the cyclic GC's reach
     # once started (gc.freeze): only for a process of its own (`dynamograph epp`), since it
     # is process-wide. Measured in `bench epp`: a single full collection of the ~160k startup
@@ -93,6 +99,7 @@ class Epp:
         self._metrics_runner: web.AppRunner | None = None
         self._background: set[asyncio.Task] = set()
         self._freeze: asyncio.TimerHandle | None = None
+        self.certificates: CertificateSource | None = None  # the pair served, with tls
         self.grpc_port = settings.grpc_port
         self.health_port = settings.health_port
         self.metrics_port = settings.metrics_port
@@ -168,13 +175,20 @@ class Epp:
     # -- lifecycle --
     async def start(self) -> None:
         s = self.settings
+        credentials = None
+        if s.tls is not None:  # first: bad files raise TlsError before anything is bound
+            credentials, self.certificates = server_credentials(s.tls)
         # No SO_REUSEPORT: a second process on our port must fail to start, not share traffic.
         options = [("grpc.so_reuseport", 0)]
         self._grpc = grpc.aio.server(
             options=[*options, ("grpc.max_receive_message_length", 64 * 1024 * 1024)]
         )
         pb_grpc.add_ExternalProcessorServicer_to_server(self.service, self._grpc)
-        self.grpc_port = self._grpc.add_insecure_port(f"{s.host}:{s.grpc_port}")
+        address = f"{s.host}:{s.grpc_port}"
+        if credentials is None:
+            self.grpc_port = self._grpc.add_insecure_port(address)
+        else:
+            self.grpc_port = self._grpc.add_secure_port(address, credentials)
         self._health_server = grpc.aio.server(options=options)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
         self.health_port = self._health_server.add_insecure_port(f"{s.host}:{s.health_port}")
@@ -198,6 +212,7 @@ class Epp:
             "endpoint picker listening",
             extra={
                 "grpc": self.grpc_port,
+                "tls": _describe_tls(s.tls),
                 "health": self.health_port,
                 "metrics": self.metrics_port,
             },
@@ -232,6 +247,14 @@ class Epp:
         if self._metrics_runner is not None:
             await self._metrics_runner.cleanup()
             self._metrics_runner = None
+
+
+def _describe_tls(tls: TlsSettings | None) -> str:
+    if tls is None:
+        return "off"
+    if tls.cert_path is None:
+        return "self-signed"
+    return f"{tls.cert_path}" + (" (reloaded on change)" if tls.reload else "")
 
 
 def _at(values: list, index: int):

@@ -1,9 +1,12 @@
 """Shared fixtures and helpers for the EPP tests: real mock workers, a real EPP, an ext_proc
-client speaking with Envoy's message sequences (xds-protos types), and a real Envoy."""
+client speaking with Envoy's message sequences (xds-protos types), and a real Envoy; for TLS,
+a folder laid out like a mounted TLS Secret and the Envoy bootstrap with TLS to the EPP."""
 
 import asyncio
+import base64
 import contextlib
 from collections.abc import Iterable
+from pathlib import Path
 
 import grpc
 import orjson
@@ -16,6 +19,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from dynamograph.epp.config import RouterConfig
 from dynamograph.epp.discovery import StaticSource, WorkerTarget
 from dynamograph.epp.server import Epp, EppSettings
+from dynamograph.epp.tls import KeyPair
+from dynamograph.local.envoy import EPP_CLUSTER
 from dynamograph.worker.testing import mock_worker
 
 MODEL = "Qwen/Qwen3-0.6B"
@@ -204,8 +209,24 @@ class ExtProcStream:
 
 
 class ExtProcClient:
-    def __init__(self, port: int):
-        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    """A channel to the EPP's ext_proc port: plaintext, or TLS trusting `root_pem` (a served
+    self-signed certificate, or the CA that signed the served one) for the name `localhost`."""
+
+    def __init__(self, port: int, root_pem: bytes | None = None):
+        target = f"127.0.0.1:{port}"
+        if root_pem is None:
+            self.channel = grpc.aio.insecure_channel(target)
+        else:
+            self.channel = grpc.aio.secure_channel(
+                target,
+                grpc.ssl_channel_credentials(root_certificates=root_pem),
+                # Own subchannels: a new client makes a new connection (a new handshake)
+                # instead of sharing another channel's under gRPC's global subchannel pool.
+                options=[
+                    ("grpc.ssl_target_name_override", "localhost"),
+                    ("grpc.use_local_subchannel_pool", 1),
+                ],
+            )
         self.stub = pb_grpc.ExternalProcessorStub(self.channel)
 
     def stream(self) -> ExtProcStream:
@@ -273,3 +294,54 @@ async def client(epp):
     client = ExtProcClient(epp.grpc_port)
     yield client
     await client.close()
+
+
+# ---- TLS ----------------------------------------------------------------------------------
+
+
+class SecretVolume:
+    """A folder laid out like a mounted kubernetes.io/tls Secret: `tls.crt` and `tls.key` are
+    symlinks through `..data`, which the kubelet swaps atomically to a new timestamped folder
+    when the Secret changes (what cert-manager's rotation looks like to the EPP)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.generation = 0
+        root.mkdir(parents=True, exist_ok=True)
+
+    def publish(self, pair: KeyPair) -> None:
+        self.generation += 1
+        version = self.root / f"..2026_01_01_00_00_{self.generation:02d}.000"
+        version.mkdir()
+        (version / "tls.crt").write_bytes(pair.certificate_chain)
+        (version / "tls.key").write_bytes(pair.private_key)
+        staging = self.root / "..data_tmp"
+        staging.symlink_to(version.name)
+        staging.replace(self.root / "..data")  # rename(2): atomic, like the kubelet
+        for name in ("tls.crt", "tls.key"):
+            link = self.root / name
+            if not link.is_symlink():
+                link.symlink_to(f"..data/{name}")
+
+
+def with_epp_tls(config: dict, trusted_ca: bytes | None = None) -> dict:
+    """The Envoy bootstrap of local/envoy.py with TLS to the EPP: an UpstreamTlsContext on the
+    endpoint-picker cluster. Without `trusted_ca` Envoy does not verify the certificate (what
+    kgateway programs, and Istio's `insecureSkipVerify`); with it, Envoy verifies the chain
+    and the name `localhost`."""
+    tls: dict = {
+        "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+        "common_tls_context": {},
+    }
+    if trusted_ca is not None:
+        tls["sni"] = "localhost"
+        tls["common_tls_context"]["validation_context"] = {
+            "trusted_ca": {"inline_bytes": base64.b64encode(trusted_ca).decode()},
+            "match_typed_subject_alt_names": [
+                {"san_type": "DNS", "matcher": {"exact": "localhost"}}
+            ],
+        }
+    clusters = config["static_resources"]["clusters"]
+    (cluster,) = [c for c in clusters if c["name"] == EPP_CLUSTER]
+    cluster["transport_socket"] = {"name": "envoy.transport_sockets.tls", "typed_config": tls}
+    return config
