@@ -253,11 +253,6 @@ class _Connection(asyncio.Protocol):
         self.server.connections.add(self)
 
     def data_received(self, data: bytes) -> None:
-        if self._in_head or self._parsing is None:
-            self._head_size += len(data)
-            if self._head_size > MAX_HEAD:
-                self._bad_request(431, b"request head over 64 KiB")
-                return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -270,6 +265,13 @@ class _Connection(asyncio.Protocol):
                 self._bad_request(400, b"protocol upgrades are not supported")
         except httptools.HttpParserError as exc:
             self._bad_request(400, f"Invalid HTTP request received: {exc}".encode())
+        else:
+            # A head still incomplete after this read counts it (a body in the same read as
+            # a complete head does not).
+            if self._in_head:
+                self._head_size += len(data)
+                if self._head_size > MAX_HEAD:
+                    self._bad_request(431, b"request head over 64 KiB")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -297,6 +299,7 @@ class _Connection(asyncio.Protocol):
     # -- httptools callbacks --
     def on_message_begin(self) -> None:
         self._in_head = True
+        self._head_size = 0
         self._url = b""
         self._headers = []
 
@@ -309,7 +312,6 @@ class _Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         parser = self.parser
         self._in_head = False
-        self._head_size = 0
         headers = CIMultiDict(self._headers)
         path = httptools.parse_url(self._url).path.decode("latin-1")
         if "%" in path:
@@ -447,6 +449,8 @@ class HttpServer:
     async def _run(self, exchange: Exchange) -> None:
         try:
             await self.handler(exchange)
+            if not exchange.started and not exchange.gone:
+                raise RuntimeError("the handler returned without answering")
         except Exception:
             log.exception("unhandled error serving %s %s", exchange.method, exchange.path)
             if not exchange.started:
@@ -473,6 +477,9 @@ class HttpServer:
         self._server.close()
         if self._sweeper is not None:
             self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+            self._sweeper = None
         for conn in list(self.connections):
             conn.stop()
         if self.tasks:

@@ -16,6 +16,7 @@ message complete and says it may be kept alive.
 """
 
 import asyncio
+import contextlib
 from collections import deque
 from urllib.parse import urlsplit
 
@@ -366,6 +367,8 @@ class Http1Pool:
         self._closed = True
         if self._sweeper is not None:
             self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
             self._sweeper = None
         for idle in self._idle.values():
             for conn in idle:

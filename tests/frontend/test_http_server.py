@@ -17,8 +17,9 @@ pytestmark = pytest.mark.integration
 
 
 class App:
-    """Paths: /echo (body back), /stream (three chunks), /slow (waits to be released, armed for
-    disconnects), /boom (raises), /big (a large whole body)."""
+    """Paths: /echo (body back, 1000 B cap; /echo-large: 1 MiB), /stream (three chunks), /slow
+    (waits to be released, armed for disconnects), /boom (raises), /silent (returns without
+    answering), /big (a large whole body)."""
 
     def __init__(self):
         self.release = asyncio.Event()
@@ -27,9 +28,9 @@ class App:
         self.started = asyncio.Event()
 
     async def __call__(self, exchange: Exchange) -> None:
-        if exchange.path == "/echo":
+        if exchange.path in ("/echo", "/echo-large"):
             try:
-                body = await exchange.body(1000)
+                body = await exchange.body(1000 if exchange.path == "/echo" else 1 << 20)
             except BodyTooLarge:
                 await exchange.respond(413, b"too large", [])
                 return
@@ -54,6 +55,8 @@ class App:
             await exchange.respond(200, b"late", [])
         elif exchange.path == "/boom":
             raise RuntimeError("a bug")
+        elif exchange.path == "/silent":
+            return
         elif exchange.path == "/big":
             await exchange.respond(200, b"x" * (8 << 20), [])
         else:
@@ -240,14 +243,25 @@ async def test_body_over_the_cap_is_refused_and_the_connection_not_reused():
         writer.close()
 
 
-async def test_unhandled_error_answers_500_and_closes():
+async def test_a_large_body_in_the_same_read_as_its_head_is_not_a_large_head():
     async with serving(App()) as (_, port):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"GET /boom HTTP/1.1\r\nHost: t\r\n\r\n")
+        body = b"b" * (3 * http_server.MAX_HEAD)
+        writer.write(post("/echo-large", body))
         reply = await read_reply(reader)
-        assert reply.status == 500 and reply.headers[b"connection"] == b"close"
-        assert await closed(reader)
+        assert reply.status == 200 and reply.body == body
         writer.close()
+
+
+async def test_unhandled_error_or_no_answer_is_a_500_and_closes():
+    async with serving(App()) as (_, port):
+        for path in (b"/boom", b"/silent"):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET %s HTTP/1.1\r\nHost: t\r\n\r\n" % path)
+            reply = await read_reply(reader)
+            assert reply.status == 500 and reply.headers[b"connection"] == b"close"
+            assert await closed(reader)
+            writer.close()
 
 
 async def test_disconnect_cancels_an_armed_request_at_once():
