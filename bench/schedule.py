@@ -43,6 +43,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=2000, help="requests timed (2000)")
     parser.add_argument("--live", type=int, default=8, help="requests kept booked (8)")
     parser.add_argument(
+        "--empty-index",
+        action="store_true",
+        help="store nothing in the index (as `bench epp`'s in-process stage table does)",
+    )
+    parser.add_argument(
         "--baseline", help="git revision whose router core runs beside the current one (A/B)"
     )
     parser.add_argument("--seed", type=int, default=0)
@@ -84,7 +89,7 @@ def _fleet(scheduler, args, prefixes: list[list[int]]):
     for w in range(args.workers):
         router.add_worker(w + 1, block_size=BLOCK_SIZE, total_blocks=65536)
     seqs: dict[int, int] = {}
-    for i, toks in enumerate(prefixes):
+    for i, toks in enumerate([] if args.empty_index else prefixes):
         worker = i % args.workers + 1
         engine = [(worker << 40) + (i << 20) + b for b in range(len(toks) // BLOCK_SIZE)]
         seq = seqs.get(worker, 0)
@@ -148,9 +153,11 @@ def run(args) -> int:
             queue.popleft().free()
     stats = {name: percentiles(s) for name, s in samples.items()}
     rows = [[name, s["p50"], s["p99"], s["mean"]] for name, s in stats.items()]
+    held = "an empty index" if args.empty_index else "each family's prefix on one worker"
     print_table(
         f"schedule + free, CPU µs per request: {args.workers} workers, {args.prompt_blocks}-block "
-        f"prompts ({args.prefix_blocks} shared by {args.families} families), {args.live} live",
+        f"prompts ({args.prefix_blocks} shared by {args.families} families), {held}, "
+        f"{args.live} live",
         ["router core", "p50 µs", "p99 µs", "mean µs"],
         rows,
     )

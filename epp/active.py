@@ -48,6 +48,7 @@ PREFILL, DECODE, REQUESTS = 0, 1, 2  # the columns of `ActiveRequests.sums`
 
 
 _NO_KEYS = np.zeros(0, np.uint64)
+_SPARE_TABLES = 8
 
 
 def as_keys(keys: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -124,6 +125,9 @@ class ActiveRequests:
     )
     _columns: dict[Slot, int] = field(default_factory=dict, repr=False)
     _free_columns: list[int] = field(default_factory=list, repr=False)
+    # emptied key tables of slots that went idle, for the next slot to get busy (making one
+    # costs more than booking a 512-block prompt)
+    _spare_tables: list[U64Table] = field(default_factory=list, repr=False)
 
     def column(self, slot: Slot) -> int:
         """The slot's row of `sums` (assigned on first use; kept until `drop_slot`)."""
@@ -193,7 +197,7 @@ class ActiveRequests:
         keys = as_keys(prompt_keys) if decode else _NO_KEYS
         load = self._loads.get(slot)
         if load is None:
-            shared = U64Table(max(keys.size, 64))
+            shared = self._spare_tables.pop() if self._spare_tables else U64Table(1024)
             load = self._loads[slot] = SlotLoad(shared=shared, column=self.column(slot))
         booking = Booking(
             slot=slot,
@@ -255,7 +259,9 @@ class ActiveRequests:
         """Forget a removed slot's load; its bookings' later updates become no-ops, even if
         the slot comes back."""
         self._reap()
-        self._loads.pop(slot, None)
+        load = self._loads.pop(slot, None)
+        if load is not None:
+            self._retire(load)
         col = self._columns.pop(slot, None)
         if col is not None:
             self.sums[col] = 0
@@ -269,6 +275,7 @@ class ActiveRequests:
         if load.requests == 1:  # the slot's last booking: its sums leave with it
             del self._loads[booking.slot]
             self.sums[load.column] = 0
+            self._retire(load)
             return
         load.requests -= 1
         load.prefill_blocks -= booking.prefill
@@ -282,6 +289,13 @@ class ActiveRequests:
             else:
                 load.firsts[first] -= 1
         self._sync(load)
+
+    def _retire(self, load: SlotLoad) -> None:
+        """A slot's sums left `_loads` (no booking can reach them now): keep its table."""
+        if len(self._spare_tables) < _SPARE_TABLES:
+            load.shared.clear()
+            self._spare_tables.append(load.shared)
+        load.shared = _idle().shared  # the retired sums must not share the recycled table
 
     def _sync(self, load: SlotLoad) -> None:
         row = self.sums[load.column]

@@ -61,11 +61,14 @@ class Fleet:
             [w.total_blocks for w in states for _ in range(w.dp_size)], np.int64
         )
         self.kv_usage = np.array([u for w in states for u in w.kv_usage], np.float64)
+        self.serving_role = ~self.prefill_role  # aggregated and decode workers
         self.has_prefill = bool(self.prefill_role.any())
         # where each slot's numbers live in the index and the active-request sums
         index_cols = [index.column(slot) for slot in self.slots]
         self.index_columns = index.column_count
-        self.index_pos = np.full(self.index_columns, -1, np.intp)
+        # index column → position; a column the router has no slot for (none, normally) maps
+        # to one past the last position, a scratch cell that `candidates` drops
+        self.index_pos = np.full(self.index_columns, len(self.slots), np.intp)
         self.index_pos[index_cols] = np.arange(len(self.slots))
         self.active_cols = np.array([active.column(slot) for slot in self.slots], np.intp)
         self.active_pos = {col: pos for pos, col in enumerate(self.active_cols.tolist())}
@@ -107,11 +110,10 @@ class Fleet:
         """The per-request columns: `matches` is `KvIndex.match_columns` of the prompt."""
         n = len(self.slots)
         sums = active.sums[self.active_cols]
-        overlap = np.zeros(n, np.int64)
+        overlap = np.zeros(n + 1, np.int64)
         if len(matches):
-            pos = self.index_pos[matches[:, 0]]
-            known = pos >= 0  # a slot the index knows but the router does not: not a candidate
-            overlap[pos[known]] = matches[known, 1]
+            overlap[self.index_pos[matches[:, 0]]] = matches[:, 1]
+        overlap = overlap[:n]
         held = np.zeros(n, np.int64)
         for col, blocks in active.held_prefixes(prompt_keys):
             pos = self.active_pos.get(col)

@@ -29,7 +29,7 @@ from dynamograph.protocol.tokenization import Tokenizer, get_tokenizer, request_
 
 from .discovery import WorkerRecord
 from .extproc import Refusal, Route
-from .scheduler import NoEligibleWorker, Overloaded, Router, RouteRequest
+from .scheduler import NoEligibleWorker, Overloaded, Router, RouteRequest, WorkerState
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +95,10 @@ class WorkerView:
         return ids
 
 
+def _ready(state: WorkerState | None) -> bool:
+    return state is not None and state.ready
+
+
 class RandomPicker:
     """Any ready serving endpoint, body unread (GAIE header-only routing; the protocol floor)."""
 
@@ -102,18 +106,15 @@ class RandomPicker:
         self.view = view
         self.router = router
 
-    def _ready(self, worker: _Worker) -> bool:
-        if self.router is None:
-            return True
-        state = self.router.workers().get(worker.instance_id)
-        return state is not None and state.ready
-
     def pick_any(self, subset: frozenset[str] | None) -> Route:
         allowed = self.view.allowed_ids(subset)
+        states = self.router.workers() if self.router is not None else None  # one copy a pick
         candidates = [
             w
             for w in self.view.workers.values()
-            if w.endpoint and (allowed is None or w.instance_id in allowed) and self._ready(w)
+            if w.endpoint
+            and (allowed is None or w.instance_id in allowed)
+            and (states is None or _ready(states.get(w.instance_id)))
         ]
         if not candidates:
             raise Refusal(503, "no ready worker with a serving endpoint; check the worker pods")

@@ -98,8 +98,8 @@ class RoleFilter:
     name = "role"
 
     def mask(self, ctx: Context, c: Candidates) -> np.ndarray:
-        prefill = c.fleet.prefill_role
-        return prefill if ctx.phase == Phase.PREFILL else ~prefill
+        fleet = c.fleet
+        return fleet.prefill_role if ctx.phase == Phase.PREFILL else fleet.serving_role
 
     def reason(self, ctx: Context) -> str:
         if ctx.phase == Phase.PREFILL:
@@ -192,8 +192,8 @@ class KvOverlapScorer:
     def score(self, ctx: Context, c: Candidates) -> None:
         if ctx.phase == Phase.DECODE:
             c.prefill_blocks = np.zeros_like(c.overlap)
-        else:
-            c.prefill_blocks = np.maximum(ctx.prompt_blocks - c.overlap, 0) + c.booked_prefill
+        else:  # uncached blocks: overlaps never exceed the prompt's hashed blocks, so ≥ 0
+            c.prefill_blocks = (ctx.prompt_blocks - c.overlap) + c.booked_prefill
 
 
 class LoadScorer:
@@ -221,14 +221,17 @@ class Picker(Protocol):
         ...
 
 
+_min = np.minimum.reduce  # ndarray.min without its Python-level wrapper
+
+
 def _least(ctx: Context, at: np.ndarray, *keys: np.ndarray) -> int:
     """The position in `at` with the smallest `keys` (compared in order, like a tuple); ties
     at random, among them in fleet order."""
     for key in keys:
         if len(at) == 1:
             break
-        values = key[at]
-        at = at[values == values.min()]
+        values = key if len(at) == len(key) else key[at]  # `at` is ascending: all = in order
+        at = at[values == _min(values)]
     return int(at[0]) if len(at) == 1 else ctx.rng.choice(at.tolist())
 
 

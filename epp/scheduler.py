@@ -24,12 +24,15 @@ Errors are exceptions carrying the HTTP status a caller should answer with:
 `NoEligibleWorker` (503, with the reason) and `Overloaded` (429, with Retry-After).
 """
 
+import functools
 import logging
+import operator
 import random
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import numpy as np
 
@@ -452,23 +455,30 @@ class Router:
         c.cost = None  # a phase's picker may leave no cost (then 0.0), not the last phase's
         if pinned_worker is not None:
             return self._pinned(ctx, c, pinned_worker, pinned_rank)
-        keep = None
-        for f in FILTERS:
-            mask = f.mask(ctx, c)
-            if mask is None:
-                continue
-            keep = mask if keep is None else keep & mask
-            if not keep.any():
-                if f.name == BUSY:
-                    raise Overloaded(f.reason(ctx), self.config.retry_after_s)
-                raise NoEligibleWorker(f.reason(ctx))
-        at = np.flatnonzero(keep) if keep is not None else np.arange(len(c.fleet))
+        masks = [m for m in (f.mask(ctx, c) for f in FILTERS) if m is not None]
+        keep = functools.reduce(operator.and_, masks)  # the role filter always gives a mask
+        at = keep.nonzero()[0]
+        if not len(at):
+            self._refuse(ctx, c)
         for scorer in SCORERS:
             scorer.score(ctx, c)
         chosen = self._picker.pick(ctx, c, at)
         if log.isEnabledFor(logging.DEBUG):
             _log_choice(ctx, c, chosen, at)
         return _pick(c, chosen)
+
+    def _refuse(self, ctx: Context, c: Candidates) -> NoReturn:
+        """No candidate is left: the filter that removed the last one names the refusal."""
+        keep = np.ones(len(c.fleet), bool)
+        for f in FILTERS:
+            mask = f.mask(ctx, c)
+            if mask is not None:
+                keep &= mask
+                if not keep.any():
+                    if f.name == BUSY:
+                        raise Overloaded(f.reason(ctx), self.config.retry_after_s)
+                    raise NoEligibleWorker(f.reason(ctx))
+        raise AssertionError("filters kept a slot on the second pass")
 
     def _pinned(self, ctx: Context, c: Candidates, worker_id: int, dp_rank: int | None) -> Pick:
         """A pinned phase skips the filters and the picker; an unpinned rank goes to the KV cost."""

@@ -11,6 +11,8 @@ Layout and probing are described in `kernels.py`. Keys 0 and 1 are reserved (EMP
 callers pass keys ≥ 2 (`MIN_KEY`).
 """
 
+import math
+
 import numpy as np
 
 from . import kernels
@@ -23,7 +25,7 @@ _MIN_CELLS = 8
 
 def _cells_for(keys: int, max_load: float) -> int:
     """The smallest power-of-two number of cells holding `keys` within `max_load`."""
-    need = max(_MIN_CELLS, int(np.ceil(max(keys, 1) / max_load)))
+    need = max(_MIN_CELLS, math.ceil(max(keys, 1) / max_load))
     return 1 << (need - 1).bit_length()
 
 
@@ -80,6 +82,11 @@ class U64Table:
         self.keys = self.vals = self.parts = None
         self._alloc(_cells_for(old_keys.size + n, self._max_load))
         return old_keys, old_vals
+
+    def clear(self) -> None:
+        """Empty the table, keeping its arrays."""
+        self.keys.fill(0)
+        self.meta[LIVE] = self.meta[USED] = 0
 
     def copy(self) -> "U64Table":
         other = U64Table.__new__(U64Table)
