@@ -48,7 +48,6 @@ PREFILL, DECODE, REQUESTS = 0, 1, 2  # the columns of `ActiveRequests.sums`
 
 
 _NO_KEYS = np.zeros(0, np.uint64)
-_SPARE_TABLES = 8
 
 
 def as_keys(keys: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -125,9 +124,9 @@ class ActiveRequests:
     )
     _columns: dict[Slot, int] = field(default_factory=dict, repr=False)
     _free_columns: list[int] = field(default_factory=list, repr=False)
-    # emptied key tables of slots that went idle, for the next slot to get busy (making one
-    # costs more than booking a 512-block prompt)
-    _spare_tables: list[U64Table] = field(default_factory=list, repr=False)
+    # the emptied sums of slots that went idle, reused when the slot gets busy again (making
+    # one, with its key table, costs more than booking a 512-block prompt)
+    _idle_loads: dict[Slot, SlotLoad] = field(default_factory=dict, repr=False)
 
     def column(self, slot: Slot) -> int:
         """The slot's row of `sums` (assigned on first use; kept until `drop_slot`)."""
@@ -197,8 +196,8 @@ class ActiveRequests:
         keys = as_keys(prompt_keys) if decode else _NO_KEYS
         load = self._loads.get(slot)
         if load is None:
-            shared = self._spare_tables.pop() if self._spare_tables else U64Table(1024)
-            load = self._loads[slot] = SlotLoad(shared=shared, column=self.column(slot))
+            load = self._idle_loads.pop(slot, None) or SlotLoad(column=self.column(slot))
+            self._loads[slot] = load
         booking = Booking(
             slot=slot,
             load=load,
@@ -259,9 +258,8 @@ class ActiveRequests:
         """Forget a removed slot's load; its bookings' later updates become no-ops, even if
         the slot comes back."""
         self._reap()
-        load = self._loads.pop(slot, None)
-        if load is not None:
-            self._retire(load)
+        self._loads.pop(slot, None)
+        self._idle_loads.pop(slot, None)
         col = self._columns.pop(slot, None)
         if col is not None:
             self.sums[col] = 0
@@ -272,10 +270,13 @@ class ActiveRequests:
         booking.live = False
         if load is None:
             return
-        if load.requests == 1:  # the slot's last booking: its sums leave with it
+        if load.requests == 1:  # the slot's last booking: its sums empty at once
             del self._loads[booking.slot]
             self.sums[load.column] = 0
-            self._retire(load)
+            load.prefill_blocks = load.private_blocks = load.requests = 0
+            load.shared.clear()
+            load.firsts.clear()
+            self._idle_loads[booking.slot] = load  # freed bookings of it are not `live`
             return
         load.requests -= 1
         load.prefill_blocks -= booking.prefill
@@ -289,13 +290,6 @@ class ActiveRequests:
             else:
                 load.firsts[first] -= 1
         self._sync(load)
-
-    def _retire(self, load: SlotLoad) -> None:
-        """A slot's sums left `_loads` (no booking can reach them now): keep its table."""
-        if len(self._spare_tables) < _SPARE_TABLES:
-            load.shared.clear()
-            self._spare_tables.append(load.shared)
-        load.shared = _idle().shared  # the retired sums must not share the recycled table
 
     def _sync(self, load: SlotLoad) -> None:
         row = self.sums[load.column]

@@ -63,6 +63,8 @@ _STAGE_GROWTH = 4
 # A slot's engine-hash table starts this big (24 KB): engines cache thousands of blocks, and each
 # doubling on the way there re-inserts every key.
 _SLOT_CAPACITY = 1024
+_NO_MATCH = np.zeros(0, np.int64)
+_NO_MATCH.flags.writeable = False
 
 
 def as_u64(values: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -347,7 +349,7 @@ class KvIndex:
     def _match(self, local_hashes: Sequence[int] | np.ndarray) -> np.ndarray:
         n = len(local_hashes)
         if n == 0 or not self._slots:
-            return self._found[:0].copy()
+            return _NO_MATCH
         alive, out, parts = self._alive, self._found, (*self._keys.parts, self._holders.shared)
         match = kernels.match_prefix
         if isinstance(local_hashes, np.ndarray):
@@ -365,4 +367,4 @@ class KvIndex:
                     break
                 depth += count
                 size *= _STAGE_GROWTH
-        return out[: 2 * nout].copy()
+        return out[: 2 * nout].copy() if nout else _NO_MATCH
