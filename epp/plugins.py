@@ -232,7 +232,9 @@ def _least(ctx: Context, at: np.ndarray, *keys: np.ndarray) -> int:
             break
         values = key if len(at) == len(key) else key[at]  # `at` is ascending: all = in order
         at = at[values == _min(values)]
-    return int(at[0]) if len(at) == 1 else ctx.rng.choice(at.tolist())
+    if len(at) == 1:
+        return int(at[0])
+    return int(at[ctx.rng.choice(range(len(at)))])  # the draw `rng.choice(list)` would make
 
 
 class KvPicker:
@@ -245,7 +247,7 @@ class KvPicker:
 
     def pick(self, ctx: Context, c: Candidates, at: np.ndarray) -> int:
         weight = 0.0 if ctx.phase == Phase.DECODE else ctx.config.overlap_weight
-        c.cost = np.asarray(kv_cost(c.prefill_blocks, c.decode_blocks, weight), np.float64)
+        c.cost = kv_cost(c.prefill_blocks, c.decode_blocks, float(weight))  # float64 column
         temperature = ctx.config.temperature
         if temperature <= 0 or len(at) == 1:
             return _least(ctx, at, c.cost, c.booked_decode, c.requests)
@@ -277,7 +279,7 @@ class RandomPicker:
     name = "random"
 
     def pick(self, ctx: Context, c: Candidates, at: np.ndarray) -> int:
-        return ctx.rng.choice(at.tolist())
+        return int(at[ctx.rng.choice(range(len(at)))])
 
 
 class LeastLoadedPicker:

@@ -24,9 +24,7 @@ Errors are exceptions carrying the HTTP status a caller should answer with:
 `NoEligibleWorker` (503, with the reason) and `Overloaded` (429, with Retry-After).
 """
 
-import functools
 import logging
-import operator
 import random
 import time
 from collections import OrderedDict
@@ -455,9 +453,12 @@ class Router:
         c.cost = None  # a phase's picker may leave no cost (then 0.0), not the last phase's
         if pinned_worker is not None:
             return self._pinned(ctx, c, pinned_worker, pinned_rank)
-        masks = [m for m in (f.mask(ctx, c) for f in FILTERS) if m is not None]
-        keep = functools.reduce(operator.and_, masks)  # the role filter always gives a mask
-        at = keep.nonzero()[0]
+        keep = None
+        for f in FILTERS:
+            mask = f.mask(ctx, c)
+            if mask is not None:
+                keep = mask if keep is None else keep & mask
+        at = keep.nonzero()[0]  # (the role filter always gives a mask)
         if not len(at):
             self._refuse(ctx, c)
         for scorer in SCORERS:
