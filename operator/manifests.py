@@ -8,7 +8,8 @@ carries the graph's labels and a controller ownerReference, so deleting the grap
 
 The pods run the command lines of the contract (docs/contracts.md): `dynamograph worker` with
 the frontend sidecar in engine pods that serve requests, `dynamograph epp`, and standalone
-`dynamograph frontend`. Errors the CRD schema cannot see (an unknown field in extraPodSpec)
+`dynamograph frontend`. The EPP serves the gateway's ext_proc connection with TLS unless its
+service says `tls.mode: Plaintext` (a self-signed certificate, or a mounted TLS Secret). Errors the CRD schema cannot see (an unknown field in extraPodSpec)
 raise `GraphError` naming the field.
 """
 
@@ -27,6 +28,8 @@ from .models import (
     SERVING_TYPES,
     ComponentType,
     DynamoGraph,
+    EppTlsMode,
+    EppTlsSpec,
     GraphError,
     RouterMode,
     RouterSpec,
@@ -54,6 +57,10 @@ MANAGED_BY = "dynamograph-operator"
 
 ROUTER_CONFIG_DIR = "/etc/dynamograph/router"
 ROUTER_CONFIG_FILE = "router.yaml"
+# Where the EPP's TLS Secret is mounted (GAIE's chart mounts its certificate the same way:
+# a folder with tls.crt and tls.key given to --cert-path).
+EPP_TLS_DIR = "/etc/dynamograph/epp-tls"
+EPP_TLS_VOLUME = "epp-tls"
 POOL_GROUP = "inference.networking.k8s.io"
 
 _ROLES = {
@@ -197,6 +204,14 @@ def _container(
     }
 
 
+def epp_tls(graph: DynamoGraph) -> EppTlsSpec:
+    """The EPP's TLS choice: its service's `tls`, else SelfSigned (TLS, as GAIE's EPP)."""
+    for spec in graph.spec.services_of(ComponentType.EPP).values():
+        if spec.tls is not None:
+            return spec.tls
+    return EppTlsSpec()
+
+
 def _router(graph: DynamoGraph) -> RouterSpec:
     """The graph's routing policy: the EPP's router section, else the defaults."""
     for spec in graph.spec.services_of(ComponentType.EPP).values():
@@ -287,7 +302,9 @@ def frontend_args(graph: DynamoGraph, owner: Owner, *, sidecar: bool, mode: str)
     return args
 
 
-def epp_args(graph: DynamoGraph, owner: Owner, router: RouterSpec) -> list[str]:
+def epp_args(
+    graph: DynamoGraph, owner: Owner, router: RouterSpec, tls: EppTlsSpec | None = None
+) -> list[str]:
     args = [
         "epp",
         "--host",
@@ -317,7 +334,18 @@ def epp_args(graph: DynamoGraph, owner: Owner, router: RouterSpec) -> list[str]:
     ]
     if router.enforce_disagg:
         args.append("--enforce-disagg")
-    return args
+    return args + _tls_args(tls or EppTlsSpec())
+
+
+def _tls_args(tls: EppTlsSpec) -> list[str]:
+    """GAIE's flags, spelled out (the CLI's own default is plaintext, GAIE's is TLS)."""
+    if tls.mode == EppTlsMode.PLAINTEXT:
+        return ["--secure-serving=false"]
+    if tls.mode == EppTlsMode.SELF_SIGNED:
+        return ["--secure-serving=true"]
+    # The kubelet swaps a changed Secret into the volume; the EPP takes it up for new
+    # connections (cert-manager renewals need no restart).
+    return ["--secure-serving=true", "--cert-path", EPP_TLS_DIR, "--enable-cert-reload=true"]
 
 
 def uses_kv_events(router: RouterSpec) -> bool:
@@ -408,10 +436,14 @@ def _epp_container(
     graph: DynamoGraph, owner: Owner, spec: ServiceSpec, image: str, config: OperatorConfig
 ) -> dict[str, Any]:
     cpu_memory = _cpu_memory(spec)
+    tls = epp_tls(graph)
+    mounts = [{"name": "router-config", "mountPath": ROUTER_CONFIG_DIR, "readOnly": True}]
+    if tls.mode == EppTlsMode.SECRET:
+        mounts.append({"name": EPP_TLS_VOLUME, "mountPath": EPP_TLS_DIR, "readOnly": True})
     return _container(
         "epp",
         image,
-        epp_args(graph, owner, _router(graph)),
+        epp_args(graph, owner, _router(graph), tls),
         config,
         ports=[
             {"name": "grpc", "containerPort": EPP_GRPC_PORT, "protocol": "TCP"},
@@ -420,7 +452,7 @@ def _epp_container(
         ],
         env=_downward_env() + _user_env(spec),
         resources={"requests": cpu_memory, "limits": cpu_memory} if cpu_memory else {},
-        volumeMounts=[{"name": "router-config", "mountPath": ROUTER_CONFIG_DIR, "readOnly": True}],
+        volumeMounts=mounts,
         # The EPP's gRPC health services: readiness (a serving worker is known, not draining)
         # and liveness (the process runs).
         readinessProbe=_grpc_probe(EPP_HEALTH_PORT, "readiness", 5, 3),
@@ -511,6 +543,10 @@ def _deployment(
         volumes.append(
             {"name": "router-config", "configMap": {"name": router_config_name(graph.name)}}
         )
+        tls = epp_tls(graph)
+        if tls.mode == EppTlsMode.SECRET:
+            # No subPath mounts: the kubelet only updates whole Secret volumes on rotation.
+            volumes.append({"name": EPP_TLS_VOLUME, "secret": {"secretName": tls.secret_name}})
     else:  # standalone frontend
         containers = [_frontend_container(graph, owner, spec, image, config, sidecar=False)]
         annotations["prometheus.io/port"] = str(HTTP_PORT)
@@ -583,6 +619,12 @@ def _service(
         "metadata": _meta(owner, name, labels),
         "spec": {"type": "ClusterIP", "selector": selector, "ports": ports},
     }
+
+
+def _epp_app_protocol(tls: EppTlsSpec) -> str:
+    """`kubernetes.io/h2c` says HTTP/2 in cleartext (Gateway API GEP-1911); over TLS the port
+    is HTTP/2 inside TLS, which GAIE's chart labels `http2`."""
+    return "kubernetes.io/h2c" if tls.mode == EppTlsMode.PLAINTEXT else "http2"
 
 
 def _frontend_selector(graph: DynamoGraph) -> dict[str, str]:
@@ -665,7 +707,7 @@ def desired_objects(
                         "port": EPP_GRPC_PORT,
                         "targetPort": "grpc",
                         "protocol": "TCP",
-                        "appProtocol": "kubernetes.io/h2c",
+                        "appProtocol": _epp_app_protocol(epp_tls(graph)),
                     },
                     {
                         "name": "grpc-health",

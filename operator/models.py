@@ -79,6 +79,14 @@ class RouterMode(StrEnum):
 FRONTEND_MODES = frozenset({RouterMode.KV, RouterMode.ROUND_ROBIN})
 
 
+class EppTlsMode(StrEnum):
+    """How the EPP serves the ext_proc port the gateway connects to."""
+
+    PLAINTEXT = "Plaintext"  # h2c
+    SELF_SIGNED = "SelfSigned"  # TLS, a certificate the EPP makes at start (GAIE's default)
+    SECRET = "Secret"  # TLS, tls.crt/tls.key of a kubernetes.io/tls Secret, reloaded on change
+
+
 class FailureMode(StrEnum):
     FAIL_OPEN = "FailOpen"
     FAIL_CLOSE = "FailClose"
@@ -220,6 +228,57 @@ def _cel(rule: str, message: str, field_path: str | None = None) -> dict[str, st
     return out
 
 
+# A Secret's name is a DNS subdomain.
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+_IS_SECRET_MODE = "has(self.mode) && self.mode == 'Secret'"
+
+
+class EppTlsSpec(_Model):
+    """TLS on the EPP's ext_proc port. Gateways connect to an endpoint picker with TLS by
+    default (GAIE's InferencePool API; kgateway only does TLS), without verifying it unless
+    configured to (Istio: a DestinationRule with `tls.mode: SIMPLE`)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    f"!({_IS_SECRET_MODE}) || has(self.secretName)",
+                    "secretName: mode Secret needs the name of a kubernetes.io/tls Secret",
+                    ".secretName",
+                ),
+                _cel(
+                    f"!has(self.secretName) || ({_IS_SECRET_MODE})",
+                    "secretName: only mode Secret uses a Secret",
+                    ".secretName",
+                ),
+            ]
+        }
+    )
+
+    mode: EppTlsMode = Field(
+        default=EppTlsMode.SELF_SIGNED,
+        description="SelfSigned (default, as GAIE's EPP): TLS with a certificate made at start; "
+        "Secret: TLS with the secretName Secret's tls.crt/tls.key, reloaded when it changes; "
+        "Plaintext: h2c, for gateways that connect without TLS",
+    )
+    secret_name: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=253,
+        pattern=DNS_SUBDOMAIN,
+        description="mode Secret: a kubernetes.io/tls Secret in the graph's namespace "
+        "(e.g. one cert-manager keeps renewed)",
+    )
+
+    @model_validator(mode="after")
+    def _secret_for_secret_mode(self) -> EppTlsSpec:
+        if self.mode == EppTlsMode.SECRET and self.secret_name is None:
+            raise ValueError("secretName: mode Secret needs the name of a kubernetes.io/tls Secret")
+        if self.mode != EppTlsMode.SECRET and self.secret_name is not None:
+            raise ValueError(f"secretName: only mode Secret uses a Secret, not mode {self.mode}")
+        return self
+
+
 _ENGINE_CEL = "self.componentType in ['worker', 'prefill', 'decode']"
 
 
@@ -247,6 +306,11 @@ class ServiceSpec(_Model):
                     f"{_ENGINE_CEL} || !has(self.dataParallelSize) || self.dataParallelSize == 1",
                     "dataParallelSize: only worker, prefill and decode services run an engine",
                     ".dataParallelSize",
+                ),
+                _cel(
+                    "!has(self.tls) || self.componentType == 'epp'",
+                    "tls: only epp services serve the gateway's ext_proc connection",
+                    ".tls",
                 ),
                 _cel(
                     "self.componentType != 'frontend' || !has(self.router) "
@@ -280,6 +344,11 @@ class ServiceSpec(_Model):
     router: RouterSpec | None = Field(
         default=None, description="routing policy (epp and frontend services)"
     )
+    tls: EppTlsSpec | None = Field(
+        default=None,
+        description="epp services: TLS on the ext_proc port the gateway connects to; "
+        "absent means mode SelfSigned",
+    )
 
     @model_validator(mode="after")
     def _fits_component(self) -> ServiceSpec:
@@ -290,6 +359,8 @@ class ServiceSpec(_Model):
             )
         if self.router is not None and kind not in ROUTER_TYPES:
             raise ValueError(f"router: {kind} services do not route (only epp and frontend do)")
+        if self.tls is not None and kind != ComponentType.EPP:
+            raise ValueError(f"tls: {kind} services do not serve ext_proc (only epp does)")
         if kind not in ENGINE_TYPES and self.data_parallel_size != 1:
             raise ValueError(f"dataParallelSize: {kind} services run no engine")
         if kind not in ENGINE_TYPES and self.resources.gpu:
