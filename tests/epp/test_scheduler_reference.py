@@ -298,3 +298,24 @@ def test_a_tie_goes_to_the_least_booked_load_before_the_fewest_requests():
         0,
         decision.decode.cost,
     ) == expected
+
+
+def test_debug_log_names_the_choice_and_the_cheapest_others(caplog):
+    router = Router(RouterConfig(seed=3), clock=lambda: 1000.0)
+    for wid in (1, 2, 3):
+        router.add_worker(wid, block_size=BS, total_blocks=1000)
+    toks = family_tokens(1, 6)
+    engine = [10 + b for b in range(6)]
+    batch = EventBatch(0.0, [BlockStored(engine, None, toks, BS, None)], 0)
+    assert router.apply_kv_batch(2, 0, batch) is None
+    request = RouteRequest("d", block_hash_array(toks, BS), len(toks), query_only=True)
+    router.schedule(request)
+    assert not caplog.records  # nothing built or logged above debug level
+    with caplog.at_level("DEBUG", logger="dynamograph.epp.scheduler"):
+        decision = router.schedule(request)
+    assert decision.decode.worker_id == 2
+    (record,) = [r for r in caplog.records if "pick" in r.getMessage()]
+    message = record.getMessage()
+    assert message.startswith("aggregated pick (2, 0) of 6 blocks: overlap=6 prefill=0 decode=6")
+    assert "cost=6 requests=0; next: (1, 0) overlap=0 prefill=6 decode=6 cost=12" in message
+    assert "(3, 0) overlap=0" in message
