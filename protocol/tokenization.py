@@ -16,6 +16,7 @@ import functools
 import json
 import logging
 import re
+import threading
 import unicodedata
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -385,9 +386,22 @@ def _chat_template_source(folder: Path, config: dict[str, Any]) -> str | None:
     return template
 
 
-@functools.lru_cache(maxsize=8)
+_load_locks: dict[str, threading.Lock] = {}
+_load_locks_guard = threading.Lock()
+
+
 def get_tokenizer(spec: str = DEFAULT_TOKENIZER) -> Tokenizer:
-    """`qwen`, `qwen:<vocabulary>` or a path to a tokenizer.json / its folder. Cached per spec."""
+    """`qwen`, `qwen:<vocabulary>` or a path to a tokenizer.json / its folder. Cached per spec;
+    callers asking for a spec while it loads (a preloading thread and a first request) wait
+    for that one load (~2 s of CPU for a Qwen vocabulary) instead of starting another."""
+    with _load_locks_guard:
+        lock = _load_locks.setdefault(spec, threading.Lock())
+    with lock:
+        return _load_tokenizer(spec)
+
+
+@functools.lru_cache(maxsize=8)
+def _load_tokenizer(spec: str) -> Tokenizer:
     if spec == "qwen":
         return QwenTokenizer("qwen2.5-72b-instruct")
     if spec.startswith("qwen:"):

@@ -91,3 +91,25 @@ def test_unknown_tokenizer_spec():
 def test_model_names_map_to_offline_vocabularies():
     assert tokenizer_for_model("Qwen/Qwen3-0.6B") == "qwen"
     assert tokenizer_for_model("Qwen/Qwen3.5-27B") == "qwen:qwen3.5-27b"
+
+
+def test_concurrent_first_loads_share_one_tokenizer(monkeypatch):
+    """A preloading thread and a first request asking at once get the same object, loaded once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dynamograph.protocol import tokenization
+
+    loads = []
+    original = tokenization.QwenTokenizer
+
+    class Counting(original):
+        def __init__(self, vocabulary):
+            loads.append(vocabulary)
+            super().__init__(vocabulary)
+
+    monkeypatch.setattr(tokenization, "QwenTokenizer", Counting)
+    spec = "qwen:qwen2.5-7b-instruct"  # a spec no other test loads
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda _: tokenization.get_tokenizer(spec), range(4)))
+    assert len(loads) == 1
+    assert all(t is got[0] for t in got)
