@@ -72,6 +72,8 @@ class Fleet:
         self.index_pos[index_cols] = np.arange(len(self.slots))
         self.active_cols = np.array([active.column(slot) for slot in self.slots], np.intp)
         self.active_pos = {col: pos for pos, col in enumerate(self.active_cols.tolist())}
+        # usually the slots' sum rows are 0..n-1 in fleet order: then a slice, not a gather
+        self._sums_in_order = self.active_cols.tolist() == list(range(len(self.slots)))
         self._lora_masks: dict[str, np.ndarray] = {}
 
     def __len__(self) -> int:
@@ -109,7 +111,8 @@ class Fleet:
     ) -> Candidates:
         """The per-request columns: `matches` is `KvIndex.match_columns` of the prompt."""
         n = len(self.slots)
-        sums = active.sums[self.active_cols]
+        # a view is enough: nothing books between gathering and deciding
+        sums = active.sums[:n] if self._sums_in_order else active.sums[self.active_cols]
         overlap = np.zeros(n + 1, np.int64)
         if len(matches):
             overlap[self.index_pos[matches[:, 0]]] = matches[:, 1]
