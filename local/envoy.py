@@ -7,13 +7,16 @@
   An ext_proc filter talking to the EPP over HTTP/2 with request/response headers SEND, bodies
   FULL_DUPLEX_STREAMED sent without waiting for the header response, trailers SEND, no mode
   override, and `envoy.lb` accepted as dynamic metadata; every route goes to an ORIGINAL_DST cluster that connects to the address in
-  `x-gateway-destination-endpoint`, the header the EPP sets.
+  `x-gateway-destination-endpoint`, the header the EPP sets. With `epp_tls` the ext_proc
+  connection is TLS (an UpstreamTlsContext): unverified like kgateway and Istio's
+  `insecureSkipVerify`, or, given `epp_ca`, verified against it for the name `epp_sni`.
 - `run_envoy(config, ...)`: async context manager; starts Envoy with `--disable-hot-restart`
   (parallel runs must not share shared memory), waits for admin `/ready`, yields an
   `EnvoyProcess` (ports, pid, log path), and stops it (SIGTERM, then SIGKILL) on exit.
 """
 
 import asyncio
+import base64
 import contextlib
 import json
 import os
@@ -84,6 +87,9 @@ def envoy_config(
     message_timeout_s: float = 300.0,
     route_timeout_s: float = 600.0,
     connect_timeout_s: float = 5.0,
+    epp_tls: bool = False,
+    epp_ca: bytes | None = None,
+    epp_sni: str | None = None,
 ) -> dict[str, Any]:
     """The bootstrap of a GAIE gateway in front of one InferencePool whose EPP is `epp_address`.
 
@@ -91,6 +97,8 @@ def envoy_config(
     once the whole body has arrived, so it must cover the upload of the largest request.
     """
     epp_host, epp_port = _split_host_port(epp_address)
+    if (epp_ca is not None or epp_sni is not None) and not epp_tls:
+        raise ValueError("epp_ca and epp_sni need epp_tls")
     ext_proc = {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
         "grpc_service": {
@@ -176,6 +184,7 @@ def envoy_config(
                 },
                 {
                     "name": EPP_CLUSTER,
+                    **({"transport_socket": _epp_tls(epp_ca, epp_sni)} if epp_tls else {}),
                     "type": "STATIC",
                     "lb_policy": "ROUND_ROBIN",
                     "connect_timeout": f"{connect_timeout_s}s",
@@ -199,6 +208,25 @@ def envoy_config(
             ],
         },
     }
+
+
+def _epp_tls(ca: bytes | None, sni: str | None) -> dict[str, Any]:
+    """TLS to the EPP; without a CA Envoy accepts any certificate (the gateways' usual stance
+    towards an EPP's self-signed one)."""
+    context: dict[str, Any] = {
+        "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+        "common_tls_context": {},
+    }
+    if sni is not None:
+        context["sni"] = sni
+    if ca is not None:
+        validation: dict[str, Any] = {"trusted_ca": {"inline_bytes": base64.b64encode(ca).decode()}}
+        if sni is not None:
+            validation["match_typed_subject_alt_names"] = [
+                {"san_type": "DNS", "matcher": {"exact": sni}}
+            ]
+        context["common_tls_context"]["validation_context"] = validation
+    return {"name": "envoy.transport_sockets.tls", "typed_config": context}
 
 
 @dataclass

@@ -4,7 +4,8 @@ In a cluster, a Gateway controller reads the InferencePool, resolves its `endpoi
 Service to the EPP pod and programs Envoy's ext_proc cluster with it. Here `epp_endpoint`
 does that resolution (InferencePool -> Service -> ready Pod -> podIP:targetPort, as kube-proxy
 would route it) and `run_gateway` starts Envoy from `dynamograph.local.envoy` (the same
-bootstrap `dynamograph up` uses) pointed at the EPP pod's loopback address.
+bootstrap `dynamograph up` uses) pointed at the EPP pod's loopback address, over TLS (unverified, as kgateway does) unless the
+EPP Service's port says `kubernetes.io/h2c`.
 """
 
 import contextlib
@@ -53,6 +54,17 @@ def epp_endpoint(
     return None
 
 
+def epp_uses_tls(pool: dict[str, Any], services: list[dict[str, Any]]) -> bool:
+    """Whether to speak TLS to the EPP (pure): GAIE gateways do by default; a Service port that
+    says `appProtocol: kubernetes.io/h2c` (the operator's Plaintext mode) is cleartext HTTP/2."""
+    ref = pool["spec"]["endpointPickerRef"]
+    service = next((s for s in services if s["metadata"]["name"] == ref["name"]), None)
+    ports = (service or {}).get("spec", {}).get("ports") or []
+    number = int(ref["port"]["number"])
+    port = next((p for p in ports if int(p["port"]) == number), {})
+    return port.get("appProtocol") != "kubernetes.io/h2c"
+
+
 def fail_open(pool: dict[str, Any]) -> bool:
     return pool["spec"]["endpointPickerRef"].get("failureMode") == "FailOpen"
 
@@ -83,6 +95,9 @@ async def run_gateway(
         f"InferencePool {namespace}/{pool_name} with a ready endpoint picker",
         within=within,
     )
-    config = envoy_config(free_port(), free_port(), address, failure_mode_allow=fail_open(pool))
+    tls = epp_uses_tls(pool, await api.list(SERVICES, namespace))
+    config = envoy_config(
+        free_port(), free_port(), address, failure_mode_allow=fail_open(pool), epp_tls=tls
+    )
     async with run_envoy(config, workdir=workdir) as envoy:
         yield envoy

@@ -1,9 +1,8 @@
 """Shared fixtures and helpers for the EPP tests: real mock workers, a real EPP, an ext_proc
 client speaking with Envoy's message sequences (xds-protos types), and a real Envoy; for TLS,
-a folder laid out like a mounted TLS Secret and the Envoy bootstrap with TLS to the EPP."""
+a folder laid out like a mounted TLS Secret."""
 
 import asyncio
-import base64
 import contextlib
 from collections.abc import Iterable
 from pathlib import Path
@@ -20,7 +19,6 @@ from dynamograph.epp.config import RouterConfig
 from dynamograph.epp.discovery import StaticSource, WorkerTarget
 from dynamograph.epp.server import Epp, EppSettings
 from dynamograph.epp.tls import KeyPair
-from dynamograph.local.envoy import EPP_CLUSTER
 from dynamograph.worker.testing import mock_worker
 
 MODEL = "Qwen/Qwen3-0.6B"
@@ -322,26 +320,3 @@ class SecretVolume:
             link = self.root / name
             if not link.is_symlink():
                 link.symlink_to(f"..data/{name}")
-
-
-def with_epp_tls(config: dict, trusted_ca: bytes | None = None) -> dict:
-    """The Envoy bootstrap of local/envoy.py with TLS to the EPP: an UpstreamTlsContext on the
-    endpoint-picker cluster. Without `trusted_ca` Envoy does not verify the certificate (what
-    kgateway programs, and Istio's `insecureSkipVerify`); with it, Envoy verifies the chain
-    and the name `localhost`."""
-    tls: dict = {
-        "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
-        "common_tls_context": {},
-    }
-    if trusted_ca is not None:
-        tls["sni"] = "localhost"
-        tls["common_tls_context"]["validation_context"] = {
-            "trusted_ca": {"inline_bytes": base64.b64encode(trusted_ca).decode()},
-            "match_typed_subject_alt_names": [
-                {"san_type": "DNS", "matcher": {"exact": "localhost"}}
-            ],
-        }
-    clusters = config["static_resources"]["clusters"]
-    (cluster,) = [c for c in clusters if c["name"] == EPP_CLUSTER]
-    cluster["transport_socket"] = {"name": "envoy.transport_sockets.tls", "typed_config": tls}
-    return config

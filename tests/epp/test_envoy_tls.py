@@ -10,7 +10,7 @@ from dynamograph.epp.tls import TlsSettings, self_signed_pair
 from dynamograph.local.envoy import envoy_config, run_envoy
 from dynamograph.worker.testing import free_port, mock_worker
 
-from .conftest import MODEL, SecretVolume, eventually, running_epp, with_epp_tls
+from .conftest import MODEL, SecretVolume, eventually, running_epp
 from .test_envoy_gateway import HAVE_ENVOY, WORKER_HEADER, _chat, _post
 
 pytestmark = pytest.mark.integration
@@ -42,8 +42,13 @@ async def tls_gateway(request, tmp_path):
             return route
 
         picker.pick = recording_pick
-        config = with_epp_tls(
-            envoy_config(free_port(), free_port(), f"127.0.0.1:{epp.grpc_port}"), trusted
+        config = envoy_config(
+            free_port(),
+            free_port(),
+            f"127.0.0.1:{epp.grpc_port}",
+            epp_tls=True,
+            epp_ca=trusted,
+            epp_sni="localhost" if trusted else None,
         )
         async with run_envoy(config) as envoy, aiohttp.ClientSession() as http:
             yield envoy, http, epp, [a, b], picks
