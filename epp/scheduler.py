@@ -42,7 +42,7 @@ from dynamograph.protocol.pins import RoutePins
 from .active import ActiveRequests, Booking, RequestGuard, Slot
 from .config import Policy, RouterConfig
 from .fleet import Fleet, WorkerState
-from .index import KvIndex, chain_keys
+from .index import KvIndex, as_u64, chain_keys
 from .plugins import BUSY, FILTERS, SCORERS, Candidates, Context, KvPicker, Phase, make_picker
 from .seqtrack import GapInfo, SequenceTracker, Verdict
 
@@ -96,7 +96,7 @@ class RouteRequest:
     """What the scheduler needs to know about one request.
 
     `block_hashes` are `protocol.hashing.block_hash_array(tokens, router.block_size,
-    lora_name)`: a uint64 array (a list of the same ints works too, converted on each use).
+    lora_name)`: a uint64 array (a list of the same ints works too, converted once a schedule).
     """
 
     request_id: str
@@ -164,7 +164,7 @@ class Router:
         self._seqs = SequenceTracker()
         self._sessions: OrderedDict[str, _Binding] = OrderedDict()
         # per slot, bookings whose prefill is pending, with their prompt hashes and blocks
-        self._prefilling: dict[Slot, list[tuple[Booking, Sequence[int], int]]] = {}
+        self._prefilling: dict[Slot, list[tuple[Booking, np.ndarray, int]]] = {}
 
     # -- workers -------------------------------------------------------------------------
     def add_engine(self, config: EngineConfig) -> bool:
@@ -379,9 +379,12 @@ class Router:
         if not self.config.use_kv_events:
             self.index.expire(now)
         fleet = self._current_fleet()
-        has_blocks = len(request.block_hashes) > 0
-        matches = self.index.match_columns(request.block_hashes) if has_blocks else _NO_MATCHES
-        prompt_keys = chain_keys(0, request.block_hashes) if has_blocks else _NO_KEYS
+        # converted once: the prompt's keys need every block anyway (a list would otherwise be
+        # converted again, in stages, by the index's walk)
+        hashes = as_u64(request.block_hashes)
+        has_blocks = hashes.size > 0
+        matches = self.index.match_columns(hashes) if has_blocks else _NO_MATCHES
+        prompt_keys = chain_keys(0, hashes) if has_blocks else _NO_KEYS
         # every hashed block is a prompt block, whatever isl_tokens says
         prompt_blocks = max(-(-request.isl_tokens // self._block_size), len(prompt_keys))
         output_blocks = 0
@@ -422,12 +425,12 @@ class Router:
             return decision
         if session is not None and pins.worker_id is None:
             self._bind(session, (decode.worker_id, decode.dp_rank), now)
-        decision.guard = self._book(request, decision, prompt_blocks, prompt_keys)
+        decision.guard = self._book(request, decision, hashes, prompt_blocks, prompt_keys)
         if not self.config.use_kv_events and has_blocks:
             expires = now + self.config.approx_ttl_s
             for pick in (prefill, decode):
                 if pick is not None:
-                    self.index.record((pick.worker_id, pick.dp_rank), request.block_hashes, expires)
+                    self.index.record((pick.worker_id, pick.dp_rank), hashes, expires)
         return decision
 
     def _disaggregated(self, request: RouteRequest, fleet: Fleet) -> bool | str:
@@ -540,6 +543,7 @@ class Router:
         self,
         request: RouteRequest,
         decision: Decision,
+        hashes: np.ndarray,
         prompt_blocks: int,
         prompt_keys: np.ndarray,
     ) -> RequestGuard:
@@ -564,7 +568,7 @@ class Router:
         if self.config.use_kv_events and len(prompt_keys) > (prefill or decode).overlap_blocks:
             computing = prefill_booking or decode_booking
             entries = self._prefilling.setdefault(computing.slot, [])
-            entries.append((computing, request.block_hashes, prompt_blocks))
+            entries.append((computing, hashes, prompt_blocks))
             if len(entries) > 64:  # freed bookings leave only when the slot's events come
                 entries[:] = [e for e in entries if e[0].live and e[0].prefill]
         return RequestGuard(self.active, request.request_id, decode_booking, prefill_booking)
