@@ -42,11 +42,6 @@ def parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, not {text!r}")
 
 
-def _env_bool(name: str) -> bool | None:
-    value = os.environ.get(name)
-    return None if value is None or value == "" else parse_bool(value)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--host",
@@ -78,7 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=parse_bool,
         nargs="?",
         const=True,
-        default=_env_bool("DYNAMOGRAPH_EPP_SECURE_SERVING"),
+        # A string default goes through parse_bool too: a bad env value is a usage error.
+        default=os.environ.get("DYNAMOGRAPH_EPP_SECURE_SERVING") or None,
         metavar="BOOL",
         help="serve ext_proc over TLS: the --cert-path pair, else a self-signed certificate made "
         "at start (default: off, on when --cert-path is given; GAIE's default is on)",
@@ -94,7 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=parse_bool,
         nargs="?",
         const=True,
-        default=_env_bool("DYNAMOGRAPH_EPP_CERT_RELOAD") or False,
+        default=os.environ.get("DYNAMOGRAPH_EPP_CERT_RELOAD") or "false",
         metavar="BOOL",
         help="take up new files in --cert-path (cert-manager rotation) for new connections, "
         "without a restart",

@@ -167,7 +167,11 @@ def test_meaningless_flag_combinations_are_refused(argv, message):
         tls_from_args(_parse(*argv))
 
 
-def test_bad_boolean_is_an_argparse_error(capsys):
+def test_bad_boolean_is_an_argparse_error(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         _parse("--secure-serving=maybe")
-    assert "expected true or false" in capsys.readouterr().err
+    assert "expected true or false, not 'maybe'" in capsys.readouterr().err
+    monkeypatch.setenv("DYNAMOGRAPH_EPP_CERT_RELOAD", "sometimes")
+    with pytest.raises(SystemExit):
+        _parse()
+    assert "expected true or false, not 'sometimes'" in capsys.readouterr().err
