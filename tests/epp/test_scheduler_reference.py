@@ -153,7 +153,17 @@ request_st = st.fixed_dictionaries(
         max_size=25,
     ),
     booked=st.lists(st.tuples(request_st, st.sampled_from(["keep", "free", "prefill_done"]))),
-    requests=st.lists(request_st, min_size=1, max_size=6),
+    requests=st.lists(
+        st.tuples(
+            request_st,
+            # between requests the fleet changes: a worker leaves (and comes back with
+            # other ranks), turns (not) ready, or reports KV usage
+            st.none()
+            | st.tuples(st.sampled_from(["remove", "readd", "ready", "usage"]), st.integers(0, 11)),
+        ),
+        min_size=1,
+        max_size=6,
+    ),
     policy=st.sampled_from([Policy.KV] * 4 + [Policy.LEAST_LOADED]),
     temperature=st.sampled_from([0.0, 0.0, 0.5]),
     overlap_weight=st.sampled_from([0.0, 1.0, 1.0, 4.0, 0.5]),
@@ -227,7 +237,26 @@ def test_decisions_equal_the_per_slot_reference(
             decision.guard.mark_prefill_done()
             decision.guard.add_output_tokens(r["osl"] or 3)
 
-    for n, r in enumerate(requests, start=len(booked)):
+    for n, (r, change) in enumerate(requests, start=len(booked)):
+        if change is not None:
+            kind, which = change
+            wid, w = ids[which % len(ids)], workers[which % len(ids)]
+            if kind == "remove" and len(router.workers()) > 1:
+                router.remove_worker(wid)
+            elif kind == "readd":
+                w["dp"] = w["dp"] % 3 + 1
+                router.add_worker(
+                    wid,
+                    role=w["role"],
+                    dp_size=w["dp"],
+                    block_size=BS,
+                    total_blocks=w["total"],
+                    lora_names=sorted(w["lora"]),
+                )
+            elif kind == "ready" and wid in router.workers():
+                router.set_ready(wid, not router.workers()[wid].ready)
+            elif kind == "usage" and wid in router.workers():
+                router.update_load(wid, 0, kv_usage=0.95 - router.workers()[wid].kv_usage[0])
         request = route_request(n, r, True)
         rng = random.Random()
         rng.setstate(router._rng.getstate())
