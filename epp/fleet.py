@@ -117,10 +117,12 @@ class Fleet:
         if len(matches):
             overlap[self.index_pos[matches[:, 0]]] = matches[:, 1]
         overlap = overlap[:n]
-        held = np.zeros(n, np.int64)
+        held = None
         for col, blocks in active.held_prefixes(prompt_keys):
             pos = self.active_pos.get(col)
             if pos is not None:
+                if held is None:
+                    held = np.zeros(n, np.int64)
                 held[pos] = blocks
         return Candidates(
             fleet=self,

@@ -296,6 +296,29 @@ def held_prefix(keys, tk, tv, meta):
     return lo
 
 
+# -- the scheduler's tie-breaks -----------------------------------------------------------
+@_kernel("i8(i8[::1], f8[::1], i8[:], i8[:], i8[::1])")
+def least_of(at, k1, k2, k3, out):
+    """The positions among `at` whose (k1, k2, k3) is smallest, compared like tuples, written
+    to `out` in `at`'s order; returns how many (ties: more than one)."""
+    n = 0
+    for j in range(at.size):
+        p = at[j]
+        if n > 0:
+            b = out[0]
+            if k1[p] > k1[b] or (
+                k1[p] == k1[b] and (k2[p] > k2[b] or (k2[p] == k2[b] and k3[p] > k3[b]))
+            ):
+                continue
+            if k1[p] == k1[b] and k2[p] == k2[b] and k3[p] == k3[b]:
+                out[n] = p
+                n += 1
+                continue
+        out[0] = p
+        n = 1
+    return n
+
+
 # -- holders -------------------------------------------------------------------------------
 @_inline
 def _bit(column):

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from . import kernels
 from .config import Policy, RouterConfig
 
 if TYPE_CHECKING:
@@ -51,7 +52,7 @@ class Candidates:
     booked_decode: np.ndarray  # blocks booked requests hold (shared prompt blocks once)
     requests: np.ndarray  # booked requests
     overlap: np.ndarray  # prompt blocks cached on the slot (KV index)
-    held: np.ndarray  # leading prompt blocks live requests on the slot already hold
+    held: np.ndarray | None  # leading prompt blocks live requests here hold (None: nowhere)
     prefill_blocks: np.ndarray | None = None  # blocks the slot would compute, this request's too
     decode_blocks: np.ndarray | None = None  # blocks the slot would hold, this request's too
     cost: np.ndarray | None = None  # the picker's cost (the kv picker's; else unset)
@@ -203,7 +204,9 @@ class LoadScorer:
     name = "load"
 
     def score(self, ctx: Context, c: Candidates) -> None:
-        new_prompt = ctx.prompt_blocks + ctx.output_blocks - c.held
+        new_prompt = ctx.prompt_blocks + ctx.output_blocks
+        if c.held is not None:
+            new_prompt = new_prompt - c.held
         c.decode_blocks = c.booked_decode + new_prompt
 
 
@@ -221,20 +224,16 @@ class Picker(Protocol):
         ...
 
 
-_min = np.minimum.reduce  # ndarray.min without its Python-level wrapper
-
-
-def _least(ctx: Context, at: np.ndarray, *keys: np.ndarray) -> int:
-    """The position in `at` with the smallest `keys` (compared in order, like a tuple); ties
-    at random, among them in fleet order."""
-    for key in keys:
-        if len(at) == 1:
-            break
-        values = key if len(at) == len(key) else key[at]  # `at` is ascending: all = in order
-        at = at[values == _min(values)]
+def _least(ctx: Context, at: np.ndarray, k1: np.ndarray, k2: np.ndarray, k3: np.ndarray) -> int:
+    """The position in `at` with the smallest (k1, k2, k3), compared like a tuple; ties at
+    random, among them in fleet order (one compiled pass: `kernels.least_of`)."""
     if len(at) == 1:
         return int(at[0])
-    return int(at[ctx.rng.choice(range(len(at)))])  # the draw `rng.choice(list)` would make
+    tied = np.empty(len(at), np.int64)
+    n = kernels.least_of(at, k1, k2, k3, tied)
+    if n == 1:
+        return int(tied[0])
+    return int(tied[ctx.rng.choice(range(n))])  # the draw `rng.choice(list)` would make
 
 
 class KvPicker:
@@ -288,7 +287,7 @@ class LeastLoadedPicker:
     name = "least-loaded"
 
     def pick(self, ctx: Context, c: Candidates, at: np.ndarray) -> int:
-        return _least(ctx, at, c.requests, c.booked_decode)
+        return _least(ctx, at, c.requests.astype(np.float64), c.booked_decode, c.requests)
 
 
 def make_picker(policy: Policy) -> Picker:
