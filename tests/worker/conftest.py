@@ -1,5 +1,8 @@
 """Shared fixtures: real mock workers on 127.0.0.1 (in-process unless a test needs the CLI)."""
 
+import asyncio
+import contextlib
+
 import orjson
 import pytest
 
@@ -25,3 +28,35 @@ async def post_json(url, path, body, *, headers=None, expect=200):
         raw = await resp.read()
         assert resp.status == expect, raw[:500]
         return orjson.loads(raw) if raw else None
+
+
+@contextlib.asynccontextmanager
+async def serve_asgi(app):
+    """uvicorn serving an ASGI app in this event loop on a free 127.0.0.1 port; yields the base
+    URL. What vLLM serves its app with, so middleware of ours is tested behind the same server."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):  # the test runner owns the signals
+            yield
+
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=0, lifespan="off", log_config=None, access_log=False
+    )
+    server = Server(config)
+    task = asyncio.create_task(server.serve())
+    try:
+        for _ in range(1000):  # startup is a few loop turns
+            if server.started or task.done():
+                break
+            await asyncio.sleep(0.005)
+        if not server.started:
+            if task.done():
+                task.result()  # raises what stopped it
+            raise RuntimeError("uvicorn did not start")
+        port = server.servers[0].sockets[0].getsockname()[1]
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task

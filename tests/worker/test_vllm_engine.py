@@ -10,12 +10,13 @@ from types import SimpleNamespace
 import aiohttp
 import pytest
 
-from dynamograph.frontend.asgi import AsgiServer
 from dynamograph.protocol.engine import ENGINE_PATH, EngineConfig, Role
 from dynamograph.protocol.identity import instance_id
 from dynamograph.worker import cli as worker_cli
 from dynamograph.worker.vllm import MIDDLEWARE, engine_document, vllm_argv, vllm_env
 from dynamograph.worker.vllm_engine import ENV, EngineDocument
+
+from .conftest import serve_asgi
 
 pytestmark = pytest.mark.integration
 
@@ -80,25 +81,19 @@ async def test_middleware_serves_the_document_once_vllm_has_sized_its_cache():
     async def starlette(scope, receive, send):  # Starlette puts its app in the scope
         await middleware({**scope, "app": fastapi_app}, receive, send)
 
-    server = AsgiServer(starlette)
-    port = await server.start("127.0.0.1", 0)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        async with aiohttp.ClientSession() as http:
-            async with http.get(base + ENGINE_PATH) as response:
-                assert response.status == 503  # discovery retries until the cache is sized
-                assert "KV cache" in (await response.json())["error"]["message"]
-            cache = SimpleNamespace(num_gpu_blocks=12345)
-            fastapi_app.state.vllm_config = SimpleNamespace(cache_config=cache)
-            async with http.get(base + ENGINE_PATH) as response:
-                assert response.status == 200
-                config = EngineConfig.model_validate(await response.json())
-            assert (config.total_kv_blocks, config.engine, config.name) == (12345, "vllm", "w")
-            async with http.head(base + ENGINE_PATH) as response:
-                assert response.status == 200 and await response.read() == b""
-            async with http.post(base + ENGINE_PATH) as response:
-                assert response.status == 405
-            async with http.get(base + "/v1/models") as response:  # vLLM's routes untouched
-                assert await response.read() == b"vllm:/v1/models"
-    finally:
-        await server.stop()
+    async with serve_asgi(starlette) as base, aiohttp.ClientSession() as http:
+        async with http.get(base + ENGINE_PATH) as response:
+            assert response.status == 503  # discovery retries until the cache is sized
+            assert "KV cache" in (await response.json())["error"]["message"]
+        cache = SimpleNamespace(num_gpu_blocks=12345)
+        fastapi_app.state.vllm_config = SimpleNamespace(cache_config=cache)
+        async with http.get(base + ENGINE_PATH) as response:
+            assert response.status == 200
+            config = EngineConfig.model_validate(await response.json())
+        assert (config.total_kv_blocks, config.engine, config.name) == (12345, "vllm", "w")
+        async with http.head(base + ENGINE_PATH) as response:
+            assert response.status == 200 and await response.read() == b""
+        async with http.post(base + ENGINE_PATH) as response:
+            assert response.status == 405
+        async with http.get(base + "/v1/models") as response:  # vLLM's routes untouched
+            assert await response.read() == b"vllm:/v1/models"
