@@ -211,8 +211,9 @@ class ActiveRequests:
         load.prefill_blocks += booking.prefill
         load.private_blocks += booking.private
         if keys.size:
-            load.shared.reserve(keys.size)
-            kernels.count_up(keys, *load.shared.parts)
+            if kernels.count_up(keys, *load.shared.parts) == kernels.NO_ROOM:
+                load.shared.reserve(keys.size)
+                kernels.count_up(keys, *load.shared.parts)
             load.firsts[int(keys[0])] += 1
         load.requests += 1
         self._sync(load)

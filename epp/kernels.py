@@ -43,6 +43,7 @@ MIN_KEY = np.uint64(2)
 MISSING = -1
 NOBODY = -1
 LIVE, USED, SHIFT, LIMIT = 0, 1, 2, 3  # a table's meta: LIMIT = cells usable before a rebuild
+STORED, NO_PARENT, NO_ROOM = 1, 0, -1  # store_blocks' results (NO_ROOM: count_up's too)
 P = np.uint64(0xC2B2AE3D27D4EB4F)  # odd, so chaining is a bijection of the running key
 _GOLD = np.uint64(0x9E3779B97F4A7C15)
 _ONE = np.uint64(1)
@@ -248,8 +249,10 @@ def renumber(tk, tv, moved):
 # -- reference counts (active requests' shared prompt blocks) -------------------------------
 @_kernel(f"i8({_U8}, {_TABLE})")
 def count_up(keys, tk, tv, meta):
-    """Add a reference to each key (the table has room for them all); returns how many were
-    new. Values are counts."""
+    """Add a reference to each key; returns how many were new (values are counts), or NO_ROOM,
+    changing nothing, when the table might not hold them all (reserve, then call again)."""
+    if not _room(meta, keys.size):
+        return NO_ROOM
     new = 0
     for j in range(keys.size):
         key = _clamp(keys[j])
@@ -382,9 +385,6 @@ def prefix_keys(parent, hashes):
         key = key * P + hashes[i]
         out[i] = _clamp(key)
     return out
-
-
-STORED, NO_PARENT, NO_ROOM = 1, 0, -1
 
 
 @_kernel(f"i8({_U8}, {_U8}, u8, b1, i8, {_TABLE}, {_TABLE}, {_HOLDERS})")

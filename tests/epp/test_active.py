@@ -248,3 +248,25 @@ def test_shared_prompt_blocks_count_once_per_slot():
 def test_more_keys_than_prompt_blocks_is_refused():
     with pytest.raises(ValueError, match="more prompt keys"):
         ActiveRequests().book(SLOTS[0], prompt_blocks=1, prompt_keys=[1, 2], prefill_blocks=0)
+
+
+def test_a_slots_key_table_grows_and_keeps_counting():
+    """Thousands of distinct prompt keys on one slot (past the table's first size, and through
+    its tombstones as bookings leave): loads and held prefixes stay exact."""
+    active = ActiveRequests()
+    bookings = [
+        active.book(SLOTS[0], prompt_blocks=600, prompt_keys=family_keys(f, 600), prefill_blocks=0)
+        for f in range(1, 9)
+    ]
+    assert summary(active.load(SLOTS[0])) == (0, 8 * 600, 8)
+    assert active.load(SLOTS[0]).held_prefix(family_keys(5, 700)) == 600
+    for b in bookings[:6]:
+        active.free(b)
+    again = active.book(
+        SLOTS[0], prompt_blocks=650, prompt_keys=family_keys(8, 650), prefill_blocks=0
+    )
+    assert summary(active.load(SLOTS[0])) == (0, 600 + 650, 3)
+    assert active.load(SLOTS[0]).held_prefix(family_keys(3, 10)) == 0
+    for b in [*bookings[6:], again]:
+        active.free(b)
+    assert active.loads() == {}
