@@ -13,7 +13,8 @@ a slot that holds key i holds every key before it, and "how much of this prompt 
 already hold" is a bisection, not a scan. Per slot a `U64Table` counts the live bookings
 holding each key; a booking adds or drops its whole chain in one compiled call
 (`kernels.count_up` / `count_down`, ~10 ns a key; a Python Counter took ~100), and the slot's
-last booking leaving drops the table whole.
+last booking leaving empties it at once (the emptied sums and table wait for the slot's next
+booking).
 
 Every booking remembers exactly what it added, so freeing always returns a slot to zero:
 nothing drifts, whatever order book / prefill-done / free / cancel arrive in.

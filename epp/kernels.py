@@ -1,6 +1,8 @@
-"""The KV index's hot loops, compiled with numba: hash-table probes, holder bitmasks, and the
+"""The router core's hot loops, compiled with numba: hash-table probes, holder bitmasks, and the
 three things the index does per message — store an event's blocks, remove them, and walk a
-query's prefix (`find_matches`).
+query's prefix (`find_matches`); the active requests' counts of booked prefix keys
+(`count_up`, `count_down`, `held_prefix`, on a slot's `U64Table`); and the scheduler's
+tie-break (`least_of`).
 
 Everything here works on the flat numpy arrays that `table.U64Table`, `holders.Holders` and
 `index.KvIndex` own; those classes allocate and grow the arrays (in Python, rarely) and make
