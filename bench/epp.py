@@ -182,7 +182,7 @@ def _pick_breakdown(
     of `tokenize`, measured apart: BPE of each request's unique message alone, the share no
     cache can save."""
     from dynamograph.epp.scheduler import Router, RouteRequest
-    from dynamograph.protocol.hashing import block_hashes
+    from dynamograph.protocol.hashing import block_hash_array
     from dynamograph.protocol.identity import instance_id
     from dynamograph.protocol.tokenization import get_tokenizer, request_tokens
 
@@ -208,7 +208,7 @@ def _pick_breakdown(
         t1 = clock()
         tokens = request_tokens(tokenizer, path, request)
         t2 = clock()
-        hashes = block_hashes(tokens, block_size)
+        hashes = block_hash_array(tokens, block_size)
         t3 = clock()
         decision = router.schedule(RouteRequest(str(n), hashes, len(tokens)))
         t4 = clock()

@@ -37,6 +37,8 @@ import numba
 import numpy as np
 from numba.cpython.unsafe.numbers import trailing_zeros
 
+from dynamograph.protocol import hashing
+
 log = logging.getLogger(__name__)
 
 EMPTY = np.uint64(0)
@@ -96,6 +98,8 @@ def warm_up() -> None:
                 disp.disable_compile()
             # the first call of any kernel sets numba's runtime up (~10 ms here): do it now
             table_get(np.full(1, MIN_KEY), np.zeros(8, np.uint64), np.zeros(8, np.int32), _META)
+            # every process that routes also hashes prompts: the block-hash kernel comes along
+            hashing.warm_up()
         if not cached:
             log.debug("numba cannot write a cache here: index kernels compiled in memory")
         _warm = True
