@@ -6,7 +6,8 @@
 - the ext_proc service (`extproc.ExtProcService`) on the gRPC port, plaintext or, with
   `settings.tls`, TLS (`tls.server_credentials`: a certificate folder, optionally reloaded, or a
   self-signed one) like GAIE's `--secure-serving`;
-- gRPC health on the health port: `liveness`, `readiness` (ready once a worker is known) and
+- gRPC health on the health port: `liveness`, `readiness` (ready once a worker is known and the
+  tokenizers the workers name are loaded) and
   `envoy.service.ext_proc.v3.ExternalProcessor`;
 - Prometheus metrics on the metrics port (`/metrics`).
 `drain()` (SIGTERM) turns readiness NOT_SERVING, lets streams in flight finish for `grace`
@@ -98,6 +99,8 @@ class Epp:
         self._health_server: grpc.aio.Server | None = None
         self._metrics_runner: web.AppRunner | None = None
         self._background: set[asyncio.Task] = set()
+        self._loading: set[str] = set()  # tokenizer specs being loaded: not ready until done
+        self._draining = False  # once draining, nothing turns readiness back on
         self._freeze: asyncio.TimerHandle | None = None
         self.certificates: CertificateSource | None = None  # the pair served, with tls
         self.grpc_port = settings.grpc_port
@@ -112,6 +115,7 @@ class Epp:
         self.view.added(record)
         if isinstance(self.picker, KvPicker):
             spec = tokenizer_spec(config.tokenizer)
+            self._loading.add(spec)
             self._spawn(self._preload_tokenizer(spec))
         self.load.add(record)
         if self.kv is not None:
@@ -128,7 +132,9 @@ class Epp:
         self._update_readiness()
 
     def _update_readiness(self) -> None:
-        ready = any(w.endpoint for w in self.view.workers.values())
+        # A vocabulary still loading would make the first requests wait seconds for it.
+        workers = self.view.workers.values()
+        ready = not self._draining and not self._loading and any(w.endpoint for w in workers)
         status = _SERVING if ready else _NOT_SERVING
         self._spawn(self.health.set(READINESS, status))
 
@@ -144,6 +150,9 @@ class Epp:
             log.error("tokenizer %r of a worker cannot be loaded: %s", spec, exc)
         else:
             self._schedule_freeze()  # a vocabulary is a large long-lived heap of its own
+        finally:
+            self._loading.discard(spec)
+            self._update_readiness()
 
     def _schedule_freeze(self, delay: float = 1.0) -> None:
         """Freeze the heap once things settle (one freeze for a burst of discoveries)."""
@@ -224,6 +233,7 @@ class Epp:
     async def drain(self, grace: float | None = None) -> None:
         """Stop taking streams (readiness NOT_SERVING), let the ones in flight finish, stop."""
         grace = self.settings.drain_grace if grace is None else grace
+        self._draining = True
         await self.health.set(READINESS, _NOT_SERVING)
         await self.health.set(SERVICE_NAME, _NOT_SERVING)
         if self._grpc is not None:
