@@ -234,6 +234,21 @@ class ExtProcClient:
         await self.channel.close()
 
 
+def record_picks(epp) -> list[int]:
+    """The worker id of every request the EPP routes from now on, in order (the picker wrapped)."""
+    picks: list[int] = []
+    picker = epp.service.picker
+    original = picker.pick
+
+    def recording_pick(path, headers, body, subset):
+        route = original(path, headers, body, subset)
+        picks.append(route.worker_id)
+        return route
+
+    picker.pick = recording_pick
+    return picks
+
+
 # ---- fixtures -----------------------------------------------------------------------------
 
 

@@ -10,7 +10,7 @@ from dynamograph.protocol.hashing import block_hashes
 from dynamograph.protocol.tokenization import get_tokenizer, request_tokens
 from dynamograph.worker.testing import free_port, mock_worker
 
-from .conftest import MODEL, eventually, running_epp
+from .conftest import MODEL, eventually, record_picks, running_epp
 
 pytestmark = pytest.mark.integration
 
@@ -33,16 +33,7 @@ async def gateway():
         mock_worker(model=MODEL, name="gw-c") as c,
         running_epp([a, b, c]) as epp,
     ):
-        picks = []
-        picker = epp.service.picker
-        original = picker.pick
-
-        def recording_pick(path, headers, body, subset):
-            route = original(path, headers, body, subset)
-            picks.append(route.worker_id)
-            return route
-
-        picker.pick = recording_pick
+        picks = record_picks(epp)
         config = envoy_config(free_port(), free_port(), f"127.0.0.1:{epp.grpc_port}")
         async with run_envoy(config) as envoy, aiohttp.ClientSession() as http:
             yield envoy, http, epp, [a, b, c], picks

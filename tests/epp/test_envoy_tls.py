@@ -10,7 +10,7 @@ from dynamograph.epp.tls import TlsSettings, self_signed_pair
 from dynamograph.local.envoy import envoy_config, run_envoy
 from dynamograph.worker.testing import free_port, mock_worker
 
-from .conftest import MODEL, SecretVolume, eventually, running_epp
+from .conftest import MODEL, SecretVolume, eventually, record_picks, running_epp
 from .test_envoy_gateway import HAVE_ENVOY, WORKER_HEADER, _chat, _post
 
 pytestmark = pytest.mark.integration
@@ -32,16 +32,7 @@ async def tls_gateway(request, tmp_path):
         mock_worker(model=MODEL, name="tls-b") as b,
         running_epp([a, b], tls=tls) as epp,
     ):
-        picks = []
-        picker = epp.service.picker
-        original = picker.pick
-
-        def recording_pick(path, headers, body, subset):
-            route = original(path, headers, body, subset)
-            picks.append(route.worker_id)
-            return route
-
-        picker.pick = recording_pick
+        picks = record_picks(epp)
         config = envoy_config(
             free_port(),
             free_port(),
