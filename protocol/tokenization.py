@@ -18,6 +18,7 @@ import json
 import logging
 import re
 import threading
+import time
 import unicodedata
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -229,16 +230,18 @@ class _FastSwitch:
     loads no faster, measured), against ~0.5 s for tiktoken. It pays for itself only in a
     process that encodes millions of tokens, so it is built when the caller asks (`warm_up()`,
     `get_tokenizer(spec, fast=True)`: a router), or else in a background thread once the
-    reference has encoded `FAST_AFTER_TOKENS` tokens, about what the build costs in reference
-    CPU (ski rental: a process never spends more than twice what the best choice in hindsight
-    would have cost; short-lived ones, like most test and mock-worker processes, never build it).
+    reference has spent `FAST_AFTER_SECONDS` of CPU encoding, about what the build costs (ski
+    rental: a process never spends more than about twice what the best choice in hindsight would
+    have cost; short-lived ones, like most test and mock-worker processes, never build it).
+    The rent is measured, not counted in tokens: `tokenizers` is ~5x slower per token than
+    tiktoken.
 
     fastokens encodes only if it loads the vocabulary and, when the reference is loaded, gives
     its ids on `_validation_texts`; else the reference keeps encoding and an info log says why.
     `backend` says which one encodes now. Both give the same ids, so a switch is invisible.
     """
 
-    FAST_AFTER_TOKENS = 3_000_000  # ~1.3 s of tiktoken at ~450 ns/token
+    FAST_AFTER_SECONDS = 1.5  # of reference CPU: ~3M tokens of tiktoken, ~0.6M of tokenizers
     reference_name: str
     identity: str
     # Ways of encoding to compare on the validation texts (keyword arguments of `_ids`).
@@ -249,7 +252,7 @@ class _FastSwitch:
         self._fast_problem: str | None = None  # why fastokens does not encode, once tried
         self._fast_started = False
         self._fast_lock = threading.Lock()
-        self._rented = 0  # tokens the reference encoded
+        self._rent = 0.0  # CPU seconds the reference spent encoding
         if fast:
             self.warm_up()
 
@@ -282,7 +285,9 @@ class _FastSwitch:
                 self.reference_name,
             )
             return None, problem
-        _log.debug("%s encodes with fastokens (after %d tokens)", self.identity, self._rented)
+        _log.debug(
+            "%s encodes with fastokens (after %.2f s of reference)", self.identity, self._rent
+        )
         return fast, None
 
     def _disagreement(self, fast: Any) -> str | None:
@@ -308,9 +313,10 @@ class _FastSwitch:
         fast = self._fast
         if fast is not None:
             return _fast_ids(fast, text, specials=specials, add_special_tokens=add_special_tokens)
+        start = time.thread_time()
         ids = self._reference_ids(text, specials=specials, add_special_tokens=add_special_tokens)
-        self._rented += len(ids)  # unlocked: a counter that only decides when to build
-        if self._rented >= self.FAST_AFTER_TOKENS and not self._fast_started:
+        self._rent += time.thread_time() - start  # unlocked: it only decides when to build
+        if self._rent >= self.FAST_AFTER_SECONDS and not self._fast_started:
             self._fast_started = True
             threading.Thread(target=self.warm_up, name="fastokens-build", daemon=True).start()
         return ids

@@ -144,7 +144,7 @@ def test_a_file_fastokens_loads_but_reads_differently_encodes_with_tokenizers(tm
 def test_tokenizers_switches_to_fastokens_after_enough_tokens(tmp_path):
     tok = HuggingFaceTokenizer(_saved(_byte_level_bpe(), tmp_path))
     assert tok.backend == "tokenizers"
-    tok.FAST_AFTER_TOKENS = 1_000
+    tok.FAST_AFTER_SECONDS = 0.0
     before = [tok.encode(text, add_special_tokens=True) for text in _docs()]
     deadline = time.monotonic() + 60
     while tok.backend != "fastokens":
