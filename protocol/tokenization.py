@@ -321,7 +321,9 @@ class _FastSwitch:
         self._rent += time.thread_time() - start  # unlocked: it only decides when to build
         if self._rent >= self.FAST_AFTER_SECONDS and not self._fast_started:
             self._fast_started = True
-            threading.Thread(target=self.warm_up, name="fastokens-build", daemon=True).start()
+            # Not a daemon: an interpreter exiting mid-build would abort the process (a daemon
+            # thread unwound inside fastokens' Rust code); exit waits for the build instead.
+            threading.Thread(target=self.warm_up, name="fastokens-build").start()
         return ids
 
     def _reference_loaded(self) -> bool:

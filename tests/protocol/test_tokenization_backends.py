@@ -2,6 +2,8 @@
 has paid for itself, then fastokens; the ids never change across the switch."""
 
 import logging
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -110,3 +112,22 @@ def test_cached_specs_are_bounded(monkeypatch, tmp_path):
     assert len(tokenization._loaded) == tokenization._LOADED_MAX
     assert get_tokenizer(str(paths[-1])) is tokenizers[-1]
     assert get_tokenizer(str(paths[0])) is not tokenizers[0]  # evicted, loaded again
+
+
+def test_a_process_exiting_mid_build_waits_for_it():
+    """The background build is not a daemon thread: an interpreter finalizing while a daemon
+    thread returns from fastokens' Rust code aborts ("FATAL: exception not rethrown"). Exit
+    joins the build first, so an atexit hook (run after that join) sees fastokens."""
+    code = (
+        "import atexit\n"
+        "from dynamograph.protocol.tokenization import QwenTokenizer\n"
+        "tok = QwenTokenizer('qwen2.5-72b-instruct')\n"
+        "tok.FAST_AFTER_SECONDS = 0.0\n"
+        "tok.encode('Hello world')\n"
+        "assert tok._fast_started and tok.backend == 'tiktoken'\n"
+        "atexit.register(lambda: print('backend at exit:', tok.backend))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "FATAL" not in done.stderr
+    assert done.stdout.strip() == "backend at exit: fastokens"
