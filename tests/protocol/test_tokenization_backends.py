@@ -65,7 +65,7 @@ def test_fast_load_needs_no_tiktoken_until_something_decodes():
     assert fresh._qwen is not None and fresh.backend == "fastokens"
 
 
-def test_reference_switches_to_fastokens_after_enough_tokens():
+def test_tiktoken_hands_over_to_fastokens_once_it_has_spent_the_build_cost():
     """Past FAST_AFTER_SECONDS the reference has spent about what building fastokens costs: a
     background thread builds it, checks it against tiktoken and encoding moves over to it."""
     tok = QwenTokenizer("qwen2.5-72b-instruct")

@@ -141,7 +141,7 @@ def test_a_file_fastokens_loads_but_reads_differently_encodes_with_tokenizers(tm
     _assert_like_tokenizers(tok, [*_docs()[:3], VALIDATION_TEXT])
 
 
-def test_tokenizers_switches_to_fastokens_after_enough_tokens(tmp_path):
+def test_tokenizers_hands_over_to_fastokens_once_it_has_spent_the_build_cost(tmp_path):
     tok = HuggingFaceTokenizer(_saved(_byte_level_bpe(), tmp_path))
     assert tok.backend == "tokenizers"
     tok.FAST_AFTER_SECONDS = 0.0
