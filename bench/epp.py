@@ -189,7 +189,7 @@ def _pick_breakdown(
     router = Router()
     for i in range(workers):
         router.add_worker(instance_id(f"breakdown-{i}"), block_size=block_size, total_blocks=8192)
-    tokenizer = get_tokenizer("qwen")
+    tokenizer = get_tokenizer("qwen", fast=True)  # as the EPP loads it
     path = "/v1/chat/completions"
     for prefix in prefixes:  # the segment cache holds every shared system prompt, as the EPP's
         request_tokens(tokenizer, path, {"messages": [{"role": "system", "content": prefix}]})

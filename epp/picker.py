@@ -144,7 +144,9 @@ class KvPicker:
         appears, so the first request does not pay for reading a vocabulary."""
         tokenizer = self._tokenizers.get(spec)
         if tokenizer is None:
-            tokenizer = self._tokenizers[spec] = get_tokenizer(spec)
+            tokenizer = self._tokenizers[spec] = get_tokenizer(
+                spec, fast=True
+            )  # a router encodes every prompt
         return tokenizer
 
     def pick(

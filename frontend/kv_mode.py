@@ -99,7 +99,7 @@ class KvPicker:
         if not records:
             raise OpenAIError(503, "no workers are discovered yet")
         lora_name = lora_for_model(require_model(body), served_models(r.config for r in records))
-        tokens = request_tokens(get_tokenizer(records[0].config.tokenizer), path, body)
+        tokens = request_tokens(get_tokenizer(records[0].config.tokenizer, fast=True), path, body)
         return tokens, lora_name
 
     async def pick(self, pins: Pins, nvext: NvExt | None, path: str, body: dict[str, Any]) -> Route:
