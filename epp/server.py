@@ -148,6 +148,8 @@ class Epp:
             await asyncio.to_thread(self.picker.load_tokenizer, spec)
         except (OSError, ValueError) as exc:
             log.error("tokenizer %r of a worker cannot be loaded: %s", spec, exc)
+        except Exception:  # a background task: say what broke, requests will retry the load
+            log.exception("loading tokenizer %r failed", spec)
         else:
             self._schedule_freeze()  # a vocabulary is a large long-lived heap of its own
         finally:

@@ -30,9 +30,9 @@ async def test_ready_only_once_the_workers_tokenizer_is_loaded(workers, monkeypa
     release = threading.Event()
     real = picker_module.get_tokenizer
 
-    def slow_load(spec):  # runs in the preload thread
+    def slow_load(spec, **options):  # runs in the preload thread
         assert release.wait(30), "the test never released the tokenizer load"
-        return real(spec)
+        return real(spec, **options)
 
     monkeypatch.setattr(picker_module, "get_tokenizer", slow_load)
     try:
