@@ -10,7 +10,8 @@
 
 No deletion handler: every object carries an ownerReference, so Kubernetes' garbage collector
 deletes them with the graph. (kopf adds its finalizer because timers need one; it removes it
-as soon as the graph's timer has stopped.)
+as soon as the graph's timer has stopped. A timer caught in a pass when the graph is deleted
+cannot stop at once; kopf then re-checks every `TIMER_STOP_POLL_SECONDS`, not its default 60 s.)
 
 kopf keeps its bookkeeping in annotations, not in status, because the CRD's structural schema
 would prune unknown status fields. `build_registry` makes a fresh registry per operator, so the
@@ -31,6 +32,10 @@ from .status import GATEWAY_GROUP
 
 ANNOTATION_PREFIX = "dynamograph.io"
 RETRY_SECONDS = 10
+# How soon kopf looks again at a deleted graph whose timer was in the middle of a pass (kopf's
+# default, 60 s, held the finalizer, and so the graph and everything it owns, for a minute: the
+# pass writes nothing to a deleting graph, so no event wakes kopf earlier).
+TIMER_STOP_POLL_SECONDS = 1.0
 
 
 def plain(value: Any) -> Any:
@@ -52,6 +57,7 @@ def configure(settings: kopf.OperatorSettings) -> None:
     settings.persistence.finalizer = f"{ANNOTATION_PREFIX}/operator"
     settings.posting.level = 30  # Events for warnings and errors only, not every log line
     settings.watching.server_timeout = 300
+    settings.background.cancellation_polling = TIMER_STOP_POLL_SECONDS
 
 
 def _announce(body: dict[str, Any], reason: str, message: str) -> None:

@@ -8,6 +8,7 @@ the operator to converge.
 import asyncio
 import contextlib
 import copy
+import logging
 
 import kopf
 import pytest
@@ -426,6 +427,47 @@ async def test_deleting_the_graph_finishes_cleanly(cluster):
         # The operator goes quiet (no handler keeps acting on the deleted graph) with nothing left.
         await wait_quiet(cluster)
         assert all_collected()
+
+
+async def test_a_graph_deleted_while_its_timer_runs_a_pass_goes_promptly(cluster, caplog):
+    """kopf holds its finalizer until the graph's timer has stopped. A timer in the middle of a
+    pass cannot stop at once; kopf looks again after `cancellation_polling`, and nothing wakes
+    it earlier (the pass writes nothing to a deleting graph). With kopf's default of 60 s the
+    graph and everything it owns outlived the deletion by a minute."""
+    caplog.set_level(logging.DEBUG, logger="kopf.objects")
+    gate = asyncio.Event()
+    gate.set()
+    held = asyncio.Event()
+    handle = cluster._handle
+
+    async def gated(request):
+        # Only our controller GETs the graph by name (kopf watches and patches): a pass waits here.
+        if request.method == "GET" and request.url.path == f"{GRAPH_PATH}/g" and not gate.is_set():
+            held.set()
+            await gate.wait()
+        return await handle(request)
+
+    cluster._handle = gated
+    try:
+        with running_operator(resync=0.5):
+            await create_graph(cluster, disagg_graph())
+            await wait_ready(cluster)
+
+            gate.clear()
+            await asyncio.wait_for(held.wait(), 30)
+            response = await cluster.delete(f"{GRAPH_PATH}/g")
+            assert response.status == 200
+
+            def timer_caught_in_a_pass():
+                return any("is still exiting" in r.getMessage() for r in caplog.records)
+
+            await wait_for(timer_caught_in_a_pass, 30, "kopf to wait for the graph's timer")
+            gate.set()
+            # Well under kopf's default 60 s re-check, well over the 1 s one on a loaded box.
+            await wait_for(lambda: live(cluster, GRAPHS, "g") is None, 20, "the graph to go")
+    finally:
+        gate.set()
+        cluster._handle = handle
 
 
 async def write_gateway_status(cluster, kind: str, accepted: dict, resolved: dict) -> None:
