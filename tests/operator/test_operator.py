@@ -452,6 +452,7 @@ async def test_a_graph_deleted_while_its_timer_runs_a_pass_goes_promptly(cluster
         with running_operator(resync=0.5):
             await create_graph(cluster, disagg_graph())
             await wait_ready(cluster)
+            await wait_quiet(cluster)  # no Deployment events in flight: the next GET is the timer's
 
             gate.clear()
             await asyncio.wait_for(held.wait(), 30)
