@@ -141,6 +141,17 @@ request_st = st.fixed_dictionaries(
 )
 
 
+def _add_worker(router: Router, wid: int, w: dict) -> None:
+    router.add_worker(
+        wid,
+        role=w["role"],
+        dp_size=w["dp"],
+        block_size=BS,
+        total_blocks=w["total"],
+        lora_names=sorted(w["lora"]),
+    )
+
+
 @settings(
     max_examples=150,
     deadline=None,
@@ -187,14 +198,7 @@ def test_decisions_equal_the_per_slot_reference(
     for i, w in enumerate(workers):
         wid = 1000 + i * 7
         ids.append(wid)
-        router.add_worker(
-            wid,
-            role=w["role"],
-            dp_size=w["dp"],
-            block_size=BS,
-            total_blocks=w["total"],
-            lora_names=sorted(w["lora"]),
-        )
+        _add_worker(router, wid, w)
         router.set_ready(wid, w["ready"])
         for rank in range(w["dp"]):
             router.update_load(wid, rank, kv_usage=w["usage"][rank])
@@ -245,14 +249,7 @@ def test_decisions_equal_the_per_slot_reference(
                 router.remove_worker(wid)
             elif kind == "readd":
                 w["dp"] = w["dp"] % 3 + 1
-                router.add_worker(
-                    wid,
-                    role=w["role"],
-                    dp_size=w["dp"],
-                    block_size=BS,
-                    total_blocks=w["total"],
-                    lora_names=sorted(w["lora"]),
-                )
+                _add_worker(router, wid, w)
             elif kind == "ready" and wid in router.workers():
                 router.set_ready(wid, not router.workers()[wid].ready)
             elif kind == "usage" and wid in router.workers():
