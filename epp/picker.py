@@ -134,20 +134,14 @@ class KvPicker:
         self.router = router
         self.view = view
         self._random = RandomPicker(view, router)
-        self._tokenizers: dict[str, Tokenizer] = {}
 
     def pick_any(self, subset: frozenset[str] | None) -> Route:
         return self._random.pick_any(subset)
 
     def load_tokenizer(self, spec: str) -> Tokenizer:
-        """Load (once) the tokenizer a worker names; call it off the event loop when a worker
-        appears, so the first request does not pay for reading a vocabulary."""
-        tokenizer = self._tokenizers.get(spec)
-        if tokenizer is None:
-            tokenizer = self._tokenizers[spec] = get_tokenizer(
-                spec, fast=True
-            )  # a router encodes every prompt
-        return tokenizer
+        """The tokenizer a worker names, fast (a router encodes every prompt); call it off the
+        event loop when a worker appears, so the first request does not pay for loading it."""
+        return get_tokenizer(spec, fast=True)
 
     def pick(
         self, path: str, headers: Mapping[str, str], body: bytes, subset: frozenset[str] | None

@@ -9,8 +9,10 @@ released when the request ends. As in the EPP, a `model` naming a LoRA adapter
 it; a model nobody serves is a 404.
 """
 
+import asyncio
 import contextlib
 import itertools
+import logging
 from typing import Any
 
 from dynamograph.epp.config import RouterConfig
@@ -33,6 +35,8 @@ from dynamograph.protocol.tokenization import get_tokenizer, request_tokens
 from .directory import WorkerDirectory
 from .pickers import Route
 from .routing import Mode, Pins, Target
+
+log = logging.getLogger(__name__)
 
 
 class KvPicker:
@@ -59,6 +63,7 @@ class KvPicker:
         self._ids = itertools.count()
         self.load: LoadScraper | None = None
         self.events: KvEventIngest | None = None
+        self._preloads: set[asyncio.Task] = set()
 
     async def start(self) -> None:
         # Created here: they bind to the running event loop.
@@ -68,6 +73,8 @@ class KvPicker:
         self.directory.add_listener(self._added, self._removed)
 
     async def stop(self) -> None:
+        for task in self._preloads:
+            task.cancel()
         if self.events is not None:
             await self.events.close()
             self.events = None
@@ -82,6 +89,17 @@ class KvPicker:
             self.load.add(record)
         if self.events is not None:
             self.events.add(record)
+        # Off the event loop, so no request waits seconds for a vocabulary to load.
+        task = asyncio.get_running_loop().create_task(self._preload(record.config.tokenizer))
+        self._preloads.add(task)
+        task.add_done_callback(self._preloads.discard)
+
+    @staticmethod
+    async def _preload(spec: str) -> None:
+        try:
+            await asyncio.to_thread(get_tokenizer, spec, fast=True)
+        except (OSError, ValueError) as exc:  # requests meet the same error
+            log.error("tokenizer %r of a worker cannot be loaded: %s", spec, exc)
 
     def _removed(self, record: WorkerRecord) -> None:
         if self.directory.get(record.instance_id) is not None:

@@ -262,6 +262,8 @@ class _FastSwitch:
 
     def warm_up(self) -> str:
         """Build and check fastokens now (if not done yet); returns `backend`."""
+        if self._fast is not None or self._fast_problem is not None:
+            return self.backend  # settled: no lock (routers call this per request)
         self._fast_started = True
         with self._fast_lock:
             if self._fast is None and self._fast_problem is None:
@@ -620,7 +622,7 @@ def _chat_template_source(folder: Path, config: dict[str, Any]) -> str | None:
 
 
 _load_locks: dict[str, threading.Lock] = {}
-_loaded: OrderedDict[str, Tokenizer] = OrderedDict()  # the most recently asked specs
+_loaded: OrderedDict[str, Tokenizer] = OrderedDict()  # the most recently loaded specs
 _LOADED_MAX = 8
 _guard = threading.Lock()
 
@@ -632,6 +634,11 @@ def get_tokenizer(spec: str = DEFAULT_TOKENIZER, *, fast: bool = False) -> Token
     process has encoded enough to pay for it (see `_FastSwitch`). Cached per spec; callers
     asking for a spec while it loads (a preloading thread and a first request) wait for that
     one load instead of starting another."""
+    tokenizer = _loaded.get(spec)  # the per-request path: a dict read, no lock
+    if tokenizer is not None:
+        if fast:
+            tokenizer.warm_up()  # returns at once once fastokens is built (or refused)
+        return tokenizer
     with _guard:
         lock = _load_locks.setdefault(spec, threading.Lock())
     with lock:
