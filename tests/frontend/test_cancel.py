@@ -125,12 +125,7 @@ async def test_non_streaming_cancel_frees_the_aggregated_worker(model):
                 extra_body={"ignore_eos": True},
             )
         )
-        await wait_until(lambda: busy(local), what="generation to start")
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        await wait_until(lambda: idle(local), what="the worker to abort the request")
-        assert _cut_short((await served(local))["recent"][0])
+        await _hang_up_mid_generation(task, local)
 
 
 async def test_client_gone_right_after_sending_frees_the_worker(model):
@@ -143,12 +138,7 @@ async def test_client_gone_right_after_sending_frees_the_worker(model):
         headers = {"Content-Type": "application/json", **route(local)}
 
         task = asyncio.create_task(post_completion(fe.url, body, headers))
-        await wait_until(lambda: busy(local), what="generation to start")
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        await wait_until(lambda: idle(local), what="the worker to abort the request")
-        assert _cut_short((await served(local))["recent"][0])
+        await _hang_up_mid_generation(task, local)
         await wait_until(
             lambda: _metric_is(fe, "dynamograph_frontend_requests_total", 1, outcome="cancelled"),
             what="the frontend to count the cancelled request",
@@ -179,3 +169,13 @@ async def test_client_gone_mid_body_never_reaches_the_engine(model):
         )
         assert await frontend_metric(fe, "dynamograph_frontend_inflight_requests") == 0
         assert (await served(local))["total"] == 0
+
+
+async def _hang_up_mid_generation(task: asyncio.Task, worker) -> None:
+    """Cancel the client's request once the worker generates; the worker must abort it."""
+    await wait_until(lambda: busy(worker), what="generation to start")
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await wait_until(lambda: idle(worker), what="the worker to abort the request")
+    assert _cut_short((await served(worker))["recent"][0])
