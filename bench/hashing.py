@@ -2,13 +2,15 @@
 
 An 8,192-token prompt at block size 16 (512 blocks). Ours takes what our tokenizer produces (a
 u32 numpy array); Dynamo's binding takes a Python list, so it is measured from a list, and ours
-from a list too, for the like-for-like row.
+from a list too, for the like-for-like row. Then, in a second pass against Dynamo again, ours
+after `hashing.warm_up()`: the compiled kernel the EPP and the frontend's kv mode hash with.
 """
 
 import argparse
 
 import numpy as np
 
+from dynamograph.protocol import hashing
 from dynamograph.protocol.hashing import block_hashes
 
 from .report import add_output_argument, print_table, write_json
@@ -33,17 +35,29 @@ def run(args: argparse.Namespace) -> int:
     tokens = array.tolist()
     bs = args.block_size
     assert block_hashes(array, bs) == compute_block_hash_for_seq(tokens, bs)
-    samples = alternate(
+    dynamo = {"dynamo (list)": lambda: compute_block_hash_for_seq(tokens, bs)}
+    per_block = alternate(
         {
-            "dynamo (list)": lambda: compute_block_hash_for_seq(tokens, bs),
+            **dynamo,
             "ours (u32 array)": lambda: block_hashes(array, bs),
             "ours (list)": lambda: block_hashes(tokens, bs),
         },
         rounds=args.rounds,
     )
-    stats = {name: percentiles(s) for name, s in samples.items()}
-    base = stats["dynamo (list)"]["p50"]
-    rows = [[name, s["p50"], s["p99"], s["p50"] / base] for name, s in stats.items()]
+    hashing.warm_up()  # from here on block_hashes runs the compiled kernel
+    assert block_hashes(array, bs) == compute_block_hash_for_seq(tokens, bs)
+    compiled = alternate(
+        {**dynamo, "ours compiled (u32 array)": lambda: block_hashes(array, bs)},
+        rounds=args.rounds,
+    )
+    stats, ratios = {}, {}
+    for samples in (per_block, compiled):  # each pass against its own Dynamo baseline
+        part = {name: percentiles(s) for name, s in samples.items()}
+        base = part["dynamo (list)"]["p50"]
+        for name, s in part.items():
+            if name not in stats:
+                stats[name], ratios[name] = s, s["p50"] / base
+    rows = [[name, s["p50"], s["p99"], ratios[name]] for name, s in stats.items()]
     print_table(
         f"block hashing, {args.tokens} tokens, block size {bs} (µs per prompt)",
         ["implementation", "p50 µs", "p99 µs", "ratio vs dynamo (p50)"],
@@ -57,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
             "block_size": bs,
             "rounds": args.rounds,
             "results_us": stats,
-            "ratio_p50": {name: s["p50"] / base for name, s in stats.items()},
+            "ratio_p50": ratios,
         },
     )
     return 0
