@@ -182,10 +182,10 @@ def _pick_breakdown(
     `workers` empty workers: where the kv mode's cost above the floor goes. `new_text` is part
     of `tokenize`, measured apart: BPE of each request's unique message alone, the share no
     cache can save."""
-    from dynamograph.epp.scheduler import Router, RouteRequest
     from dynamograph.protocol.hashing import block_hash_array
     from dynamograph.protocol.identity import instance_id
     from dynamograph.protocol.tokenization import get_tokenizer, request_tokens
+    from dynamograph.router.scheduler import Router, RouteRequest
 
     router = Router()
     for i in range(workers):

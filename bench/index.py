@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from dynamograph.epp.index import KvIndex
+from dynamograph.router.index import KvIndex
 
 from .report import add_output_argument, print_table, write_json
 from .timing import percentiles
@@ -294,7 +294,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         print("bench index needs PyPI ai-dynamo-runtime (the dev extra) for the comparison")
         return 2
-    from dynamograph.epp.kernels import warm_up
+    from dynamograph.router.kernels import warm_up
 
     start = time.perf_counter()
     warm_up()  # what the EPP pays once at startup (numba's cache loaded, or a compile)

@@ -88,14 +88,14 @@ def _baseline_package(rev: str) -> str:
 
 _SHARED_KERNELS = """import sys
 
-from dynamograph.epp import kernels
+from dynamograph.router import kernels
 
 sys.modules[__name__] = kernels
 """
 
 
 def _current_source(module: str) -> str:
-    return Path(importlib.import_module(f"dynamograph.epp.{module}").__file__).read_text()
+    return Path(importlib.import_module(f"dynamograph.router.{module}").__file__).read_text()
 
 
 def _fleet(scheduler, args, prefixes: list[list[int]]):
@@ -134,7 +134,7 @@ def run(args) -> int:
         toks = rng.choice(prefixes) + [rng.randrange(vocab) for _ in range(tail_tokens)]
         requests.append((block_hash_array(toks, BLOCK_SIZE, None), len(toks)))
 
-    impls = {"current": importlib.import_module("dynamograph.epp.scheduler")}
+    impls = {"current": importlib.import_module("dynamograph.router.scheduler")}
     if args.baseline:
         package = _baseline_package(args.baseline)
         impls = {

@@ -15,8 +15,9 @@ import signal
 import sys
 from pathlib import Path
 
-from .config import RouterConfig
-from .discovery import add_discovery_arguments, source_from_args
+from dynamograph.protocol.router_config import RouterConfig
+from dynamograph.router.discovery import add_discovery_arguments, source_from_args
+
 from .extproc import DEFAULT_MAX_BODY_BYTES
 from .server import Epp, EppSettings
 from .tls import TlsError, TlsSettings, load_key_pair

@@ -42,8 +42,8 @@ from dynamograph.protocol.headers import (
     is_spoofable,
 )
 from dynamograph.protocol.openai import OpenAIError
+from dynamograph.router.active import RequestGuard
 
-from .active import RequestGuard
 from .metrics import OUTCOME_BY_STATUS, EppMetrics
 
 log = logging.getLogger(__name__)

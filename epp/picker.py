@@ -26,10 +26,16 @@ from dynamograph.protocol.nvext import NvExtError, parse_nvext
 from dynamograph.protocol.openai import OpenAIError, parse_json_body, require_model
 from dynamograph.protocol.pins import RoutePins
 from dynamograph.protocol.tokenization import Tokenizer, get_tokenizer, request_tokens
+from dynamograph.router.discovery import WorkerRecord
+from dynamograph.router.scheduler import (
+    NoEligibleWorker,
+    Overloaded,
+    Router,
+    RouteRequest,
+    WorkerState,
+)
 
-from .discovery import WorkerRecord
 from .extproc import Refusal, Route
-from .scheduler import NoEligibleWorker, Overloaded, Router, RouteRequest, WorkerState
 
 log = logging.getLogger(__name__)
 

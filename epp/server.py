@@ -26,14 +26,15 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from .config import RouterConfig
-from .discovery import Discovery, KubernetesSource, StaticSource, WorkerRecord
+from dynamograph.protocol.router_config import RouterConfig
+from dynamograph.router.discovery import Discovery, KubernetesSource, StaticSource, WorkerRecord
+from dynamograph.router.kv_events import KvEventIngest
+from dynamograph.router.load import LoadScraper
+from dynamograph.router.scheduler import Router
+
 from .extproc import DEFAULT_MAX_BODY_BYTES, SERVICE_NAME, ExtProcService
-from .kv_events import KvEventIngest
-from .load import LoadScraper
 from .metrics import EppMetrics
 from .picker import KvPicker, RandomPicker, WorkerView, tokenizer_spec
-from .scheduler import Router
 from .tls import CertificateSource, TlsSettings, server_credentials
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 
-from dynamograph.epp.discovery import Discovery, add_discovery_arguments, source_from_args
+from dynamograph.router.discovery import Discovery, add_discovery_arguments, source_from_args
 
 from .routing import Mode
 from .server import DEFAULT_MAX_BODY_BYTES, Frontend, FrontendConfig
@@ -86,7 +86,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         raise ValueError("--engine-url is required in direct mode (the pod's own engine)")
     router = None
     if args.router_config is not None:
-        from dynamograph.epp.config import RouterConfig
+        from dynamograph.protocol.router_config import RouterConfig
 
         router = RouterConfig.load(args.router_config)
     return FrontendConfig(

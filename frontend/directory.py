@@ -8,15 +8,15 @@ that is in neither set is refused with 503, never resolved from anything the req
 
 from collections.abc import Iterable
 
-from dynamograph.epp.discovery import (
+from dynamograph.protocol.engine import Role
+from dynamograph.protocol.openai import OpenAIError
+from dynamograph.router.discovery import (
     Discovery,
     Listener,
     StaticSource,
     WorkerRecord,
     parse_worker_flag,
 )
-from dynamograph.protocol.engine import Role
-from dynamograph.protocol.openai import OpenAIError
 
 from .routing import Target
 

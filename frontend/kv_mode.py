@@ -15,22 +15,22 @@ import itertools
 import logging
 from typing import Any
 
-from dynamograph.epp.config import RouterConfig
-from dynamograph.epp.discovery import WorkerRecord
-from dynamograph.epp.kv_events import KvEventIngest
-from dynamograph.epp.load import LoadScraper
-from dynamograph.epp.scheduler import (
-    NoEligibleWorker,
-    Overloaded,
-    Router,
-    RouteRequest,
-)
 from dynamograph.protocol.engine import lora_for_model, served_models
 from dynamograph.protocol.hashing import block_hash_array
 from dynamograph.protocol.nvext import NvExt
 from dynamograph.protocol.openai import OpenAIError, require_model
 from dynamograph.protocol.pins import RoutePins
+from dynamograph.protocol.router_config import RouterConfig
 from dynamograph.protocol.tokenization import get_tokenizer, request_tokens
+from dynamograph.router.discovery import WorkerRecord
+from dynamograph.router.kv_events import KvEventIngest
+from dynamograph.router.load import LoadScraper
+from dynamograph.router.scheduler import (
+    NoEligibleWorker,
+    Overloaded,
+    Router,
+    RouteRequest,
+)
 
 from .directory import WorkerDirectory
 from .pickers import Route

@@ -8,10 +8,10 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from dynamograph.epp.discovery import WorkerRecord
 from dynamograph.protocol.engine import Role
 from dynamograph.protocol.nvext import NvExt
 from dynamograph.protocol.openai import OpenAIError
+from dynamograph.router.discovery import WorkerRecord
 
 from .directory import DECODE_ROLES, WorkerDirectory
 from .routing import Mode, Pins, Target, check_pins

@@ -18,7 +18,6 @@ from typing import Any
 
 import orjson
 
-from dynamograph.epp.discovery import Discovery, WorkerRecord
 from dynamograph.protocol.engine import Role, served_models
 from dynamograph.protocol.http1 import Response
 from dynamograph.protocol.nvext import NvExt, NvExtError, parse_nvext
@@ -29,6 +28,7 @@ from dynamograph.protocol.openai import (
     OpenAIError,
     parse_json_body,
 )
+from dynamograph.router.discovery import Discovery, WorkerRecord
 
 from . import nvext_out
 from .directory import WorkerDirectory

@@ -8,10 +8,10 @@ connection, so the engine sees the disconnect and frees the request.
 
 from collections.abc import Mapping
 
-from dynamograph.epp.discovery import WorkerRecord
 from dynamograph.protocol.headers import VLLM_DP_RANK
 from dynamograph.protocol.http1 import ConnectError, Http1Pool, Response
 from dynamograph.protocol.openai import OpenAIError
+from dynamograph.router.discovery import WorkerRecord
 
 # Client headers an engine may need (auth for `vllm serve --api-key`, tracing); nothing else
 # of the client's reaches the engine, routing headers least of all.

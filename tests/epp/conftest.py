@@ -15,10 +15,10 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from dynamograph.epp.config import RouterConfig
-from dynamograph.epp.discovery import StaticSource, WorkerTarget
 from dynamograph.epp.server import Epp, EppSettings
 from dynamograph.epp.tls import KeyPair
+from dynamograph.protocol.router_config import RouterConfig
+from dynamograph.router.discovery import StaticSource, WorkerTarget
 from dynamograph.worker.testing import mock_worker
 
 MODEL = "Qwen/Qwen3-0.6B"

@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from dynamograph.epp.cli import add_arguments, settings_from_args
-from dynamograph.epp.discovery import KubernetesSource, StaticSource, source_from_args
+from dynamograph.router.discovery import KubernetesSource, StaticSource, source_from_args
 
 pytestmark = pytest.mark.unit
 

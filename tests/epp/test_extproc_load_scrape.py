@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 from aiohttp import web
 
-from dynamograph.epp.load import LoadScraper
-from dynamograph.epp.scheduler import Router
+from dynamograph.router.load import LoadScraper
+from dynamograph.router.scheduler import Router
 
 pytestmark = pytest.mark.integration
 

@@ -10,9 +10,9 @@ import pytest
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from dynamograph.epp.config import RouterConfig
 from dynamograph.epp.extproc import MAX_CHUNK_BYTES
 from dynamograph.protocol.headers import DESTINATION_ENDPOINT, WORKER_INSTANCE_ID
+from dynamograph.protocol.router_config import RouterConfig
 from dynamograph.worker.testing import mock_worker
 
 from .conftest import (

@@ -15,7 +15,7 @@ from dynamograph.epp.extproc import (
     check_protocol_config,
     immediate_response,
 )
-from dynamograph.epp.load import parse_load
+from dynamograph.router.load import parse_load
 
 from .conftest import protocol_config
 

@@ -154,7 +154,7 @@ async def test_joining_a_worker_whose_replay_lost_the_start_indexes_what_comes_n
         async with running_epp([worker]) as epp:
             wid = worker.config.instance_id
             new = _chat("arrived after the EPP joined " * 100)
-            with caplog.at_level("INFO", logger="dynamograph.epp.kv_events"):
+            with caplog.at_level("INFO", logger="dynamograph.router.kv_events"):
                 await _complete(http, worker, new)
                 hashes = _hashes(epp, new)
                 await eventually(lambda: _held(epp, wid, hashes) >= len(hashes) - 1)

@@ -10,9 +10,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from dynamograph.epp.discovery import Discovery, StaticSource, parse_worker_flag
 from dynamograph.frontend.routing import Mode
 from dynamograph.frontend.server import Frontend, FrontendConfig
+from dynamograph.router.discovery import Discovery, StaticSource, parse_worker_flag
 from dynamograph.worker.testing import RunningWorker
 
 

@@ -22,7 +22,7 @@ PROMPT = "A shared system prompt that many requests repeat, word for word. " * 1
 
 def cached_blocks(fe, prompt: str) -> int:
     """How many of the prompt's blocks the frontend's router believes are cached somewhere."""
-    from dynamograph.epp.scheduler import RouteRequest
+    from dynamograph.router.scheduler import RouteRequest
 
     router = fe.picker.router
     tokens = get_tokenizer("qwen").encode(prompt, add_special_tokens=True)
@@ -73,7 +73,7 @@ async def test_kv_mode_runs_the_handoff_and_honours_pins(model):
 
 
 async def test_saturated_workers_shed_with_429_and_retry_after(model):
-    from dynamograph.epp.config import RouterConfig
+    from dynamograph.protocol.router_config import RouterConfig
 
     async with (
         mock_worker(num_gpu_blocks=64, speedup=1.0) as small,

@@ -5,10 +5,10 @@ the same prompt for the base model is not, and a model nobody serves is the fron
 import openai
 import pytest
 
-from dynamograph.epp.scheduler import RouteRequest
 from dynamograph.frontend.routing import Mode
 from dynamograph.protocol.hashing import block_hashes
 from dynamograph.protocol.tokenization import get_tokenizer
+from dynamograph.router.scheduler import RouteRequest
 from dynamograph.worker.lora import LoraModule
 from dynamograph.worker.testing import mock_worker
 

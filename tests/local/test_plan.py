@@ -214,7 +214,9 @@ def test_router_settings_reach_the_epp_flags_and_config_file():
     config = yaml.safe_load(p.files[arg(epp.argv, "--config")])
     assert config["policy"] == "round-robin" and config["use_kv_events"] is False
     assert config["temperature"] == 0.5 and config["enforce_disagg"] is True
-    epp_config = pytest.importorskip("dynamograph.epp.config", reason="EPP not built yet")
+    epp_config = pytest.importorskip(
+        "dynamograph.protocol.router_config", reason="EPP not built yet"
+    )
     epp_config.RouterConfig.model_validate(config)  # the EPP accepts the file
 
 

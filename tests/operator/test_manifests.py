@@ -346,7 +346,9 @@ def test_service_features_render_and_validate():
 )
 def test_router_config_is_what_the_epp_loads(router, policy, events):
     """Contract test: the ConfigMap's router.yaml loads as the EPP's own RouterConfig."""
-    epp_config = pytest.importorskip("dynamograph.epp.config", reason="the EPP is not built")
+    epp_config = pytest.importorskip(
+        "dynamograph.protocol.router_config", reason="the EPP is not built"
+    )
 
     def mutate(body):
         body["spec"]["services"]["epp"]["router"] = router

@@ -10,9 +10,8 @@ import kmock as kmock_lib
 import pytest
 from kubernetes_asyncio import client
 
-from dynamograph.epp.discovery import KubernetesSource, WorkerTarget
-
-from .conftest import eventually
+from dynamograph.router.discovery import KubernetesSource, WorkerTarget
+from e2e.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -81,7 +80,9 @@ async def test_pods_appear_turn_ready_and_terminate(kmock, api):
     sink = RecordingSink()
     task = asyncio.create_task(source.run(sink))
     try:
-        await eventually(lambda: f"{NS}/w-0" in sink.targets)
+        await wait_for(
+            lambda: f"{NS}/w-0" in sink.targets, "w-0 discovered", within=10, interval=0.01
+        )
         assert sink.targets[f"{NS}/w-0"] == WorkerTarget(
             f"{NS}/w-0", "http://127.0.0.1:8100", "127.0.0.1:8180"
         )
@@ -95,17 +96,21 @@ async def test_pods_appear_turn_ready_and_terminate(kmock, api):
         await v1.patch_namespaced_pod(
             "w-1", NS, {"status": {"conditions": [{"type": "Ready", "status": "True"}]}}
         )
-        await eventually(lambda: f"{NS}/w-1" in sink.targets)
+        await wait_for(
+            lambda: f"{NS}/w-1" in sink.targets, "w-1 discovered", within=10, interval=0.01
+        )
         assert sink.targets[f"{NS}/w-1"].engine_url == "http://127.0.0.1:8101"
 
         # Terminating (deletionTimestamp set) removes it before the pod is gone.
         await v1.patch_namespaced_pod(
             "w-1", NS, {"metadata": {"deletionTimestamp": "2026-11-21T16:00:00Z"}}
         )
-        await eventually(lambda: f"{NS}/w-1" not in sink.targets)
+        await wait_for(
+            lambda: f"{NS}/w-1" not in sink.targets, "w-1 gone", within=10, interval=0.01
+        )
         # Deleting a Ready pod removes it too.
         await v1.delete_namespaced_pod("w-0", NS)
-        await eventually(lambda: not sink.targets)
+        await wait_for(lambda: not sink.targets, "every target gone", within=10, interval=0.01)
         assert source.relists == 1
     finally:
         task.cancel()
@@ -123,8 +128,10 @@ async def test_watch_410_gone_relists(kmock, api):
     sink = RecordingSink()
     task = asyncio.create_task(source.run(sink))
     try:
-        await eventually(lambda: source.relists >= 2)
-        await eventually(lambda: f"{NS}/w-0" in sink.targets)
+        await wait_for(lambda: source.relists >= 2, "a second relist", within=10, interval=0.01)
+        await wait_for(
+            lambda: f"{NS}/w-0" in sink.targets, "w-0 discovered", within=10, interval=0.01
+        )
     finally:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -132,7 +139,7 @@ async def test_watch_410_gone_relists(kmock, api):
 
 
 async def test_discovery_records_come_from_the_pods_engine(kmock, api):
-    from dynamograph.epp.discovery import Discovery
+    from dynamograph.router.discovery import Discovery
     from dynamograph.worker.testing import mock_worker
 
     configuration, v1 = api
@@ -144,7 +151,7 @@ async def test_discovery_records_come_from_the_pods_engine(kmock, api):
         await discovery.start()
         try:
             await v1.create_namespaced_pod(NS, _pod("w-0", ready=True, engine=engine_port))
-            await eventually(lambda: added)
+            await wait_for(lambda: added, "an addition", within=10, interval=0.01)
             record = added[0]
             assert record.instance_id == worker.config.instance_id
             assert record.engine_url == worker.url
@@ -152,7 +159,7 @@ async def test_discovery_records_come_from_the_pods_engine(kmock, api):
             assert record.config.kv_cache_block_size == worker.config.kv_cache_block_size
             assert discovery.endpoint_of(record.instance_id) == "127.0.0.1:8080"
             await v1.delete_namespaced_pod("w-0", NS)
-            await eventually(lambda: removed)
+            await wait_for(lambda: removed, "a removal", within=10, interval=0.01)
             assert removed[0].instance_id == record.instance_id
             assert discovery.get(record.instance_id) is None
         finally:

@@ -11,15 +11,24 @@ import contextlib
 import logging
 import re
 from collections.abc import Callable
+from typing import Protocol
+
+from prometheus_client import Counter
 
 from dynamograph.protocol.http1 import Http1Pool
 
 from .discovery import WorkerRecord
-from .metrics import EppMetrics
 from .scheduler import Router
 from .tasks import cancel_all
 
 log = logging.getLogger(__name__)
+
+
+class ScrapeMetrics(Protocol):
+    """The Prometheus series scraping reports to (the EPP's registry provides them)."""
+
+    scrape_failures: Counter
+
 
 _FIELDS = {
     b"vllm:num_requests_waiting": "waiting",
@@ -89,7 +98,7 @@ class LoadScraper:
         timeout: float = 2.0,
         failures_to_drop: int = 2,
         on_unreachable: Callable[[int], None] | None = None,
-        metrics: EppMetrics | None = None,
+        metrics: ScrapeMetrics | None = None,
     ):
         self.router = router
         self.interval = interval

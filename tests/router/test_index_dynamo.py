@@ -20,9 +20,9 @@ import random
 import numpy as np
 import pytest
 
-from dynamograph.epp import index as index_module
-from dynamograph.epp.index import KvIndex
 from dynamograph.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from dynamograph.router import index as index_module
+from dynamograph.router.index import KvIndex
 
 dynamo = pytest.importorskip("dynamo._core", reason="needs PyPI ai-dynamo-runtime (dev extra)")
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynamograph.epp.table import MISSING, U64Table
+from dynamograph.router.table import MISSING, U64Table
 
 pytestmark = pytest.mark.unit
 

@@ -4,8 +4,8 @@ more than 64 slots, a block removed from the middle of a chain, engine hashes re
 import numpy as np
 import pytest
 
-from dynamograph.epp import index as index_module
-from dynamograph.epp.index import KvIndex
+from dynamograph.router import index as index_module
+from dynamograph.router.index import KvIndex
 
 pytestmark = pytest.mark.unit
 
@@ -175,7 +175,7 @@ def test_kernels_compile_without_a_writable_cache(monkeypatch, recwarn):
     import numba
     from numba.core import caching
 
-    from dynamograph.epp.kernels import enable_cache
+    from dynamograph.router.kernels import enable_cache
 
     def read_only(self):
         raise PermissionError("read-only file system")

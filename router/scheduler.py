@@ -38,9 +38,9 @@ from dynamograph.protocol.engine import EngineConfig, Role
 from dynamograph.protocol.kv_events import BlockStored, EventBatch
 from dynamograph.protocol.nvext import SessionAction, SessionControl
 from dynamograph.protocol.pins import RoutePins
+from dynamograph.protocol.router_config import Policy, RouterConfig
 
 from .active import ActiveRequests, Booking, RequestGuard, Slot
-from .config import Policy, RouterConfig
 from .fleet import Fleet, WorkerState
 from .index import KvIndex, as_u64, chain_keys
 from .plugins import BUSY, FILTERS, SCORERS, Candidates, Context, KvPicker, Phase, make_picker

@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from dynamograph.protocol.router_config import Policy, RouterConfig
+
 from . import kernels
-from .config import Policy, RouterConfig
 
 if TYPE_CHECKING:
     from .fleet import Fleet

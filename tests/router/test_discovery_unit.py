@@ -2,7 +2,7 @@
 
 import pytest
 
-from dynamograph.epp.discovery import (
+from dynamograph.router.discovery import (
     WorkerTarget,
     load_workers_file,
     parse_worker_flag,

@@ -17,9 +17,11 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import zmq
 import zmq.asyncio
+from prometheus_client import Counter, Histogram
 from zmq.utils.monitor import parse_monitor_message
 
 from dynamograph.protocol.kv_events import (
@@ -33,11 +35,19 @@ from dynamograph.protocol.kv_events import (
 )
 
 from .discovery import WorkerRecord
-from .metrics import EppMetrics
 from .scheduler import GapInfo, Router
 from .tasks import cancel_all
 
 log = logging.getLogger(__name__)
+
+
+class IngestMetrics(Protocol):
+    """The Prometheus series ingestion reports to (the EPP's registry provides them)."""
+
+    kv_batches: Counter
+    kv_event_lag: Histogram
+    kv_gaps: Counter
+    kv_replay_failures: Counter
 
 
 class RankSubscriber:
@@ -53,7 +63,7 @@ class RankSubscriber:
         replay_endpoint: str | None,
         topic: str = "",
         *,
-        metrics: EppMetrics | None = None,
+        metrics: IngestMetrics | None = None,
         replay_timeout: float = 1.0,
         on_disconnect: Callable[[int], None] | None = None,
     ):
@@ -231,7 +241,7 @@ class KvEventIngest:
     def __init__(
         self,
         router: Router,
-        metrics: EppMetrics | None = None,
+        metrics: IngestMetrics | None = None,
         *,
         replay_timeout: float = 1.0,
         on_disconnect: Callable[[int], None] | None = None,

@@ -7,20 +7,20 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from dynamograph.epp.config import Policy, RouterConfig
-from dynamograph.epp.plugins import kv_cost
-from dynamograph.epp.scheduler import (
-    NoEligibleWorker,
-    Overloaded,
-    Router,
-    RouteRequest,
-)
 from dynamograph.protocol.engine import Role
 from dynamograph.protocol.hashing import block_hashes
 from dynamograph.protocol.headers import parse_routing_headers
 from dynamograph.protocol.kv_events import AllBlocksCleared, BlockStored, EventBatch
 from dynamograph.protocol.nvext import NvExt, SessionControl
 from dynamograph.protocol.pins import RoutePins
+from dynamograph.protocol.router_config import Policy, RouterConfig
+from dynamograph.router.plugins import kv_cost
+from dynamograph.router.scheduler import (
+    NoEligibleWorker,
+    Overloaded,
+    Router,
+    RouteRequest,
+)
 
 pytestmark = pytest.mark.unit
 

@@ -15,12 +15,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dynamograph.epp.config import Policy, RouterConfig
-from dynamograph.epp.index import chain_keys
-from dynamograph.epp.scheduler import NoEligibleWorker, Overloaded, Router, RouteRequest
 from dynamograph.protocol.engine import Role
 from dynamograph.protocol.hashing import block_hash_array
 from dynamograph.protocol.kv_events import BlockStored, EventBatch
+from dynamograph.protocol.router_config import Policy, RouterConfig
+from dynamograph.router.index import chain_keys
+from dynamograph.router.scheduler import NoEligibleWorker, Overloaded, Router, RouteRequest
 
 pytestmark = pytest.mark.unit
 
@@ -337,7 +337,7 @@ def test_debug_log_names_the_choice_and_the_cheapest_others(caplog):
     request = RouteRequest("d", block_hash_array(toks, BS), len(toks), query_only=True)
     router.schedule(request)
     assert not caplog.records  # nothing built or logged above debug level
-    with caplog.at_level("DEBUG", logger="dynamograph.epp.scheduler"):
+    with caplog.at_level("DEBUG", logger="dynamograph.router.scheduler"):
         decision = router.schedule(request)
     assert decision.decode.worker_id == 2
     (record,) = [r for r in caplog.records if "pick" in r.getMessage()]

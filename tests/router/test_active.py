@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynamograph.epp.active import ActiveRequests, RequestGuard, SlotLoad
+from dynamograph.router.active import ActiveRequests, RequestGuard, SlotLoad
 
 pytestmark = pytest.mark.unit
 
@@ -114,7 +114,7 @@ def check_columns_and_held(active: ActiveRequests, guards: list[RequestGuard]) -
 @settings(max_examples=120, deadline=None)
 @given(st.lists(op, max_size=60), st.booleans())
 def test_any_lifecycle_ends_with_zero_load(ops, track_output):
-    logging.getLogger("dynamograph.epp.active").setLevel(logging.ERROR)  # GC warnings expected
+    logging.getLogger("dynamograph.router.active").setLevel(logging.ERROR)  # GC warnings expected
     active = ActiveRequests(block_size=16, track_output_blocks=track_output)
     guards: list[RequestGuard] = []
     for step in ops:
@@ -180,7 +180,7 @@ def test_context_manager_frees_on_error():
 
 def test_collected_guard_frees_and_warns(caplog):
     active = ActiveRequests()
-    with caplog.at_level(logging.WARNING, logger="dynamograph.epp.active"):
+    with caplog.at_level(logging.WARNING, logger="dynamograph.router.active"):
         guard_for(active, 7, disagg=True, prompt=5, uncached=2, osl=None)  # dropped at once
         gc.collect()
     assert "req-7" in caplog.text and "still booked" in caplog.text
