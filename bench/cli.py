@@ -2,7 +2,7 @@
 
 import argparse
 
-from dynamograph.cli.main import Command, add_lazy_subcommands
+from dynamograph.cli.main import Command, NotBuilt, load
 
 BENCHMARKS = {
     "hashing": Command("dynamograph.bench.hashing", "block hashing: ours vs Dynamo's, same run"),
@@ -19,19 +19,14 @@ BENCHMARKS = {
     "all": Command("dynamograph.bench.all", "every benchmark above with a summary table"),
 }
 
-_loaded: dict[str, object] = {}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    import sys
-
-    argv = sys.argv[sys.argv.index("bench") + 1 :] if "bench" in sys.argv else []
-    _loaded.update(add_lazy_subcommands(parser, BENCHMARKS, argv, "benchmark"))
+# `dynamograph` fills in the benchmark named on the command line (cli.main.add_lazy_subcommands).
+SUBCOMMANDS = BENCHMARKS
 
 
 def run(args: argparse.Namespace) -> int:
-    module = _loaded.get(args.benchmark)
-    if module is None:
-        print(f"dynamograph bench {args.benchmark}: this benchmark is not built yet")
+    try:
+        module = load(BENCHMARKS[args.bench])
+    except NotBuilt:
+        print(f"dynamograph bench {args.bench}: this benchmark is not built yet")
         return 2
     return module.run(args) or 0

@@ -90,8 +90,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help=f"a few minutes: {QUICK['workers']} workers, {QUICK['families']:.0%} of the prefix "
-        f"families, compression {QUICK['compression']:g} (explicit flags win)",
+        # argparse expands `%` in help text: a literal percent sign is `%%`.
+        help=f"a few minutes: {QUICK['workers']} workers, {QUICK['families'] * 100:.0f}%% of the "
+        f"prefix families, compression {QUICK['compression']:g} (explicit flags win)",
     )
     spec = WorkerSpec()
     parser.add_argument("--model", default=spec.model, help="served model name of the fleet")

@@ -50,30 +50,43 @@ def load(command: Command):
 
 
 def add_lazy_subcommands(
-    parser: argparse.ArgumentParser, commands: dict[str, Command], argv: Sequence[str], dest: str
+    parser: argparse.ArgumentParser,
+    commands: dict[str, Command],
+    argv: Sequence[str] | None,
+    dest: str,
 ) -> dict[str, object]:
-    """Add one subparser per command, filling in only the one named in argv.
+    """Add one subparser per command, filling in only the one named in argv (every one when argv
+    is None, e.g. to check every help text).
 
-    Returns {name: module} for the selected command (empty when none or not built).
+    A command's module exposes `add_arguments(parser)` and `run(args)`; a module with commands of
+    its own (bench) exposes them as `SUBCOMMANDS` instead of `add_arguments`, filled in the same
+    way from the arguments after its name (the chosen one is `args.<name>`, e.g. `args.bench`). Returns {name: module} for the filled-in
+    commands (empty when none is named or it is not built).
     """
     sub = parser.add_subparsers(dest=dest, metavar="COMMAND", required=True)
-    chosen = next((a for a in argv if not a.startswith("-")), None)
+    chosen = None if argv is None else next((a for a in argv if not a.startswith("-")), None)
     loaded: dict[str, object] = {}
     for name, command in commands.items():
         child = sub.add_parser(name, help=command.help, description=command.help)
-        if name != chosen:
+        if argv is not None and name != chosen:
             continue
         try:
             module = load(command)
         except NotBuilt:
             continue
-        module.add_arguments(child)
+        subcommands = getattr(module, "SUBCOMMANDS", None)
+        if subcommands is None:
+            module.add_arguments(child)
+        else:
+            rest = None if argv is None else list(argv[list(argv).index(name) + 1 :])
+            add_lazy_subcommands(child, subcommands, rest, name)
         loaded[name] = module
     return loaded
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def build_parser(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, dict[str, object]]:
+    """The `dynamograph` parser with the command named in argv filled in (every command when
+    argv is None), and {name: module} of the filled-in commands."""
     parser = argparse.ArgumentParser(
         prog="dynamograph",
         description="Kubernetes-native LLM serving with KV-cache-aware routing.",
@@ -83,8 +96,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     add_logging_arguments(parser)
     # Global options come before the subcommand; skip their values when finding it.
-    rest = _after_global_options(argv)
+    rest = None if argv is None else _after_global_options(list(argv))
     loaded = add_lazy_subcommands(parser, COMMANDS, rest, "command")
+    return parser, loaded
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser, loaded = build_parser(argv)
     args = parser.parse_args(argv)
     module = loaded.get(args.command)
     if module is None:

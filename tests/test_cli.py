@@ -1,11 +1,13 @@
 """The `dynamograph` command: help, version, and honest answers for unbuilt components."""
 
+import argparse
 import subprocess
 import sys
 
 import pytest
 
-from dynamograph.cli.main import COMMANDS
+from dynamograph.bench.cli import BENCHMARKS
+from dynamograph.cli.main import COMMANDS, build_parser, main
 
 pytestmark = pytest.mark.unit
 
@@ -38,3 +40,37 @@ def test_every_subcommand_has_help(name):
 def test_unknown_subcommand_is_a_usage_error():
     result = run_cli("frobnicate")
     assert result.returncode == 2 and "invalid choice" in result.stderr
+
+
+def every_parser(parser, path=()):
+    """(command path, parser) for the parser and every subcommand below it, depth first."""
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                yield from every_parser(child, (*path, name))
+
+
+def test_help_of_every_command_and_subcommand_formats():
+    parser, _ = build_parser(None)
+    paths = []
+    for path, sub in every_parser(parser):
+        text = sub.format_help()  # expands each argument's help with `%`, as `--help` does
+        assert text.startswith("usage: " + " ".join(("dynamograph", *path))), path
+        paths.append(path)
+    assert {(name,) for name in COMMANDS} <= set(paths)
+    assert {("bench", name) for name in BENCHMARKS} <= set(paths)
+
+
+def test_bench_subcommand_help_in_process(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "route", "--help"])
+    assert exit_.value.code == 0
+    assert "--policies" in capsys.readouterr().out
+
+
+def test_bench_runs_the_benchmark_named(tmp_path):
+    others = [name for name in BENCHMARKS if name != "all"]
+    result = run_cli("bench", "all", "--skip", *others, "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "all.json").exists()
