@@ -117,8 +117,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-events",
         choices=["on", "off"],
-        default=os.environ.get("DYNAMOGRAPH_EPP_KV_EVENTS", "on"),
-        help="index workers' KV events (on), or approximate from routed requests (off)",
+        # No default here: when neither the flag nor the environment says, --config decides.
+        default=os.environ.get("DYNAMOGRAPH_EPP_KV_EVENTS") or None,
+        help="index workers' KV events (on), or approximate from routed requests (off); "
+        "default: the config's use_kv_events, else on",
     )
     parser.add_argument(
         "--max-body-bytes",
@@ -170,7 +172,7 @@ def tls_from_args(args: argparse.Namespace) -> TlsSettings | None:
 
 
 def settings_from_args(args: argparse.Namespace) -> EppSettings:
-    use_events = args.kv_events == "on"
+    use_events = None if args.kv_events is None else args.kv_events == "on"
     router = RouterConfig.load(
         args.config,
         overlap_weight=args.overlap_weight,
@@ -184,7 +186,7 @@ def settings_from_args(args: argparse.Namespace) -> EppSettings:
         health_port=args.health_port,
         metrics_port=args.metrics_port,
         router=router,
-        kv_events=use_events,
+        kv_events=router.use_kv_events,
         picker=args.picker,
         max_body_bytes=args.max_body_bytes,
         scrape_interval=args.scrape_interval,

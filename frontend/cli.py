@@ -68,9 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-events",
         choices=["on", "off"],
-        default="on",
         help="kv mode: follow the workers' KV events (on) or assume routed prefixes are cached "
-        "for a while (off)",
+        "for a while (off); default: --router-config's use_kv_events, else on",
     )
     parser.add_argument(
         "--router-config",
@@ -85,10 +84,12 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
     if args.engine_url is None and mode is Mode.DIRECT:
         raise ValueError("--engine-url is required in direct mode (the pod's own engine)")
     router = None
-    if args.router_config is not None:
+    if args.router_config is not None or args.kv_events is not None:
         from dynamograph.protocol.router_config import RouterConfig
 
-        router = RouterConfig.load(args.router_config)
+        # A flag overrides the file only when given.
+        kv_events = None if args.kv_events is None else args.kv_events == "on"
+        router = RouterConfig.load(args.router_config, use_kv_events=kv_events)
     return FrontendConfig(
         engine_url=args.engine_url,
         mode=mode,
@@ -97,7 +98,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         max_body_bytes=args.max_body_bytes,
         request_timeout=args.request_timeout,
         connect_timeout=args.connect_timeout,
-        kv_events=args.kv_events == "on",
+        kv_events=router is None or router.use_kv_events,
         router=router,
     )
 

@@ -30,6 +30,26 @@ def test_flags_override_the_config_file(tmp_path):
     assert settings.freeze_heap  # the CLI's process is the EPP's own
 
 
+def test_config_file_holds_where_no_flag_is_given(tmp_path, monkeypatch):
+    monkeypatch.delenv("DYNAMOGRAPH_EPP_KV_EVENTS", raising=False)
+    config = tmp_path / "router.yaml"
+    config.write_text("use_kv_events: false\ntemperature: 0.3\n")
+    settings = settings_from_args(_parse("--config", str(config)))
+    assert settings.router.use_kv_events is False and settings.kv_events is False
+    assert settings.router.temperature == 0.3
+    settings = settings_from_args(_parse("--config", str(config), "--kv-events", "on"))
+    assert settings.router.use_kv_events is True and settings.kv_events is True
+    monkeypatch.setenv("DYNAMOGRAPH_EPP_KV_EVENTS", "on")  # the environment counts as a flag
+    settings = settings_from_args(_parse("--config", str(config)))
+    assert settings.router.use_kv_events is True and settings.kv_events is True
+
+
+def test_kv_events_on_by_default(monkeypatch):
+    monkeypatch.delenv("DYNAMOGRAPH_EPP_KV_EVENTS", raising=False)
+    settings = settings_from_args(_parse())
+    assert settings.router.use_kv_events is True and settings.kv_events is True
+
+
 async def test_heap_frozen_once_started_only_when_asked():
     import gc
 

@@ -9,6 +9,7 @@ import openai
 import pytest
 
 from dynamograph.frontend import cli
+from dynamograph.frontend.server import Frontend
 from dynamograph.protocol.engine import Role
 from dynamograph.worker.testing import free_port, mock_worker
 
@@ -64,3 +65,31 @@ def test_direct_mode_needs_the_engine_url(capsys):
     assert "--engine-url is required in direct mode" in capsys.readouterr().err
     assert cli.run(parser.parse_args(["--mode", "kv", "--discovery", "static"])) == 2
     assert "--mode kv without --engine-url needs workers" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "in_file", "expected"),
+    [
+        ((), "false", False),
+        ((), "true", True),
+        (("--kv-events", "on"), "false", True),
+        (("--kv-events", "off"), "true", False),
+    ],
+)
+def test_kv_events_flag_overrides_the_router_config_only_when_given(
+    tmp_path, flags, in_file, expected
+):
+    config = tmp_path / "router.yaml"
+    config.write_text(f"use_kv_events: {in_file}\n")
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(["--mode", "kv", "--router-config", str(config), *flags])
+    frontend = Frontend(cli.config_from_args(args))
+    assert frontend.picker.config.use_kv_events is expected
+
+
+def test_kv_events_on_by_default():
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    frontend = Frontend(cli.config_from_args(parser.parse_args(["--mode", "kv"])))
+    assert frontend.picker.config.use_kv_events is True
