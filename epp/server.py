@@ -181,6 +181,7 @@ class Epp:
                     "waiting": _at(state.waiting, rank),
                     "running": _at(state.running, rank),
                     "kv_usage": _at(state.kv_usage, rank),
+                    "booked": self.router.active.load((wid, rank)).requests,
                 }
         return {"slots": slots, "workers": workers, "index_blocks": _index_blocks(self.router)}
 
