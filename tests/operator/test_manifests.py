@@ -10,6 +10,7 @@ from dynamograph.operator import crds
 from dynamograph.operator.config import OperatorConfig
 from dynamograph.operator.manifests import Owner, desired_objects, merge_extra_pod_spec
 from dynamograph.operator.models import GraphError, load_graph
+from dynamograph.protocol.router_config import RouterConfig
 
 from .emulator import EXAMPLES, upstream_crd
 from .schemas import validate_against_crd
@@ -346,16 +347,13 @@ def test_service_features_render_and_validate():
 )
 def test_router_config_is_what_the_epp_loads(router, policy, events):
     """Contract test: the ConfigMap's router.yaml loads as the EPP's own RouterConfig."""
-    epp_config = pytest.importorskip(
-        "dynamograph.protocol.router_config", reason="the EPP is not built"
-    )
 
     def mutate(body):
         body["spec"]["services"]["epp"]["router"] = router
 
     _, objs = build("disagg.yaml", mutate)
     data = yaml.safe_load(objs["ConfigMap", "disagg-router"]["data"]["router.yaml"])
-    loaded = epp_config.RouterConfig.model_validate(data)
+    loaded = RouterConfig.model_validate(data)
     assert (str(loaded.policy), loaded.use_kv_events) == (policy, events)
     for key, value in router.get("config", {}).items():
         assert getattr(loaded, key) == value
