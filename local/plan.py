@@ -1,6 +1,6 @@
 """Graph → processes: what `dynamograph up` runs for a DynamoGraph, as a pure function.
 
-`plan_graph` turns a validated `DynamoGraph` (the operator's models, the one schema) into the
+`plan_graph` turns a validated `DynamoGraph` (`protocol/graph.py`, the one schema) into the
 list of local processes with their command lines, ports and readiness probes — the local
 equivalent of the operator's pods. No I/O: ports come from an injected allocator and files to
 write (the Envoy config) are returned as data, so the plan is unit-tested without starting
@@ -24,15 +24,16 @@ from pathlib import Path
 
 import yaml
 
-from dynamograph.operator.manifests import router_config, uses_kv_events, worker_args
-from dynamograph.operator.models import (
+from dynamograph.operator.manifests import router_config
+from dynamograph.protocol.engine import Role
+from dynamograph.protocol.graph import (
     ComponentType,
     DynamoGraph,
     FailureMode,
     RouterSpec,
     ServiceSpec,
 )
-from dynamograph.protocol.engine import Role
+from dynamograph.protocol.launch import graph_router, uses_kv_events, worker_args
 
 from .spec import HOST, STAGE_ENGINES, STAGE_GATEWAY, STAGE_ROUTERS, Plan, Probe, ProcessSpec
 
@@ -68,7 +69,7 @@ def plan_graph(
     notes: list[str] = []
     processes: list[ProcessSpec] = []
     epp_services = spec.services_of(ComponentType.EPP)
-    router = next((s.router for s in epp_services.values() if s.router), None) or RouterSpec()
+    router = graph_router(graph)
 
     for service_name, service in spec.services.items():
         kind = ComponentType(service.component_type)
@@ -167,7 +168,7 @@ def _engine_processes(
     dp = service.data_parallel_size
     port, events, replay = take_port(1), take_port(dp), take_port(dp)
     engine_url = f"http://{HOST}:{port}"
-    # The operator's own engine command line (one mapping of graph fields to flags), with the
+    # The engine command line the operator's pods run too (protocol.launch), with the
     # local addresses in place of the pod's fixed ports.
     local = {
         "--host": HOST,

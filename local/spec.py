@@ -1,6 +1,6 @@
 """What a local stack is made of: process specs and the plan, as plain data.
 
-Kept apart from the planner (`plan.py`, which needs the operator's models) so that the
+Kept apart from the planner (`plan.py`, which needs the DynamoGraph models) so that the
 supervisor, `down` and `up --status` load quickly and work from a state file alone.
 """
 

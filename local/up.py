@@ -1,6 +1,6 @@
 """`dynamograph up [GRAPH.yaml]`: a whole DynamoGraph on this machine behind a real Envoy.
 
-Reads the graph with the operator's own models (`load_graph`), plans the processes
+Reads the graph with the DynamoGraph models the operator uses too (`protocol/graph.py`), plans the processes
 (`local/plan.py`), starts and supervises them (`local/stack.py`), prints the OpenAI base URL
 (Envoy's listener) and a live status view until Ctrl-C or SIGTERM, then stops everything.
 
@@ -75,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dynamograph.operator.models import GraphError, load_graph
+    from dynamograph.protocol.graph import GraphError, load_graph
 
     # Off a terminal (pipes, CI logs) rich would wrap the tables at 80 columns.
     console = Console() if sys.stdout.isatty() else Console(width=160)

@@ -15,10 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from dynamograph.protocol.graph import API_VERSION, KIND, GraphError, load_graph
+from dynamograph.protocol.launch import HTTP_PORT
+
 from .config import OperatorConfig
 from .kube import ApiError, KubeApi
 from .manifests import (
-    HTTP_PORT,
     LABEL_GRAPH,
     LABEL_MANAGED_BY,
     LABEL_SERVICE,
@@ -29,7 +31,6 @@ from .manifests import (
     frontend_service_name,
     object_key,
 )
-from .models import API_VERSION, KIND, GraphError, load_graph
 from .reconcile import Conflict, Create, Delete, Patch, merge_patch, owned_by, plan
 from .status import (
     GatewayObservation,

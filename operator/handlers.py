@@ -23,11 +23,12 @@ from typing import Any
 
 import kopf
 
+from dynamograph.protocol.graph import GROUP, PLURAL, VERSION
+
 from .config import OperatorConfig
 from .controller import Operator, sync_graph, sync_owner_of
 from .kube import ApiError, KubeApi, login
 from .manifests import LABEL_MANAGED_BY, MANAGED_BY, POOL_GROUP
-from .models import GROUP, PLURAL, VERSION
 from .status import GATEWAY_GROUP
 
 ANNOTATION_PREFIX = "dynamograph.io"

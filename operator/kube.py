@@ -17,7 +17,7 @@ import aiohttp
 import kopf
 import orjson
 
-from .models import API_VERSION, KIND, PLURAL
+from dynamograph.protocol.graph import API_VERSION, KIND, PLURAL
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,7 @@ from typing import Any
 
 import yaml
 
-from .config import OperatorConfig
-from .models import (
+from dynamograph.protocol.graph import (
     API_VERSION,
     ENGINE_TYPES,
     KIND,
@@ -35,15 +34,20 @@ from .models import (
     RouterSpec,
     ServiceSpec,
 )
+from dynamograph.protocol.launch import (
+    ENGINE_PORT,
+    EPP_GRPC_PORT,
+    EPP_HEALTH_PORT,
+    EPP_METRICS_PORT,
+    HTTP_PORT,
+    KV_EVENTS_PORT,
+    graph_router,
+    kv_replay_port,
+    uses_kv_events,
+    worker_args,
+)
 
-# Contract ports (docs/contracts.md).
-HTTP_PORT = 8080  # frontend; the InferencePool targetPort
-ENGINE_PORT = 8000  # engine HTTP API, also its /metrics
-KV_EVENTS_PORT = 5557
-KV_REPLAY_PORT = 5558
-EPP_GRPC_PORT = 9002
-EPP_HEALTH_PORT = 9003
-EPP_METRICS_PORT = 9090
+from .config import OperatorConfig
 
 LABEL_NAME = "app.kubernetes.io/name"
 LABEL_INSTANCE = "app.kubernetes.io/instance"
@@ -62,12 +66,6 @@ ROUTER_CONFIG_FILE = "router.yaml"
 EPP_TLS_DIR = "/etc/dynamograph/epp-tls"
 EPP_TLS_VOLUME = "epp-tls"
 POOL_GROUP = "inference.networking.k8s.io"
-
-_ROLES = {
-    ComponentType.WORKER: "aggregated",
-    ComponentType.PREFILL: "prefill",
-    ComponentType.DECODE: "decode",
-}
 
 
 @functools.cache
@@ -212,21 +210,7 @@ def epp_tls(graph: DynamoGraph) -> EppTlsSpec:
     return EppTlsSpec()
 
 
-def _router(graph: DynamoGraph) -> RouterSpec:
-    """The graph's routing policy: the EPP's router section, else the defaults."""
-    for spec in graph.spec.services_of(ComponentType.EPP).values():
-        if spec.router is not None:
-            return spec.router
-    return RouterSpec()
-
-
 # ---- containers --------------------------------------------------------------------------
-
-
-def kv_replay_port(data_parallel_size: int) -> int:
-    """Rank r publishes on 5557 + r and replays on the replay port + r: with several ranks the
-    replay ports start after the last events port (5558 for one rank, as the contract says)."""
-    return KV_EVENTS_PORT + max(data_parallel_size, KV_REPLAY_PORT - KV_EVENTS_PORT)
 
 
 def _kv_ports(data_parallel_size: int) -> list[dict[str, Any]]:
@@ -239,48 +223,6 @@ def _kv_ports(data_parallel_size: int) -> list[dict[str, Any]]:
             port_name = name if rank == 0 else f"{name}-{rank}"
             ports.append({"name": port_name, "containerPort": base + rank, "protocol": "TCP"})
     return ports
-
-
-def worker_args(graph: DynamoGraph, spec: ServiceSpec) -> list[str]:
-    model = graph.spec.model
-    args = [
-        "worker",
-        "--engine",
-        str(graph.spec.backend),
-        "--model",
-        model.name,
-        "--served-model-name",
-        graph.spec.served_model_name,
-        "--role",
-        _ROLES[ComponentType(spec.component_type)],
-        "--host",
-        "0.0.0.0",
-        "--port",
-        str(ENGINE_PORT),
-        "--kv-events-port",
-        str(KV_EVENTS_PORT),
-        "--kv-replay-port",
-        str(kv_replay_port(spec.data_parallel_size)),
-        "--block-size",
-        str(graph.spec.kv_block_size),
-        "--data-parallel-size",
-        str(spec.data_parallel_size),
-    ]
-    if model.tokenizer:
-        args += ["--tokenizer", model.tokenizer]
-    engine = spec.engine
-    if engine is not None:
-        for flag, value in (
-            ("--num-gpu-blocks", engine.num_gpu_blocks),
-            ("--max-num-seqs", engine.max_num_seqs),
-            ("--max-num-batched-tokens", engine.max_num_batched_tokens),
-            ("--context-length", engine.context_length),
-            ("--speedup", engine.speedup),
-            ("--seed", engine.seed),
-        ):
-            if value is not None:
-                args += [flag, str(value)]
-    return args
 
 
 def frontend_args(graph: DynamoGraph, owner: Owner, *, sidecar: bool, mode: str) -> list[str]:
@@ -297,7 +239,7 @@ def frontend_args(graph: DynamoGraph, owner: Owner, *, sidecar: bool, mode: str)
         "--selector",
         graph_selector(graph.name),
     ]
-    if _router(graph).enforce_disagg:
+    if graph_router(graph).enforce_disagg:
         args.append("--enforce-disagg")
     return args
 
@@ -346,11 +288,6 @@ def _tls_args(tls: EppTlsSpec) -> list[str]:
     # The kubelet swaps a changed Secret into the volume; the EPP takes it up for new
     # connections (cert-manager renewals need no restart).
     return ["--secure-serving=true", "--cert-path", EPP_TLS_DIR, "--enable-cert-reload=true"]
-
-
-def uses_kv_events(router: RouterSpec) -> bool:
-    """`approx` is KV routing without KV events: routed prefixes count as cached for a while."""
-    return router.kv_events and router.mode != RouterMode.APPROX
 
 
 def router_config(router: RouterSpec) -> dict[str, Any]:
@@ -443,7 +380,7 @@ def _epp_container(
     return _container(
         "epp",
         image,
-        epp_args(graph, owner, _router(graph), tls),
+        epp_args(graph, owner, graph_router(graph), tls),
         config,
         ports=[
             {"name": "grpc", "containerPort": EPP_GRPC_PORT, "protocol": "TCP"},
@@ -686,7 +623,7 @@ def desired_objects(
     )
     objects += _rbac(graph, owner, epp_labels)
     if epp_name is not None:
-        router = _router(graph)
+        router = graph_router(graph)
         objects.append(
             {
                 "apiVersion": "v1",

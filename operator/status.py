@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .models import Condition, DynamoGraphStatus, GraphState, ServiceStatus
+from dynamograph.protocol.graph import Condition, DynamoGraphStatus, GraphState, ServiceStatus
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import pytest
 from dynamograph.local.procs import is_live
 from dynamograph.operator.config import OperatorConfig
 from dynamograph.operator.manifests import Owner, desired_objects
-from dynamograph.operator.models import load_graph
+from dynamograph.protocol.graph import load_graph
 from dynamograph.protocol.identity import instance_id
 
 from ..graphs import load_example, renamed, with_engine, with_replicas, without_gpus

@@ -11,7 +11,7 @@ import yaml
 from dynamograph.local.plan import plan_graph
 from dynamograph.local.spec import STAGE_ENGINES, STAGE_GATEWAY, STAGE_ROUTERS
 from dynamograph.local.up import DEFAULT_GRAPH, EXAMPLES
-from dynamograph.operator.models import load_graph
+from dynamograph.protocol.graph import load_graph
 from dynamograph.protocol.router_config import RouterConfig
 
 pytestmark = pytest.mark.unit

@@ -8,7 +8,7 @@ import yaml
 from dynamograph.operator import crds
 from dynamograph.operator.config import OperatorConfig
 from dynamograph.operator.manifests import Owner, desired_objects
-from dynamograph.operator.models import GraphError, load_graph
+from dynamograph.protocol.graph import GraphError, load_graph
 
 from .emulator import EXAMPLES, upstream_crd
 

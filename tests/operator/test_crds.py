@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from dynamograph.operator import crds
-from dynamograph.operator.models import load_graph
+from dynamograph.protocol.graph import load_graph
 
 from .emulator import EXAMPLES, REPO
 from .schemas import crd_schema, validate_against_crd

@@ -13,7 +13,7 @@ import yaml
 from dynamograph.epp.cli import add_arguments, tls_from_args
 from dynamograph.epp.tls import TlsSettings, self_signed_pair
 from dynamograph.operator import crds
-from dynamograph.operator.models import GraphError, load_graph
+from dynamograph.protocol.graph import GraphError, load_graph
 
 from .emulator import EXAMPLES
 from .test_manifests import K8S_VERSION, build, container, with_gateway

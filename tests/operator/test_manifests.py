@@ -9,7 +9,7 @@ import yaml
 from dynamograph.operator import crds
 from dynamograph.operator.config import OperatorConfig
 from dynamograph.operator.manifests import Owner, desired_objects, merge_extra_pod_spec
-from dynamograph.operator.models import GraphError, load_graph
+from dynamograph.protocol.graph import GraphError, load_graph
 from dynamograph.protocol.router_config import RouterConfig
 
 from .emulator import EXAMPLES, upstream_crd

@@ -5,11 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from dynamograph.operator.models import (
+from dynamograph.protocol.graph import (
     ComponentType,
     GraphError,
     load_graph,
-    load_spec,
 )
 
 pytestmark = pytest.mark.unit
@@ -116,10 +115,10 @@ def test_cpu_number_becomes_quantity(agg_dict):
     assert graph.spec.services["worker"].resources.cpu == "2"
 
 
-def test_load_spec_prefixes_spec(agg_dict):
+def test_error_field_is_the_wire_path(agg_dict):
     agg_dict["spec"]["kvBlockSize"] = 0
     with pytest.raises(GraphError) as info:
-        load_spec(agg_dict["spec"])
+        load_graph(agg_dict)
     assert info.value.field == "spec.kvBlockSize"
 
 

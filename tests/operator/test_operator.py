@@ -20,7 +20,7 @@ from dynamograph.operator.controller import reconcile
 from dynamograph.operator.handlers import build_registry
 from dynamograph.operator.kube import KubeApi, login
 from dynamograph.operator.manifests import Owner, desired_objects
-from dynamograph.operator.models import load_graph
+from dynamograph.protocol.graph import load_graph
 
 from .emulator import EXAMPLES, NAMESPACE, upstream_crd, wait_for
 from .schemas import validate_against_crd

@@ -8,7 +8,6 @@ from kmock._internal.dicts import merge_patch_dict
 
 from dynamograph.operator.config import OperatorConfig
 from dynamograph.operator.manifests import Owner, desired_objects, object_key
-from dynamograph.operator.models import load_graph
 from dynamograph.operator.reconcile import (
     LAST_APPLIED,
     Conflict,
@@ -20,6 +19,7 @@ from dynamograph.operator.reconcile import (
     object_patch,
     plan,
 )
+from dynamograph.protocol.graph import load_graph
 
 from .emulator import EXAMPLES
 

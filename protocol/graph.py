@@ -1,7 +1,10 @@
-"""The DynamoGraph custom resource (DESIGN §3.7): pydantic models, the one source of truth.
+"""The DynamoGraph resource: pydantic models of its spec and status, the one source of truth.
 
-The CRD in `crds/` is generated from these models (`dynamograph crds`), the operator validates
-every live object with them, and `dynamograph up` reads graph YAML files through `load_graph`.
+This module owns what a DynamoGraph *is*: its fields, their defaults and validation, and
+`load_graph`, which reads one from a YAML file or a dict. Both readers of a graph use it: the
+operator (`dynamograph operator`), which validates every live object with these models and
+generates the CRD in `crds/` from them (`dynamograph crds`), and `dynamograph up`, which runs a
+graph on this machine. How each service is launched from it is `protocol.launch`.
 Field names are camelCase on the wire (Kubernetes style) and snake_case in Python.
 
 Validation a CRD schema can express (enums, minimums, required fields, patterns, some CEL rules)
@@ -617,11 +620,3 @@ def load_graph(source: str | Path | dict[str, Any]) -> DynamoGraph:
         return DynamoGraph.model_validate(data)
     except ValidationError as exc:
         raise GraphError(validation_errors(exc), label) from None
-
-
-def load_spec(spec: dict[str, Any]) -> DynamoGraphSpec:
-    """Validate just a spec (what a kopf handler receives); errors are prefixed with `spec.`."""
-    try:
-        return DynamoGraphSpec.model_validate(spec)
-    except ValidationError as exc:
-        raise GraphError(validation_errors(exc, prefix="spec")) from None

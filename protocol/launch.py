@@ -1,0 +1,89 @@
+"""How a DynamoGraph's services are launched: the contract ports and the command-line builders.
+
+This module owns the mapping from graph fields to what a component is started with, shared by
+the two launchers: the operator puts these command lines and files into pod specs, and
+`dynamograph up` runs them as local processes (with local addresses in place of the ports).
+One mapping, so a graph behaves the same in both places (docs/contracts.md):
+
+- `worker_args`: the `dynamograph worker` command line of an engine service;
+- `graph_router`: the routing policy of a graph (its epp service's `router`, else defaults),
+  and `uses_kv_events`: whether that policy indexes the engines' KV events.
+"""
+
+from .graph import ComponentType, DynamoGraph, RouterMode, RouterSpec, ServiceSpec
+
+# Contract ports (docs/contracts.md).
+HTTP_PORT = 8080  # frontend; the InferencePool targetPort
+ENGINE_PORT = 8000  # engine HTTP API, also its /metrics
+KV_EVENTS_PORT = 5557
+KV_REPLAY_PORT = 5558
+EPP_GRPC_PORT = 9002
+EPP_HEALTH_PORT = 9003
+EPP_METRICS_PORT = 9090
+
+_ROLES = {
+    ComponentType.WORKER: "aggregated",
+    ComponentType.PREFILL: "prefill",
+    ComponentType.DECODE: "decode",
+}
+
+
+def kv_replay_port(data_parallel_size: int) -> int:
+    """Rank r publishes on 5557 + r and replays on the replay port + r: with several ranks the
+    replay ports start after the last events port (5558 for one rank, as the contract says)."""
+    return KV_EVENTS_PORT + max(data_parallel_size, KV_REPLAY_PORT - KV_EVENTS_PORT)
+
+
+def worker_args(graph: DynamoGraph, spec: ServiceSpec) -> list[str]:
+    model = graph.spec.model
+    args = [
+        "worker",
+        "--engine",
+        str(graph.spec.backend),
+        "--model",
+        model.name,
+        "--served-model-name",
+        graph.spec.served_model_name,
+        "--role",
+        _ROLES[ComponentType(spec.component_type)],
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(ENGINE_PORT),
+        "--kv-events-port",
+        str(KV_EVENTS_PORT),
+        "--kv-replay-port",
+        str(kv_replay_port(spec.data_parallel_size)),
+        "--block-size",
+        str(graph.spec.kv_block_size),
+        "--data-parallel-size",
+        str(spec.data_parallel_size),
+    ]
+    if model.tokenizer:
+        args += ["--tokenizer", model.tokenizer]
+    engine = spec.engine
+    if engine is not None:
+        for flag, value in (
+            ("--num-gpu-blocks", engine.num_gpu_blocks),
+            ("--max-num-seqs", engine.max_num_seqs),
+            ("--max-num-batched-tokens", engine.max_num_batched_tokens),
+            ("--context-length", engine.context_length),
+            ("--speedup", engine.speedup),
+            ("--seed", engine.seed),
+        ):
+            if value is not None:
+                args += [flag, str(value)]
+    return args
+
+
+def graph_router(graph: DynamoGraph) -> RouterSpec:
+    """The graph's routing policy: the EPP's router section, else the defaults."""
+    for spec in graph.spec.services_of(ComponentType.EPP).values():
+        if spec.router is not None:
+            return spec.router
+    return RouterSpec()
+
+
+def uses_kv_events(router: RouterSpec) -> bool:
+    """`approx` is KV routing without KV events: routed prefixes count as cached for a while."""
+    return router.kv_events and router.mode != RouterMode.APPROX
