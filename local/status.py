@@ -1,7 +1,7 @@
 """The status view of a local stack: per-worker load, KV cache usage and prefix hit rate.
 
-Scrapes each engine's `/metrics` (vLLM's metric names, DESIGN §3.4) and renders one rich table
-with the OpenAI base URL above it. Parsing and rendering are pure (`sample_from_metrics`,
+Scrapes each engine's `/metrics` (vLLM's metric names, docs/worker.md) and renders one rich
+table with the OpenAI base URL above it. Parsing and rendering are pure (`sample_from_metrics`,
 `render`); `scrape` is the only I/O. A process that has exited shows as such, so a killed worker
 is visible while routing carries on over the rest.
 """

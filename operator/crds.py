@@ -153,7 +153,7 @@ def build_crd() -> dict[str, Any]:
                         "openAPIV3Schema": {
                             "type": "object",
                             "description": "A disaggregated LLM serving graph: engines, "
-                            "frontends and a KV-aware endpoint picker (DESIGN §3.7).",
+                            "frontends and a KV-aware endpoint picker.",
                             "required": ["spec"],
                             "properties": {
                                 "apiVersion": {"type": "string"},

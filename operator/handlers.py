@@ -1,4 +1,4 @@
-"""The kopf handlers: thin wrappers that call `controller.sync_graph` (DESIGN §3.7).
+"""The kopf handlers: thin wrappers that call `controller.sync_graph`.
 
 - create / update (spec) / resume of a DynamoGraph: reconcile now.
 - a timer per graph (`resync_seconds`): repair drift and refresh status even if no event came.

@@ -1,4 +1,4 @@
-"""Spec -> desired Kubernetes objects: pure functions, no I/O (DESIGN §3.7).
+"""Spec -> desired Kubernetes objects: pure functions, no I/O (docs/operator.md).
 
 For one DynamoGraph this builds, in creation order: the discovery ServiceAccount, Role and
 RoleBinding (pods get/list/watch, used by the EPP and by the frontends), the EPP's router
