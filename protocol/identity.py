@@ -4,6 +4,9 @@ DESIGN §3.2: instance id = XXH3-64 of the name, masked to 63 bits, written in d
 routing headers. Every component calls this function; none computes the id another way.
 """
 
+import os
+import socket
+
 import xxhash
 
 _MASK_63 = (1 << 63) - 1
@@ -14,3 +17,9 @@ def instance_id(name: str) -> int:
     if not name:
         raise ValueError("instance_id needs a non-empty pod or process name")
     return xxhash.xxh3_64_intdigest(name.encode()) & _MASK_63
+
+
+def default_worker_name() -> str:
+    """A worker's name when none is given: its pod's (POD_NAME, from the downward API), else the
+    host's."""
+    return os.environ.get("POD_NAME") or socket.gethostname()

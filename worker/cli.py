@@ -10,10 +10,10 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import sys
 
 from dynamograph.protocol.engine import Role
+from dynamograph.protocol.identity import default_worker_name
 from dynamograph.protocol.tokenization import tokenizer_for_model
 
 from .cost import CostModel
@@ -21,10 +21,6 @@ from .handoff import DEFAULT_TRANSFER_TIMEOUT
 from .lora import parse_lora_module
 
 log = logging.getLogger(__name__)
-
-
-def default_name() -> str:
-    return os.environ.get("POD_NAME") or socket.gethostname()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -181,7 +177,7 @@ def mock_config(args: argparse.Namespace):
         served_model_name=args.served_model_name,
         tokenizer=args.tokenizer or tokenizer_for_model(args.model),
         role=Role(args.role),
-        name=args.name or default_name(),
+        name=args.name or default_worker_name(),
         host=args.host,
         advertise_host=args.advertise_host or os.environ.get("POD_IP") or None,
         port=args.port,

@@ -18,7 +18,7 @@ import sys
 from typing import Any
 
 from dynamograph.protocol.engine import Role
-from dynamograph.protocol.identity import instance_id
+from dynamograph.protocol.identity import default_worker_name, instance_id
 
 from .lora import LoraModule, adapter_ids
 from .vllm_engine import ENV as ENGINE_DOC_ENV
@@ -155,9 +155,7 @@ def run_vllm(args: argparse.Namespace) -> int:
         return 2
     from dynamograph.protocol.tokenization import get_tokenizer, tokenizer_for_model
 
-    from .cli import default_name
-
-    name = args.name or default_name()
+    name = args.name or default_worker_name()
     spec = args.tokenizer or tokenizer_for_model(args.model)
     try:
         tokenizer = get_tokenizer(spec).identity

@@ -1,12 +1,14 @@
 """Instance ids, the /v1/engine document, and the vLLM KV-event codec."""
 
+import socket
+
 import msgpack
 import pytest
 import xxhash
 from pydantic import ValidationError
 
 from dynamograph.protocol.engine import EngineConfig, KvEventsEndpoint, Role
-from dynamograph.protocol.identity import instance_id
+from dynamograph.protocol.identity import default_worker_name, instance_id
 from dynamograph.protocol.kv_events import (
     END_SEQ,
     AllBlocksCleared,
@@ -96,3 +98,10 @@ def test_sequence_numbers_and_rank_endpoints():
     assert endpoint_for_rank("tcp://127.0.0.1:5557", 0) == "tcp://127.0.0.1:5557"
     assert endpoint_for_rank("tcp://127.0.0.1:5557", 2) == "tcp://127.0.0.1:5559"
     assert endpoint_for_rank("ipc:///tmp/kv", 1) == "ipc:///tmp/kv_dp1"
+
+
+def test_default_worker_name_is_the_pods_else_the_hosts(monkeypatch):
+    monkeypatch.setenv("POD_NAME", "graph-decode-7f9c-abcde")
+    assert default_worker_name() == "graph-decode-7f9c-abcde"
+    monkeypatch.delenv("POD_NAME")
+    assert default_worker_name() == socket.gethostname()
