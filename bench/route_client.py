@@ -33,7 +33,7 @@ def completion_body(model: str, prompt: str, max_tokens: int, *, stream: bool = 
         "ignore_eos": True,
         "temperature": 0.0,
         "stream": stream,
-        # The engine reports who served the request and its simulated timing (DESIGN §3.1).
+        # The engine reports who served the request and its simulated timing (nvext extra_fields).
         "nvext": {"extra_fields": ["worker_id", "timing"]},
     }
     if stream:

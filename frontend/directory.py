@@ -1,4 +1,4 @@
-"""Instance id → engine: the only addresses the frontend ever sends to (DESIGN §3.2).
+"""Instance id → engine: the only addresses the frontend ever sends to.
 
 Two sets of workers, both from `epp.discovery` (no second discovery): this pod's own engine
 (`--engine-url`, its id learned from its `/v1/engine`, retried until it answers) and the graph's

@@ -1,4 +1,4 @@
-"""The prefill → decode hand-off in vLLM's `kv_transfer_params` form (DESIGN §3.4; pure).
+"""The prefill → decode hand-off in vLLM's `kv_transfer_params` form (pure).
 
 The prefill leg is the client's request with `max_tokens=1`, `stream=false` and
 `kv_transfer_params {do_remote_decode: true}`; the prefill engine computes the prompt's KV and

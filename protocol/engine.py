@@ -1,4 +1,4 @@
-"""What a worker says about itself at `GET /v1/engine` (DESIGN §3.2).
+"""What a worker says about itself at `GET /v1/engine`.
 
 The seed's `EngineConfig` (from the LLMEngine trait) plus the fields a router needs: instance
 id, role, data-parallel size, tokenizer identity, where the KV events are published and the

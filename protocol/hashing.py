@@ -1,6 +1,6 @@
 """KV block hashing: the router's own content hash of each full block of token ids.
 
-DESIGN §3.5: per full block of `block_size` ids, XXH3-64 with seed 1337 over the ids as u32
+Per full block of `block_size` ids, XXH3-64 with seed 1337 over the ids as u32
 little-endian, bit-exact with Dynamo's `compute_block_hash_for_seq`. A LoRA adapter name moves
 the seed (1337 + XXH3-64 of the name, wrapping), so equal tokens under different adapters never
 share a block. The hashes are per block, not chained: position comes from the index's path.

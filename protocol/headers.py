@@ -1,4 +1,4 @@
-"""Routing headers set by the endpoint picker and read by the frontend (DESIGN §3.1).
+"""Routing headers set by the endpoint picker and read by the frontend.
 
 `apply_header_routing_overrides` follows Dynamo's nvext.rs exactly: a header that does not parse
 is ignored, the prefill DP rank 4294967295 (u32::MAX) means unset, no routing header leaves the

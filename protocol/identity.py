@@ -1,6 +1,6 @@
 """Worker identity: the one function that turns a pod (or local process) name into an instance id.
 
-DESIGN §3.2: instance id = XXH3-64 of the name, masked to 63 bits, written in decimal in the
+Instance id = XXH3-64 of the name, masked to 63 bits, written in decimal in the
 routing headers. Every component calls this function; none computes the id another way.
 """
 

@@ -1,6 +1,6 @@
 """vLLM's KV cache events on ZMQ: the wire format the mock engine publishes and the EPP reads.
 
-Matches vLLM's `ZmqEventPublisher` (DESIGN §3.4):
+Matches vLLM's `ZmqEventPublisher`:
 - PUB socket, multipart `[topic, seq (8-byte big-endian), payload]`;
 - payload = msgpack `EventBatch` as an array `[ts, [event, ...], dp_rank | nil]`;
 - events are tagged arrays: `["BlockStored", block_hashes, parent_block_hash | nil, token_ids,
@@ -91,7 +91,7 @@ def _event_to_map(event: KvEvent) -> dict:
 
 
 def encode_batch(batch: EventBatch, *, map_layout: bool = False) -> bytes:
-    """The array layout (DESIGN §3.4) by default; `map_layout` writes vLLM >= 0.28's maps."""
+    """vLLM's array layout by default; `map_layout` writes vLLM >= 0.28's maps."""
     to_wire = _event_to_map if map_layout else _event_to_wire
     return msgpack.packb([batch.ts, [to_wire(e) for e in batch.events], batch.data_parallel_rank])
 

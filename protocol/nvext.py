@@ -1,4 +1,4 @@
-"""`nvext`: the NVIDIA request/response extensions to the OpenAI API (DESIGN §3.1).
+"""`nvext`: the NVIDIA request/response extensions to the OpenAI API.
 
 Field names, defaults and "omit when None" serialisation follow Dynamo's `NvExt`. Unknown
 fields are rejected so a typo in a routing hint fails loudly instead of being ignored.

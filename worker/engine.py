@@ -51,7 +51,7 @@ class Usage:
 
 @dataclass(slots=True)
 class Timing:
-    """Simulated seconds: what the modelled GPU would have taken (DESIGN cost model)."""
+    """Simulated seconds: what the modelled GPU would have taken (`worker/cost.py`, docs/worker.md)."""
 
     arrival: float
     first_token: float | None = None

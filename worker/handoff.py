@@ -1,4 +1,4 @@
-"""vLLM's `kv_transfer_params` hand-off between a prefill and a decode engine (DESIGN §3.4).
+"""vLLM's `kv_transfer_params` hand-off between a prefill and a decode engine.
 
 The prefill leg is a request with `kv_transfer_params: {do_remote_decode: true}` (and
 `max_tokens=1`, `stream=false`). The prefill engine computes the prompt, keeps its blocks and

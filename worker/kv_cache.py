@@ -3,7 +3,7 @@
 Modelled on vLLM V1's `BlockPool` / `KVCacheManager`:
 - `num_blocks` blocks of `block_size` token slots; a sequence holds a list of block ids.
 - A full block is *cached* under its engine hash, a chain over the router's per-block content
-  hashes (`protocol.hashing.block_hashes`, DESIGN §3.5): equal content after an equal prefix
+  hashes (`protocol.hashing.block_hashes`): equal content after an equal prefix
   gives an equal key, so a later request with the same prefix reuses the block.
 - Reference counts: a block is shared by every sequence (and session pin) using it; at zero it
   goes to the free queue but stays cached until the allocator reuses it (LRU: the least

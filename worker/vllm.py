@@ -1,6 +1,6 @@
 """`dynamograph worker --engine vllm`: exec a real `vllm serve` with the flags the graph needs.
 
-The same contract as the mock (DESIGN §3.4): OpenAI on `--port`, KV events over ZMQ (PUB on
+The same contract as the mock: OpenAI on `--port`, KV events over ZMQ (PUB on
 `--kv-events-port`, replay ROUTER on `--kv-replay-port`, vLLM adds the DP rank to both), prefix
 caching on with the graph's block size, data parallel ranks in one server, and for prefill /
 decode roles the NIXL connector for the `kv_transfer_params` hand-off, and `--lora-modules` /

@@ -1,7 +1,7 @@
 """`GET /v1/engine` inside a real `vllm serve`: an ASGI middleware vLLM loads with `--middleware`.
 
 vLLM has no such endpoint, and discovery (EPP, frontends) reads every worker's `EngineConfig`
-there (DESIGN §3.2). `dynamograph worker --engine vllm` builds the document from the flags it
+there. `dynamograph worker --engine vllm` builds the document from the flags it
 gives vLLM (`vllm.engine_document`), hands it over in $DYNAMOGRAPH_ENGINE_DOC, and passes this
 class to `vllm serve --middleware` (vLLM adds a class with `app.add_middleware`).
 

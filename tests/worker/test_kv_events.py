@@ -126,7 +126,7 @@ async def test_events_mirror_the_cache_and_replay_fills_gaps():
         assert set(state) == set(cache.cached), "events disagree with the cache's blocks"
         assert any(e[0] == "BlockRemoved" for _, evs, _ in history for e in evs)
         # The newest prompt's blocks are cached, and the events carry its exact token ids, so
-        # a router can rebuild its own content hashes (DESIGN §3.5) from them.
+        # a router can rebuild its own content hashes from them.
         tokenized = await post_json(w.url, "/tokenize", {"model": MODEL, "prompt": prompts[-1]})
         tokens = tokenized["tokens"]
         stored = {tuple(t) for t in state.values()}
