@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dynamograph.protocol.graph import API_VERSION, KIND, GraphError, load_graph
+from dynamograph.protocol.graph import API_VERSION, KIND, DynamoGraph, GraphError, load_graph
 from dynamograph.protocol.launch import HTTP_PORT
 
 from .config import OperatorConfig
@@ -31,7 +31,7 @@ from .manifests import (
     frontend_service_name,
     object_key,
 )
-from .reconcile import Conflict, Create, Delete, Patch, merge_patch, owned_by, plan
+from .reconcile import Action, Conflict, Create, Delete, Patch, merge_patch, owned_by, plan
 from .status import (
     GatewayObservation,
     Problem,
@@ -92,83 +92,122 @@ def _verb(action: Create | Patch | Delete) -> str:
     return {Create: "create", Patch: "patch", Delete: "delete"}[type(action)]
 
 
-async def reconcile(api: KubeApi, body: dict[str, Any], config: OperatorConfig) -> Outcome:
+def owner_of(body: dict[str, Any]) -> Owner:
     meta = body["metadata"]
-    owner = Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
-    problems: list[Problem] = []
-    graph = None
-    desired: list[dict[str, Any]] | None = None
-    wants_route = False
+    return Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
+
+
+def desired_state(
+    body: dict[str, Any], owner: Owner, config: OperatorConfig
+) -> tuple[DynamoGraph | None, list[dict[str, Any]] | None, list[Problem]]:
+    """The validated graph and the objects it should own, or the problem that the spec is
+    invalid (then nothing is applied: what runs keeps running until the spec is fixed)."""
     try:
         # Validate what the user wrote; status is ours and may come from another version.
         graph = load_graph({k: v for k, v in body.items() if k != "status"})
-        desired = desired_objects(graph, owner, config)
+        return graph, desired_objects(graph, owner, config), []
     except GraphError as exc:
-        problems.append(
-            Problem("InvalidSpec", "; ".join(f"{path}: {message}" for path, message in exc.errors))
-        )
+        message = "; ".join(f"{path}: {message}" for path, message in exc.errors)
+        return None, None, [Problem("InvalidSpec", message)]
 
+
+def missing_crd_problems(desired: list[dict[str, Any]], missing: set[str]) -> list[Problem]:
+    """A problem per kind the graph needs whose CRD this cluster does not serve."""
+    return [
+        Problem(
+            "CRDMissing",
+            f"{kind}: not served by this cluster; install {_CRD_SOURCES.get(kind, 'its CRD')}",
+        )
+        for kind in sorted(missing & {o["kind"] for o in desired})
+    ]
+
+
+def frontend_endpoint(owner: Owner) -> str:
+    """The in-cluster URL of the graph's OpenAI frontend Service."""
+    return f"http://{frontend_service_name(owner.name)}.{owner.namespace}.svc:{HTTP_PORT}"
+
+
+async def reconcile(api: KubeApi, body: dict[str, Any], config: OperatorConfig) -> Outcome:
+    """Validate, apply the plan towards the desired objects, and compute the status."""
+    owner = owner_of(body)
+    graph, desired, problems = desired_state(body, owner, config)
+    actual, missing = await _list_owned(api, owner)
+    live = {object_key(o): o for o in actual if owned_by(o, owner.uid)}
+    wants_route = False
+    if desired is not None:
+        problems += missing_crd_problems(desired, missing)
+        wants_route = any(o["kind"] == "HTTPRoute" for o in desired)
+        servable = [o for o in desired if o["kind"] not in missing]
+        problems += await _apply_plan(api, owner, plan(servable, actual, owner.uid), live)
+    status = graph_status(
+        _observe(graph, owner.name, live),
+        problems,
+        generation=body["metadata"].get("generation"),
+        previous=body.get("status"),
+        endpoint=frontend_endpoint(owner),
+        now=_now(),
+        gateway=_observe_gateway(graph, wants_route, owner, live),
+    )
+    return Outcome(status_body(status), problems)
+
+
+async def _list_owned(api: KubeApi, owner: Owner) -> tuple[list[dict[str, Any]], set[str]]:
+    """Every object of a managed kind labelled as the graph's (owned or not: the plan touches
+    only what this graph owns, and reports the rest), and the kinds this cluster lacks."""
     selector = {LABEL_GRAPH: owner.name, LABEL_MANAGED_BY: MANAGED_BY}
     actual: list[dict[str, Any]] = []
     missing: set[str] = set()
     for api_version, kind in MANAGED_KINDS:
         try:
-            found = await api.list(api_version, kind, owner.namespace, selector)
+            actual += await api.list(api_version, kind, owner.namespace, selector)
         except ApiError as exc:
             if exc.status != 404:
                 raise
             missing.add(kind)
+    return actual, missing
+
+
+async def _apply_plan(
+    api: KubeApi,
+    owner: Owner,
+    actions: list[Action],
+    live: dict[tuple[str, str, str], dict[str, Any]],
+) -> list[Problem]:
+    """Carry out the plan; every action that cannot be done is a problem, not an exception."""
+    problems = []
+    for action in actions:
+        if isinstance(action, Conflict):
+            problems.append(Problem("NameConflict", action.message))
             continue
-        actual += found  # the plan touches only what this graph owns, and reports the rest
-
-    live = {object_key(o): o for o in actual if owned_by(o, owner.uid)}
-    if desired is not None:
-        for kind in sorted(missing & {o["kind"] for o in desired}):
-            problems.append(
-                Problem(
-                    "CRDMissing",
-                    f"{kind}: not served by this cluster; install {_CRD_SOURCES.get(kind, 'its CRD')}",
-                )
-            )
-        wants_route = any(o["kind"] == "HTTPRoute" for o in desired)
-        desired = [o for o in desired if o["kind"] not in missing]
-        for action in plan(desired, actual, owner.uid):
-            if isinstance(action, Conflict):
-                problems.append(Problem("NameConflict", action.message))
-                continue
-            try:
-                await _apply(api, owner.namespace, action, live)
-            except ApiError as exc:
+        try:
+            await _apply(api, owner.namespace, action, live)
+        except ApiError as exc:
+            if isinstance(action, Create) and exc.status == 409:
+                problem = await _adopt_if_ours(api, owner, object_key(action.obj), live)
+            else:
                 key = object_key(action.obj) if isinstance(action, Create) else action.key
-                if isinstance(action, Create) and exc.status == 409:
-                    # Created meanwhile by this graph's own pass elsewhere (a peered replica
-                    # handing over) is no conflict; anybody else's object is.
-                    try:
-                        existing = await api.get(key[0], key[1], owner.namespace, key[2])
-                    except ApiError as read:
-                        message = f"create {key[1]} {key[2]}: exists, and reading it: {read}"
-                        problems.append(Problem("ApplyFailed", message))
-                        continue
-                    if existing is not None and owned_by(existing, owner.uid):
-                        live[key] = {"apiVersion": key[0], "kind": key[1], **existing}
-                        continue
-                    message = f"{key[1]} {key[2]} exists and is not owned by this graph"
-                    problems.append(Problem("NameConflict", message))
-                else:
-                    message = f"{_verb(action)} {key[1]} {key[2]}: {exc}"
-                    problems.append(Problem("ApplyFailed", message))
+                problem = Problem("ApplyFailed", f"{_verb(action)} {key[1]} {key[2]}: {exc}")
+            if problem is not None:
+                problems.append(problem)
+    return problems
 
-    observations = _observe(graph, owner.name, live)
-    status = graph_status(
-        observations,
-        problems,
-        generation=meta.get("generation"),
-        previous=body.get("status"),
-        endpoint=f"http://{frontend_service_name(owner.name)}.{owner.namespace}.svc:{HTTP_PORT}",
-        now=_now(),
-        gateway=_observe_gateway(graph, wants_route, owner, live),
-    )
-    return Outcome(status_body(status), problems)
+
+async def _adopt_if_ours(
+    api: KubeApi,
+    owner: Owner,
+    key: tuple[str, str, str],
+    live: dict[tuple[str, str, str], dict[str, Any]],
+) -> Problem | None:
+    """A create answered 409: created meanwhile by this graph's own pass elsewhere (a peered
+    replica handing over) is no conflict; anybody else's object is."""
+    try:
+        existing = await api.get(key[0], key[1], owner.namespace, key[2])
+    except ApiError as read:
+        return Problem("ApplyFailed", f"create {key[1]} {key[2]}: exists, and reading it: {read}")
+    if existing is not None and owned_by(existing, owner.uid):
+        live[key] = {"apiVersion": key[0], "kind": key[1], **existing}
+        return None
+    return Problem("NameConflict", f"{key[1]} {key[2]} exists and is not owned by this graph")
 
 
 async def _apply(
@@ -195,7 +234,7 @@ async def _apply(
 
 
 def _observe_gateway(
-    graph, wants_route: bool, owner: Owner, live: dict
+    graph: DynamoGraph | None, wants_route: bool, owner: Owner, live: dict
 ) -> GatewayObservation | None:
     """The graph's HTTPRoute and InferencePool as read, when the spec attaches it to a Gateway."""
     if graph is None or not wants_route:
@@ -209,7 +248,9 @@ def _observe_gateway(
     )
 
 
-def _observe(graph, graph_name: str, live: dict) -> dict[str, ServiceObservation]:
+def _observe(
+    graph: DynamoGraph | None, graph_name: str, live: dict
+) -> dict[str, ServiceObservation]:
     """Per service: wanted replicas and its Deployment. With an invalid spec, the services are
     those the existing Deployments belong to, wanting what they already have."""
     deployments = {k[2]: o for k, o in live.items() if k[1] == "Deployment"}

@@ -74,10 +74,36 @@ def _same_parent(ref: dict[str, Any], want: dict[str, Any], namespace: str, sect
     )
 
 
+def _parent_condition_verdict(
+    name: str, source: str, kind_of: str, cond: dict[str, Any] | None, generation: int | None
+) -> Verdict | None:
+    """The verdict of one condition (Accepted or ResolvedRefs) a gateway controller wrote for
+    the parent; None when it is True and current."""
+    if cond is None:
+        return Verdict("Unknown", "NoGatewayStatus", f"{name}: {source} has not reported {kind_of}")
+    seen = cond.get("observedGeneration")
+    if generation is not None and seen is not None and seen < generation:
+        return Verdict(
+            "Unknown",
+            "StaleGatewayStatus",
+            f"{name}: {source} has not seen generation {generation} yet ({kind_of} "
+            f"is about generation {seen})",
+        )
+    reason = cond.get("reason") or ""
+    reason = reason if _REASON.match(reason) else f"{kind_of}{cond.get('status')}"
+    if cond.get("status") == "False":
+        detail = f": {cond['message']}" if cond.get("message") else ""
+        return Verdict("False", reason, f"{name}: {source} says {kind_of}=False ({reason}){detail}")
+    if cond.get("status") != "True":
+        return Verdict("Unknown", reason, f"{name}: {source} says {kind_of}=Unknown ({reason})")
+    return None
+
+
 def _object_verdict(
     kind: str, obj: dict[str, Any] | None, gateway: GatewayObservation, section: bool
 ) -> Verdict:
-    """The gateway's verdict on one object (HTTPRoute or InferencePool) for the spec's parent."""
+    """The gateway's verdict on one object (HTTPRoute or InferencePool) for the spec's parent:
+    the first refusal, else the first condition not yet known, else accepted."""
     parent_name = f"{gateway.parent.get('kind') or 'Gateway'} {gateway.parent.get('name')}"
     if obj is None:
         return Verdict("Unknown", "NotCreated", f"{kind} does not exist")
@@ -90,40 +116,21 @@ def _object_verdict(
     if not entries:
         return Verdict("Unknown", "NoGatewayStatus", f"{name}: no status from {parent_name} yet")
     generation = obj.get("metadata", {}).get("generation")
-    unknown: Verdict | None = None
+    verdicts = []
     for entry in entries:
         by_type = {c.get("type"): c for c in entry.get("conditions") or []}
         controller = entry.get("controllerName")
         source = f"{parent_name} ({controller})" if controller else parent_name
         for kind_of in _PARENT_CONDITIONS:
-            cond = by_type.get(kind_of)
-            if cond is None:
-                unknown = unknown or Verdict(
-                    "Unknown", "NoGatewayStatus", f"{name}: {source} has not reported {kind_of}"
-                )
-                continue
-            seen = cond.get("observedGeneration")
-            if generation is not None and seen is not None and seen < generation:
-                unknown = unknown or Verdict(
-                    "Unknown",
-                    "StaleGatewayStatus",
-                    f"{name}: {source} has not seen generation {generation} yet ({kind_of} "
-                    f"is about generation {seen})",
-                )
-                continue
-            reason = cond.get("reason") or ""
-            reason = reason if _REASON.match(reason) else f"{kind_of}{cond.get('status')}"
-            if cond.get("status") == "False":
-                detail = f": {cond['message']}" if cond.get("message") else ""
-                return Verdict(
-                    "False", reason, f"{name}: {source} says {kind_of}=False ({reason}){detail}"
-                )
-            if cond.get("status") != "True":
-                unknown = unknown or Verdict(
-                    "Unknown", reason, f"{name}: {source} says {kind_of}=Unknown ({reason})"
-                )
-    if unknown is not None:
-        return unknown
+            verdict = _parent_condition_verdict(
+                name, source, kind_of, by_type.get(kind_of), generation
+            )
+            if verdict is not None:
+                verdicts.append(verdict)
+    for status in ("False", "Unknown"):
+        found = next((v for v in verdicts if v.status == status), None)
+        if found is not None:
+            return found
     return Verdict("True", "Accepted", f"{name}: accepted by {parent_name}")
 
 
@@ -191,22 +198,109 @@ def _deployment_failure(dep: dict[str, Any] | None) -> str | None:
     return None
 
 
+def failed_rollouts(services: dict[str, ServiceObservation]) -> list[Problem]:
+    """A problem per Deployment that gave up its rollout."""
+    problems = []
+    for name, obs in services.items():
+        failure = _deployment_failure(obs.deployment)
+        if failure:
+            problems.append(Problem("DeploymentFailed", f"{name}: {failure}"))
+    return problems
+
+
+def pending_rollouts(services: dict[str, ServiceObservation]) -> dict[str, str]:
+    """Service -> what its rollout still waits for, for every service not rolled out."""
+    pending = {}
+    for name, obs in services.items():
+        done, detail = _rollout_done(obs)
+        if not done:
+            pending[name] = detail
+    return pending
+
+
+def unavailable_services(
+    services: dict[str, ServiceObservation], per_service: dict[str, ServiceStatus]
+) -> list[str]:
+    """`name: 0/N available` for every service that wants pods and has none available."""
+    return [
+        f"{name}: 0/{obs.desired} available"
+        for name, obs in services.items()
+        if obs.desired > 0 and per_service[name].available_replicas < 1
+    ]
+
+
+def _holds(ok: bool) -> str:
+    return "True" if ok else "False"
+
+
+def degraded_verdict(problems: list[Problem], gateway: Verdict | None) -> Verdict:
+    """Degraded: True with the first problem's reason when there is any problem. A gateway's
+    rejection is named in the message but does not make the graph Degraded by itself."""
+    reason = problems[0].reason if problems else "AsExpected"
+    message = "; ".join(p.message for p in problems) if problems else "no problems found"
+    if gateway is not None and gateway.status == "False":
+        message += f"; the gateway does not accept the graph: {gateway.message}"
+    return Verdict(_holds(bool(problems)), reason, message)
+
+
+def ready_verdict(degraded: Verdict, pending: dict[str, str]) -> Verdict:
+    """Ready: nothing degraded and every rollout done; else why not (the problems first)."""
+    if degraded.status == "True":
+        return Verdict("False", "NotReady", degraded.message)
+    if pending:
+        return Verdict("False", "NotReady", _progress_message(pending))
+    return Verdict("True", "AllReplicasReady", "every service is up to date and ready")
+
+
+def available_verdict(unavailable: list[str]) -> Verdict:
+    """Available: every service that wants pods has one available."""
+    if unavailable:
+        return Verdict("False", "ServicesUnavailable", "; ".join(unavailable))
+    return Verdict("True", "MinimumReplicasAvailable", "every service has an available pod")
+
+
+def progressing_verdict(pending: dict[str, str]) -> Verdict:
+    """Progressing: some rollout is not done yet."""
+    if pending:
+        return Verdict("True", "RollingOut", _progress_message(pending))
+    return Verdict("False", "RolloutComplete", "every Deployment is rolled out")
+
+
+def _progress_message(pending: dict[str, str]) -> str:
+    return "; ".join(f"{name}: {detail}" for name, detail in sorted(pending.items()))
+
+
+def graph_state(degraded: bool, pending: bool, ready_pods: int) -> GraphState:
+    """The one-word state: failed (degraded), ready, pending (no pod ready yet), progressing."""
+    if degraded:
+        return GraphState.FAILED
+    if not pending:
+        return GraphState.READY
+    return GraphState.PENDING if ready_pods == 0 else GraphState.PROGRESSING
+
+
+def _conditions_by_type(previous: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    return {
+        c.get("type"): c for c in (previous or {}).get("conditions") or [] if isinstance(c, dict)
+    }
+
+
 def _condition(
     kind: str,
-    status: str,
-    reason: str,
-    message: str,
+    verdict: Verdict,
     previous: dict[str, dict[str, Any]],
     generation: int | None,
     now: str,
 ) -> Condition:
+    """The condition for `verdict`; its transition time is kept while its status is unchanged."""
     before = previous.get(kind)
-    since = before.get("lastTransitionTime") if before and before.get("status") == status else None
+    unchanged = before and before.get("status") == verdict.status
+    since = before.get("lastTransitionTime") if unchanged else None
     return Condition(
         type=kind,
-        status=status,
-        reason=reason,
-        message=message,
+        status=verdict.status,
+        reason=verdict.reason,
+        message=verdict.message,
         last_transition_time=since or now,
         observed_generation=generation,
     )
@@ -224,89 +318,31 @@ def graph_status(
 ) -> DynamoGraphStatus:
     """The status for the observed services and problems; `previous` keeps transition times.
     With `gateway`, a GatewayAccepted condition too (see the module's docstring)."""
-    previous_conditions = {
-        c.get("type"): c for c in (previous or {}).get("conditions") or [] if isinstance(c, dict)
-    }
     per_service = {name: service_status(obs) for name, obs in services.items()}
-    problems = list(problems)
-    for name, obs in services.items():
-        failure = _deployment_failure(obs.deployment)
-        if failure:
-            problems.append(Problem("DeploymentFailed", f"{name}: {failure}"))
-
-    pending = {}
-    for name, obs in services.items():
-        done, detail = _rollout_done(obs)
-        if not done:
-            pending[name] = detail
-    unavailable = [
-        f"{name}: 0/{obs.desired} available"
-        for name, obs in services.items()
-        if obs.desired > 0 and per_service[name].available_replicas < 1
-    ]
-    degraded = bool(problems)
-
-    def cond(kind: str, ok: bool, reason: str, message: str) -> Condition:
-        status = "True" if ok else "False"
-        return _condition(kind, status, reason, message, previous_conditions, generation, now)
-
-    verdict = gateway_verdict(gateway) if gateway is not None else None
-    degraded_reason = problems[0].reason if problems else "AsExpected"
-    degraded_message = "; ".join(p.message for p in problems) if problems else "no problems found"
-    if verdict is not None and verdict.status == "False":
-        degraded_message += f"; the gateway does not accept the graph: {verdict.message}"
-    progress_message = "; ".join(f"{n}: {d}" for n, d in sorted(pending.items()))
-    conditions = [
-        cond(
-            "Ready",
-            not degraded and not pending,
-            "AllReplicasReady" if not degraded and not pending else "NotReady",
-            "every service is up to date and ready"
-            if not degraded and not pending
-            else (degraded_message if degraded else progress_message),
-        ),
-        cond(
-            "Available",
-            not unavailable,
-            "MinimumReplicasAvailable" if not unavailable else "ServicesUnavailable",
-            "every service has an available pod" if not unavailable else "; ".join(unavailable),
-        ),
-        cond(
-            "Progressing",
-            bool(pending),
-            "RollingOut" if pending else "RolloutComplete",
-            progress_message or "every Deployment is rolled out",
-        ),
-        cond("Degraded", degraded, degraded_reason, degraded_message),
-    ]
-    if verdict is not None:
-        conditions.append(
-            _condition(
-                GATEWAY_ACCEPTED,
-                verdict.status,
-                verdict.reason,
-                verdict.message,
-                previous_conditions,
-                generation,
-                now,
-            )
-        )
-    ready_total = sum(s.ready_replicas for s in per_service.values())
-    if degraded:
-        state = GraphState.FAILED
-    elif not pending:
-        state = GraphState.READY
-    elif ready_total == 0:
-        state = GraphState.PENDING
-    else:
-        state = GraphState.PROGRESSING
+    problems = [*problems, *failed_rollouts(services)]
+    pending = pending_rollouts(services)
+    accepted = gateway_verdict(gateway) if gateway is not None else None
+    degraded = degraded_verdict(problems, accepted)
+    verdicts = {
+        "Ready": ready_verdict(degraded, pending),
+        "Available": available_verdict(unavailable_services(services, per_service)),
+        "Progressing": progressing_verdict(pending),
+        "Degraded": degraded,
+    }
+    if accepted is not None:
+        verdicts[GATEWAY_ACCEPTED] = accepted
+    previous_conditions = _conditions_by_type(previous)
+    ready_pods = sum(s.ready_replicas for s in per_service.values())
     return DynamoGraphStatus(
         observed_generation=generation,
-        state=state,
-        conditions=conditions,
+        state=graph_state(bool(problems), bool(pending), ready_pods),
+        conditions=[
+            _condition(kind, verdict, previous_conditions, generation, now)
+            for kind, verdict in verdicts.items()
+        ],
         services=per_service,
         replicas=sum(s.replicas for s in per_service.values()),
-        ready_replicas=ready_total,
+        ready_replicas=ready_pods,
         endpoint=endpoint,
     )
 
