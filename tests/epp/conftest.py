@@ -39,9 +39,14 @@ def endpoint_of(worker) -> str:
 # ---- Envoy's messages ---------------------------------------------------------------------
 
 
+NO_PROTOCOL_CONFIG = pb.ProtocolConfiguration()  # marker: send the first message without one
+
+
 def protocol_config(
-    request_mode=FULL_DUPLEX, response_mode=FULL_DUPLEX, without_waiting=True
+    request_mode=FULL_DUPLEX, response_mode=FULL_DUPLEX, without_waiting=False
 ) -> pb.ProtocolConfiguration:
+    """As Envoy 1.40 sends it for the filter's processing_mode. The gateways leave
+    send_body_without_waiting_for_header_response unset (false)."""
     return pb.ProtocolConfiguration(
         request_body_mode=request_mode,
         response_body_mode=response_mode,
@@ -59,7 +64,8 @@ def request_headers(
     subset: list[str] | str | None = None,
     config: pb.ProtocolConfiguration | None = None,
 ) -> pb.ProcessingRequest:
-    """The first message as Envoy 1.40 sends it: protocol_config, values in raw_value only."""
+    """The first message as Envoy 1.40 sends it: protocol_config, values in raw_value only.
+    `config=NO_PROTOCOL_CONFIG` leaves protocol_config out, as Envoys before 1.33 do."""
     pairs = [
         (":authority", "gateway.local"),
         (":path", path),
@@ -77,8 +83,9 @@ def request_headers(
             ),
             end_of_stream=end_of_stream,
         ),
-        protocol_config=config or protocol_config(),
     )
+    if config is not NO_PROTOCOL_CONFIG:
+        message.protocol_config.CopyFrom(config or protocol_config())
     if subset is not None:
         fields = message.metadata_context.filter_metadata["envoy.lb.subset_hint"].fields
         value = fields["x-gateway-destination-endpoint-subset"]
@@ -276,7 +283,7 @@ async def running_epp(workers, **settings):
     await epp.start()
     try:
         ids = {w.config.instance_id for w in workers}
-        await eventually(lambda: ids <= set(epp.view.workers), within=20)
+        await eventually(lambda: ids <= set(epp.router.workers()), within=20)
         if epp.kv is not None:  # every subscriber has caught up with its worker once
             await eventually(
                 lambda: all(s.replays > 0 for subs in epp.kv.subscribers.values() for s in subs),

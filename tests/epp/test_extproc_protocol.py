@@ -229,21 +229,20 @@ async def test_saturated_fleet_sheds_429_with_retry_after():
             await client.close()
 
 
-@pytest.mark.parametrize(
-    ("config", "needle"),
-    [
-        (protocol_config(request_mode=processing_mode_pb2.ProcessingMode.BUFFERED), "BUFFERED"),
-        (protocol_config(response_mode=processing_mode_pb2.ProcessingMode.STREAMED), "STREAMED"),
-        (protocol_config(without_waiting=False), "send_body_without_waiting"),
-    ],
-)
-async def test_wrong_processing_mode_fails_precondition(epp, client, config, needle):
+@pytest.mark.parametrize("mode", ["NONE", "STREAMED"])
+async def test_request_body_mode_it_cannot_serve_fails_precondition(epp, client, mode):
+    config = protocol_config(
+        request_mode=processing_mode_pb2.ProcessingMode.BodySendMode.Value(mode)
+    )
     stream = client.stream()
     await stream.send(request_headers(config=config))
     with pytest.raises(grpc.aio.AioRpcError) as failure:
         await stream.call.read()
     assert failure.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert needle in failure.value.details()
+    details = failure.value.details()
+    # It names the mode it got and the setting to change.
+    assert mode in details
+    assert "processing_mode.request_body_mode" in details and "FULL_DUPLEX_STREAMED" in details
 
 
 async def test_trailers_end_the_body(epp, client):

