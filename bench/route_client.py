@@ -50,7 +50,6 @@ async def send_one(
         async with session.post(
             url, data=body, headers={"content-type": "application/json"}
         ) as resp:
-            result.http_status = resp.status
             if resp.status != 200:
                 text = (await resp.text())[:300]
                 result.status = SHED if resp.status in SHED_STATUSES else ERROR
@@ -125,7 +124,7 @@ async def replay(
 ) -> tuple[list[RequestResult], float]:
     """Send request i at `offsets[i]` seconds after the start; return results and wall time."""
     url = base_url.rstrip("/") + COMPLETIONS
-    results = [RequestResult(index=i, arrival_s=t) for i, t in enumerate(offsets)]
+    results = [RequestResult(index=i) for i in range(len(offsets))]
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     in_flight = 0

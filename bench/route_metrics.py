@@ -22,9 +22,7 @@ ERROR = "error"
 @dataclass(slots=True)
 class RequestResult:
     index: int
-    arrival_s: float  # scheduled offset from the start of the replay (wall)
     status: str = ERROR
-    http_status: int | None = None
     ttft_s: float | None = None  # wall, from send to the first generated token
     e2e_s: float | None = None  # wall, from send to the end of the stream
     prompt_tokens: int = 0

@@ -161,7 +161,6 @@ class PromptSynthesizer:
     """Deterministic prompts for trace requests: equal hash ids give equal tokens and text."""
 
     def __init__(self, tokenizer):
-        self.tokenizer_identity = tokenizer.identity
         self._ids, self._words = _single_token_words(tokenizer)
 
     @functools.lru_cache(maxsize=16_384)  # noqa: B019 - one synthesizer per run, bounded

@@ -11,7 +11,6 @@ import orjson
 CHAT_COMPLETIONS = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 MODELS = "/v1/models"
-GENERATION_PATHS = (CHAT_COMPLETIONS, COMPLETIONS)
 
 _ERROR_TYPES = {
     400: "invalid_request_error",

@@ -33,7 +33,6 @@ class GenerateRequest:
     request_id: str
     prompt_tokens: np.ndarray
     max_tokens: int
-    ignore_eos: bool = False
     seed: int | None = None
     dp_rank: int | None = None
     kv_transfer_params: dict[str, Any] | None = None
@@ -142,9 +141,6 @@ class RequestContext:
     @property
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
-
-    async def wait_cancelled(self) -> None:
-        await self._cancelled.wait()
 
 
 class EngineError(Exception):

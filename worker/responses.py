@@ -62,7 +62,6 @@ def build_request(
         request_id=request_id,
         prompt_tokens=tokens,
         max_tokens=max_tokens,
-        ignore_eos=bool(body.get("ignore_eos", False)),
         seed=seed,
         dp_rank=dp_rank,
         kv_transfer_params=kv_params,

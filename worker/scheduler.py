@@ -51,7 +51,6 @@ class Sequence:
     num_cached_tokens: int = -1  # prefix hit at first admission (-1: not admitted yet)
     num_remote_loaded: int = 0
     ready_at: float = 0.0
-    num_preemptions: int = 0
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.prompt)
@@ -63,10 +62,6 @@ class Sequence:
     @property
     def num_output(self) -> int:
         return self.num_tokens - self.prompt_len
-
-    @property
-    def output_ids(self) -> np.ndarray:
-        return self.buf[self.prompt_len : self.num_tokens]
 
     def append(self, token: int) -> None:
         self.buf[self.num_tokens] = token
@@ -267,7 +262,6 @@ class Scheduler:
         seq.num_computed = 0
         seq.num_committed = 0
         seq.status = Status.WAITING
-        seq.num_preemptions += 1
         self.stats.preemptions += 1
         self.waiting.appendleft(seq)
 

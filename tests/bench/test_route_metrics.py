@@ -16,15 +16,15 @@ pytestmark = pytest.mark.unit
 
 
 def ok(i, ttft, e2e, prompt, cached, out=10):
-    return RequestResult(i, 0.0, OK, 200, ttft, e2e, prompt, cached, out)
+    return RequestResult(i, OK, ttft, e2e, prompt, cached, out)
 
 
 def test_summarize_scales_client_latencies_and_computes_reuse_captured():
     results = [ok(i, ttft=0.01 * (i + 1), e2e=0.1, prompt=1000, cached=500) for i in range(100)]
     for i, r in enumerate(results):
         r.engine_ttft_s, r.engine_e2e_s = 0.02 * (i + 1), 0.5
-    results.append(RequestResult(100, 0.0, SHED, 429, error="HTTP 429"))
-    results.append(RequestResult(101, 0.0, ERROR, 500, error="HTTP 500: boom"))
+    results.append(RequestResult(100, SHED, error="HTTP 429"))
+    results.append(RequestResult(101, ERROR, error="HTTP 500: boom"))
     m = summarize(
         "kv",
         results,
@@ -48,7 +48,7 @@ def test_summarize_scales_client_latencies_and_computes_reuse_captured():
 
 
 def test_summarize_with_nothing_served():
-    m = summarize("rr", [RequestResult(0, 0.0)], inherent_reuse=0.5, time_scale=1, wall_s=1)
+    m = summarize("rr", [RequestResult(0)], inherent_reuse=0.5, time_scale=1, wall_s=1)
     assert m.ok == 0 and m.ttft_p50_s is None and m.hit_rate == 0.0 and m.imbalance is None
 
 
