@@ -7,7 +7,7 @@ fleet) and this process drives it over gRPC exactly as Envoy does (request heade
 chat body in 64 KiB chunks, response headers and body), in two modes measured in the same run:
 
 - `kv`: the full pick: parse, tokenize, hash, score 64 workers, book, free;
-- `floor`: `--picker random`: the same ext_proc exchange with the body left unread and no
+- `floor`: `--endpoint-picker random`: the same ext_proc exchange with the body left unread and no
   scoring: the pure-protocol floor.
 
 Reported per mode: pick latency p50/p99 (client side, last body chunk → headers response, one
@@ -257,7 +257,7 @@ async def _start_epp(workers_file: Path, picker: str, count: int):
         sys.executable, "-m", "dynamograph.cli", "epp",
         "--host", "127.0.0.1", "--grpc-port", str(grpc_port),
         "--health-port", str(health_port), "--metrics-port", str(metrics_port),
-        "--workers-file", str(workers_file), "--picker", picker,
+        "--workers-file", str(workers_file), "--endpoint-picker", picker,
         "--scrape-interval", "1.0",
         stdin=asyncio.subprocess.DEVNULL,
     )  # fmt: skip
@@ -469,7 +469,7 @@ async def _measure(args, workers_file: Path, picker: str, bodies: list[bytes]) -
 async def _measure_streaming(args, workers_file: Path, bodies: list[bytes]) -> dict:
     """EPP CPU per streamed response chunk: every response body chunk is one ext_proc round
     trip (Envoy streams the response through the EPP to see the first token, the usage and the
-    end). Same EPP (`--picker random`), requests with one response chunk and with
+    end). Same EPP (`--endpoint-picker random`), requests with one response chunk and with
     `--response-chunks` alternating in rounds; the difference is the chunks' cost."""
     from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import yaml
 
 from dynamograph.local.procs import PortPool
+from dynamograph.protocol.router_config import dynamo_scorers
 
 from .route_fleet import DYNAMOGRAPH, OFFLINE_ENV, LaunchError, Proc, Worker, stop_all, wait_http
 
@@ -36,26 +37,28 @@ class Policy:
 POLICIES: dict[str, Policy] = {
     p.name: p
     for p in [
-        Policy("round-robin", "epp", "EPP, round-robin", {"policy": "round-robin"}),
-        Policy("random", "epp", "EPP, uniform random", {"policy": "random", "seed": 0}),
-        Policy("least-loaded", "epp", "EPP, fewest active blocks", {"policy": "least-loaded"}),
+        Policy("round-robin", "epp", "EPP, round-robin", {"picker": {"type": "round-robin"}}),
+        Policy("random", "epp", "EPP, uniform random", {"picker": {"type": "random"}, "seed": 0}),
+        Policy(
+            "least-loaded", "epp", "EPP, fewest active blocks", {"picker": {"type": "least-loaded"}}
+        ),
         Policy(
             "approx-kv",
             "epp",
             "EPP, KV cost from its own routing history (no KV events, TTL 120 s)",
-            {"policy": "kv", "use_kv_events": False},
+            {"use_kv_events": False},
         ),
         Policy(
             "kv",
             "epp",
             "EPP, KV cost from the engines' KV events (Dynamo's defaults: overlap weight 1)",
-            {"policy": "kv"},
+            {},
         ),
         Policy(
             "kv-w4",
             "epp",
             "EPP, KV events, overlap weight 4 (prefill blocks count 4x against active blocks)",
-            {"policy": "kv", "overlap_weight": 4.0},
+            {"scorers": [s.model_dump() for s in dynamo_scorers(overlap_weight=4.0)]},
         ),
         Policy(
             "sglang-cache-aware",

@@ -7,8 +7,9 @@ what a vLLM fleet would report), and requests of `--prompt-blocks` blocks: a fam
 plus a unique tail. `--live` requests stay booked while the next are scheduled (the oldest is
 freed as each new one is booked), as under a gateway's concurrency.
 
-With `--baseline REV` the router core of git revision REV (its `epp/` modules, extracted with
-`git show` into a temporary package) runs beside the current one, on identical state, request by
+With `--baseline REV` the router core of git revision REV (its `router/` folder, or the `epp/`
+modules it lived in before, with the RouterConfig of that revision, extracted with `git show`
+into a temporary package) runs beside the current one, on identical state, request by
 request, who goes first alternating: CPU time (`time.process_time`) of schedule + the free it
 triggers, per request, for each; and every decision is compared (worker, rank, overlap, cost),
 so the bench also checks that a faster scheduler routes exactly as the old one did.
@@ -30,9 +31,10 @@ import numpy as np
 from .report import add_output_argument, print_table, write_json
 from .timing import percentiles
 
-# the router core's modules (a baseline revision must have these; extras are taken if present)
-_CORE = ("scheduler", "plugins", "active", "index", "kernels", "table", "holders", "seqtrack")
-_OPTIONAL = ("config", "columns", "fleet")
+# Before the router core had its own folder it lived in epp/, with these modules.
+_EPP_CORE = ("scheduler", "plugins", "active", "index", "kernels", "table", "holders", "seqtrack")
+_EPP_OPTIONAL = ("config", "columns", "fleet")
+_CONFIG_MODULE = "dynamograph.protocol.router_config"
 BLOCK_SIZE = 16
 
 
@@ -55,30 +57,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_output_argument(parser)
 
 
+def _git(repo: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True)
+
+
+def _core_files(repo: Path, sha: str, rev: str) -> dict[str, str]:
+    """The router core of `sha`: its path in the package → its source. The core's folder and
+    the RouterConfig it was built against (read from the revision, not today's protocol/)."""
+    listed = _git(repo, "ls-tree", "-r", "--name-only", sha, "--", "router/").stdout.split()
+    paths = {p.removeprefix("router/"): p for p in listed if p.endswith(".py")}
+    if not paths:  # the older layout
+        paths = {f"{m}.py": f"epp/{m}.py" for m in _EPP_CORE + _EPP_OPTIONAL}
+    paths["router_config.py"] = "protocol/router_config.py"
+    files = {}
+    for name, path in paths.items():
+        shown = _git(repo, "show", f"{sha}:{path}")
+        if shown.returncode == 0:
+            files[name] = shown.stdout
+        elif name.removesuffix(".py") in _EPP_CORE:
+            raise SystemExit(f"revision {rev} has no {path}")
+    return files
+
+
 def _baseline_package(rev: str) -> str:
     """The router core of `rev` as an importable package (a folder under the temp dir)."""
     repo = Path(__file__).resolve().parent.parent
-    sha = subprocess.run(
-        ["git", "rev-parse", "--short", rev], cwd=repo, check=True, capture_output=True, text=True
-    ).stdout.strip()
+    sha = _git(repo, "rev-parse", "--short", rev).stdout.strip()
+    if not sha:
+        raise SystemExit(f"{rev} is not a git revision of {repo}")
     root = Path(tempfile.gettempdir()) / "dynamograph-bench-schedule"
     name = f"baseline_{sha}"
-    folder = root / name
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "__init__.py").touch()
-    for module in _CORE + _OPTIONAL:
-        shown = subprocess.run(
-            ["git", "show", f"{sha}:epp/{module}.py"], cwd=repo, capture_output=True, text=True
-        )
-        if shown.returncode != 0:
-            if module in _CORE:
-                raise SystemExit(f"revision {rev} has no epp/{module}.py")
-            continue
-        text = shown.stdout
-        if module == "kernels" and text == _current_source("kernels"):
+    for relative, text in _core_files(repo, sha, rev).items():
+        if relative == "kernels.py" and text == _current_source("kernels"):
             # the same kernels: share the compiled ones instead of compiling a copy (seconds)
             text = _SHARED_KERNELS
-        path = folder / f"{module}.py"
+        text = text.replace(_CONFIG_MODULE, f"{name}.router_config")
+        path = root / name / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        (path.parent / "__init__.py").touch()
         if not path.exists() or path.read_text() != text:
             path.write_text(text)
     if str(root) not in sys.path:

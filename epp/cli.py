@@ -129,7 +129,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"largest request body, else 413 (default {DEFAULT_MAX_BODY_BYTES})",
     )
     parser.add_argument(
-        "--picker",
+        "--endpoint-picker",
         choices=["kv", "random"],
         default="kv",
         help="kv: KV-aware routing (default); random: any ready endpoint, body unread "
@@ -175,11 +175,12 @@ def settings_from_args(args: argparse.Namespace) -> EppSettings:
     use_events = None if args.kv_events is None else args.kv_events == "on"
     router = RouterConfig.load(
         args.config,
-        overlap_weight=args.overlap_weight,
         temperature=args.temperature,
         enforce_disagg=args.enforce_disagg,
         use_kv_events=use_events,
     )
+    if args.overlap_weight is not None:
+        router = router.with_overlap_weight(args.overlap_weight)
     return EppSettings(
         host=args.host,
         grpc_port=args.grpc_port,
@@ -187,7 +188,7 @@ def settings_from_args(args: argparse.Namespace) -> EppSettings:
         metrics_port=args.metrics_port,
         router=router,
         kv_events=router.use_kv_events,
-        picker=args.picker,
+        endpoint_picker=args.endpoint_picker,
         max_body_bytes=args.max_body_bytes,
         scrape_interval=args.scrape_interval,
         drain_grace=args.drain_grace,

@@ -15,7 +15,6 @@ seconds, then stops everything.
 """
 
 import asyncio
-import contextlib
 import gc
 import logging
 from dataclasses import dataclass, field
@@ -30,11 +29,12 @@ from dynamograph.protocol.router_config import RouterConfig
 from dynamograph.router.discovery import Discovery, KubernetesSource, StaticSource, WorkerRecord
 from dynamograph.router.kv_events import KvEventIngest
 from dynamograph.router.load import LoadScraper
+from dynamograph.router.pipeline import RequestPipeline
 from dynamograph.router.scheduler import Router
 
 from .extproc import DEFAULT_MAX_BODY_BYTES, SERVICE_NAME, ExtProcService
 from .metrics import EppMetrics
-from .picker import KvPicker, RandomPicker, WorkerView, tokenizer_spec
+from .picker import EndpointView, KvEndpointPicker, RandomEndpointPicker
 from .tls import CertificateSource, TlsSettings, server_credentials
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class EppSettings:
     metrics_port: int = 9090
     router: RouterConfig = field(default_factory=RouterConfig)
     kv_events: bool = True
-    picker: str = "kv"  # kv | random (no body parsing: the protocol floor)
+    endpoint_picker: str = "kv"  # kv | random (no body parsing: the protocol floor)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     scrape_interval: float = 0.5
     drain_grace: float = 30.0
@@ -73,8 +73,9 @@ class Epp:
         self.settings = settings
         self.metrics = EppMetrics()
         self.router = Router(settings.router)
+        self.pipeline = RequestPipeline(self.router)
         self.discovery = Discovery(source)
-        self.view = WorkerView()
+        self.view = EndpointView()
         self.load = LoadScraper(
             self.router,
             interval=settings.scrape_interval,
@@ -87,9 +88,9 @@ class Epp:
             else None
         )
         self.picker = (
-            RandomPicker(self.view, self.router)
-            if settings.picker == "random"
-            else KvPicker(self.router, self.view)
+            RandomEndpointPicker(self.view, self.router)
+            if settings.endpoint_picker == "random"
+            else KvEndpointPicker(self.pipeline, self.view)
         )
         self.service = ExtProcService(
             self.picker, self.metrics, max_body_bytes=settings.max_body_bytes
@@ -111,13 +112,12 @@ class Epp:
     # -- discovery listeners --
     def _added(self, record: WorkerRecord) -> None:
         config = record.config
-        if not self.router.add_engine(config):
+        if not self.pipeline.add_engine(config):
             return
         self.view.added(record)
-        if isinstance(self.picker, KvPicker):
-            spec = tokenizer_spec(config.tokenizer)
-            self._loading.add(spec)
-            self._spawn(self._preload_tokenizer(spec))
+        if isinstance(self.picker, KvEndpointPicker):
+            self._loading.add(config.tokenizer)
+            self._spawn(self._preload_tokenizer(config.tokenizer))
         self.load.add(record)
         if self.kv is not None:
             self.kv.add(record)
@@ -128,14 +128,12 @@ class Epp:
         self.load.remove(record)
         if self.kv is not None:
             self.kv.remove(record)
-        with contextlib.suppress(KeyError):
-            self.router.remove_worker(record.instance_id)
+        self.pipeline.remove_engine(record.instance_id)
         self._update_readiness()
 
     def _update_readiness(self) -> None:
         # A vocabulary still loading would make the first requests wait seconds for it.
-        workers = self.view.workers.values()
-        ready = not self._draining and not self._loading and any(w.endpoint for w in workers)
+        ready = not self._draining and not self._loading and bool(self.view.endpoints)
         status = _SERVING if ready else _NOT_SERVING
         self._spawn(self.health.set(READINESS, status))
 
@@ -146,7 +144,7 @@ class Epp:
 
     async def _preload_tokenizer(self, spec: str) -> None:
         try:
-            await asyncio.to_thread(self.picker.load_tokenizer, spec)
+            await asyncio.to_thread(self.pipeline.load_tokenizer, spec)
         except (OSError, ValueError) as exc:
             log.error("tokenizer %r of a worker cannot be loaded: %s", spec, exc)
         except Exception:  # a background task: say what broke, requests will retry the load

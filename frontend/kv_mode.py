@@ -1,45 +1,36 @@
 """`--mode kv`: the frontend picks workers with the router core itself (no gateway in front).
 
-For users without an Envoy gateway and endpoint picker: the frontend runs the EPP's router core
-(`epp.scheduler.Router`) fed by the same discovery, the EPP's load scraper (`epp.load`) and,
-unless `--kv-events off`, the EPP's KV-event subscribers (`epp.kv_events`). Each request is
-tokenized with the workers' tokenizer, hashed per KV block and scheduled; the booking is
-released when the request ends. As in the EPP, a `model` naming a LoRA adapter
-(`protocol.engine.served_models`) is hashed under the adapter and goes only to workers serving
-it; a model nobody serves is a 404.
+For users without an Envoy gateway and endpoint picker: the frontend runs the router core
+(`router.scheduler.Router`) fed by the same discovery, load scraping (`router.load`) and, unless
+`--kv-events off`, KV-event ingestion (`router.kv_events`) as the EPP, and routes each request
+through the same request pipeline (`router.pipeline.RequestPipeline`): model and LoRA adapter
+check, tokenization with the workers' tokenizer, block hashing, scheduling. The booking is
+released when the request ends.
 """
 
 import asyncio
-import contextlib
 import itertools
 import logging
 from typing import Any
 
-from dynamograph.protocol.engine import lora_for_model, served_models
-from dynamograph.protocol.hashing import block_hash_array
 from dynamograph.protocol.nvext import NvExt
-from dynamograph.protocol.openai import OpenAIError, require_model
+from dynamograph.protocol.openai import OpenAIError
 from dynamograph.protocol.pins import RoutePins
 from dynamograph.protocol.router_config import RouterConfig
-from dynamograph.protocol.tokenization import get_tokenizer, request_tokens
 from dynamograph.router.discovery import WorkerRecord
 from dynamograph.router.kv_events import KvEventIngest
 from dynamograph.router.load import LoadScraper
-from dynamograph.router.scheduler import (
-    NoEligibleWorker,
-    Overloaded,
-    Router,
-    RouteRequest,
-)
+from dynamograph.router.pipeline import RequestPipeline
+from dynamograph.router.scheduler import Router
 
 from .directory import WorkerDirectory
-from .pickers import Route
+from .modes import Route
 from .routing import Mode, Pins, Target
 
 log = logging.getLogger(__name__)
 
 
-class KvPicker:
+class KvMode:
     mode = Mode.KV
 
     def __init__(
@@ -60,6 +51,7 @@ class KvPicker:
             }
         )
         self.router = Router(self.config)
+        self.pipeline = RequestPipeline(self.router)
         self._ids = itertools.count()
         self.load: LoadScraper | None = None
         self.events: KvEventIngest | None = None
@@ -83,7 +75,7 @@ class KvPicker:
             self.load = None
 
     def _added(self, record: WorkerRecord) -> None:
-        if not self.router.add_engine(record.config):
+        if not self.pipeline.add_engine(record.config):
             return
         if self.load is not None:
             self.load.add(record)
@@ -94,10 +86,9 @@ class KvPicker:
         self._preloads.add(task)
         task.add_done_callback(self._preloads.discard)
 
-    @staticmethod
-    async def _preload(spec: str) -> None:
+    async def _preload(self, spec: str) -> None:
         try:
-            await asyncio.to_thread(get_tokenizer, spec, fast=True)
+            await asyncio.to_thread(self.pipeline.load_tokenizer, spec)
         except (OSError, ValueError) as exc:  # requests meet the same error
             log.error("tokenizer %r of a worker cannot be loaded: %s", spec, exc)
 
@@ -108,46 +99,22 @@ class KvPicker:
             self.load.remove(record)
         if self.events is not None:
             self.events.remove(record)
-        with contextlib.suppress(KeyError):
-            self.router.remove_worker(record.instance_id)
-
-    def _tokens(self, path: str, body: dict[str, Any]):
-        """The request's tokens and the LoRA adapter its `model` names (None: the base model)."""
-        records = self.directory.records()
-        if not records:
-            raise OpenAIError(503, "no workers are discovered yet")
-        lora_name = lora_for_model(require_model(body), served_models(r.config for r in records))
-        tokens = request_tokens(get_tokenizer(records[0].config.tokenizer, fast=True), path, body)
-        return tokens, lora_name
+        self.pipeline.remove_engine(record.instance_id)
 
     async def pick(self, pins: Pins, nvext: NvExt | None, path: str, body: dict[str, Any]) -> Route:
-        block_size = self.router.block_size
-        if block_size is None:
-            raise OpenAIError(503, "no workers are discovered yet")
-        tokens, lora_name = self._tokens(path, body)
-        osl = nvext.agent_hints.osl if nvext and nvext.agent_hints else None
-        request = RouteRequest(
+        routed = self.pipeline.decide(
+            path,
+            body,
             request_id=f"frontend-{next(self._ids)}",
-            block_hashes=block_hash_array(tokens, block_size, lora_name),
-            isl_tokens=len(tokens),
-            lora_name=lora_name,
+            nvext=nvext,
             pins=RoutePins(
                 pins.decode.worker_id if pins.decode else None,
                 pins.decode.dp_rank if pins.decode else None,
                 pins.prefill.worker_id if pins.prefill else None,
                 pins.prefill.dp_rank if pins.prefill else None,
             ),
-            session=nvext.session_control if nvext else None,
-            expected_output_tokens=osl,
         )
-        try:
-            decision = self.router.schedule(request)
-        except NoEligibleWorker as exc:
-            raise OpenAIError(503, exc.reason) from None
-        except Overloaded as exc:
-            error = OpenAIError(429, f"{exc.reason}; retry after {exc.retry_after_s:g} s")
-            error.retry_after = exc.retry_after_s  # becomes the Retry-After header
-            raise error from None
+        decision = routed.decision
         try:
             decode = _target(decision.decode.worker_id, decision.decode.dp_rank, self.directory)
             route = Route(self.directory.resolve(decode, "decode"), decode, booking=decision.guard)

@@ -41,7 +41,7 @@ from .handoff import (
 )
 from .http_server import BodyTooLarge, ClientGone, Exchange, Headers, HttpServer
 from .metrics import CONTENT_TYPE, FrontendMetrics
-from .pickers import DirectPicker, Picker, RoundRobinPicker, Route
+from .modes import DirectMode, RoundRobinMode, Route, RoutingMode
 from .routing import Mode, merge, routing_headers
 from .upstream import EngineClient, UpstreamError, describe
 
@@ -82,7 +82,7 @@ def _outcome(status: int) -> str:
 
 async def _send_error(exchange: Exchange, exc: OpenAIError) -> None:
     headers = list(_JSON_HEADERS)
-    retry_after = getattr(exc, "retry_after", None)  # kv mode sheds load with 429
+    retry_after = getattr(exc, "retry_after_s", None)  # kv mode sheds load with 429
     if retry_after:
         headers.append((b"retry-after", b"%d" % max(1, math.ceil(retry_after))))
     await exchange.respond(exc.status, exc.json(), headers)
@@ -115,7 +115,7 @@ class Frontend:
         self.client = EngineClient(
             request_timeout=config.request_timeout, connect_timeout=config.connect_timeout
         )
-        self.picker: Picker = self._picker()
+        self.routing: RoutingMode = self._routing()
         # path → (methods, handler); HEAD is answered like GET (the server drops the body)
         self._routes = {
             CHAT_COMPLETIONS: (("POST",), self.generate),
@@ -128,15 +128,15 @@ class Frontend:
         self._server = HttpServer(self.serve)
         self.url: str | None = None
 
-    def _picker(self) -> Picker:
+    def _routing(self) -> RoutingMode:
         cfg = self.config
         if cfg.mode is Mode.DIRECT:
-            return DirectPicker(self.directory, enforce_disagg=cfg.enforce_disagg)
+            return DirectMode(self.directory, enforce_disagg=cfg.enforce_disagg)
         if cfg.mode is Mode.ROUND_ROBIN:
-            return RoundRobinPicker(self.directory, enforce_disagg=cfg.enforce_disagg)
-        from .kv_mode import KvPicker  # the router core is paid for only in kv mode
+            return RoundRobinMode(self.directory, enforce_disagg=cfg.enforce_disagg)
+        from .kv_mode import KvMode  # the router core is paid for only in kv mode
 
-        return KvPicker(
+        return KvMode(
             self.directory,
             enforce_disagg=cfg.enforce_disagg,
             kv_events=cfg.kv_events,
@@ -147,7 +147,7 @@ class Frontend:
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         await self.client.start()
         await self.directory.start()
-        await self.picker.start()
+        await self.routing.start()
         bound = await self._server.start(host, port)
         shown = "127.0.0.1" if host in ("0.0.0.0", "") else f"[{host}]" if ":" in host else host
         self.url = f"http://{shown}:{bound}"
@@ -155,7 +155,7 @@ class Frontend:
 
     async def stop(self) -> None:
         await self._server.stop()
-        await self.picker.stop()
+        await self.routing.stop()
         await self.directory.stop()
         await self.client.stop()
 
@@ -265,7 +265,7 @@ class Frontend:
             nvext, pins = merge(nvext, routing_headers(exchange.headers))
             reject_client_transfer_params(body)
             stream = body.get("stream") is True
-            route = await self.picker.pick(pins, nvext, exchange.path, body)
+            route = await self.routing.pick(pins, nvext, exchange.path, body)
             trace.decode = route.decode_target
             payload = raw
             if route.prefill is not None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import yaml
+from pydantic import ValidationError
 
 from dynamograph.protocol.graph import (
     API_VERSION,
@@ -46,6 +47,7 @@ from dynamograph.protocol.launch import (
     uses_kv_events,
     worker_args,
 )
+from dynamograph.protocol.router_config import RouterConfig, dynamo_scorers
 
 from .config import OperatorConfig
 
@@ -291,14 +293,14 @@ def _tls_args(tls: EppTlsSpec) -> list[str]:
 
 
 def router_config(router: RouterSpec) -> dict[str, Any]:
-    """The EPP's `--config` file: the router core's RouterConfig fields (epp/config.py).
+    """The EPP's `--config` file: the router core's RouterConfig fields (protocol/router_config.py).
 
     `router.config` entries are passed through verbatim (e.g. approx_ttl_s, session_ttl_s); the
     EPP refuses unknown ones at start-up, which its pod's logs and readiness will show.
     """
     config: dict[str, Any] = {
-        "policy": "kv" if router.mode == RouterMode.APPROX else str(router.mode),
-        "overlap_weight": router.overlap_weight,
+        "picker": {"type": "kv" if router.mode == RouterMode.APPROX else str(router.mode)},
+        "scorers": [ref.model_dump() for ref in dynamo_scorers(router.overlap_weight)],
         "temperature": router.temperature,
         "use_kv_events": uses_kv_events(router),
         "enforce_disagg": router.enforce_disagg,
@@ -307,6 +309,30 @@ def router_config(router: RouterSpec) -> dict[str, Any]:
         config["busy_threshold"] = router.busy_threshold
     config.update(router.config)
     return config
+
+
+def router_config_errors(router: RouterSpec, path: str) -> list[tuple[str, str]]:
+    """What the router core's RouterConfig refuses in `router_config(router)`, as (field path,
+    message) pairs naming the spec field to fix: a `router.config` key by its own path, a
+    setting derived from the router section by `path`."""
+    try:
+        RouterConfig.model_validate(router_config(router))
+    except ValidationError as exc:
+        return [_router_config_error(router, path, err) for err in exc.errors()]
+    return []
+
+
+def _router_config_error(router: RouterSpec, path: str, err: Any) -> tuple[str, str]:
+    loc = ".".join(str(part) for part in err["loc"])
+    got = f" (got {err['input']!r:.80})"
+    if err["type"] == "extra_forbidden":
+        known = ", ".join(RouterConfig.model_fields)
+        message = f"not a router setting{got}; the router's settings are: {known} (docs/router.md)"
+    else:
+        message = f"{err['msg']}{got}"
+    if err["loc"] and err["loc"][0] in router.config:
+        return f"{path}.config.{loc}", message
+    return path, f"router setting {loc}: {message}"
 
 
 def _engine_container(
@@ -612,7 +638,9 @@ def _http_route(graph: DynamoGraph, owner: Owner) -> dict[str, Any]:
 def desired_objects(
     graph: DynamoGraph, owner: Owner, config: OperatorConfig
 ) -> list[dict[str, Any]]:
-    """Every object the graph should own, in creation order. Raises GraphError."""
+    """Every object the graph should own, in creation order. Raises GraphError, e.g. for
+    router settings RouterConfig refuses (so no EPP is rolled out with a config it rejects)."""
+    errors = _router_errors(graph)
     objects: list[dict[str, Any]] = []
     epps = graph.spec.services_of(ComponentType.EPP)
     epp_name = next(iter(epps), None)
@@ -670,7 +698,6 @@ def desired_objects(
             [{"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"}],
         )
     )
-    errors: list[tuple[str, str]] = []
     for name, spec in graph.spec.services.items():
         try:
             objects.append(_deployment(graph, owner, name, spec, config))
@@ -683,6 +710,17 @@ def desired_objects(
         if graph.spec.gateway.parent_ref is not None:
             objects.append(_http_route(graph, owner))
     return objects
+
+
+def _router_errors(graph: DynamoGraph) -> list[tuple[str, str]]:
+    """RouterConfig's verdict on the router settings of every epp service (its router config
+    file, defaults included) and of every frontend service that has a router section."""
+    errors = []
+    for name, spec in graph.spec.services_of(ComponentType.EPP, ComponentType.FRONTEND).items():
+        if spec.router is None and spec.component_type == ComponentType.FRONTEND:
+            continue
+        errors += router_config_errors(spec.router or RouterSpec(), f"spec.services.{name}.router")
+    return errors
 
 
 def object_key(obj: dict[str, Any]) -> tuple[str, str, str]:

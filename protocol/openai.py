@@ -28,11 +28,19 @@ _ERROR_TYPES = {
 class OpenAIError(Exception):
     """An error with an HTTP status and a message a person can act on."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        retry_after_s: float | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.retry_after_s = retry_after_s  # a Retry-After header, for 429 and 503
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, param=self.param)

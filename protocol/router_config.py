@@ -1,10 +1,11 @@
 """RouterConfig: every knob of the router core, one pydantic model, loadable from YAML.
 
-The EPP's `--config FILE` is this model as YAML; command-line flags override single fields
+The contract between whoever configures a router (the operator from a DynamoGraph, `dynamograph
+up`, a user's `--config FILE`) and the router core. The EPP's and the frontend's `--config FILE`
+is this model as YAML; command-line flags given explicitly override single fields
 (`RouterConfig.load(path, **overrides)`). Defaults follow Dynamo's KV router.
 """
 
-from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -14,24 +15,55 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from dynamograph.protocol.nvext import describe_validation_error
 
 
-class Policy(StrEnum):
-    """How the picker chooses among eligible workers."""
+class PluginRef(BaseModel):
+    """One plugin of the routing profile, by its registered name, with its own parameters.
 
-    KV = "kv"  # Dynamo's cost: overlap_weight · prefill_blocks + decode_blocks
-    ROUND_ROBIN = "round-robin"
-    RANDOM = "random"
-    LEAST_LOADED = "least-loaded"
+    The router core checks `type` against its registry and `parameters` against the plugin's
+    typed parameter model when it starts (`dynamograph.router.plugins`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: str = Field(min_length=1, description="the plugin's registered name")
+    parameters: dict[str, Any] = Field(
+        default_factory=dict, description="the plugin's own settings, checked by the plugin"
+    )
+
+
+class ScorerRef(PluginRef):
+    weight: float = Field(
+        default=1.0, ge=0, description="the scorer's cost is multiplied by this in the sum"
+    )
+
+
+def dynamo_scorers(overlap_weight: float = 1.0) -> list[ScorerRef]:
+    """Dynamo's KV routing cost as scorers: overlap_weight · prefill blocks + decode blocks."""
+    return [
+        ScorerRef(type="kv-overlap", weight=overlap_weight),
+        ScorerRef(type="load", weight=1.0),
+    ]
 
 
 class RouterConfig(BaseModel):
+    """Every knob of the router core. A selection runs the request's hard constraints (role,
+    readiness, LoRA adapter, the gateway's subset), then `filters`, then `scorers` (their
+    weighted sum is a cost, lower is better), then the `picker`."""
+
     model_config = ConfigDict(extra="forbid")
 
-    policy: Policy = Policy.KV
-    overlap_weight: float = Field(
-        default=1.0,
-        ge=0,
-        description="Dynamo's kv_overlap_score_weight: the weight of the KV-overlap scorer's "
-        "prefill blocks against the load scorer's decode blocks",
+    picker: PluginRef = Field(
+        default_factory=lambda: PluginRef(type="kv"),
+        description="the picker, by registered name: kv (the lowest cost; softmax sampling when "
+        "temperature > 0), round-robin, random, least-loaded",
+    )
+    filters: list[PluginRef] = Field(
+        default_factory=lambda: [PluginRef(type="busy")],
+        description="filters after the hard constraints, in order; each may only remove slots",
+    )
+    scorers: list[ScorerRef] = Field(
+        default_factory=dynamo_scorers,
+        description="cost terms and their weights; the default is Dynamo's: kv-overlap "
+        "(uncached prompt blocks, weight = Dynamo's kv_overlap_score_weight) + load (decode "
+        "blocks booked)",
     )
     temperature: float = Field(
         default=0.0,
@@ -66,6 +98,18 @@ class RouterConfig(BaseModel):
     )
     max_sessions: int = Field(default=100_000, ge=1, description="sticky-session table bound")
     seed: int | None = Field(default=None, description="seed of the picker's random choices")
+
+    def with_overlap_weight(self, weight: float) -> "RouterConfig":
+        """A copy whose kv-overlap scorer has `weight` (Dynamo's kv_overlap_score_weight)."""
+        if not any(ref.type == "kv-overlap" for ref in self.scorers):
+            raise ValueError("router config: an overlap weight needs the kv-overlap scorer")
+        scorers = [
+            ref.model_copy(update={"weight": weight}) if ref.type == "kv-overlap" else ref
+            for ref in self.scorers
+        ]
+        return self.model_validate(
+            {**self.model_dump(), "scorers": [s.model_dump() for s in scorers]}
+        )
 
     @classmethod
     def load(cls, path: str | Path | None = None, **overrides: Any) -> "RouterConfig":

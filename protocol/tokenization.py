@@ -628,7 +628,8 @@ _guard = threading.Lock()
 
 
 def get_tokenizer(spec: str = DEFAULT_TOKENIZER, *, fast: bool = False) -> Tokenizer:
-    """`qwen`, `qwen:<vocabulary>` or a path to a tokenizer.json / its folder.
+    """`qwen`, `qwen:<vocabulary>` or a path to a tokenizer.json / its folder (also as
+    `hf:<path>`, the `identity` such a tokenizer reports: what workers publish at /v1/engine).
 
     `fast`: the caller will encode a lot (a router): build fastokens now instead of once the
     process has encoded enough to pay for it (see `_FastSwitch`). Cached per spec; callers
@@ -661,11 +662,12 @@ def _load_tokenizer(spec: str, fast: bool) -> Tokenizer:
         return QwenTokenizer("qwen2.5-72b-instruct", fast=fast)
     if spec.startswith("qwen:"):
         return QwenTokenizer(spec.removeprefix("qwen:"), fast=fast)
-    path = Path(spec)
+    path = Path(spec.removeprefix("hf:"))  # `hf:<path>`: the identity a worker publishes
     if path.exists():
         return HuggingFaceTokenizer(path, fast=fast)
     raise ValueError(
-        f"unknown tokenizer {spec!r}: use 'qwen', 'qwen:<vocabulary>' or a path to a tokenizer.json"
+        f"unknown tokenizer {spec!r}: use 'qwen', 'qwen:<vocabulary>' or a path to a "
+        "tokenizer.json (optionally as hf:<path>)"
     )
 
 

@@ -7,7 +7,8 @@ then rank): role, ready, LoRA adapters, KV capacity and scraped usage, and where
 column is in the KV index and in the active-request sums. Workers come and go rarely, so the
 `Fleet` is rebuilt then (`Router` marks it stale); readiness and scraped usage change in place.
 Per request, `candidates` gathers the changing parts (booked load, cached overlap, prompt
-blocks already held by live requests) with a few array operations into `plugins.Candidates`.
+blocks already held by live requests) with a few array operations into `Candidates`, the
+columns every plugin of a selection works on.
 """
 
 from collections.abc import Iterable
@@ -19,7 +20,6 @@ from dynamograph.protocol.engine import Role
 
 from .active import DECODE, PREFILL, REQUESTS, ActiveRequests
 from .index import KvIndex
-from .plugins import Candidates
 
 Slot = tuple[int, int]
 
@@ -39,6 +39,29 @@ class WorkerState:
     waiting: list[int] = field(default_factory=list)
     running: list[int] = field(default_factory=list)
     kv_usage: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Candidates:
+    """Every slot of the fleet, for one request, as columns (numpy arrays by fleet position).
+
+    The fleet's columns (role, ready, adapters, capacity, scraped usage) plus this request's:
+    the load booked on each slot, the prompt blocks each slot has cached, and how many leading
+    prompt blocks live requests on each slot already hold. Scoring adds each scorer's column
+    (`terms`, by scorer name) and their weighted sum (`cost`)."""
+
+    fleet: "Fleet"
+    booked_prefill: np.ndarray  # blocks booked slots still have to prefill
+    booked_decode: np.ndarray  # blocks booked requests hold (shared prompt blocks once)
+    requests: np.ndarray  # booked requests
+    overlap: np.ndarray  # prompt blocks cached on the slot (KV index)
+    held: np.ndarray | None  # leading prompt blocks live requests here hold (None: nowhere)
+    terms: dict[str, np.ndarray] = field(default_factory=dict)
+    cost: np.ndarray | None = None
+
+    def usage(self) -> np.ndarray:
+        """KV usage: the larger of the scraped fraction and our booked blocks' fraction."""
+        return np.maximum(self.fleet.kv_usage, self.booked_decode / self.fleet.total_blocks)
 
 
 class Fleet:

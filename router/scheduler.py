@@ -1,10 +1,11 @@
 """The router core's public face: workers in, KV events in, `schedule(RouteRequest) -> Decision` out.
 
-DESIGN §3.5/§3.6 (seeds: Dynamo's kv_push_router.rs, prefill_router, sticky sessions). The
-`Router` owns the KV index (`index.KvIndex`), the active-request books (`active.ActiveRequests`)
-and the worker table; selection itself is the plugin pipeline of `plugins.py` (filters →
-scorers → picker). Pure in-process logic: no I/O, no clocks except the injected one, so the EPP
-and the frontend's `kv` mode drive it the same way:
+Dynamo's KV router, in process (seeds: kv_push_router.rs, the prefill router, sticky
+sessions). The `Router` owns the KV index (`index.KvIndex`), the active-request books
+(`active.ActiveRequests`) and the worker table; selection itself is the routing profile
+(`profile.Profile`: filters → scorers → picker, named in `RouterConfig`). Pure in-process
+logic: no I/O, no clocks except the injected one, so the EPP and the frontend's `kv` mode drive
+it the same way (through `pipeline.RequestPipeline`):
 
     router = Router(RouterConfig(...))
     router.add_worker(wid, role=Role.AGGREGATED, dp_size=1, block_size=16, total_blocks=8192)
@@ -14,37 +15,33 @@ and the frontend's `kv` mode drive it the same way:
     with decision.guard:                                  # None for query-only requests
         ... first token → decision.guard.mark_prefill_done() ...
 
-Prefill completion has two witnesses: the first output token (the caller's
-`mark_prefill_done`) and, with KV events on, the engine storing the prompt's blocks on the booked
-slot (chunk by chunk, so a long prefill's booked load shrinks as it progresses). The second
-matters behind a gateway: for a non-streaming answer the EPP sees no output before the whole
-answer, and would otherwise count the prefill as pending until the end.
-
-Errors are exceptions carrying the HTTP status a caller should answer with:
+Refusals are exceptions carrying the HTTP status a caller should answer with (`errors`):
 `NoEligibleWorker` (503, with the reason) and `Overloaded` (429, with Retry-After).
 """
 
 import logging
 import random
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NoReturn
 
 import numpy as np
 
 from dynamograph.protocol.engine import EngineConfig, Role
 from dynamograph.protocol.kv_events import BlockStored, EventBatch
-from dynamograph.protocol.nvext import SessionAction, SessionControl
+from dynamograph.protocol.nvext import SessionControl
 from dynamograph.protocol.pins import RoutePins
-from dynamograph.protocol.router_config import Policy, RouterConfig
+from dynamograph.protocol.router_config import RouterConfig
 
-from .active import ActiveRequests, Booking, RequestGuard, Slot
-from .fleet import Fleet, WorkerState
+from .active import ActiveRequests, RequestGuard, Slot
+from .errors import NoEligibleWorker, Overloaded, RoutingError
+from .fleet import Candidates, Fleet, WorkerState
 from .index import KvIndex, as_u64, chain_keys
-from .plugins import BUSY, FILTERS, SCORERS, Candidates, Context, KvPicker, Phase, make_picker
+from .plugins.base import Context, Phase
+from .prefills import PendingPrefills
+from .profile import build_profile
 from .seqtrack import GapInfo, SequenceTracker, Verdict
+from .sessions import StickySessions
 
 __all__ = [
     "Decision",
@@ -52,7 +49,6 @@ __all__ = [
     "NoEligibleWorker",
     "Overloaded",
     "Pick",
-    "Policy",
     "RequestGuard",
     "RouteRequest",
     "Router",
@@ -62,33 +58,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-class RoutingError(Exception):
-    """Base of the scheduler's refusals; `status` is the HTTP status to answer with."""
-
-    status = 500
-
-
-class NoEligibleWorker(RoutingError):
-    """No worker can take the request (503); `reason` says why, for the error body."""
-
-    status = 503
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
-class Overloaded(RoutingError):
-    """Every eligible worker is saturated (429); retry after `retry_after_s` seconds."""
-
-    status = 429
-
-    def __init__(self, reason: str, retry_after_s: float) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.retry_after_s = retry_after_s
 
 
 @dataclass(slots=True)
@@ -134,15 +103,8 @@ class Decision:
         return self.prefill is not None
 
 
-@dataclass(slots=True)
-class _Binding:
-    slot: Slot
-    expires_at: float
-
-
 _NO_MATCHES = np.zeros((0, 2), np.int64)
 _NO_KEYS = np.zeros(0, np.uint64)
-_PINNED_PICKER = KvPicker()  # a pinned worker's ranks go by the KV cost, whatever the policy
 
 
 class Router:
@@ -156,15 +118,14 @@ class Router:
         self.active = ActiveRequests(track_output_blocks=self.config.track_output_blocks)
         self._clock = clock
         self._rng = random.Random(self.config.seed)
-        self._picker = make_picker(self.config.policy)
+        self.profile = build_profile(self.config)  # ValueError names a bad plugin or parameter
         self._workers: dict[int, WorkerState] = {}
         self._fleet: Fleet | None = None  # the workers as columns; None: rebuild before use
         self._lora_ids: dict[int, dict[int, str]] = {}
         self._block_size: int | None = None
         self._seqs = SequenceTracker()
-        self._sessions: OrderedDict[str, _Binding] = OrderedDict()
-        # per slot, bookings whose prefill is pending, with their prompt hashes and blocks
-        self._prefilling: dict[Slot, list[tuple[Booking, np.ndarray, int]]] = {}
+        self.sessions = StickySessions(self.config.session_ttl_s, self.config.max_sessions, clock)
+        self._prefills = PendingPrefills(self.index, self.active)
 
     # -- workers -------------------------------------------------------------------------
     def add_engine(self, config: EngineConfig) -> bool:
@@ -248,7 +209,7 @@ class Router:
             self._block_size = None
 
     def _drop_slot(self, slot: Slot) -> None:
-        self._prefilling.pop(slot, None)
+        self._prefills.forget(slot)
         self.index.remove_slot(slot)
         self._seqs.forget(slot)
         self.active.drop_slot(slot)
@@ -329,28 +290,11 @@ class Router:
             log.info("worker %d rank %d: KV event sequence restarted; clearing", worker_id, rank)
             self.index.clear(slot)
         self.index.apply_events(slot, batch.events, self._lora_ids.get(worker_id))
-        if slot in self._prefilling and any(isinstance(e, BlockStored) for e in batch.events):
-            self._settle_prefills(slot)
+        if self._prefills.waiting_on(slot) and any(
+            isinstance(e, BlockStored) for e in batch.events
+        ):
+            self._prefills.settle(slot)
         return None
-
-    def _settle_prefills(self, slot: Slot) -> None:
-        """Pending prefills on `slot` shrink to the prompt blocks its engine hasn't stored yet
-        (a chunked prefill stores each chunk's blocks as it goes); all stored = done."""
-        pending = []
-        for entry in self._prefilling[slot]:
-            booking, hashes, prompt_blocks = entry
-            if not booking.live or booking.prefill == 0:
-                continue
-            stored = self.index.find_matches(hashes).get(slot, 0)
-            if stored >= len(hashes):
-                self.active.prefill_done(booking)
-            else:
-                self.active.prefill_progress(booking, prompt_blocks - stored)
-                pending.append(entry)
-        if pending:
-            self._prefilling[slot] = pending
-        else:
-            del self._prefilling[slot]
 
     def replay_failed(self, worker_id: int, dp_rank: int | None = None) -> None:
         """Replay could not fill a gap: clear that worker's (rank's) blocks and restart tracking."""
@@ -424,7 +368,7 @@ class Router:
         if request.query_only:
             return decision
         if session is not None and pins.worker_id is None:
-            self._bind(session, (decode.worker_id, decode.dp_rank), now)
+            self.sessions.bind(session, (decode.worker_id, decode.dp_rank), now)
         decision.guard = self._book(request, decision, hashes, prompt_blocks, prompt_keys)
         if not self.config.use_kv_events and has_blocks:
             expires = now + self.config.approx_ttl_s
@@ -453,39 +397,18 @@ class Router:
     def _select(
         self, ctx: Context, c: Candidates, pinned_worker: int | None, pinned_rank: int | None
     ) -> Pick:
-        c.cost = None  # a phase's picker may leave no cost (then 0.0), not the last phase's
+        profile = self.profile
         if pinned_worker is not None:
             return self._pinned(ctx, c, pinned_worker, pinned_rank)
-        keep = None
-        for f in FILTERS:
-            mask = f.mask(ctx, c)
-            if mask is not None:
-                keep = mask if keep is None else keep & mask
-        at = keep.nonzero()[0]  # (the role filter always gives a mask)
-        if not len(at):
-            self._refuse(ctx, c)
-        for scorer in SCORERS:
-            scorer.score(ctx, c)
-        chosen = self._picker.pick(ctx, c, at)
+        at = profile.eligible(ctx, c)
+        profile.score(ctx, c)
+        chosen = profile.picker.pick(ctx, c, at)
         if log.isEnabledFor(logging.DEBUG):
             _log_choice(ctx, c, chosen, at)
         return _pick(c, chosen)
 
-    def _refuse(self, ctx: Context, c: Candidates) -> NoReturn:
-        """No candidate is left: the filter that removed the last one names the refusal."""
-        keep = np.ones(len(c.fleet), bool)
-        for f in FILTERS:
-            mask = f.mask(ctx, c)
-            if mask is not None:
-                keep &= mask
-                if not keep.any():
-                    if f.name == BUSY:
-                        raise Overloaded(f.reason(ctx), self.config.retry_after_s)
-                    raise NoEligibleWorker(f.reason(ctx))
-        raise AssertionError("filters kept a slot on the second pass")
-
     def _pinned(self, ctx: Context, c: Candidates, worker_id: int, dp_rank: int | None) -> Pick:
-        """A pinned phase skips the filters and the picker; an unpinned rank goes to the KV cost."""
+        """A pinned phase skips the filters and the picker; an unpinned rank goes to the cost."""
         state = self._workers.get(worker_id)
         if state is None:
             raise NoEligibleWorker(f"pinned {ctx.phase.value} worker {worker_id} is not registered")
@@ -496,47 +419,23 @@ class Router:
             except ValueError as exc:
                 raise NoEligibleWorker(f"pinned {exc}") from None
             ranks = ranks[dp_rank : dp_rank + 1]
-        for scorer in SCORERS:
-            scorer.score(ctx, c)
-        chosen = _PINNED_PICKER.pick(ctx, c, np.arange(ranks.start, ranks.stop))
+        self.profile.score(ctx, c)
+        chosen = self.profile.cost_picker.pick(ctx, c, np.arange(ranks.start, ranks.stop))
         pick = _pick(c, chosen)
         return Pick(pick.worker_id, pick.dp_rank, pick.overlap_blocks, pick.cost, pinned=True)
 
     # -- sticky sessions -----------------------------------------------------------------
     def _sticky(self, session: SessionControl, now: float, c: Candidates) -> Pick | None:
         """The session's bound slot, if still alive and eligible (hard filters, not load)."""
-        binding = self._sessions.get(session.session_id)
-        if binding is None:
+        slot = self.sessions.bound(session.session_id, now)
+        if slot is None:
             return None
-        if binding.expires_at <= now:
-            del self._sessions[session.session_id]
-            return None
-        wid, rank = binding.slot
+        wid, rank = slot
         state = self._workers.get(wid)
         if state is None or rank >= state.dp_size or not state.ready or state.role == Role.PREFILL:
             return None
         overlap = int(c.overlap[c.fleet.first[wid] + rank])
         return Pick(wid, rank, overlap, None, sticky=True)
-
-    def _bind(self, session: SessionControl, slot: Slot, now: float) -> None:
-        sid = session.session_id
-        if session.action == SessionAction.CLOSE:
-            self._sessions.pop(sid, None)
-            return
-        ttl = (
-            session.timeout if "timeout" in session.model_fields_set else self.config.session_ttl_s
-        )
-        self._sessions[sid] = _Binding(slot, now + ttl)
-        self._sessions.move_to_end(sid)
-        while len(self._sessions) > self.config.max_sessions:
-            self._sessions.popitem(last=False)
-
-    def session_binding(self, session_id: str) -> Slot | None:
-        """Where a sticky session is bound (None when unbound or expired)."""
-        binding = self._sessions.get(session_id)
-        if binding is None or binding.expires_at <= self._clock():
-            return None
-        return binding.slot
 
     # -- booking -------------------------------------------------------------------------
     def _book(
@@ -566,11 +465,7 @@ class Router:
             expected_output_tokens=request.expected_output_tokens,
         )
         if self.config.use_kv_events and len(prompt_keys) > (prefill or decode).overlap_blocks:
-            computing = prefill_booking or decode_booking
-            entries = self._prefilling.setdefault(computing.slot, [])
-            entries.append((computing, hashes, prompt_blocks))
-            if len(entries) > 64:  # freed bookings leave only when the slot's events come
-                entries[:] = [e for e in entries if e[0].live and e[0].prefill]
+            self._prefills.watch(prefill_booking or decode_booking, hashes, prompt_blocks)
         return RequestGuard(self.active, request.request_id, decode_booking, prefill_booking)
 
 
@@ -595,7 +490,5 @@ def _log_choice(ctx: Context, c: Candidates, chosen: int, at: np.ndarray) -> Non
 
 
 def _terms(c: Candidates, costs: np.ndarray, p: int) -> str:
-    return (
-        f"overlap={c.overlap[p]} prefill={c.prefill_blocks[p]:g} decode={c.decode_blocks[p]:g} "
-        f"cost={costs[p]:g} requests={c.requests[p]}"
-    )
+    terms = " ".join(f"{name}={column[p]:g}" for name, column in c.terms.items())
+    return f"overlap={c.overlap[p]} {terms} cost={costs[p]:g} requests={c.requests[p]}"

@@ -19,10 +19,22 @@ def _parse(*argv: str) -> argparse.Namespace:
 
 def test_flags_override_the_config_file(tmp_path):
     config = tmp_path / "router.yaml"
-    config.write_text("overlap_weight: 2.5\ntemperature: 0.3\nbusy_threshold: 0.9\n")
-    args = _parse("--config", str(config), "--temperature", "0", "--kv-events", "off")
+    config.write_text("temperature: 0.3\nbusy_threshold: 0.9\n")
+    args = _parse(
+        "--config",
+        str(config),
+        "--temperature",
+        "0",
+        "--kv-events",
+        "off",
+        "--overlap-weight",
+        "2.5",
+    )
     settings = settings_from_args(args)
-    assert settings.router.overlap_weight == 2.5
+    assert [(s.type, s.weight) for s in settings.router.scorers] == [
+        ("kv-overlap", 2.5),
+        ("load", 1.0),
+    ]
     assert settings.router.temperature == 0
     assert settings.router.busy_threshold == 0.9
     assert settings.router.use_kv_events is False and settings.kv_events is False
@@ -83,8 +95,8 @@ async def test_heap_frozen_once_started_only_when_asked():
 
 def test_bad_config_is_a_clear_error(tmp_path):
     config = tmp_path / "router.yaml"
-    config.write_text("overlap_weight: -1\n")
-    with pytest.raises(ValueError, match="overlap_weight"):
+    config.write_text("scorers: [{type: kv-overlap, weight: -1}]\n")
+    with pytest.raises(ValueError, match=r"scorers\.0\.weight"):
         settings_from_args(_parse("--config", str(config)))
 
 

@@ -68,7 +68,7 @@ async def test_killed_worker_is_removed_from_routing():
         await eventually(lambda: _held(epp, vid, hashes) > 0, within=20)
         victim.process.send_signal(signal.SIGKILL)
         await eventually(lambda: vid not in epp.router.workers(), within=20)
-        assert vid not in epp.view.workers
+        assert vid not in epp.router.workers()
         assert all(w != vid for (w, _) in epp.router.index.find_matches(hashes))
         # Routing only ever picks the survivor now, even for the victim's prefix.
         for _ in range(5):

@@ -57,7 +57,7 @@ def predicted_cached(epp, model: str) -> int:
 async def test_adapter_requests_always_go_to_the_worker_serving_it(pool):
     epp, client, a, _ = pool
     check_adapters_registered(epp, a)
-    assert epp.view.lora_by_model == {MODEL: None, "sql": "sql"}
+    assert epp.pipeline.models == {MODEL: None, "sql": "sql"}
     for i in range(6):
         body = chat_body(f"question {i}: " + PROMPT, model="sql")
         assert await routed_to(client, body) == a.config.instance_id

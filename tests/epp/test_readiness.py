@@ -9,7 +9,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from dynamograph.epp import picker as picker_module
+from dynamograph.router import pipeline as pipeline_module
 
 from .conftest import eventually, running_epp
 
@@ -28,13 +28,13 @@ async def _readiness(port: int) -> int:
 
 async def test_ready_only_once_the_workers_tokenizer_is_loaded(workers, monkeypatch):
     release = threading.Event()
-    real = picker_module.get_tokenizer
+    real = pipeline_module.get_tokenizer
 
     def slow_load(spec, **options):  # runs in the preload thread
         assert release.wait(30), "the test never released the tokenizer load"
         return real(spec, **options)
 
-    monkeypatch.setattr(picker_module, "get_tokenizer", slow_load)
+    monkeypatch.setattr(pipeline_module, "get_tokenizer", slow_load)
     try:
         async with running_epp(workers) as epp:
             for _ in range(5):  # workers known, vocabulary still loading: not ready

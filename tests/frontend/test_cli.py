@@ -85,11 +85,11 @@ def test_kv_events_flag_overrides_the_router_config_only_when_given(
     cli.add_arguments(parser)
     args = parser.parse_args(["--mode", "kv", "--router-config", str(config), *flags])
     frontend = Frontend(cli.config_from_args(args))
-    assert frontend.picker.config.use_kv_events is expected
+    assert frontend.routing.config.use_kv_events is expected
 
 
 def test_kv_events_on_by_default():
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
     frontend = Frontend(cli.config_from_args(parser.parse_args(["--mode", "kv"])))
-    assert frontend.picker.config.use_kv_events is True
+    assert frontend.routing.config.use_kv_events is True

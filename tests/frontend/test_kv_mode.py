@@ -24,7 +24,7 @@ def cached_blocks(fe, prompt: str) -> int:
     """How many of the prompt's blocks the frontend's router believes are cached somewhere."""
     from dynamograph.router.scheduler import RouteRequest
 
-    router = fe.picker.router
+    router = fe.routing.router
     tokens = get_tokenizer("qwen").encode(prompt, add_special_tokens=True)
     decision = router.schedule(
         RouteRequest("probe", block_hashes(tokens, router.block_size), len(tokens), query_only=True)
@@ -50,7 +50,7 @@ async def test_repeated_prefix_sticks_to_the_worker_that_cached_it(model, kv_eve
             assert out.usage.prompt_tokens_details.cached_tokens > 0
         assert (await served(first))["total"] == 5
         # Bookings are released when requests end: nothing stays active in the router.
-        assert fe.picker.router.active.total_requests() == 0
+        assert fe.routing.router.active.total_requests() == 0
 
 
 async def test_kv_mode_runs_the_handoff_and_honours_pins(model):
@@ -87,7 +87,7 @@ async def test_saturated_workers_shed_with_429_and_retry_after(model):
                 model=model, prompt=PROMPT, max_tokens=800, extra_body={"ignore_eos": True}
             )
         )
-        await wait_until(lambda: fe.picker.router.active.total_requests() == 1, what="booking")
+        await wait_until(lambda: fe.routing.router.active.total_requests() == 1, what="booking")
         with pytest.raises(openai.RateLimitError) as info:
             await api.completions.create(model=model, prompt="one more", max_tokens=1)
         assert info.value.response.headers["retry-after"] == "2"
@@ -96,5 +96,32 @@ async def test_saturated_workers_shed_with_429_and_retry_after(model):
         with contextlib.suppress(asyncio.CancelledError):
             await long_running
         await wait_until(
-            lambda: fe.picker.router.active.total_requests() == 0, what="the booking to be freed"
+            lambda: fe.routing.router.active.total_requests() == 0, what="the booking to be freed"
         )
+
+
+async def test_kv_mode_with_a_hugging_face_tokenizer(tmp_path):
+    """A worker publishing a Hugging Face tokenizer (`hf:<path>`) is routed in kv mode (it was a
+    500: the frontend loaded the published identity as a path)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    # A word-level vocabulary in GPT-2's byte-level form ("Ġ" is a leading space).
+    words = [a + b + c for a in "klmnop" for b in "aeiou" for c in "rstvz"]  # 150 words
+    vocab = {w: i for i, w in enumerate(["[UNK]", "<s>", "</s>", *(f"Ġ{w}" for w in words)])}
+    hf = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    hf.decoder = decoders.ByteLevel()
+    hf.add_special_tokens(["<s>", "</s>"])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    prompt = " ".join(words[i % len(words)] for i in range(80))
+    async with (
+        mock_worker(tokenizer=str(tmp_path)) as worker,
+        run_frontend(None, [worker], mode=Mode.KV) as fe,
+    ):
+        assert worker.config.tokenizer.startswith("hf:")
+        api = client(fe)
+        answer = await api.completions.create(
+            model=worker.config.served_model_name, prompt=prompt, max_tokens=2
+        )
+        assert answer.usage.prompt_tokens == 80  # one token a word: the worker's tokenizer
+    assert fe.routing.router.active.total_requests() == 0

@@ -21,7 +21,7 @@ PROMPT = "Translate each customer question into SQL over the orders and refunds 
 
 def cached_blocks(fe, lora_name: str | None) -> int:
     """Prompt blocks the frontend's router scores as cached, hashed as for `lora_name`."""
-    router = fe.picker.router
+    router = fe.routing.router
     tokens = get_tokenizer("qwen").encode(PROMPT, add_special_tokens=True)
     hashes = block_hashes(tokens, router.block_size, lora_name)
     probe = RouteRequest("probe", hashes, len(tokens), lora_name=lora_name, query_only=True)
@@ -34,7 +34,7 @@ async def test_adapter_routing_and_caching_in_kv_mode(model):
         mock_worker(name="fe-lora-none") as b,
         run_frontend(None, [a, b], mode=Mode.KV) as fe,
     ):
-        assert fe.picker.router.workers()[a.config.instance_id].lora_names == {"sql"}, (
+        assert fe.routing.router.workers()[a.config.instance_id].lora_names == {"sql"}, (
             "the router core did not register the worker's adapters: Router.add_engine must pass "
             "lora_names=config.lora_adapters to add_worker (epp/scheduler.py)"
         )
@@ -56,4 +56,4 @@ async def test_adapter_routing_and_caching_in_kv_mode(model):
         with pytest.raises(openai.NotFoundError) as err:
             await api.completions.create(model="chat", prompt="x", max_tokens=1)
         assert "served: Qwen/Qwen3-0.6B, sql" in err.value.message  # the frontend's answer
-        assert fe.picker.router.active.total_requests() == 0
+        assert fe.routing.router.active.total_requests() == 0

@@ -126,7 +126,7 @@ def test_sidecars_and_epp_point_at_the_engines():
     assert arg(epp.argv, "--kv-events") == "on"
     assert p.notes == []
     config = yaml.safe_load(p.files[arg(epp.argv, "--config")])
-    assert config["policy"] == "kv" and config["use_kv_events"] is True
+    assert config["picker"]["type"] == "kv" and config["use_kv_events"] is True
 
 
 def test_envoy_fronts_the_epp_and_is_the_base_url():
@@ -141,7 +141,7 @@ def test_envoy_fronts_the_epp_and_is_the_base_url():
         "listen_port": envoy.ports["http"],
         "admin_port": envoy.ports["admin"],
         "epp_address": f"127.0.0.1:{epp.ports['grpc']}",
-        "failure_mode_allow": True,  # the example's gateway.failureMode: FailOpen
+        "failure_mode_allow": False,  # the example's gateway.failureMode: FailClose
     }
     assert p.base_url == f"http://127.0.0.1:{envoy.ports['http']}/v1"
     assert envoy.ready.target == f"http://127.0.0.1:{envoy.ports['admin']}/ready"
@@ -214,7 +214,7 @@ def test_router_settings_reach_the_epp_flags_and_config_file():
     sidecar = next(x for x in p.processes if x.kind == "frontend")
     assert "--enforce-disagg" in sidecar.argv
     config = yaml.safe_load(p.files[arg(epp.argv, "--config")])
-    assert config["policy"] == "round-robin" and config["use_kv_events"] is False
+    assert config["picker"]["type"] == "round-robin" and config["use_kv_events"] is False
     assert config["temperature"] == 0.5 and config["enforce_disagg"] is True
     RouterConfig.model_validate(config)  # the EPP accepts the file
 
@@ -229,7 +229,7 @@ def test_approx_mode_is_kv_without_events():
     epp = next(x for x in p.processes if x.kind == "epp")
     assert arg(epp.argv, "--kv-events") == "off"
     config = yaml.safe_load(p.files[arg(epp.argv, "--config")])
-    assert config["policy"] == "kv" and config["busy_threshold"] == 0.9
+    assert config["picker"]["type"] == "kv" and config["busy_threshold"] == 0.9
 
 
 def test_standalone_frontend_service_routes_by_itself():
@@ -248,18 +248,18 @@ def test_standalone_frontend_service_routes_by_itself():
     assert any(f"http://127.0.0.1:{front.ports['http']}/v1" in n for n in p.notes)
 
 
-def test_fail_close_gateway():
+def test_fail_open_gateway():
     p = plan(
         {
             **graph_dict(w={"componentType": "worker"}),
             "spec": {
                 **graph_dict(w={"componentType": "worker"})["spec"],
-                "gateway": {"failureMode": "FailClose"},
+                "gateway": {"failureMode": "FailOpen"},
             },
         }
     )
     envoy = next(x for x in p.processes if x.kind == "envoy")
-    assert json.loads(p.files[arg(envoy.argv, "-c")])["envoy"]["failure_mode_allow"] is False
+    assert json.loads(p.files[arg(envoy.argv, "-c")])["envoy"]["failure_mode_allow"] is True
 
 
 def test_service_env_reaches_the_engine():

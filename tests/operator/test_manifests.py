@@ -184,8 +184,11 @@ def test_epp_pod_service_and_config():
 
     config = yaml.safe_load(objs["ConfigMap", "disagg-router"]["data"]["router.yaml"])
     assert config == {
-        "policy": "kv",
-        "overlap_weight": 1.0,
+        "picker": {"type": "kv"},
+        "scorers": [
+            {"type": "kv-overlap", "parameters": {}, "weight": 1.0},
+            {"type": "load", "parameters": {}, "weight": 1.0},
+        ],
         "temperature": 0.0,
         "use_kv_events": True,
         "enforce_disagg": False,
@@ -223,7 +226,7 @@ def test_inference_pool_and_route():
         "kind": "Service",
         "name": "disagg-epp",
         "port": {"number": 9002},
-        "failureMode": "FailOpen",
+        "failureMode": "FailClose",
     }
     route = objs["HTTPRoute", "disagg"]
     assert route["spec"]["parentRefs"] == [
@@ -250,7 +253,7 @@ def test_inference_pool_and_route():
 def test_no_route_without_parent_ref():
     _, objs = build("agg.yaml")
     assert ("HTTPRoute", "agg") not in objs
-    assert objs["InferencePool", "agg"]["spec"]["endpointPickerRef"]["failureMode"] == "FailOpen"
+    assert objs["InferencePool", "agg"]["spec"]["endpointPickerRef"]["failureMode"] == "FailClose"
     worker = objs["Deployment", "agg-worker"]
     assert worker["spec"]["replicas"] == 4
     assert args_of(container(worker, "engine"))["--role"] == "aggregated"
@@ -354,7 +357,7 @@ def test_router_config_is_what_the_epp_loads(router, policy, events):
     _, objs = build("disagg.yaml", mutate)
     data = yaml.safe_load(objs["ConfigMap", "disagg-router"]["data"]["router.yaml"])
     loaded = RouterConfig.model_validate(data)
-    assert (str(loaded.policy), loaded.use_kv_events) == (policy, events)
+    assert (loaded.picker.type, loaded.use_kv_events) == (policy, events)
     for key, value in router.get("config", {}).items():
         assert getattr(loaded, key) == value
     epp = container(objs["Deployment", "disagg-epp"], "epp")

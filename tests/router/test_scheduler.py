@@ -13,8 +13,7 @@ from dynamograph.protocol.headers import parse_routing_headers
 from dynamograph.protocol.kv_events import AllBlocksCleared, BlockStored, EventBatch
 from dynamograph.protocol.nvext import NvExt, SessionControl
 from dynamograph.protocol.pins import RoutePins
-from dynamograph.protocol.router_config import Policy, RouterConfig
-from dynamograph.router.plugins import kv_cost
+from dynamograph.protocol.router_config import PluginRef, RouterConfig, ScorerRef, dynamo_scorers
 from dynamograph.router.scheduler import (
     NoEligibleWorker,
     Overloaded,
@@ -84,7 +83,7 @@ def test_engine_storing_the_prompt_settles_its_pending_prefill():
     assert router.active.load(slot).prefill_blocks == 0 and d.guard.prefill_done
     assert router.active.load(slot).decode_blocks == 11  # still decoding: blocks held
     d.guard.free()
-    assert router.active.loads() == {} and router._prefilling == {}
+    assert router.active.loads() == {} and not router._prefills.waiting_on(slot)
 
 
 def test_requests_sharing_a_prefix_load_the_worker_once():
@@ -117,7 +116,7 @@ def test_prefers_the_worker_holding_the_prefix():
     d = router.schedule(request(prompt))
     assert (d.decode.worker_id, d.decode.overlap_blocks) == (2, 12)
     # cost = overlap_weight · prefill + decode: 4 uncached blocks + 16 prompt blocks
-    assert d.decode.cost == kv_cost(4, 16, 1.0) == 20
+    assert d.decode.cost == 1.0 * 4 + 16
 
 
 def test_load_outweighs_a_small_overlap():
@@ -127,7 +126,7 @@ def test_load_outweighs_a_small_overlap():
     router.active.book((1, 0), prompt_blocks=30, prefill_blocks=0)  # but it is busy
     assert router.schedule(request(prompt)).decode.worker_id == 2
     # with no weight on prefill, only the decode load counts
-    router2 = make_router(workers=(1, 2), overlap_weight=0.0)
+    router2 = make_router(workers=(1, 2), scorers=dynamo_scorers(0.0))
     cache(router2, 2, prompt)
     router2.active.book((2, 0), prompt_blocks=1, prefill_blocks=0)
     assert router2.schedule(request(prompt)).decode.worker_id == 1
@@ -247,7 +246,7 @@ def test_query_only_books_and_records_nothing():
     assert d.guard is None
     assert router.active.loads() == {}
     assert router.index.total_blocks() == 0
-    assert router.session_binding("s1") is None
+    assert router.sessions.binding("s1") is None
 
 
 def test_approximate_mode_records_routed_blocks_for_a_ttl():
@@ -328,7 +327,7 @@ def test_sticky_session_binds_refreshes_and_closes():
     open_ = SessionControl(session_id="chat", action="open", timeout=60)
     first = router.schedule(request(tokens(16), session=open_))
     bound = (first.decode.worker_id, 0)
-    assert router.session_binding("chat") == bound
+    assert router.sessions.binding("chat") == bound
     other = next(w for w in (1, 2, 3) if w != bound[0])
     cache(router, other, tokens(64))  # a much better KV match elsewhere
     follow = SessionControl(session_id="chat", timeout=60)
@@ -337,10 +336,10 @@ def test_sticky_session_binds_refreshes_and_closes():
     clock.now += 50
     router.schedule(request(tokens(64), session=follow))  # refreshes the timeout
     clock.now += 50
-    assert router.session_binding("chat") == bound
+    assert router.sessions.binding("chat") == bound
     close = SessionControl(session_id="chat", action="close")
     assert router.schedule(request(tokens(64), session=close)).decode.worker_id == bound[0]
-    assert router.session_binding("chat") is None
+    assert router.sessions.binding("chat") is None
     assert router.schedule(request(tokens(64))).decode.worker_id == other
 
 
@@ -350,12 +349,12 @@ def test_sticky_session_expires_and_rebinds_when_worker_goes():
     s = SessionControl(session_id="a")  # no timeout given: the router's default applies
     bound = router.schedule(request(tokens(16), session=s)).decode.worker_id
     clock.now += 31
-    assert router.session_binding("a") is None
+    assert router.sessions.binding("a") is None
     bound = router.schedule(request(tokens(16), session=s)).decode.worker_id
     router.remove_worker(bound)
     moved = router.schedule(request(tokens(16), session=s))
     assert moved.decode.worker_id != bound and not moved.decode.sticky
-    assert router.session_binding("a") == (moved.decode.worker_id, 0)
+    assert router.sessions.binding("a") == (moved.decode.worker_id, 0)
 
 
 def test_explicit_pin_disables_stickiness_for_that_phase():
@@ -365,7 +364,7 @@ def test_explicit_pin_disables_stickiness_for_that_phase():
     other = next(w for w in (1, 2, 3) if w != bound)
     d = router.schedule(request(tokens(16), session=s, pins=RoutePins(worker_id=other)))
     assert d.decode.worker_id == other and d.decode.pinned and not d.decode.sticky
-    assert router.session_binding("p") == (bound, 0)  # the pin did not rebind
+    assert router.sessions.binding("p") == (bound, 0)  # the pin did not rebind
 
 
 # -- filters and backpressure ----------------------------------------------------------------
@@ -417,11 +416,11 @@ def test_lora_blocks_match_only_requests_for_that_adapter():
 
 
 def test_round_robin_random_and_least_loaded_policies():
-    rr = make_router(policy=Policy.ROUND_ROBIN)
+    rr = make_router(picker=PluginRef(type="round-robin"))
     assert [rr.schedule(request(tokens(8))).decode.worker_id for _ in range(6)] == [1, 2, 3] * 2
-    rnd = make_router(policy=Policy.RANDOM)
+    rnd = make_router(picker=PluginRef(type="random"))
     assert {rnd.schedule(request(tokens(8))).decode.worker_id for _ in range(60)} == {1, 2, 3}
-    ll = make_router(policy=Policy.LEAST_LOADED)
+    ll = make_router(picker=PluginRef(type="least-loaded"))
     cache(ll, 1, tokens(64))  # ignored by this policy
     guards = [ll.schedule(request(tokens(64), rid=str(i))).guard for i in range(6)]
     assert Counter(g._decode.slot[0] for g in guards) == {1: 2, 2: 2, 3: 2}
@@ -502,15 +501,17 @@ def test_worker_table_rules():
 
 def test_router_config_from_yaml_with_overrides(tmp_path):
     path = tmp_path / "router.yaml"
-    path.write_text("overlap_weight: 2.5\ntemperature: 0.3\npolicy: least-loaded\n")
-    config = RouterConfig.load(path, temperature=0.0, enforce_disagg=None)
-    assert (config.overlap_weight, config.temperature, config.policy) == (
-        2.5,
-        0.0,
-        Policy.LEAST_LOADED,
+    path.write_text(
+        "scorers: [{type: kv-overlap, weight: 2.5}]\ntemperature: 0.3\npicker: {type: least-loaded}\n"
     )
-    path.write_text("overlap_wieght: 2\n")
-    with pytest.raises(ValueError, match="overlap_wieght: unknown field"):
+    config = RouterConfig.load(path, temperature=0.0, enforce_disagg=None)
+    assert (config.scorers, config.temperature, config.picker.type) == (
+        [ScorerRef(type="kv-overlap", weight=2.5)],
+        0.0,
+        "least-loaded",
+    )
+    path.write_text("weights: {kv-overlap: 2}\n")
+    with pytest.raises(ValueError, match="weights: unknown field"):
         RouterConfig.load(path)
     with pytest.raises(ValueError, match="busy_threshold"):
         RouterConfig.load(None, busy_threshold=1.5)

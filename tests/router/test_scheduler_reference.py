@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from dynamograph.protocol.engine import Role
 from dynamograph.protocol.hashing import block_hash_array
 from dynamograph.protocol.kv_events import BlockStored, EventBatch
-from dynamograph.protocol.router_config import Policy, RouterConfig
+from dynamograph.protocol.router_config import PluginRef, RouterConfig, dynamo_scorers
 from dynamograph.router.index import chain_keys
 from dynamograph.router.scheduler import NoEligibleWorker, Overloaded, Router, RouteRequest
 
@@ -82,14 +82,14 @@ def reference(router: Router, request: RouteRequest, rng: random.Random):
             decode = (
                 load.decode_blocks + prompt_blocks - held + (output if phase != "prefill" else 0)
             )
-            weight = 0.0 if phase == "decode" else config.overlap_weight
+            weight = 0.0 if phase == "decode" else config.scorers[0].weight
             cost = weight * prefill + decode
             rows.append((slot, overlap, cost, load.decode_blocks, load.requests))
-        if config.policy == Policy.LEAST_LOADED:
+        if config.picker.type == "least-loaded":
             best = min((r[4], r[3]) for r in rows)
             tied = [r for r in rows if (r[4], r[3]) == best]
             chosen = tied[0] if len(tied) == 1 else rng.choice(tied)
-            return chosen[0], chosen[1], 0.0
+            return chosen[0], chosen[1], chosen[2]
         if config.temperature <= 0 or len(rows) == 1:
             best = min((r[2], r[3], r[4]) for r in rows)
             tied = [r for r in rows if (r[2], r[3], r[4]) == best]
@@ -175,7 +175,7 @@ def _add_worker(router: Router, wid: int, w: dict) -> None:
         min_size=1,
         max_size=6,
     ),
-    policy=st.sampled_from([Policy.KV] * 4 + [Policy.LEAST_LOADED]),
+    policy=st.sampled_from(["kv"] * 4 + ["least-loaded"]),
     temperature=st.sampled_from([0.0, 0.0, 0.5]),
     overlap_weight=st.sampled_from([0.0, 1.0, 1.0, 4.0, 0.5]),
     busy=st.none() | st.sampled_from([0.3, 0.9]),
@@ -186,9 +186,9 @@ def test_decisions_equal_the_per_slot_reference(
     workers, stores, booked, requests, policy, temperature, overlap_weight, busy, track_output, seed
 ):
     config = RouterConfig(
-        policy=policy,
+        picker=PluginRef(type=policy),
         temperature=temperature,
-        overlap_weight=overlap_weight,
+        scorers=dynamo_scorers(overlap_weight),
         busy_threshold=busy,
         track_output_blocks=track_output,
         seed=seed,
@@ -296,7 +296,7 @@ def test_a_tie_goes_to_the_least_booked_load_before_the_fewest_requests():
     """Equal cost from different terms (a slot whose live requests hold part of the prompt
     has more booked load yet the same cost): the less booked load wins, even with more
     requests — as in the reference and Dynamo's order of tie-breaks."""
-    router = Router(RouterConfig(overlap_weight=0.0, seed=1), clock=lambda: 1000.0)
+    router = Router(RouterConfig(scorers=dynamo_scorers(0.0), seed=1), clock=lambda: 1000.0)
     for wid in (1, 2):
         router.add_worker(wid, block_size=BS, total_blocks=1000)
     shared = family_tokens(0, 4)
@@ -342,6 +342,6 @@ def test_debug_log_names_the_choice_and_the_cheapest_others(caplog):
     assert decision.decode.worker_id == 2
     (record,) = [r for r in caplog.records if "pick" in r.getMessage()]
     message = record.getMessage()
-    assert message.startswith("aggregated pick (2, 0) of 6 blocks: overlap=6 prefill=0 decode=6")
-    assert "cost=6 requests=0; next: (1, 0) overlap=0 prefill=6 decode=6 cost=12" in message
+    assert message.startswith("aggregated pick (2, 0) of 6 blocks: overlap=6 kv-overlap=0 load=6")
+    assert "cost=6 requests=0; next: (1, 0) overlap=0 kv-overlap=6 load=6 cost=12" in message
     assert "(3, 0) overlap=0" in message

@@ -39,7 +39,7 @@ class Route:
     booking: Booking | None = None
 
 
-class Picker(Protocol):
+class RoutingMode(Protocol):
     mode: Mode
 
     async def pick(self, pins: Pins, nvext: NvExt | None, path: str, body: dict[str, Any]) -> Route:
@@ -61,7 +61,7 @@ def pinned_route(directory: WorkerDirectory, pins: Pins) -> Route:
     return route
 
 
-class DirectPicker:
+class DirectMode:
     """The endpoint picker decided: forward where the headers say, refuse what names nobody."""
 
     mode = Mode.DIRECT
@@ -81,7 +81,7 @@ class DirectPicker:
         pass
 
 
-class RoundRobinPicker:
+class RoundRobinMode:
     """Cycles through every (worker, DP rank) of the graph; disaggregated when prefill
     workers exist, aggregated otherwise (unless `enforce_disagg`)."""
 

@@ -1,0 +1,27 @@
+"""The router core's refusals: exceptions carrying the HTTP status a caller answers with."""
+
+
+class RoutingError(Exception):
+    """Base of the router's refusals; `status` is the HTTP status to answer with."""
+
+    status = 500
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class NoEligibleWorker(RoutingError):
+    """No worker can take the request (503); `reason` says why, for the error body."""
+
+    status = 503
+
+
+class Overloaded(RoutingError):
+    """Every eligible worker is saturated (429); retry after `retry_after_s` seconds."""
+
+    status = 429
+
+    def __init__(self, reason: str, retry_after_s: float) -> None:
+        super().__init__(reason)
+        self.retry_after_s = retry_after_s

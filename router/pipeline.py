@@ -1,0 +1,137 @@
+"""The one request pipeline: an OpenAI HTTP request → a `RouteRequest` → the router's `Decision`.
+
+Both callers of the router core go through here, so a request is routed the same way behind the
+gateway (the EPP, `epp.picker`) and without one (the frontend's `kv` mode):
+1. the `model` names the base model or a LoRA adapter some worker serves (404 otherwise);
+2. the prompt is tokenized with the tokenizer the workers serving that model publish at
+   `/v1/engine` (`protocol.tokenization`), chat requests through their template;
+3. its full KV blocks are hashed with the pool's block size, under the adapter's name
+   (`protocol.hashing`);
+4. the router schedules it with the request's pins, sticky session, expected output length and
+   the caller's endpoint subset; refusals become `OpenAIError`s (503, or 429 with Retry-After).
+
+The catalog of models and tokenizers is fed by the same worker add/remove calls as the router.
+"""
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from dynamograph.protocol.engine import EngineConfig, lora_for_model, served_models
+from dynamograph.protocol.hashing import block_hash_array
+from dynamograph.protocol.nvext import NvExt
+from dynamograph.protocol.openai import OpenAIError, require_model
+from dynamograph.protocol.pins import RoutePins
+from dynamograph.protocol.tokenization import Tokenizer, get_tokenizer, request_tokens
+
+from .errors import Overloaded, RoutingError
+from .scheduler import Decision, Router, RouteRequest
+
+
+@dataclass(slots=True)
+class Routed:
+    """A decision and what the caller reports about it."""
+
+    decision: Decision
+    prompt_tokens: int
+    predicted_cached_tokens: int  # prompt tokens the index says the chosen worker holds
+
+
+class RequestPipeline:
+    """Turns OpenAI requests into routing decisions for one router (see the module docstring)."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self._configs: dict[int, EngineConfig] = {}
+        self._lora_by_model: dict[str, str | None] = {}  # served name → None, adapter → itself
+        self._tokenizer_by_model: dict[str, str] = {}
+
+    # -- the workers ---------------------------------------------------------------------
+    def add_engine(self, config: EngineConfig) -> bool:
+        """Register a worker with the router and the catalog; False when the router refuses it
+        (then it stays out of routing)."""
+        if not self.router.add_engine(config):
+            return False
+        self._configs[config.instance_id] = config
+        self._reindex()
+        return True
+
+    def remove_engine(self, instance_id: int) -> None:
+        if self._configs.pop(instance_id, None) is not None:
+            self._reindex()
+        self.router.remove_worker(instance_id)
+
+    def _reindex(self) -> None:
+        configs = self._configs.values()
+        self._lora_by_model = served_models(configs)
+        self._tokenizer_by_model = {
+            model: config.tokenizer for config in configs for model in served_models([config])
+        }
+
+    @property
+    def models(self) -> dict[str, str | None]:
+        """The `model` names the registered workers serve: None for a base model, the adapter's
+        name for a LoRA adapter."""
+        return dict(self._lora_by_model)
+
+    @staticmethod
+    def load_tokenizer(identity: str) -> Tokenizer:
+        """The tokenizer a worker publishes, fast (a router encodes every prompt). The first
+        call loads it: make that call off the event loop when a worker appears."""
+        return get_tokenizer(identity, fast=True)
+
+    # -- a request -----------------------------------------------------------------------
+    def route_request(
+        self,
+        path: str,
+        body: Mapping[str, Any],
+        *,
+        request_id: str,
+        nvext: NvExt | None = None,
+        pins: RoutePins | None = None,
+        allowed_ids: frozenset[int] | None = None,
+    ) -> RouteRequest:
+        """What the router needs to know about an OpenAI request (OpenAIError when it can't)."""
+        block_size = self.router.block_size
+        if block_size is None:
+            raise OpenAIError(503, "no workers are registered yet; they are still being discovered")
+        model = require_model(body)
+        lora_name = lora_for_model(model, self._lora_by_model)  # 404 when nobody serves it
+        tokenizer = self.load_tokenizer(self._tokenizer_by_model[model])
+        tokens = request_tokens(tokenizer, path, body)
+        hints = nvext.agent_hints if nvext is not None else None
+        return RouteRequest(
+            request_id=request_id,
+            block_hashes=block_hash_array(tokens, block_size, lora_name),
+            isl_tokens=len(tokens),
+            lora_name=lora_name,
+            pins=pins if pins is not None else RoutePins.from_nvext(nvext),
+            session=nvext.session_control if nvext is not None else None,
+            allowed_ids=allowed_ids,
+            expected_output_tokens=hints.osl if hints is not None else None,
+        )
+
+    def decide(
+        self,
+        path: str,
+        body: Mapping[str, Any],
+        *,
+        request_id: str,
+        nvext: NvExt | None = None,
+        pins: RoutePins | None = None,
+        allowed_ids: frozenset[int] | None = None,
+    ) -> Routed:
+        """Route one request and book it (its `decision.guard` frees the booking)."""
+        request = self.route_request(
+            path, body, request_id=request_id, nvext=nvext, pins=pins, allowed_ids=allowed_ids
+        )
+        try:
+            decision = self.router.schedule(request)
+        except Overloaded as exc:
+            message = f"{exc.reason}; retry after {exc.retry_after_s:g} s"
+            raise OpenAIError(429, message, retry_after_s=exc.retry_after_s) from None
+        except RoutingError as exc:
+            raise OpenAIError(exc.status, exc.reason) from None
+        first_leg = decision.prefill or decision.decode
+        cached = first_leg.overlap_blocks * self.router.block_size  # type: ignore[operator]
+        return Routed(decision, request.isl_tokens, min(cached, request.isl_tokens))

@@ -1,0 +1,83 @@
+"""Built-in pickers: `kv` (Dynamo's choice by cost) and the cost-blind baselines."""
+
+import math
+import random
+from collections.abc import Sequence
+
+import numpy as np
+
+from .. import kernels
+from ..fleet import Candidates
+from .base import Context, Phase, Picker, register
+
+
+def least(ctx: Context, at: np.ndarray, k1: np.ndarray, k2: np.ndarray, k3: np.ndarray) -> int:
+    """The position in `at` with the smallest (k1, k2, k3), compared like a tuple; ties at
+    random, among them in fleet order (one compiled pass: `kernels.least_of`)."""
+    if len(at) == 1:
+        return int(at[0])
+    tied = np.empty(len(at), np.int64)
+    n = kernels.least_of(at, k1, k2, k3, tied)
+    if n == 1:
+        return int(tied[0])
+    return int(tied[ctx.rng.choice(range(n))])  # the draw `rng.choice(list)` would make
+
+
+@register
+class CostPicker(Picker):
+    """Dynamo's selection over the scorers' summed cost: temperature 0 = argmin (ties go to
+    the least booked decode load, then fewest requests, then random); T > 0 = softmax
+    sampling over normalised costs."""
+
+    name = "kv"
+
+    def pick(self, ctx: Context, c: Candidates, at: np.ndarray) -> int:
+        assert c.cost is not None  # the router scores before it picks
+        temperature = ctx.config.temperature
+        if temperature <= 0 or len(at) == 1:
+            return least(ctx, at, c.cost, c.booked_decode, c.requests)
+        return int(at[softmax_sample(c.cost[at].tolist(), temperature, ctx.rng)])
+
+
+def softmax_sample(costs: Sequence[float], temperature: float, rng: random.Random) -> int:
+    """Index drawn with probability ∝ exp(-normalised cost / T); costs normalised to [0, 1]."""
+    lo, hi = min(costs), max(costs)
+    if hi == lo:
+        return rng.randrange(len(costs))
+    weights = [math.exp(-((c - lo) / (hi - lo)) / temperature) for c in costs]
+    return rng.choices(range(len(costs)), weights=weights)[0]
+
+
+@register
+class RoundRobinPicker(Picker):
+    """Each phase cycles through the eligible slots in (worker id, rank) order."""
+
+    name = "round-robin"
+
+    def __init__(self, parameters=None) -> None:
+        super().__init__(parameters)
+        self._next: dict[Phase, int] = {}
+
+    def pick(self, ctx: Context, c: Candidates, at: np.ndarray) -> int:
+        ordered = sorted(at.tolist(), key=c.fleet.slots.__getitem__)
+        i = self._next.get(ctx.phase, 0)
+        self._next[ctx.phase] = i + 1
+        return ordered[i % len(ordered)]
+
+
+@register
+class RandomPicker(Picker):
+    name = "random"
+
+    def pick(self, ctx: Context, c: Candidates, at: np.ndarray) -> int:
+        return int(at[ctx.rng.choice(range(len(at)))])
+
+
+@register
+class LeastLoadedPicker(Picker):
+    """Fewest booked requests (then booked blocks, then random); ignores the KV cache."""
+
+    name = "least-loaded"
+
+    def pick(self, ctx: Context, c: Candidates, at: np.ndarray) -> int:
+        return least(ctx, at, c.requests.astype(np.float64), c.booked_decode, c.requests)

@@ -1,0 +1,141 @@
+"""The EPP and the frontend's kv mode route through one request pipeline: for the same requests
+and the same router state they make the same decisions (worker, rank, prefill leg, cache)."""
+
+import orjson
+import pytest
+
+from dynamograph.epp.picker import EndpointView, KvEndpointPicker
+from dynamograph.frontend.directory import WorkerDirectory
+from dynamograph.frontend.kv_mode import KvMode
+from dynamograph.frontend.routing import NO_PINS
+from dynamograph.protocol.engine import EngineConfig, Role
+from dynamograph.protocol.kv_events import BlockStored, EventBatch
+from dynamograph.protocol.nvext import parse_nvext
+from dynamograph.protocol.router_config import RouterConfig
+from dynamograph.protocol.tokenization import get_tokenizer, request_tokens
+from dynamograph.router.discovery import Discovery, StaticSource, WorkerRecord
+from dynamograph.router.pipeline import RequestPipeline
+from dynamograph.router.scheduler import Router
+
+pytestmark = pytest.mark.unit
+
+MODEL = "qwen"
+BS = 16
+
+
+def record(i: int, role: Role = Role.AGGREGATED, adapters: dict[int, str] | None = None):
+    config = EngineConfig(
+        model="Qwen/Qwen3-0.6B",
+        served_model_name=MODEL,
+        context_length=32768,
+        kv_cache_block_size=BS,
+        total_kv_blocks=4096,
+        max_num_seqs=64,
+        max_num_batched_tokens=8192,
+        instance_id=1000 + i,
+        name=f"w{i}",
+        role=role,
+        data_parallel_size=2 if i == 2 else 1,
+        tokenizer="qwen",
+        lora_adapters=adapters or {},
+    )
+    endpoint = None if role == Role.PREFILL else f"127.0.0.{i + 1}:8080"
+    return WorkerRecord(config.name, config.instance_id, f"http://w{i}", endpoint, config)
+
+
+RECORDS = [
+    record(0),
+    record(1, adapters={1: "sql"}),
+    record(2),
+    record(3, Role.PREFILL, adapters={1: "sql"}),
+    record(4, Role.PREFILL),
+]
+
+CHAT = [
+    {"role": "system", "content": "You are a careful assistant. " * 20},
+    {"role": "user", "content": "Summarise the design of a KV-aware router."},
+]
+REQUESTS = [
+    ("/v1/chat/completions", {"model": MODEL, "messages": CHAT}),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [*CHAT, CHAT[1]]}),
+    ("/v1/completions", {"model": MODEL, "prompt": "The quick brown fox " * 40}),
+    ("/v1/completions", {"model": "sql", "prompt": "SELECT * FROM t WHERE x = 1; " * 30}),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": CHAT, "nvext": {"agent_hints": {"osl": 500}}},
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": CHAT, "nvext": {"session_control": {"session_id": "s"}}},
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": CHAT, "nvext": {"session_control": {"session_id": "s"}}},
+    ),
+    ("/v1/completions", {"model": MODEL, "prompt": "A" * 700, "nvext": {"dp_rank": 1}}),
+] * 3
+
+
+def store(router, worker_id: int, path: str, body: dict) -> None:
+    """The worker reports the request's full blocks as stored (as its KV events would)."""
+    tokens = request_tokens(get_tokenizer("qwen"), path, body)
+    full = len(tokens) // BS * BS
+    engine = [hash((worker_id, i)) & (2**63 - 1) for i in range(full // BS)]
+    batch = EventBatch(0.0, [BlockStored(engine, None, tokens[:full], BS, None)])
+    assert router.apply_kv_batch(worker_id, 0, batch) is None
+
+
+async def test_the_epp_and_the_frontend_kv_mode_decide_alike():
+    config = RouterConfig(seed=11, temperature=0.5)  # sampling: the random draws must match too
+    # the EPP's side, wired as `epp.server.Epp` wires it
+    view = EndpointView()
+    epp = KvEndpointPicker(RequestPipeline(Router(config)), view)
+    # the frontend's kv mode, over a directory that knows the same workers
+    discovery = Discovery(StaticSource([]))
+    discovery.records.update({r.instance_id: r for r in RECORDS})
+    frontend = KvMode(
+        WorkerDirectory(None, discovery), enforce_disagg=False, kv_events=True, config=config
+    )
+    assert frontend.config == config
+    for r in RECORDS:
+        assert epp.pipeline.add_engine(r.config) and frontend.pipeline.add_engine(r.config)
+        view.added(r)
+    for router in (epp.pipeline.router, frontend.pipeline.router):
+        store(router, 1000, *REQUESTS[0])
+        store(router, 1002, *REQUESTS[2])
+
+    seen: dict[str, list] = {"epp": [], "frontend": []}
+    held = []
+    for n, (path, body) in enumerate(REQUESTS):
+        route = epp.pick(path, {"x-request-id": f"r{n}"}, orjson.dumps(body), None)
+        h = route.headers
+        seen["epp"].append(
+            (
+                int(h["x-worker-instance-id"]),
+                int(h["x-dp-rank"]),
+                h.get("x-prefill-instance-id"),
+                h.get("x-prefill-dp-rank"),
+            )
+        )
+        chosen = await frontend.pick(NO_PINS, parse_nvext(body.get("nvext")), path, body)
+        prefill = chosen.prefill_target
+        seen["frontend"].append(
+            (
+                chosen.decode_target.worker_id,
+                chosen.decode_target.dp_rank or 0,
+                str(prefill.worker_id) if prefill else None,
+                str(prefill.dp_rank or 0) if prefill else None,
+            )
+        )
+        held.append((route.guard, chosen.booking))
+        if n % 3 == 2:  # some requests end, others stay booked: the load differs per worker
+            for guard in held.pop(0):
+                guard.free()
+    assert seen["epp"] == seen["frontend"]
+    assert len({d[0] for d in seen["epp"]}) > 1  # the requests did not all go one way
+    assert {d[2] for d in seen["epp"]} >= {"1003", "1004"}  # disaggregated: both prefill workers
+    for guards in held:
+        for guard in guards:
+            guard.free()
+    assert epp.pipeline.router.active.total_requests() == 0
+    assert frontend.pipeline.router.active.total_requests() == 0
