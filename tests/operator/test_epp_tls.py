@@ -66,7 +66,7 @@ def test_default_is_self_signed_tls_like_gaie():
         "kind": "Service",
         "name": "disagg-epp",
         "port": {"number": 9002},
-        "failureMode": "FailOpen",
+        "failureMode": "FailClose",
     }
     kubernetes_validate.validate(deployment, K8S_VERSION, strict=True)
 
