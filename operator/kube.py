@@ -5,6 +5,14 @@ and delete the owned objects, and patch the graph's status. It knows only the ki
 in RESOURCES. Credentials come from `login`, the same function kopf's login handler calls, so
 kopf and this client act as one identity; they are re-read once on a 401 (rotated service
 account tokens, expired exec-plugin tokens).
+
+One Kubernetes client stack for the operator process: kopf's. kopf talks to the API with
+aiohttp and a `kopf.ConnectionInfo`; this client is the same transport with the same
+ConnectionInfo, so there is one HTTP stack and one identity, and owned objects stay plain JSON
+dicts (what the pure modules build and compare). The official `kubernetes` package is a library
+here, never an API client: kopf's `login_via_client` uses its kubeconfig loader (exec plugins,
+auth providers) and `manifests` reads PodSpec's field names from its model. `kubernetes_asyncio`
+is not used by the operator (it is the EPP's and frontend's pod discovery client).
 """
 
 import asyncio
@@ -62,28 +70,18 @@ def matches_selector(obj: dict[str, Any], selector: dict[str, str]) -> bool:
     return all(labels.get(k) == v for k, v in selector.items())
 
 
-def default_login(settings: kopf.OperatorSettings) -> kopf.ConnectionInfo:
-    """kopf's own minimal login: the pod's service account, else $KUBECONFIG / ~/.kube/config
-    (tokens, basic auth and client certificates only: no exec plugins, no auth providers)."""
-    info = kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(
-        settings=settings
-    )
-    if info is None:
-        raise kopf.LoginError("no service account token and no kubeconfig found")
-    return info
-
-
 def login(settings: kopf.OperatorSettings) -> kopf.ConnectionInfo:
     """The operator's credentials, for kopf and `KubeApi` alike.
 
-    With the official `kubernetes` client importable (a runtime dependency), kopf's
-    `login_via_client` lets the client's loader read them: in-cluster service account, else
-    the kubeconfig, including `exec` credential plugins (EKS, GKE, OIDC helpers) and auth
-    providers. Without it, kopf's minimal readers (`default_login`). Blocking: an exec plugin
-    is a subprocess, so async callers run this in a thread.
+    kopf's `login_via_client` lets the official `kubernetes` package's loader read them:
+    in-cluster service account, else the kubeconfig, including `exec` credential plugins (EKS,
+    GKE, OIDC helpers) and auth providers. Blocking: an exec plugin is a subprocess, so async
+    callers run this in a thread.
     """
-    info = kopf.login_via_client(settings=settings, logger=log)  # None: no kubernetes package
-    return info if info is not None else default_login(settings)
+    info = kopf.login_via_client(settings=settings, logger=log)
+    if info is None:  # kopf returns None only when `kubernetes` cannot be imported
+        raise kopf.LoginError("the kubernetes package (a dependency of dynamograph) is missing")
+    return info
 
 
 def _ssl_context(info: kopf.ConnectionInfo) -> ssl.SSLContext | bool:
