@@ -24,7 +24,6 @@ from pathlib import Path
 
 import yaml
 
-from dynamograph.operator.manifests import router_config
 from dynamograph.protocol.engine import Role
 from dynamograph.protocol.graph import (
     ComponentType,
@@ -33,7 +32,7 @@ from dynamograph.protocol.graph import (
     RouterSpec,
     ServiceSpec,
 )
-from dynamograph.protocol.launch import graph_router, uses_kv_events, worker_args
+from dynamograph.protocol.launch import graph_router, router_config, uses_kv_events, worker_args
 
 from .spec import HOST, STAGE_ENGINES, STAGE_GATEWAY, STAGE_ROUTERS, Plan, Probe, ProcessSpec
 

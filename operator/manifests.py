@@ -31,7 +31,6 @@ from dynamograph.protocol.graph import (
     EppTlsMode,
     EppTlsSpec,
     GraphError,
-    RouterMode,
     RouterSpec,
     ServiceSpec,
 )
@@ -44,10 +43,11 @@ from dynamograph.protocol.launch import (
     KV_EVENTS_PORT,
     graph_router,
     kv_replay_port,
+    router_config,
     uses_kv_events,
     worker_args,
 )
-from dynamograph.protocol.router_config import RouterConfig, dynamo_scorers
+from dynamograph.protocol.router_config import RouterConfig
 
 from .config import OperatorConfig
 
@@ -290,25 +290,6 @@ def _tls_args(tls: EppTlsSpec) -> list[str]:
     # The kubelet swaps a changed Secret into the volume; the EPP takes it up for new
     # connections (cert-manager renewals need no restart).
     return ["--secure-serving=true", "--cert-path", EPP_TLS_DIR, "--enable-cert-reload=true"]
-
-
-def router_config(router: RouterSpec) -> dict[str, Any]:
-    """The EPP's `--config` file: the router core's RouterConfig fields (protocol/router_config.py).
-
-    `router.config` entries are passed through verbatim (e.g. approx_ttl_s, session_ttl_s); the
-    EPP refuses unknown ones at start-up, which its pod's logs and readiness will show.
-    """
-    config: dict[str, Any] = {
-        "picker": {"type": "kv" if router.mode == RouterMode.APPROX else str(router.mode)},
-        "scorers": [ref.model_dump() for ref in dynamo_scorers(router.overlap_weight)],
-        "temperature": router.temperature,
-        "use_kv_events": uses_kv_events(router),
-        "enforce_disagg": router.enforce_disagg,
-    }
-    if router.busy_threshold is not None:
-        config["busy_threshold"] = router.busy_threshold
-    config.update(router.config)
-    return config
 
 
 def router_config_errors(router: RouterSpec, path: str) -> list[tuple[str, str]]:

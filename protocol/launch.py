@@ -6,11 +6,15 @@ the two launchers: the operator puts these command lines and files into pod spec
 One mapping, so a graph behaves the same in both places (docs/contracts.md):
 
 - `worker_args`: the `dynamograph worker` command line of an engine service;
-- `graph_router`: the routing policy of a graph (its epp service's `router`, else defaults),
-  and `uses_kv_events`: whether that policy indexes the engines' KV events.
+- `graph_router`: the routing policy of a graph (its epp service's `router`, else defaults);
+- `router_config`: the router's `--config` file (a RouterConfig) from that policy, and
+  `uses_kv_events`: whether the policy indexes the engines' KV events.
 """
 
+from typing import Any
+
 from .graph import ComponentType, DynamoGraph, RouterMode, RouterSpec, ServiceSpec
+from .router_config import dynamo_scorers
 
 # Contract ports (docs/contracts.md).
 HTTP_PORT = 8080  # frontend; the InferencePool targetPort
@@ -87,3 +91,23 @@ def graph_router(graph: DynamoGraph) -> RouterSpec:
 def uses_kv_events(router: RouterSpec) -> bool:
     """`approx` is KV routing without KV events: routed prefixes count as cached for a while."""
     return router.kv_events and router.mode != RouterMode.APPROX
+
+
+def router_config(router: RouterSpec) -> dict[str, Any]:
+    """The EPP's `--config` file: the router core's RouterConfig fields (protocol/router_config.py).
+
+    `router.config` entries are passed through verbatim (e.g. approx_ttl_s, session_ttl_s). The
+    operator checks the result against RouterConfig when a graph is applied; the EPP checks it
+    again at start-up.
+    """
+    config: dict[str, Any] = {
+        "picker": {"type": "kv" if router.mode == RouterMode.APPROX else str(router.mode)},
+        "scorers": [ref.model_dump() for ref in dynamo_scorers(router.overlap_weight)],
+        "temperature": router.temperature,
+        "use_kv_events": uses_kv_events(router),
+        "enforce_disagg": router.enforce_disagg,
+    }
+    if router.busy_threshold is not None:
+        config["busy_threshold"] = router.busy_threshold
+    config.update(router.config)
+    return config
