@@ -112,11 +112,16 @@ def plan_graph(
 
     listen, admin = take_port(1), take_port(1)
     config_path = run_dir / "envoy.json"
+    fail_open = spec.gateway.failure_mode == FailureMode.FAIL_OPEN
+    # FailOpen: with the EPP unreachable Envoy may still pick, but only among the pool's
+    # endpoints (the serving sidecars, as the InferencePool selects them in the cluster).
+    pool = {"pool_endpoints": [str(p.serving) for p in engines if p.serving]} if fail_open else {}
     config = envoy_config(
         listen_port=listen,
         admin_port=admin,
         epp_address=f"{HOST}:{epp.ports['grpc']}",
-        failure_mode_allow=spec.gateway.failure_mode == FailureMode.FAIL_OPEN,
+        failure_mode_allow=fail_open,
+        **pool,
     )
     processes.append(
         ProcessSpec(

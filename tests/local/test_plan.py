@@ -259,7 +259,10 @@ def test_fail_open_gateway():
         }
     )
     envoy = next(x for x in p.processes if x.kind == "envoy")
-    assert json.loads(p.files[arg(envoy.argv, "-c")])["envoy"]["failure_mode_allow"] is True
+    config = json.loads(p.files[arg(envoy.argv, "-c")])["envoy"]
+    assert config["failure_mode_allow"] is True
+    # Without the EPP Envoy may only choose among the pool's endpoints: the serving sidecars.
+    assert config["pool_endpoints"] == [e.serving for e in p.engines()]
 
 
 def test_service_env_reaches_the_engine():
