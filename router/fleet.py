@@ -3,9 +3,9 @@
 A selection looks at every (worker, dp_rank) slot of the fleet. Building a Python object per
 slot per request cost more than all the scoring (~3–5 µs a slot: 0.3 ms at 64 workers), so the
 router keeps the slots as a struct of arrays instead, in its worker order (registration order,
-then rank): role, ready, LoRA adapters, KV capacity and scraped usage, and where each slot's
+then rank): role, ready, LoRA adapters, KV capacity, scraped usage and queue length, and where each slot's
 column is in the KV index and in the active-request sums. Workers come and go rarely, so the
-`Fleet` is rebuilt then (`Router` marks it stale); readiness and scraped usage change in place.
+`Fleet` is rebuilt then (`Router` marks it stale); readiness and scraped load change in place.
 Per request, `candidates` gathers the changing parts (booked load, cached overlap, prompt
 blocks already held by live requests) with a few array operations into `Candidates`, the
 columns every plugin of a selection works on.
@@ -84,6 +84,7 @@ class Fleet:
             [w.total_blocks for w in states for _ in range(w.dp_size)], np.int64
         )
         self.kv_usage = np.array([u for w in states for u in w.kv_usage], np.float64)
+        self.waiting = np.array([n for w in states for n in w.waiting], np.int64)
         self.serving_role = ~self.prefill_role  # aggregated and decode workers
         self.has_prefill = bool(self.prefill_role.any())
         # where each slot's numbers live in the index and the active-request sums
@@ -112,6 +113,9 @@ class Fleet:
 
     def set_kv_usage(self, worker_id: int, dp_rank: int, usage: float) -> None:
         self.kv_usage[self.first[worker_id] + dp_rank] = usage
+
+    def set_waiting(self, worker_id: int, dp_rank: int, waiting: int) -> None:
+        self.waiting[self.first[worker_id] + dp_rank] = waiting
 
     def any_prefill_ready(self) -> bool:
         return bool((self.prefill_role & self.ready).any())

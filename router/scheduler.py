@@ -234,6 +234,8 @@ class Router:
         self._check_rank(state, dp_rank)
         if waiting is not None:
             state.waiting[dp_rank] = waiting
+            if self._fleet is not None:
+                self._fleet.set_waiting(worker_id, dp_rank, waiting)
         if running is not None:
             state.running[dp_rank] = running
         if kv_usage is not None:

@@ -100,3 +100,13 @@ def test_a_name_is_registered_once(avoid_worker):
 
     with pytest.raises(ValueError, match="already registered"):
         register(Other)
+
+
+def test_the_queue_scorer_weighs_waiting_requests():
+    scorers = [*dynamo_scorers(), ScorerRef(type="queue", parameters={"blocks_per_request": 64})]
+    router = router_with(RouterConfig(scorers=scorers, seed=1))
+    assert route(router) == 2  # nothing waits anywhere: the cached worker
+    router.update_load(2, 0, waiting=1)  # 64 blocks of queue > 4 uncached blocks elsewhere
+    assert route(router) != 2
+    router.update_load(2, 0, waiting=0)
+    assert route(router) == 2
