@@ -100,15 +100,17 @@ def owner_of(body: dict[str, Any]) -> Owner:
 def desired_state(
     body: dict[str, Any], owner: Owner, config: OperatorConfig
 ) -> tuple[DynamoGraph | None, list[dict[str, Any]] | None, list[Problem]]:
-    """The validated graph and the objects it should own, or the problem that the spec is
-    invalid (then nothing is applied: what runs keeps running until the spec is fixed)."""
+    """The validated graph (None if it does not load) and the objects it should own, or the
+    problem that the spec is invalid: then no objects (nothing is applied, what runs keeps
+    running until the spec is fixed)."""
+    graph = None
     try:
         # Validate what the user wrote; status is ours and may come from another version.
         graph = load_graph({k: v for k, v in body.items() if k != "status"})
         return graph, desired_objects(graph, owner, config), []
     except GraphError as exc:
         message = "; ".join(f"{path}: {message}" for path, message in exc.errors)
-        return None, None, [Problem("InvalidSpec", message)]
+        return graph, None, [Problem("InvalidSpec", message)]
 
 
 def missing_crd_problems(desired: list[dict[str, Any]], missing: set[str]) -> list[Problem]:
