@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 import yaml
 from pydantic import (
@@ -32,10 +32,10 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
-GROUP = "dynamograph.io"
-VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
-KIND = "DynamoGraph"
+GROUP: Final = "dynamograph.io"
+VERSION: Final = "v1alpha1"
+API_VERSION: Final = "dynamograph.io/v1alpha1"  # GROUP/VERSION, spelled out for its Literal type
+KIND: Final = "DynamoGraph"
 PLURAL = "dynamographs"
 SINGULAR = "dynamograph"
 SHORT_NAMES = ["dg"]
@@ -223,9 +223,9 @@ class RouterSpec(_Model):
     )
 
 
-def _cel(rule: str, message: str, field_path: str | None = None) -> dict[str, str]:
+def _cel(rule: str, message: str, field_path: str | None = None) -> dict[str, Any]:
     """An `x-kubernetes-validations` rule: the apiserver refuses what the validators refuse."""
-    out = {"rule": rule, "message": message}
+    out: dict[str, Any] = {"rule": rule, "message": message}
     if field_path:
         out["fieldPath"] = field_path
     return out
