@@ -250,6 +250,7 @@ class Epp:
             await self._grpc.stop(0)
             self._grpc = None
         await self.discovery.stop()
+        self.pipeline.close()
         await self.load.close()
         if self.kv is not None:
             await self.kv.close()

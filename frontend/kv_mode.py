@@ -67,6 +67,7 @@ class KvMode:
     async def stop(self) -> None:
         for task in self._preloads:
             task.cancel()
+        self.pipeline.close()
         if self.events is not None:
             await self.events.close()
             self.events = None
@@ -102,7 +103,7 @@ class KvMode:
         self.pipeline.remove_engine(record.instance_id)
 
     async def pick(self, pins: Pins, nvext: NvExt | None, path: str, body: dict[str, Any]) -> Route:
-        routed = self.pipeline.decide(
+        routed = await self.pipeline.decide_async(
             path,
             body,
             request_id=f"frontend-{next(self._ids)}",

@@ -65,6 +65,13 @@ class RouterConfig(BaseModel):
         "(uncached prompt blocks, weight = Dynamo's kv_overlap_score_weight) + load (decode "
         "blocks booked)",
     )
+    max_prompt_chars: int = Field(
+        default=256 * 1024,
+        ge=1024,
+        description="a prompt longer than this many characters is routed by this many: its "
+        "blocks past them are not hashed and its length is estimated (4 characters a token), "
+        "so a megabyte prompt costs the router no more than this to tokenize",
+    )
     temperature: float = Field(
         default=0.0,
         ge=0,

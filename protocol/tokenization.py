@@ -731,3 +731,33 @@ def _prompt_tokens(tokenizer: Tokenizer, prompt: Any) -> np.ndarray:
     raise OpenAIError(
         400, "completion request needs a 'prompt' string or list of token ids", param="prompt"
     )
+
+
+def prompt_prefix(path: str, body: dict[str, Any], max_chars: int) -> tuple[dict[str, Any], int]:
+    """The request cut to its first `max_chars` characters of prompt text, and how many were
+    cut (0: `body` itself). For routers: a prefix decides where a prompt's cache is, and
+    tokenizing megabytes of text (worse, text without whitespace, which BPE pays for
+    superlinearly) only to count it would let one request stall every other. Token-id prompts
+    are never cut (they cost nothing to read)."""
+    if path == CHAT_COMPLETIONS and isinstance(body.get("messages"), list):
+        kept: list[Any] = []
+        left = max_chars
+        cut = 0
+        for message in body["messages"]:
+            if not isinstance(message, dict):
+                kept.append(message)  # request_tokens refuses it with its own message
+                continue
+            text = _text_content(message.get("content"))
+            if left <= 0:
+                cut += len(text)
+            elif len(text) > left:
+                kept.append({**message, "content": text[:left]})
+                cut += len(text) - left
+            else:
+                kept.append(message)
+            left -= len(text)
+        return ({**body, "messages": kept}, cut) if cut else (body, 0)
+    prompt = body.get("prompt")
+    if path == COMPLETIONS and isinstance(prompt, str) and len(prompt) > max_chars:
+        return {**body, "prompt": prompt[:max_chars]}, len(prompt) - max_chars
+    return body, 0

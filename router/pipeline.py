@@ -4,7 +4,9 @@ Both callers of the router core go through here, so a request is routed the same
 gateway (the EPP, `epp.picker`) and without one (the frontend's `kv` mode):
 1. the `model` names the base model or a LoRA adapter some worker serves (404 otherwise);
 2. the prompt is tokenized with the tokenizer the workers serving that model publish at
-   `/v1/engine` (`protocol.tokenization`), chat requests through their template;
+   `/v1/engine` (`protocol.tokenization`), chat requests through their template — at most
+   `RouterConfig.max_prompt_chars` characters of it: a longer prompt is routed by its prefix,
+   its length estimated;
 3. its full KV blocks are hashed with the pool's block size, under the adapter's name
    (`protocol.hashing`);
 4. the router schedules it with the request's pins, sticky session, expected output length and
@@ -13,19 +15,32 @@ gateway (the EPP, `epp.picker`) and without one (the frontend's `kv` mode):
 The catalog of models and tokenizers is fed by the same worker add/remove calls as the router.
 """
 
+import asyncio
+import functools
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from dynamograph.protocol.engine import EngineConfig, lora_for_model, served_models
 from dynamograph.protocol.hashing import block_hash_array
 from dynamograph.protocol.nvext import NvExt
-from dynamograph.protocol.openai import OpenAIError, require_model
+from dynamograph.protocol.openai import CHAT_COMPLETIONS, OpenAIError, require_model
 from dynamograph.protocol.pins import RoutePins
-from dynamograph.protocol.tokenization import Tokenizer, get_tokenizer, request_tokens
+from dynamograph.protocol.tokenization import (
+    Tokenizer,
+    get_tokenizer,
+    prompt_prefix,
+    request_tokens,
+)
 
 from .errors import Overloaded, RoutingError
 from .scheduler import Decision, Router, RouteRequest
+
+_CHARS_PER_TOKEN = 4  # English prose with a BPE vocabulary; only estimates a cut prompt's length
+# Below this many characters of prompt (~1k tokens, ~0.1 ms to tokenize), the hop to the
+# tokenizing thread and back costs more than tokenizing on the loop.
+INLINE_CHARS = 4096
 
 
 @dataclass(slots=True)
@@ -45,6 +60,7 @@ class RequestPipeline:
         self._configs: dict[int, EngineConfig] = {}
         self._lora_by_model: dict[str, str | None] = {}  # served name → None, adapter → itself
         self._tokenizer_by_model: dict[str, str] = {}
+        self._thread: ThreadPoolExecutor | None = None  # tokenizes long prompts off the loop
 
     # -- the workers ---------------------------------------------------------------------
     def add_engine(self, config: EngineConfig) -> bool:
@@ -98,12 +114,19 @@ class RequestPipeline:
         model = require_model(body)
         lora_name = lora_for_model(model, self._lora_by_model)  # 404 when nobody serves it
         tokenizer = self.load_tokenizer(self._tokenizer_by_model[model])
-        tokens = request_tokens(tokenizer, path, body)
+        prefix, cut = prompt_prefix(path, body, self.router.config.max_prompt_chars)
+        tokens = request_tokens(tokenizer, path, prefix)
+        isl_tokens = len(tokens)
+        if cut:
+            # The prefix's last tokens (where the cut split a word, then the template's tail)
+            # differ from the whole prompt's: hash only blocks clear of them.
+            isl_tokens += cut // _CHARS_PER_TOKEN
+            tokens = tokens[: max(len(tokens) - 2 * block_size, 0)]
         hints = nvext.agent_hints if nvext is not None else None
         return RouteRequest(
             request_id=request_id,
             block_hashes=block_hash_array(tokens, block_size, lora_name),
-            isl_tokens=len(tokens),
+            isl_tokens=isl_tokens,
             lora_name=lora_name,
             pins=pins if pins is not None else RoutePins.from_nvext(nvext),
             session=nvext.session_control if nvext is not None else None,
@@ -121,10 +144,45 @@ class RequestPipeline:
         pins: RoutePins | None = None,
         allowed_ids: frozenset[int] | None = None,
     ) -> Routed:
-        """Route one request and book it (its `decision.guard` frees the booking)."""
+        """Route one request and book it (its `decision.guard` frees the booking), all on the
+        calling thread."""
         request = self.route_request(
             path, body, request_id=request_id, nvext=nvext, pins=pins, allowed_ids=allowed_ids
         )
+        return self.schedule(request)
+
+    async def decide_async(
+        self,
+        path: str,
+        body: Mapping[str, Any],
+        *,
+        request_id: str,
+        nvext: NvExt | None = None,
+        pins: RoutePins | None = None,
+        allowed_ids: frozenset[int] | None = None,
+    ) -> Routed:
+        """`decide` for an event loop: a prompt of more than `INLINE_CHARS` characters is
+        tokenized and hashed on the pipeline's own thread (the tokenizers release the GIL, so
+        the loop keeps serving other requests meanwhile); scheduling stays on the loop."""
+        prepare = functools.partial(
+            self.route_request,
+            path,
+            body,
+            request_id=request_id,
+            nvext=nvext,
+            pins=pins,
+            allowed_ids=allowed_ids,
+        )
+        if prompt_chars(path, body) <= INLINE_CHARS:
+            request = prepare()
+        else:
+            if self._thread is None:  # one thread: the tokenizers' caches are not shared
+                self._thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+            request = await asyncio.get_running_loop().run_in_executor(self._thread, prepare)
+        return self.schedule(request)
+
+    def schedule(self, request: RouteRequest) -> Routed:
+        """Book a prepared request; the router's refusals as OpenAIErrors."""
         try:
             decision = self.router.schedule(request)
         except Overloaded as exc:
@@ -133,5 +191,27 @@ class RequestPipeline:
         except RoutingError as exc:
             raise OpenAIError(exc.status, exc.reason) from None
         first_leg = decision.prefill or decision.decode
-        cached = first_leg.overlap_blocks * self.router.block_size  # type: ignore[operator]
+        cached = first_leg.overlap_blocks * (self.router.block_size or 0)
         return Routed(decision, request.isl_tokens, min(cached, request.isl_tokens))
+
+    def close(self) -> None:
+        """Stop the tokenizing thread (a tokenization under way finishes on its own)."""
+        if self._thread is not None:
+            self._thread.shutdown(wait=False, cancel_futures=True)
+            self._thread = None
+
+
+def prompt_chars(path: str, body: Mapping[str, Any]) -> int:
+    """Characters of prompt text in a request, cheaply (string contents only; parts and token
+    ids count as nothing: parts are rare, ids cost nothing to tokenize)."""
+    if path == CHAT_COMPLETIONS:
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return 0
+        return sum(
+            len(m["content"])
+            for m in messages
+            if isinstance(m, dict) and isinstance(m.get("content"), str)
+        )
+    prompt = body.get("prompt")
+    return len(prompt) if isinstance(prompt, str) else 0

@@ -139,3 +139,55 @@ async def test_the_epp_and_the_frontend_kv_mode_decide_alike():
             guard.free()
     assert epp.pipeline.router.active.total_requests() == 0
     assert frontend.pipeline.router.active.total_requests() == 0
+
+
+def test_a_prompt_past_the_budget_is_routed_by_its_prefix():
+    """A 1 MB prompt costs the router its first `max_prompt_chars` characters: those blocks are
+    hashed (so it still meets its cached prefix), the rest is only counted."""
+    config = RouterConfig(seed=1, max_prompt_chars=4096)
+    pipeline = RequestPipeline(Router(config))
+    for r in RECORDS[:3]:
+        assert pipeline.add_engine(r.config)
+    shared = "The quick brown fox jumps over the lazy dog. " * 100  # ~4.5k characters
+    whole = {"model": MODEL, "prompt": shared + "x" * 1_000_000}  # no whitespace at all after
+    request = pipeline.route_request("/v1/completions", whole, request_id="big")
+    prefix_tokens = request_tokens(get_tokenizer("qwen"), "/v1/completions", {"prompt": shared})
+    assert len(request.block_hashes) <= 4096 // BS  # only the prefix was hashed
+    assert len(request.block_hashes) >= (len(prefix_tokens) * 4096 // len(shared)) // BS - 3
+    assert request.isl_tokens >= 1_000_000 // 4  # the rest estimated, not tokenized
+    # the prefix's blocks are the whole prompt's: a worker that cached the prefix is found
+    store(pipeline.router, 1002, "/v1/completions", {"model": MODEL, "prompt": shared})
+    routed = pipeline.decide("/v1/completions", whole, request_id="big2")
+    assert routed.decision.decode.worker_id == 1002
+    assert routed.decision.decode.overlap_blocks == len(request.block_hashes)
+    routed.decision.guard.free()
+    # a chat past the budget keeps its first messages and cuts the one that crosses it
+    chat = {"model": MODEL, "messages": [CHAT[0], {"role": "user", "content": "y" * 100_000}]}
+    cut = pipeline.route_request("/v1/chat/completions", chat, request_id="chat")
+    assert cut.isl_tokens > 100_000 // 4 and len(cut.block_hashes) <= 4096 // BS
+
+
+async def test_long_prompts_are_tokenized_off_the_event_loop():
+    """While one long prompt is tokenized, the loop keeps routing short ones."""
+    import asyncio
+
+    pipeline = RequestPipeline(Router(RouterConfig(seed=1, max_prompt_chars=1 << 21)))
+    for r in RECORDS[:3]:
+        assert pipeline.add_engine(r.config)
+    pipeline.load_tokenizer("qwen")
+    big = {"model": MODEL, "prompt": "a" * 600_000}  # BPE pays superlinearly for this
+    short = {"model": MODEL, "prompt": "hello"}
+    try:
+        long_one = asyncio.create_task(
+            pipeline.decide_async("/v1/completions", big, request_id="big")
+        )
+        routed_meanwhile = 0
+        while not long_one.done():
+            routed = await pipeline.decide_async("/v1/completions", short, request_id="s")
+            routed.decision.guard.free()
+            routed_meanwhile += 1
+            await asyncio.sleep(0)
+        (await long_one).decision.guard.free()
+        assert routed_meanwhile > 1  # the loop was free while the long prompt was tokenized
+    finally:
+        pipeline.close()
