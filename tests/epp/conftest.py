@@ -18,6 +18,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from dynamograph.epp.server import Epp, EppSettings
 from dynamograph.epp.tls import KeyPair
 from dynamograph.protocol.router_config import RouterConfig
+from dynamograph.protocol.tokenization import get_tokenizer
 from dynamograph.router.discovery import StaticSource, WorkerTarget
 from dynamograph.worker.testing import mock_worker
 
@@ -284,6 +285,11 @@ async def running_epp(workers, **settings):
     try:
         ids = {w.config.instance_id for w in workers}
         await eventually(lambda: ids <= set(epp.router.workers()), within=20)
+        # The EPP preloads each worker's tokenizer in a thread; a request arriving meanwhile
+        # waits for it on the event loop (seconds, the first time in a process). Tests about
+        # anything else start once it is loaded.
+        for spec in {w.config.tokenizer for w in workers}:
+            await asyncio.to_thread(get_tokenizer, spec, fast=True)
         if epp.kv is not None:  # every subscriber has caught up with its worker once
             await eventually(
                 lambda: all(s.replays > 0 for subs in epp.kv.subscribers.values() for s in subs),
