@@ -117,8 +117,10 @@ def envoy_config(
 ) -> dict[str, Any]:
     """The bootstrap of a GAIE gateway in front of one InferencePool whose EPP is `epp_address`.
 
-    `message_timeout_s` bounds each ext_proc exchange: the EPP answers the request headers only
-    once the whole body has arrived, so it must cover the upload of the largest request.
+    `message_timeout_s` is the filter's message_timeout. Envoy does not time the EPP's answers
+    in FULL_DUPLEX_STREAMED (the headers answer, which comes only after the whole upload,
+    included: tests/epp/test_gateway_conformance.py uploads for longer than a 5 s timeout), so
+    it limits neither uploads nor streams here.
     `failure_mode_allow` is the InferencePool's FailOpen; `pool_endpoints` ("ip:port") are where
     FailOpen may send a request the EPP did not route (see the module docstring).
     """
