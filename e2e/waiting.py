@@ -1,7 +1,7 @@
-"""Bounded polling waits shared by both e2e suites.
+"""Bounded polling waits shared by every test suite (tests/ and both e2e suites).
 
-Nothing in the e2e suites sleeps for a fixed time and hopes: every wait polls a condition with a
-generous deadline and, when it gives up, says what it waited for and what it saw last.
+No test sleeps for a fixed time and hopes: every wait polls a condition with a generous deadline
+and, when it gives up, says what it waited for and what it saw last.
 """
 
 import asyncio
@@ -9,6 +9,8 @@ import inspect
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
+
+_FIRST_INTERVAL = 0.01
 
 
 class WaitTimeout(AssertionError):
@@ -35,11 +37,14 @@ async def wait_for(
 ) -> Any:
     """Call `probe` (sync or async) until it returns a truthy value, and return that value.
 
-    Exceptions from the probe count as "not yet" (a server still starting refuses connections)
-    and are reported as the last observation when the deadline passes, followed by `detail()`
-    (e.g. the kubelet's pod table and log tails).
+    Probes start 10 ms apart and back off to `interval`, so a condition that holds almost at
+    once is seen at once and a long wait costs few probes. Exceptions from the probe count as
+    "not yet" (a server still starting refuses connections) and are reported as the last
+    observation when the deadline passes, followed by `detail()` (e.g. the kubelet's pod table
+    and log tails).
     """
     deadline = time.monotonic() + within
+    delay = min(_FIRST_INTERVAL, interval)
     last: Any = None
     while True:
         try:
@@ -54,7 +59,8 @@ async def wait_for(
             return value
         if time.monotonic() >= deadline:
             raise WaitTimeout(_message(what, within, last, detail))
-        await asyncio.sleep(interval)
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, interval)
 
 
 def wait_for_sync(

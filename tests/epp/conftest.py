@@ -21,16 +21,10 @@ from dynamograph.protocol.router_config import RouterConfig
 from dynamograph.protocol.tokenization import get_tokenizer
 from dynamograph.router.discovery import StaticSource, WorkerTarget
 from dynamograph.worker.testing import mock_worker
+from e2e.waiting import wait_for
 
 MODEL = "Qwen/Qwen3-0.6B"
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
-
-
-async def eventually(predicate, within: float = 10.0, interval: float = 0.01):
-    """Poll predicate() until it holds (bounded): the state lives in another task or process."""
-    async with asyncio.timeout(within):
-        while not predicate():  # noqa: ASYNC110 - polling state with no event to wait on
-            await asyncio.sleep(interval)
 
 
 def endpoint_of(worker) -> str:
@@ -284,15 +278,18 @@ async def running_epp(workers, **settings):
     await epp.start()
     try:
         ids = {w.config.instance_id for w in workers}
-        await eventually(lambda: ids <= set(epp.router.workers()), within=20)
+        await wait_for(
+            lambda: ids <= set(epp.router.workers()), "the EPP to know every worker", within=20
+        )
         # The EPP preloads each worker's tokenizer in a thread; a request arriving meanwhile
         # waits for it on the event loop (seconds, the first time in a process). Tests about
         # anything else start once it is loaded.
         for spec in {w.config.tokenizer for w in workers}:
             await asyncio.to_thread(get_tokenizer, spec, fast=True)
         if epp.kv is not None:  # every subscriber has caught up with its worker once
-            await eventually(
+            await wait_for(
                 lambda: all(s.replays > 0 for subs in epp.kv.subscribers.values() for s in subs),
+                "every KV-event subscriber to have replayed once",
                 within=20,
             )
         yield epp

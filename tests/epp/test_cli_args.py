@@ -1,12 +1,12 @@
 """`dynamograph epp` flags: the router config file, flag overrides, discovery sources."""
 
 import argparse
-import asyncio
 
 import pytest
 
 from dynamograph.epp.cli import add_arguments, settings_from_args
 from dynamograph.router.discovery import KubernetesSource, StaticSource, source_from_args
+from e2e.waiting import wait_for
 
 pytestmark = pytest.mark.unit
 
@@ -80,7 +80,10 @@ async def test_heap_frozen_once_started_only_when_asked():
         )
         await epp.start()
         try:
-            await asyncio.sleep(0.2)  # the freeze runs on the loop right after start
+            if freeze_heap:  # the freeze runs on the loop right after start
+                await wait_for(gc.get_freeze_count, "the heap to be frozen", within=10)
+            else:
+                assert epp._freeze is None  # none scheduled
             return gc.get_freeze_count()
         finally:
             await epp.stop()

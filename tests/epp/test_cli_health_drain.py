@@ -12,6 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dynamograph.worker.testing import free_port, mock_worker
+from e2e.waiting import wait_for
 
 from .conftest import MODEL, ExtProcClient, chat_body, endpoint_of, response_body, response_headers
 
@@ -30,10 +31,10 @@ async def _status(stub, service: str):
 
 
 async def _until_status(stub, service, wanted, within=30.0):
-    async with asyncio.timeout(within):
-        while (status := await _status(stub, service)) != wanted:  # noqa: ASYNC110 - polls a server
-            await asyncio.sleep(0.05)
-    return status
+    async def reached() -> bool:
+        return await _status(stub, service) == wanted
+
+    await wait_for(reached, f"{service} to be {wanted}", within=within)
 
 
 async def test_health_metrics_and_drain_on_sigterm():

@@ -9,8 +9,9 @@ from dynamograph.local.envoy import EnvoyNotFound, envoy_config, find_envoy, run
 from dynamograph.protocol.hashing import block_hashes
 from dynamograph.protocol.tokenization import get_tokenizer, request_tokens
 from dynamograph.worker.testing import free_port, mock_worker
+from e2e.waiting import wait_for
 
-from .conftest import MODEL, eventually, record_picks, running_epp
+from .conftest import MODEL, record_picks, running_epp
 
 pytestmark = pytest.mark.integration
 
@@ -60,7 +61,7 @@ async def test_requests_reach_the_worker_the_epp_picked(gateway):
         served.append(int(headers[WORKER_HEADER]))
     assert served == picks
     assert set(served) <= {w.config.instance_id for w in workers}
-    await eventually(lambda: epp.router.active.total_requests() == 0)
+    await wait_for(lambda: epp.router.active.total_requests() == 0, "every booking to be freed")
 
 
 async def test_streaming_response_passes_through(gateway):
@@ -72,7 +73,7 @@ async def test_streaming_response_passes_through(gateway):
         text = (await response.read()).decode()
     assert text.rstrip().endswith("data: [DONE]")
     assert int(response.headers[WORKER_HEADER]) == picks[-1]
-    await eventually(lambda: epp.router.active.total_requests() == 0)
+    await wait_for(lambda: epp.router.active.total_requests() == 0, "every booking to be freed")
 
 
 async def test_repeated_prefix_lands_on_the_worker_holding_it(gateway):
@@ -85,14 +86,15 @@ async def test_repeated_prefix_lands_on_the_worker_holding_it(gateway):
     tokenizer = get_tokenizer("qwen")
     tokens = request_tokens(tokenizer, "/v1/chat/completions", _chat(prefix + "first question"))
     hashes = block_hashes(tokens, epp.router.block_size)
-    await eventually(
+    await wait_for(
         lambda: (
             max(
                 (n for (w, _), n in epp.router.index.find_matches(hashes).items() if w == holder),
                 default=0,
             )
             >= len(hashes) - 1
-        )
+        ),
+        "the index to hold the prefix on its worker",
     )
     # Unrelated traffic spreads over the workers; the prefix keeps going to its holder.
     for i in range(6):

@@ -9,8 +9,9 @@ import pytest
 from dynamograph.epp.tls import TlsSettings, self_signed_pair
 from dynamograph.local.envoy import envoy_config, run_envoy
 from dynamograph.worker.testing import free_port, mock_worker
+from e2e.waiting import wait_for
 
-from .conftest import MODEL, SecretVolume, eventually, record_picks, running_epp
+from .conftest import MODEL, SecretVolume, record_picks, running_epp
 from .test_envoy_gateway import HAVE_ENVOY, WORKER_HEADER, _chat, _post
 
 pytestmark = pytest.mark.integration
@@ -65,4 +66,4 @@ async def test_requests_over_tls_reach_the_worker_the_epp_picked(tls_gateway):
     assert int(response.headers[WORKER_HEADER]) == picks[-1]
     status, _, payload = await _post(http, envoy, _chat("x") | {"model": "nope"})
     assert status == 404 and b"nope" in payload
-    await eventually(lambda: epp.router.active.total_requests() == 0)
+    await wait_for(lambda: epp.router.active.total_requests() == 0, "every booking to be freed")

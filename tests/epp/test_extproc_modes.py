@@ -12,13 +12,13 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from dynamograph.protocol.headers import DESTINATION_ENDPOINT, WORKER_INSTANCE_ID
+from e2e.waiting import wait_for
 
 from .conftest import (
     NO_PROTOCOL_CONFIG,
     body_messages,
     chat_body,
     endpoint_of,
-    eventually,
     lb_metadata,
     protocol_config,
     request_headers,
@@ -80,7 +80,7 @@ async def test_full_duplex_routes_with_any_protocol_config(epp, workers, client,
     assert lb_metadata(first) == {"envoy.lb": {DESTINATION_ENDPOINT: destination}}
     assert booked(epp) == 1
     await stream.finish_response()
-    await eventually(lambda: booked(epp) == 0)
+    await wait_for(lambda: booked(epp) == 0, "the booking to be freed")
 
 
 @pytest.mark.parametrize("response_mode", ["STREAMED", "BUFFERED", "BUFFERED_PARTIAL"])
@@ -97,7 +97,7 @@ async def test_response_body_in_other_modes_is_continued_unchanged(epp, client, 
         # A plain CONTINUE: a streamed_response mutation is only valid in FULL_DUPLEX_STREAMED.
         assert answer.HasField("response_body")
         assert not answer.response_body.response.HasField("body_mutation")
-    await eventually(lambda: booked(epp) == 0)
+    await wait_for(lambda: booked(epp) == 0, "the booking to be freed")
     async with asyncio.timeout(10):
         assert await stream.call.read() is grpc.aio.EOF
 
@@ -114,7 +114,7 @@ async def test_response_body_not_sent_frees_at_stream_close(epp, client, headers
         assert (await stream.recv()).HasField("response_headers")
     assert booked(epp) == 1  # the response is still under way
     await stream.call.done_writing()  # Envoy's half-close when the HTTP stream ends
-    await eventually(lambda: booked(epp) == 0)
+    await wait_for(lambda: booked(epp) == 0, "the booking to be freed")
     assert epp.metrics.responses.labels("cancelled")._value.get() == (0 if headers == "sent" else 1)
 
 
@@ -127,7 +127,7 @@ async def test_response_body_not_sent_client_gone_frees(epp, client):
     await stream.recv()
     assert booked(epp) == 1
     stream.call.cancel()  # Envoy resets the stream: the client went away
-    await eventually(lambda: booked(epp) == 0)
+    await wait_for(lambda: booked(epp) == 0, "the booking to be freed")
 
 
 @pytest.mark.parametrize("mode", ["BUFFERED", "BUFFERED_PARTIAL"])
@@ -159,7 +159,7 @@ async def test_buffered_request_body_routes_on_the_body_response(epp, workers, c
     await stream.recv()
     await stream.send(response_body(b"data: [DONE]\n\n", end_of_stream=True))
     await stream.recv()
-    await eventually(lambda: booked(epp) == 0)
+    await wait_for(lambda: booked(epp) == 0, "the booking to be freed")
 
 
 async def test_buffered_partial_body_past_the_buffer_is_413(epp, client):

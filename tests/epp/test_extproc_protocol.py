@@ -14,6 +14,7 @@ from dynamograph.epp.extproc import MAX_CHUNK_BYTES
 from dynamograph.protocol.headers import DESTINATION_ENDPOINT, WORKER_INSTANCE_ID
 from dynamograph.protocol.router_config import RouterConfig
 from dynamograph.worker.testing import mock_worker
+from e2e.waiting import wait_for
 
 from .conftest import (
     MODEL,
@@ -21,7 +22,6 @@ from .conftest import (
     body_messages,
     chat_body,
     endpoint_of,
-    eventually,
     lb_metadata,
     protocol_config,
     removed_headers,
@@ -81,7 +81,7 @@ async def test_routed_request_full_sequence(epp, workers, client):
         await stream.send(response_body(data, end))
         echoed = (await stream.recv()).response_body.response.body_mutation.streamed_response
         assert (echoed.body, echoed.end_of_stream) == (data, end)
-    await eventually(lambda: booked(epp) == 0)
+    await wait_for(lambda: booked(epp) == 0, "the booking to be freed")
     await stream.call.done_writing()
 
 
@@ -270,7 +270,7 @@ async def test_cancelled_mid_response_frees_the_booking(epp, client):
     await stream.recv()
     assert booked(epp) == 1
     stream.call.cancel()  # the client went away: Envoy resets the stream
-    await eventually(lambda: booked(epp) == 0)
+    await wait_for(lambda: booked(epp) == 0, "the booking to be freed")
 
 
 async def test_many_concurrent_streams_all_freed(epp, client):
@@ -281,7 +281,7 @@ async def test_many_concurrent_streams_all_freed(epp, client):
         await stream.finish_response()
 
     await asyncio.gather(*(one(i) for i in range(20)))
-    await eventually(lambda: booked(epp) == 0)
+    await wait_for(lambda: booked(epp) == 0, "the booking to be freed")
 
 
 def _ending(kind: str) -> list[pb.ProcessingRequest]:
@@ -311,4 +311,4 @@ async def test_stream_ends_with_ok_once_the_response_is_complete(epp, client, ki
     async with asyncio.timeout(10):
         assert await stream.call.read() is grpc.aio.EOF
     assert await stream.call.code() == grpc.StatusCode.OK
-    await eventually(lambda: booked(epp) == 0)
+    await wait_for(lambda: booked(epp) == 0, "the booking to be freed")

@@ -29,8 +29,9 @@ from dynamograph.local.envoy import REPO_ROOT, EnvoyNotFound, find_envoy, run_en
 from dynamograph.protocol.engine import Role
 from dynamograph.protocol.headers import DESTINATION_ENDPOINT
 from dynamograph.worker.testing import free_port, mock_worker
+from e2e.waiting import wait_for
 
-from .conftest import MODEL, eventually, record_picks, running_epp
+from .conftest import MODEL, record_picks, running_epp
 from .test_envoy_gateway import HAVE_ENVOY
 from .test_extproc_failure_mode import canary
 
@@ -254,7 +255,7 @@ async def test_gateway_routes_streams_and_frees(gateway):
         assert response.status == 200, (payload[:300], log())
         assert int(response.headers[WORKER_HEADER]) == picks[-1]
         await _served_as_routed(http, workers, response.headers)
-    await eventually(lambda: booked(epp) == 0)
+    await wait_for(lambda: booked(epp) == 0, "the booking to be freed")
 
     # 2. streamed
     body = chat | {"max_tokens": 8, "stream": True}
@@ -266,13 +267,13 @@ async def test_gateway_routes_streams_and_frees(gateway):
         assert int(response.headers[WORKER_HEADER]) == picks[-1]
         await _served_as_routed(http, workers, response.headers)
     assert len(picks) == 2
-    await eventually(lambda: booked(epp) == 0)
+    await wait_for(lambda: booked(epp) == 0, "the booking to be freed")
 
     # 3. header-only
     async with http.get(envoy.url + "/v1/models", headers=forged) as response:
         assert response.status == 200, log()
         assert MODEL in await response.text()
-    await eventually(lambda: booked(epp) == 0)
+    await wait_for(lambda: booked(epp) == 0, "the booking to be freed")
 
     # 4. the client hangs up mid-stream
     body = chat | {"max_tokens": 4000, "stream": True, "ignore_eos": True}
@@ -281,7 +282,7 @@ async def test_gateway_routes_streams_and_frees(gateway):
     await response.content.readuntil(b"\n\n")  # the first event: generation is under way
     assert booked(epp) == 1
     response.close()  # drops the connection
-    await eventually(lambda: booked(epp) == 0)
+    await wait_for(lambda: booked(epp) == 0, "the booking to be freed")
     assert len(picks) == 3
 
 
@@ -309,7 +310,7 @@ async def test_concurrent_requests_through_a_gateway_all_freed(gateway):
     statuses = await asyncio.gather(*(one(i) for i in range(12)))
     assert statuses == [200] * 12, envoy.log_tail()
     assert len(picks) == 12
-    await eventually(lambda: booked(epp) == 0)
+    await wait_for(lambda: booked(epp) == 0, "the booking to be freed")
 
 
 @pytest.mark.parametrize("name", sorted(GATEWAYS))
@@ -377,7 +378,7 @@ async def test_disaggregated_pool_routing_reaches_the_decode_endpoint(name):
                         r for r in recent if r["request_id"] == response.headers["x-request-id"]
                     ]
                     assert entry["routing"]["prefill_worker_id"] == prefill.config.instance_id
-                await eventually(lambda: booked(epp) == 0)
+                await wait_for(lambda: booked(epp) == 0, "the booking to be freed")
 
 
 def _seconds(duration: str) -> float:
@@ -433,4 +434,4 @@ async def test_upload_slower_than_message_timeout_is_not_cut(name):
                 text = await response.text()
                 assert response.status == 200, (text[:200], envoy.log_tail())
             assert asyncio.get_running_loop().time() - started >= upload_s
-        await eventually(lambda: booked(epp) == 0)
+        await wait_for(lambda: booked(epp) == 0, "the booking to be freed")

@@ -11,8 +11,9 @@ import pytest
 from dynamograph.protocol.hashing import block_hashes
 from dynamograph.protocol.tokenization import get_tokenizer, request_tokens
 from dynamograph.worker.testing import mock_worker, worker_process
+from e2e.waiting import wait_for
 
-from .conftest import MODEL, eventually, running_epp
+from .conftest import MODEL, running_epp
 
 pytestmark = pytest.mark.integration
 
@@ -50,7 +51,11 @@ async def test_index_reflects_blocks_within_100ms():
             assert _held(epp, wid, hashes) == 0
             await _complete(http, worker, body)
             done = time.perf_counter()
-            await eventually(lambda h=hashes: _held(epp, wid, h) >= len(h) - 1, within=5)
+            await wait_for(
+                lambda h=hashes: _held(epp, wid, h) >= len(h) - 1,
+                "the index to hold the prompt's blocks",
+                within=5,
+            )
             assert time.perf_counter() - done <= 0.1
 
 
@@ -65,9 +70,15 @@ async def test_killed_worker_is_removed_from_routing():
         body = _chat("victim prefix " * 200)
         await _complete(http, victim, body)
         hashes = _hashes(epp, body)
-        await eventually(lambda: _held(epp, vid, hashes) > 0, within=20)
+        await wait_for(
+            lambda: _held(epp, vid, hashes) > 0, "the index to hold the victim's blocks", within=20
+        )
         victim.process.send_signal(signal.SIGKILL)
-        await eventually(lambda: vid not in epp.router.workers(), within=20)
+        await wait_for(
+            lambda: vid not in epp.router.workers(),
+            "the killed worker to leave the router",
+            within=20,
+        )
         assert vid not in epp.router.workers()
         assert all(w != vid for (w, _) in epp.router.index.find_matches(hashes))
         # Routing only ever picks the survivor now, even for the victim's prefix.
@@ -100,11 +111,13 @@ async def test_injected_sequence_gap_triggers_replay():
         replays_before = subscriber.replays
         lost = _chat("this batch gets lost " * 100)
         await _complete(http, worker, lost)
-        await eventually(lambda: dropped)
+        await wait_for(lambda: dropped, "a dropped event batch")
         assert _held(epp, wid, _hashes(epp, lost)) == 0
         # The next batch reveals the gap; the replay socket fills it.
         await _complete(http, worker, _chat("this one arrives " * 100))
-        await eventually(lambda: _held(epp, wid, _hashes(epp, lost)) > 0)
+        await wait_for(
+            lambda: _held(epp, wid, _hashes(epp, lost)) > 0, "replay to restore the lost blocks"
+        )
         assert subscriber.replays > replays_before
         assert epp.metrics.kv_gaps._value.get() >= 1
         assert epp.metrics.kv_replay_failures._value.get() == 0
@@ -125,8 +138,9 @@ async def test_each_data_parallel_rank_feeds_its_own_slot():
             async with http.post(url, json=body, headers=headers) as response:
                 assert response.status == 200
             hashes = _hashes(epp, body)
-            await eventually(
-                lambda h=hashes, r=rank: epp.router.index.find_matches(h).get((wid, r), 0) > 0
+            await wait_for(
+                lambda h=hashes, r=rank: epp.router.index.find_matches(h).get((wid, r), 0) > 0,
+                "the rank's blocks in the index",
             )
             assert epp.router.index.find_matches(hashes).get((wid, 1 - rank), 0) == 0
 
@@ -138,7 +152,10 @@ async def test_late_joining_epp_gets_history_from_replay():
         async with running_epp([worker]) as epp:
             wid = worker.config.instance_id
             hashes = _hashes(epp, early)
-            await eventually(lambda: _held(epp, wid, hashes) >= len(hashes) - 1)
+            await wait_for(
+                lambda: _held(epp, wid, hashes) >= len(hashes) - 1,
+                "the index to hold the prompt's blocks",
+            )
             assert epp.metrics.kv_batches.labels("replay")._value.get() >= 1
 
 
@@ -157,7 +174,10 @@ async def test_joining_a_worker_whose_replay_lost_the_start_indexes_what_comes_n
             with caplog.at_level("INFO", logger="dynamograph.router.kv_events"):
                 await _complete(http, worker, new)
                 hashes = _hashes(epp, new)
-                await eventually(lambda: _held(epp, wid, hashes) >= len(hashes) - 1)
+                await wait_for(
+                    lambda: _held(epp, wid, hashes) >= len(hashes) - 1,
+                    "the index to hold the prompt's blocks",
+                )
             assert "joined worker" in caplog.text
             assert not [r for r in caplog.records if r.levelname == "WARNING"]
             assert _held(epp, wid, _hashes(epp, old)) == 0  # its history is unknown, not guessed

@@ -9,8 +9,9 @@ import pytest
 from dynamograph.protocol.headers import WORKER_INSTANCE_ID
 from dynamograph.worker.lora import LoraModule
 from dynamograph.worker.testing import mock_worker
+from e2e.waiting import wait_for
 
-from .conftest import MODEL, ExtProcClient, chat_body, eventually, running_epp, set_headers
+from .conftest import MODEL, ExtProcClient, chat_body, running_epp, set_headers
 
 pytestmark = pytest.mark.integration
 
@@ -74,7 +75,9 @@ async def test_repeated_adapter_prompt_is_cached_only_for_that_adapter(pool):
         http.post(a.url + "/v1/chat/completions", json=body) as resp,
     ):
         assert resp.status == 200
-    await eventually(lambda: predicted_cached(epp, "sql") > 0, within=20)
+    await wait_for(
+        lambda: predicted_cached(epp, "sql") > 0, "the adapter's blocks in the index", within=20
+    )
     # the same tokens for the base model hash differently: nothing cached anywhere
     assert predicted_cached(epp, MODEL) == 0
 

@@ -10,8 +10,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dynamograph.router import pipeline as pipeline_module
+from e2e.waiting import wait_for
 
-from .conftest import eventually, running_epp
+from .conftest import running_epp
 
 pytestmark = pytest.mark.integration
 
@@ -37,17 +38,19 @@ async def test_ready_only_once_the_workers_tokenizer_is_loaded(workers, monkeypa
     monkeypatch.setattr(pipeline_module, "get_tokenizer", slow_load)
     try:
         async with running_epp(workers) as epp:
-            for _ in range(5):  # workers known, vocabulary still loading: not ready
+            # Workers known, vocabulary still loading: not ready, and it stays so while the
+            # load is held (the pauses are the test: nothing may turn readiness on meanwhile).
+            for _ in range(5):
                 assert await _readiness(epp.health_port) == NOT_SERVING
                 await asyncio.sleep(0.05)
             release.set()
-            await eventually(lambda: not epp._loading, within=30)
+            await wait_for(lambda: not epp._loading, "the tokenizer loads to finish", within=30)
             assert await _readiness(epp.health_port) == SERVING
 
             await epp.health.set("readiness", NOT_SERVING)  # what drain() starts with
             epp._draining = True
             epp._update_readiness()  # e.g. a worker appearing while draining
-            await asyncio.sleep(0.05)
+            await wait_for(lambda: not epp._background, "the readiness update to run")
             assert await _readiness(epp.health_port) == NOT_SERVING
     finally:
         release.set()

@@ -1,6 +1,5 @@
 """Frontend test fixtures: real mock workers (worker.testing) and real frontends on 127.0.0.1."""
 
-import asyncio
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -14,6 +13,7 @@ from dynamograph.frontend.routing import Mode
 from dynamograph.frontend.server import Frontend, FrontendConfig
 from dynamograph.router.discovery import Discovery, StaticSource, parse_worker_flag
 from dynamograph.worker.testing import RunningWorker
+from e2e.waiting import wait_for
 
 
 @asynccontextmanager
@@ -37,7 +37,7 @@ async def run_frontend(
         wanted = {w.config.instance_id for w in graph} | (
             {engine.config.instance_id} if engine else set()
         )
-        await wait_until(
+        await wait_for(
             lambda: (
                 frontend.directory.ready()
                 and wanted <= {r.instance_id for r in frontend.directory.records()}
@@ -47,21 +47,6 @@ async def run_frontend(
         yield frontend
     finally:
         await frontend.stop()
-
-
-async def wait_until(predicate, *, within: float = 20.0, what: str = "condition") -> None:
-    """Bounded polling; sync or async predicates."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within
-    while True:
-        result = predicate()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out after {within} s waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 def client(frontend: Frontend, **headers: str) -> openai.AsyncOpenAI:

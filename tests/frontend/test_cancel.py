@@ -9,16 +9,9 @@ import pytest
 
 from dynamograph.protocol.engine import Role
 from dynamograph.worker.testing import mock_worker
+from e2e.waiting import wait_for
 
-from .conftest import (
-    client,
-    engine_gauges,
-    frontend_metric,
-    route,
-    run_frontend,
-    served,
-    wait_until,
-)
+from .conftest import client, engine_gauges, frontend_metric, route, run_frontend, served
 
 pytestmark = pytest.mark.integration
 
@@ -69,10 +62,10 @@ async def test_streaming_cancel_frees_both_legs(model):
         assert await busy(decode)  # mid-generation, holding the pulled prompt KV
         await stream.close()  # the client goes away
 
-        await wait_until(lambda: idle(prefill, decode), what="both workers to return to idle")
+        await wait_for(lambda: idle(prefill, decode), what="both workers to return to idle")
         (d,) = (await served(decode))["recent"]
         assert d["kv_transfer"] and _cut_short(d)
-        await wait_until(
+        await wait_for(
             lambda: _metric_is(fe, "dynamograph_frontend_requests_total", 1, outcome="cancelled"),
             what="the frontend to count the cancelled request",
         )
@@ -102,12 +95,12 @@ async def test_cancel_during_the_prefill_leg_frees_the_prefill_worker(model):
         headers = {"Content-Type": "application/json", **route(decode, prefill=prefill)}
 
         task = asyncio.create_task(post_completion(fe.url, body, headers))
-        await wait_until(lambda: busy(prefill), what="the prefill leg to start")
+        await wait_for(lambda: busy(prefill), what="the prefill leg to start")
         task.cancel()  # the client hangs up while the prefill worker computes
         with pytest.raises(asyncio.CancelledError):
             await task
 
-        await wait_until(lambda: idle(prefill, decode), what="the prefill worker to free the leg")
+        await wait_for(lambda: idle(prefill, decode), what="the prefill worker to free the leg")
         assert (await served(decode))["total"] == 0  # the decode leg never started
         (p,) = (await served(prefill))["recent"]
         assert _cut_short(p)
@@ -139,7 +132,7 @@ async def test_client_gone_right_after_sending_frees_the_worker(model):
 
         task = asyncio.create_task(post_completion(fe.url, body, headers))
         await _hang_up_mid_generation(task, local)
-        await wait_until(
+        await wait_for(
             lambda: _metric_is(fe, "dynamograph_frontend_requests_total", 1, outcome="cancelled"),
             what="the frontend to count the cancelled request",
         )
@@ -157,13 +150,13 @@ async def test_client_gone_mid_body_never_reaches_the_engine(model):
             b'x-worker-instance-id: %d\r\nContent-Length: 1000\r\n\r\n{"model": ' % worker_id
         )
         await writer.drain()
-        await wait_until(
+        await wait_for(
             lambda: _metric_is(fe, "dynamograph_frontend_inflight_requests", 1),
             what="the frontend to start the request",
         )
         writer.close()
         await writer.wait_closed()
-        await wait_until(
+        await wait_for(
             lambda: _metric_is(fe, "dynamograph_frontend_requests_total", 1, outcome="cancelled"),
             what="the frontend to count the cancelled request",
         )
@@ -173,9 +166,9 @@ async def test_client_gone_mid_body_never_reaches_the_engine(model):
 
 async def _hang_up_mid_generation(task: asyncio.Task, worker) -> None:
     """Cancel the client's request once the worker generates; the worker must abort it."""
-    await wait_until(lambda: busy(worker), what="generation to start")
+    await wait_for(lambda: busy(worker), what="generation to start")
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await wait_until(lambda: idle(worker), what="the worker to abort the request")
+    await wait_for(lambda: idle(worker), what="the worker to abort the request")
     assert _cut_short((await served(worker))["recent"][0])

@@ -12,8 +12,9 @@ from dynamograph.frontend import cli
 from dynamograph.frontend.server import Frontend
 from dynamograph.protocol.engine import Role
 from dynamograph.worker.testing import free_port, mock_worker
+from e2e.waiting import wait_for
 
-from .conftest import get_json, route, wait_until
+from .conftest import get_json, route
 
 pytestmark = pytest.mark.integration
 
@@ -41,7 +42,7 @@ async def test_frontend_command_serves_and_stops_cleanly(model):
                     return False
                 return health["status"] == "ok" and health["workers"] == 2
 
-            await wait_until(ready, within=60, what="the frontend process to be ready")
+            await wait_for(ready, within=60, what="the frontend process to be ready")
             api = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
             out = await api.completions.create(
                 model=model,

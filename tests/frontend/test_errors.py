@@ -9,16 +9,9 @@ import pytest
 from dynamograph.frontend.routing import Mode
 from dynamograph.protocol.engine import Role
 from dynamograph.worker.testing import RunningWorker, mock_worker
+from e2e.waiting import wait_for
 
-from .conftest import (
-    client,
-    engine_gauges,
-    frontend_metric,
-    route,
-    run_frontend,
-    served,
-    wait_until,
-)
+from .conftest import client, engine_gauges, frontend_metric, route, run_frontend, served
 
 pytestmark = pytest.mark.integration
 
@@ -175,7 +168,7 @@ async def test_engine_silent_past_the_timeout_is_504_and_freed(model):
             "--request-timeout",
         )
         # The frontend hung up, so the engine aborted the request.
-        await wait_until(lambda: _idle(slow), what="the slow worker to drop the timed-out request")
+        await wait_for(lambda: _idle(slow), what="the slow worker to drop the timed-out request")
         assert await frontend_metric(fe, "dynamograph_frontend_requests_total", outcome="timeout")
 
 

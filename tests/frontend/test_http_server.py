@@ -10,8 +10,7 @@ import pytest
 
 from dynamograph.frontend import http_server
 from dynamograph.frontend.http_server import BodyTooLarge, ClientGone, Exchange, HttpServer
-
-from .conftest import wait_until
+from e2e.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -271,8 +270,8 @@ async def test_disconnect_cancels_an_armed_request_at_once():
         writer.write(b"GET /slow HTTP/1.1\r\nHost: t\r\n\r\n")
         await asyncio.wait_for(app.started.wait(), 10)
         writer.close()
-        await wait_until(lambda: app.cancelled == 1, what="the request's task to be cancelled")
-        await wait_until(lambda: not server.tasks and not server.connections, what="cleanup")
+        await wait_for(lambda: app.cancelled == 1, what="the request's task to be cancelled")
+        await wait_for(lambda: not server.tasks and not server.connections, what="cleanup")
 
 
 async def test_disconnect_while_the_body_arrives_is_client_gone():
@@ -281,17 +280,21 @@ async def test_disconnect_while_the_body_arrives_is_client_gone():
         _reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 100\r\n\r\npart")
         await writer.drain()
-        await asyncio.sleep(0.05)
+        await wait_for(lambda: server.tasks, "the request to reach its handler")
         writer.close()
-        await wait_until(lambda: app.gone_before_body == 1, what="the body read to fail")
-        await wait_until(lambda: not server.tasks, what="the request to end")
+        await wait_for(lambda: app.gone_before_body == 1, what="the body read to fail")
+        await wait_for(lambda: not server.tasks, what="the request to end")
 
 
 async def test_a_client_not_reading_pauses_the_writer_and_gets_everything_later():
-    async with serving(App()) as (_, port):
+    async with serving(App()) as (server, port):
         reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 24)
         writer.write(b"GET /big HTTP/1.1\r\nHost: t\r\n\r\n")
-        await asyncio.sleep(0.2)  # the server's socket buffer fills; it waits for us
+        await wait_for(  # the socket buffers fill up: the server waits for us
+            lambda: any(c._writing_paused for c in server.connections),
+            "the server to pause writing",
+            within=10,
+        )
         reply = await read_reply(reader)
         assert reply.status == 200 and len(reply.body) == 8 << 20
         writer.close()

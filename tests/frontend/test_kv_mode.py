@@ -12,8 +12,9 @@ from dynamograph.protocol.engine import Role
 from dynamograph.protocol.hashing import block_hashes
 from dynamograph.protocol.tokenization import get_tokenizer
 from dynamograph.worker.testing import mock_worker
+from e2e.waiting import wait_for
 
-from .conftest import client, route, run_frontend, served, wait_until
+from .conftest import client, route, run_frontend, served
 
 pytestmark = pytest.mark.integration
 
@@ -42,7 +43,7 @@ async def test_repeated_prefix_sticks_to_the_worker_that_cached_it(model, kv_eve
         api = client(fe)
         await api.completions.create(model=model, prompt=PROMPT, max_tokens=1)
         first = a if (await served(a))["total"] else b
-        await wait_until(
+        await wait_for(
             lambda: cached_blocks(fe, PROMPT) > 0, what="the router to learn the cached prefix"
         )
         for _ in range(4):
@@ -87,7 +88,7 @@ async def test_saturated_workers_shed_with_429_and_retry_after(model):
                 model=model, prompt=PROMPT, max_tokens=800, extra_body={"ignore_eos": True}
             )
         )
-        await wait_until(lambda: fe.routing.router.active.total_requests() == 1, what="booking")
+        await wait_for(lambda: fe.routing.router.active.total_requests() == 1, what="booking")
         with pytest.raises(openai.RateLimitError) as info:
             await api.completions.create(model=model, prompt="one more", max_tokens=1)
         assert info.value.response.headers["retry-after"] == "2"
@@ -95,7 +96,7 @@ async def test_saturated_workers_shed_with_429_and_retry_after(model):
         long_running.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await long_running
-        await wait_until(
+        await wait_for(
             lambda: fe.routing.router.active.total_requests() == 0, what="the booking to be freed"
         )
 

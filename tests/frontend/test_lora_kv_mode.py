@@ -11,8 +11,9 @@ from dynamograph.protocol.tokenization import get_tokenizer
 from dynamograph.router.scheduler import RouteRequest
 from dynamograph.worker.lora import LoraModule
 from dynamograph.worker.testing import mock_worker
+from e2e.waiting import wait_for
 
-from .conftest import client, run_frontend, served, wait_until
+from .conftest import client, run_frontend, served
 
 pytestmark = pytest.mark.integration
 
@@ -46,7 +47,7 @@ async def test_adapter_routing_and_caching_in_kv_mode(model):
         assert (await served(a))["total"] == 4 and (await served(b))["total"] == 0
 
         await api.completions.create(model="sql", prompt=PROMPT, max_tokens=1)
-        await wait_until(lambda: cached_blocks(fe, "sql") > 0, what="the adapter's KV events")
+        await wait_for(lambda: cached_blocks(fe, "sql") > 0, what="the adapter's KV events")
         assert cached_blocks(fe, None) == 0  # the base model's hashes of the same tokens differ
         again = await api.completions.create(model="sql", prompt=PROMPT, max_tokens=1)
         assert again.usage.prompt_tokens_details.cached_tokens > 0

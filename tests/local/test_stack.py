@@ -12,6 +12,7 @@ from dynamograph.local import procs
 from dynamograph.local.down import stop_run
 from dynamograph.local.spec import Plan, Probe, ProcessSpec
 from dynamograph.local.stack import STATE_FILE, Stack, StackError, recorded_runs
+from e2e.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -121,11 +122,7 @@ async def test_reap_reports_a_killed_process_once(tmp_path, ports):
         await stack.start(ready_within=60)
         victim = stack.running[1]
         os.kill(victim.pid, signal.SIGKILL)
-        for _ in range(100):
-            dead = stack.reap()
-            if dead:
-                break
-            await asyncio.sleep(0.05)
+        dead = await wait_for(stack.reap, "the killed process to be reaped", within=10)
         assert [p.spec.name for p in dead] == ["b"]
         assert dead[0].describe_exit() == "killed by signal 9"
         assert stack.reap() == []

@@ -13,6 +13,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from e2e.waiting import wait_for_sync
+
 from .conftest import (
     COMMAND,
     SPEEDUP,
@@ -116,18 +118,22 @@ def test_killed_worker_is_reported_and_routing_continues(tmp_path):
         # the EPP's own count of workers: a few lucky successes alone do not show it noticed.
         epp = next(p for p in state["processes"] if p["spec"]["kind"] == "epp")
         epp_metrics = f"http://127.0.0.1:{epp['spec']['ports']['metrics']}/metrics"
-        deadline = time.monotonic() + 60
-        while epp_workers(get(epp_metrics)) != len(alive) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert epp_workers(get(epp_metrics)) == len(alive), "the EPP kept the killed worker"
-        streak, deadline = 0, time.monotonic() + 60
-        while streak < 3 and time.monotonic() < deadline:
+        wait_for_sync(
+            lambda: epp_workers(get(epp_metrics)) == len(alive),
+            "the EPP to drop the killed worker",
+            interval=0.2,
+        )
+        streak = 0
+
+        def recovered() -> bool:  # three requests in a row served by live workers
+            nonlocal streak
             try:
                 streak = streak + 1 if chat(0) in alive else 0
             except openai.APIError:
                 streak = 0
-                time.sleep(0.5)
-        assert streak == 3, "routing did not recover after the worker was killed"
+            return streak >= 3
+
+        wait_for_sync(recovered, "routing to recover after the worker was killed", interval=0.2)
         served = [chat(i) for i in range(12)]  # from now on: no errors at all
         assert len(served) == 12
         assert set(served) <= set(alive), "a request went to the killed worker"

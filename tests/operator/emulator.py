@@ -17,7 +17,6 @@ Still missing, and not needed here: PUT, field selectors, namespace listing (the
 cluster-wide), admission/validation, server-side apply. Merge patches follow RFC 7386 in kmock.
 """
 
-import asyncio
 import datetime
 import functools
 import itertools
@@ -241,15 +240,3 @@ def write_kubeconfig(path: Path, server: str, user: dict | None = None) -> Path:
         )
     )
     return path
-
-
-async def wait_for(predicate, limit: float = 20.0, what: str = "condition"):
-    """Poll `predicate` (sync) until it returns a truthy value; fail after `limit` seconds."""
-    deadline = asyncio.get_running_loop().time() + limit
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out after {limit}s waiting for {what}")
-        await asyncio.sleep(0.1)

@@ -9,7 +9,9 @@ objects, status) both authenticate with it.
 
 import pytest
 
-from .emulator import authorization, wait_for
+from e2e.waiting import wait_for
+
+from .emulator import authorization
 from .processes import IMAGE, exec_credentials, operator_process
 from .test_operator import GRAPH_PATH, GRAPHS, disagg_graph, live
 
@@ -39,7 +41,7 @@ async def test_exec_plugin_token_is_used_and_renewed(cluster, tmp_path):
                 ((live(cluster, GRAPHS, name) or {}).get("status") or {}).get("state") == "ready"
             )
 
-        await wait_for(ready("g"), 60, f"graph g ready with the plugin's token (log: {log})")
+        await wait_for(ready("g"), f"graph g ready with the plugin's token (log: {log})", within=60)
         assert creds.runs() >= 1
         # Deployments are written by the operator's own client, the graph's finalizer by kopf.
         decode = live(cluster, "apps/v1/deployments", "g-decode")
@@ -58,7 +60,7 @@ async def test_exec_plugin_token_is_used_and_renewed(cluster, tmp_path):
             GRAPH_PATH, json=second, headers={"Authorization": "Bearer token-two"}
         )
         assert response.status in (200, 201), await response.text()
-        await wait_for(ready("h"), 60, f"graph h ready with the renewed token (log: {log})")
+        await wait_for(ready("h"), f"graph h ready with the renewed token (log: {log})", within=60)
         assert creds.runs() > runs
         assert live(cluster, "apps/v1/deployments", "h-decode") is not None
     assert proc.returncode == 0, log.read_text()[-3000:]

@@ -21,8 +21,9 @@ from dynamograph.operator.handlers import build_registry
 from dynamograph.operator.kube import KubeApi, login
 from dynamograph.operator.manifests import Owner, desired_objects
 from dynamograph.protocol.graph import load_graph
+from e2e.waiting import wait_for
 
-from .emulator import EXAMPLES, NAMESPACE, upstream_crd, wait_for
+from .emulator import EXAMPLES, NAMESPACE, upstream_crd
 from .schemas import validate_against_crd
 
 pytestmark = [
@@ -110,7 +111,7 @@ async def wait_ready(cluster, generation: int = 1) -> dict:
             else None
         )
 
-    return await wait_for(ready, 30, f"graph ready at generation {generation}")
+    return await wait_for(ready, f"graph ready at generation {generation}", within=30)
 
 
 def writes(cluster) -> int:
@@ -214,7 +215,7 @@ async def test_status_follows_the_deployments(cluster):
         def state(expected):
             return lambda: graph_status(cluster).get("state") == expected
 
-        await wait_for(state("pending"), 20, "state pending")
+        await wait_for(state("pending"), "state pending", within=20)
         assert condition(graph_status(cluster), "Available")["status"] == "False"
 
         async def report(name: str, ready: int) -> None:
@@ -234,7 +235,7 @@ async def test_status_follows_the_deployments(cluster):
             assert response.status == 200
 
         await report("g-decode", 1)
-        await wait_for(state("progressing"), 20, "state progressing")
+        await wait_for(state("progressing"), "state progressing", within=20)
         status = graph_status(cluster)
         assert status["services"]["decode"]["readyReplicas"] == 1
         progressing = condition(status, "Progressing")
@@ -298,7 +299,7 @@ async def test_deleted_or_edited_deployment_is_repaired(cluster):
             dep = live(cluster, DEPLOYMENTS, "g-decode")
             return dep if dep and dep["metadata"]["uid"] != old_uid else None
 
-        dep = await wait_for(recreated, 20, "the decode Deployment to come back")
+        dep = await wait_for(recreated, "the decode Deployment to come back", within=20)
         assert dep["spec"]["replicas"] == 2
         await wait_ready(cluster)
 
@@ -318,7 +319,7 @@ async def test_deleted_or_edited_deployment_is_repaired(cluster):
             containers = dep["spec"]["template"]["spec"]["containers"]
             return containers[0].get("image") == IMAGE and len(containers[0]["args"]) > 10
 
-        await wait_for(reverted, 20, "the hand edit to be reverted")
+        await wait_for(reverted, "the hand edit to be reverted", within=20)
 
 
 async def test_timer_repairs_objects_nothing_watches(cluster):
@@ -334,7 +335,7 @@ async def test_timer_repairs_objects_nothing_watches(cluster):
             cm = live(cluster, "v1/configmaps", "g-router")
             return cm if cm and cm["metadata"]["uid"] != old_uid else None
 
-        cm = await wait_for(recreated, 20, "the router ConfigMap to come back")
+        cm = await wait_for(recreated, "the router ConfigMap to come back", within=20)
         assert "router.yaml" in cm["data"]
 
 
@@ -350,7 +351,7 @@ async def test_invalid_spec_is_degraded_with_an_event(cluster):
             cond = condition(graph_status(cluster), "Degraded")
             return cond if cond.get("status") == "True" else None
 
-        cond = await wait_for(degraded, 20, "Degraded=True")
+        cond = await wait_for(degraded, "Degraded=True", within=20)
         assert cond["reason"] == "InvalidSpec"
         assert field in cond["message"]
         status = graph_status(cluster)
@@ -360,7 +361,7 @@ async def test_invalid_spec_is_degraded_with_an_event(cluster):
         assert live(cluster, DEPLOYMENTS, "g-prefill") is None
 
         events = await wait_for(
-            lambda: posted_events(cluster, "InvalidSpec"), 15, "an InvalidSpec Event"
+            lambda: posted_events(cluster, "InvalidSpec"), "an InvalidSpec Event", within=15
         )
         assert field in events[0]["message"]
         assert events[0]["type"] == "Warning"
@@ -393,7 +394,7 @@ async def test_missing_crd_and_foreign_object_are_reported(cluster):
                 cond if cond.get("status") == "True" and "g-frontend" in cond["message"] else None
             )
 
-        cond = await wait_for(degraded, 20, "Degraded naming both problems")
+        cond = await wait_for(degraded, "Degraded naming both problems", within=20)
         assert cond["reason"] == "CRDMissing"
         assert "InferencePool: not served by this cluster" in cond["message"]
         assert "Service g-frontend exists and is not owned by this graph" in cond["message"]
@@ -412,7 +413,9 @@ async def test_deleting_the_graph_finishes_cleanly(cluster):
 
         response = await cluster.delete(f"{GRAPH_PATH}/g")
         assert response.status == 200
-        await wait_for(lambda: live(cluster, GRAPHS, "g") is None, 20, "the graph to be deleted")
+        await wait_for(
+            lambda: live(cluster, GRAPHS, "g") is None, "the graph to be deleted", within=20
+        )
 
         # The emulator's garbage collector follows the ownerReferences, as Kubernetes' does. (A
         # pass already under way when the graph went may still create an object; its owner is
@@ -462,10 +465,10 @@ async def test_a_graph_deleted_while_its_timer_runs_a_pass_goes_promptly(cluster
             def timer_caught_in_a_pass():
                 return any("is still exiting" in r.getMessage() for r in caplog.records)
 
-            await wait_for(timer_caught_in_a_pass, 30, "kopf to wait for the graph's timer")
+            await wait_for(timer_caught_in_a_pass, "kopf to wait for the graph's timer", within=30)
             gate.set()
             # Well under kopf's default 60 s re-check, well over the 1 s one on a loaded box.
-            await wait_for(lambda: live(cluster, GRAPHS, "g") is None, 20, "the graph to go")
+            await wait_for(lambda: live(cluster, GRAPHS, "g") is None, "the graph to go", within=20)
     finally:
         gate.set()
         cluster._handle = handle
@@ -533,7 +536,7 @@ async def test_graph_status_follows_the_gateways_verdict(cluster):
             "message": "no listener of inference-gateway allows routes from ns1",
         }
         await write_gateway_status(cluster, "HTTPRoute", refused, resolved)
-        cond = await wait_for(gateway_is("False"), 20, "GatewayAccepted=False")
+        cond = await wait_for(gateway_is("False"), "GatewayAccepted=False", within=20)
         assert cond["reason"] == "NotAllowedByListeners"
         assert "no listener of inference-gateway allows routes from ns1" in cond["message"]
         status = graph_status(cluster)
@@ -542,14 +545,14 @@ async def test_graph_status_follows_the_gateways_verdict(cluster):
         assert "the gateway does not accept the graph" in condition(status, "Degraded")["message"]
 
         events = await wait_for(
-            lambda: posted_events(cluster, "GatewayRejected"), 15, "a GatewayRejected Event"
+            lambda: posted_events(cluster, "GatewayRejected"), "a GatewayRejected Event", within=15
         )
         assert "NotAllowedByListeners" in events[0]["message"]
 
         # The gateway admin fixes the listener: route and pool are accepted.
         await write_gateway_status(cluster, "HTTPRoute", ok, resolved)
         await write_gateway_status(cluster, "InferencePool", ok, resolved)
-        cond = await wait_for(gateway_is("True"), 20, "GatewayAccepted=True")
+        cond = await wait_for(gateway_is("True"), "GatewayAccepted=True", within=20)
         assert cond["reason"] == "Accepted"
         assert "the gateway" not in condition(graph_status(cluster), "Degraded")["message"]
 

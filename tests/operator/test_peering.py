@@ -11,7 +11,9 @@ import asyncio
 
 import pytest
 
-from .emulator import NAMESPACE, authorization, wait_for, write_kubeconfig
+from e2e.waiting import wait_for
+
+from .emulator import NAMESPACE, authorization, write_kubeconfig
 from .processes import operator_process, stop
 from .test_operator import GRAPH_PATH, GRAPHS, live
 
@@ -71,7 +73,7 @@ async def wait_ready(cluster, name: str, log_hint: str) -> None:
     def ready():
         return ((live(cluster, GRAPHS, name) or {}).get("status") or {}).get("state") == "ready"
 
-    await wait_for(ready, 60, f"graph {name} ready ({log_hint})")
+    await wait_for(ready, f"graph {name} ready ({log_hint})", within=60)
 
 
 async def test_one_replica_leads_and_the_other_takes_over(cluster, tmp_path):
@@ -95,11 +97,11 @@ async def test_one_replica_leads_and_the_other_takes_over(cluster, tmp_path):
     assert response.status in (200, 201), await response.text()
     async with operator_process(log_a, "--peering", PEERING, env=env_a) as a:
         # Started first, so the older replica: it leads once it has registered.
-        await wait_for(lambda: len(peers(cluster)) == 1, 30, f"the first peer ({hint})")
+        await wait_for(lambda: len(peers(cluster)) == 1, f"the first peer ({hint})", within=30)
 
         async with operator_process(log_b, "--peering", PEERING, env=env_b) as b:
             # The second replica registers, sees the older leader's higher priority, pauses.
-            await wait_for(lambda: len(peers(cluster)) == 2, 30, f"two peers ({hint})")
+            await wait_for(lambda: len(peers(cluster)) == 2, f"two peers ({hint})", within=30)
             priorities = sorted(p["priority"] for p in peers(cluster).values())
             assert priorities[0] != priorities[1]  # a tie would pause both
 
@@ -112,7 +114,7 @@ async def test_one_replica_leads_and_the_other_takes_over(cluster, tmp_path):
             # The leader stops; the standby resumes and serves the next graph.
             await stop(a)
             assert a.returncode == 0, log_a.read_text()[-3000:]
-            await wait_for(lambda: len(peers(cluster)) == 1, 30, f"the leader gone ({hint})")
+            await wait_for(lambda: len(peers(cluster)) == 1, f"the leader gone ({hint})", within=30)
             seen_a = len(requests_by(cluster, "replica-a"))
             await create_graph(cluster, "g3")
             await wait_ready(cluster, "g3", hint)

@@ -59,7 +59,7 @@ class RawServer:
                 for i in range(0, len(reply), step):
                     writer.write(reply[i : i + step])
                     await writer.drain()
-                    if self.step:
+                    if self.step:  # a slow server, dribbling its reply (the behaviour under test)
                         await asyncio.sleep(self.pause)
                 if self.close_after:
                     return  # (finally) close the connection after this reply

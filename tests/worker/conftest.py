@@ -7,6 +7,7 @@ import orjson
 import pytest
 
 from dynamograph.worker.testing import mock_worker
+from e2e.waiting import wait_for
 
 MODEL = "Qwen/Qwen3-0.6B"
 
@@ -47,10 +48,7 @@ async def serve_asgi(app):
     server = Server(config)
     task = asyncio.create_task(server.serve())
     try:
-        for _ in range(1000):  # startup is a few loop turns
-            if server.started or task.done():
-                break
-            await asyncio.sleep(0.005)
+        await wait_for(lambda: server.started or task.done(), "uvicorn to start", within=10)
         if not server.started:
             if task.done():
                 task.result()  # raises what stopped it

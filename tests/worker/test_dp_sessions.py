@@ -1,7 +1,5 @@
 """Data-parallel rank selection and session pinning."""
 
-import asyncio
-
 import aiohttp
 import numpy as np
 import pytest
@@ -10,6 +8,7 @@ from dynamograph.worker.engine import GenerateRequest, RequestContext, collect, 
 from dynamograph.worker.mock import MockConfig, MockEngine
 from dynamograph.worker.server import DP_RANK_HEADER
 from dynamograph.worker.testing import mock_worker
+from e2e.waiting import wait_for
 
 from .conftest import MODEL, post_json
 
@@ -85,11 +84,7 @@ async def test_session_times_out():
                         {"model": MODEL, "prompt": "hello " * 40, "max_tokens": 2, "nvext": nvext})  # fmt: skip
         rank = w.engine.ranks[0]
         assert "s2" in rank.sessions
-        for _ in range(100):
-            if "s2" not in rank.sessions:
-                break
-            await asyncio.sleep(0.05)
-        assert "s2" not in rank.sessions
+        await wait_for(lambda: "s2" not in rank.sessions, "the idle session to expire")
         assert rank.cache.usage == 0.0
 
 

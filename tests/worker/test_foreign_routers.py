@@ -17,6 +17,7 @@ import pytest
 
 from dynamograph.worker.server import WORKER_ID_HEADER
 from dynamograph.worker.testing import free_port, mock_worker, stop_process
+from e2e.waiting import wait_for
 
 from .conftest import MODEL
 
@@ -63,16 +64,18 @@ async def router(kind: str, workers: list[str], policy: str):
 async def wait_ready(url: str, proc, within: float = 90.0) -> None:
     """Ready when a completion goes through (both routers first health-check the workers)."""
     body = {"model": MODEL, "prompt": "ready?", "max_tokens": 1}
-    deadline = asyncio.get_running_loop().time() + within
     async with aiohttp.ClientSession() as http:
-        while asyncio.get_running_loop().time() < deadline:
-            assert proc.returncode is None, f"router exited with {proc.returncode}"
-            with contextlib.suppress(aiohttp.ClientError, OSError):
-                async with http.post(url + "/v1/completions", json=body) as resp:
-                    if resp.status == 200:
-                        return
-            await asyncio.sleep(0.25)
-    raise TimeoutError(f"router at {url} never routed a request")
+
+        async def routed_or_exited() -> str | None:
+            if proc.returncode is not None:
+                return "exited"
+            async with http.post(url + "/v1/completions", json=body) as resp:
+                return "routed" if resp.status == 200 else None
+
+        outcome = await wait_for(
+            routed_or_exited, f"router at {url} to route a request", within=within, interval=0.25
+        )
+    assert outcome == "routed", f"router exited with {proc.returncode}"
 
 
 async def served(worker) -> int:

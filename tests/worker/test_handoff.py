@@ -16,6 +16,7 @@ from dynamograph.worker.engine import (
 from dynamograph.worker.handoff import PULL_PATH
 from dynamograph.worker.mock import MockConfig, MockEngine, held_to_json
 from dynamograph.worker.testing import mock_worker
+from e2e.waiting import wait_for
 
 from .conftest import MODEL, post_json
 
@@ -98,11 +99,8 @@ async def test_http_handoff_and_orphan_timeout():
         await post_json(p.url, "/v1/completions", leg1)
         rank = p.engine.ranks[0]
         assert len(rank.transfers) == 1
-        for _ in range(100):
-            if not len(rank.transfers):
-                break
-            await asyncio.sleep(0.05)
-        assert len(rank.transfers) == 0 and all(rc == 0 for rc in rank.cache.ref_count)
+        await wait_for(lambda: not len(rank.transfers), "the unpulled prefill to time out")
+        assert all(rc == 0 for rc in rank.cache.ref_count)
         nvext = await post_json(
             p.url, "/v1/completions", {**leg1, "nvext": {"extra_fields": ["worker_id"]}}
         )
@@ -123,8 +121,8 @@ async def test_new_prefills_wait_for_held_blocks_to_be_pulled():
         # 300 tokens need 19 blocks; 11 are free: the request waits for the held ones.
         other = GenerateRequest("h2", PROMPT[:300] + 1, 1)
         task = asyncio.create_task(collect(prefill.generate(other, RequestContext("h2"))))
-        await asyncio.sleep(0.3)
-        assert not task.done() and rank.gauges().waiting == 1
+        await wait_for(lambda: rank.gauges().waiting == 1, "the second prefill to queue")
+        assert not task.done()
         assert prefill.take_transfer(done.kv_transfer_params["remote_engine_id"], "h1")
         chunks = await asyncio.wait_for(task, 10)
         assert validate_stream(chunks).completion_tokens == 1

@@ -12,6 +12,7 @@ import zmq
 import zmq.asyncio
 
 from dynamograph.worker.testing import mock_worker
+from e2e.waiting import wait_for
 
 from .conftest import MODEL, post_json
 
@@ -68,12 +69,12 @@ def apply(state: dict, events, block_size=BLOCK):
 
 
 async def wait_idle(engine):
-    for _ in range(500):
-        if all(r.load == 0 for r in engine.ranks):
-            await asyncio.sleep(0.05)  # the step's batch is published right after it ends
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("engine did not go idle")
+    """Until every rank has finished its requests and published its last step's events."""
+    await wait_for(
+        lambda: all(r.load == 0 and not r.cache.events for r in engine.ranks),
+        "the engine to go idle with its events published",
+        within=10,
+    )
 
 
 async def test_events_mirror_the_cache_and_replay_fills_gaps():
@@ -84,8 +85,9 @@ async def test_events_mirror_the_cache_and_replay_fills_gaps():
         early = ctx.socket(zmq.SUB)
         early.setsockopt(zmq.LINGER, 0)
         early.setsockopt(zmq.SUBSCRIBE, b"")
+        # PUB drops batches sent before a subscription lands (slow joiner): what `early` misses
+        # at the start, the replay from 0 below must hold.
         early.connect(kv.endpoint)
-        await asyncio.sleep(0.3)  # let the subscription reach the publisher (slow joiner)
         prompts = [f"prompt number {i}: " + "lorem ipsum dolor sit amet " * 30 for i in range(6)]
         for p in prompts[:3]:
             await post_json(
@@ -95,7 +97,6 @@ async def test_events_mirror_the_cache_and_replay_fills_gaps():
         late.setsockopt(zmq.LINGER, 0)
         late.setsockopt(zmq.SUBSCRIBE, b"")
         late.connect(kv.endpoint)
-        await asyncio.sleep(0.3)
         # Enough distinct prompts to overflow 48 blocks: evictions follow.
         for p in prompts[3:]:
             await post_json(

@@ -19,6 +19,7 @@ from dynamograph.worker.engine import (
 )
 from dynamograph.worker.mock import MockConfig, MockEngine
 from dynamograph.worker.testing import mock_worker
+from e2e.waiting import wait_for
 
 from .conftest import MODEL
 
@@ -66,7 +67,7 @@ async def test_throughput_saturates_at_max_num_seqs():
 
         async def watch():
             nonlocal peak_running
-            while True:
+            while True:  # samples once every loop turn (not a wait)
                 peak_running = max(peak_running, engine.ranks[0].gauges().running)
                 await asyncio.sleep(0)
 
@@ -141,11 +142,9 @@ async def test_client_disconnect_cancels_and_frees_blocks():
                 await resp.content.readline()
             assert rank.cache.usage > 0 and rank.gauges().running == 1
             resp.close()  # the client goes away mid-stream
-        for _ in range(200):
-            if rank.cache.usage == 0.0 and rank.load == 0:
-                break
-            await asyncio.sleep(0.02)
-        assert rank.cache.usage == 0.0 and rank.load == 0
+        await wait_for(
+            lambda: rank.cache.usage == 0.0 and rank.load == 0, "the abandoned request to be freed"
+        )
         assert all(rc == 0 for rc in rank.cache.ref_count)
 
 

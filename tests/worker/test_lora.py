@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from dynamograph.protocol.hashing import block_hashes
 from dynamograph.worker.lora import LoraModule
 from dynamograph.worker.testing import mock_worker, worker_process
+from e2e.waiting import wait_for
 
 from .conftest import MODEL, post_json
 from .test_kv_events import replay, wait_idle
@@ -114,12 +115,11 @@ async def test_lora_requests_info_names_running_adapters_and_max_lora():
         body = {"model": "sql", "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
         running = asyncio.create_task(post_json(w.url, "/v1/completions", body))
         try:
-            for _ in range(200):
-                if (await lora_info(w.url))["running_lora_adapters"] == "sql":
-                    break
-                await asyncio.sleep(0.02)
-            else:
-                raise AssertionError("adapter sql never showed as running")
+
+            async def sql_running() -> bool:
+                return (await lora_info(w.url))["running_lora_adapters"] == "sql"
+
+            await wait_for(sql_running, "adapter sql to show as running", within=10)
         finally:
             running.cancel()
             await asyncio.gather(running, return_exceptions=True)

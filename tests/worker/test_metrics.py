@@ -1,12 +1,11 @@
 """`/metrics` speaks vLLM's names and labels, and the numbers follow what the engine did."""
 
-import asyncio
-
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dynamograph.worker.testing import mock_worker
+from e2e.waiting import wait_for
 
 from .conftest import MODEL, post_json
 
@@ -64,10 +63,11 @@ async def test_metrics_follow_the_engine():
             assert value(m, "vllm:num_requests_running", **lab) == 1.0
             assert value(m, "vllm:kv_cache_usage_perc", **lab) > 0.0
             resp.close()
-        for _ in range(100):
+
+        async def nothing_running():
             m = await scrape(w.url)
-            if value(m, "vllm:num_requests_running", **lab) == 0.0:
-                break
-            await asyncio.sleep(0.05)
+            return m if value(m, "vllm:num_requests_running", **lab) == 0.0 else None
+
+        m = await wait_for(nothing_running, "the aborted request to stop running")
         assert value(m, "vllm:kv_cache_usage_perc", **lab) == 0.0
         assert value(m, "vllm:request_success_total", finished_reason="abort", **lab) == 1

@@ -31,7 +31,7 @@ async def test_storm_keeps_contracts_and_frees_every_block():
     outcomes = []
 
     async def one(i: int) -> None:
-        await asyncio.sleep(rnd.random() * 0.05)
+        await asyncio.sleep(rnd.random() * 0.05)  # clients arrive at random times (the load)
         prompt = np.concatenate([prefixes[i % 3][: rnd.randint(8, 200)], np.asarray([i], "<u4")])
         max_tokens = rnd.randint(1, 120)
         nvext = None
