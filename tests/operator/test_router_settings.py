@@ -9,8 +9,9 @@ import yaml
 from dynamograph.operator.config import OperatorConfig
 from dynamograph.operator.manifests import Owner, desired_objects, router_config_errors
 from dynamograph.protocol.graph import GraphError, RouterSpec, load_graph
+from e2e.waiting import wait_for
 
-from .emulator import EXAMPLES, wait_for
+from .emulator import EXAMPLES
 from .test_operator import (
     DEPLOYMENTS,
     condition,
@@ -97,7 +98,7 @@ async def test_applying_an_unknown_router_setting_rolls_nothing_out(cluster):
             cond = condition(graph_status(cluster), "Degraded")
             return cond if cond.get("status") == "True" else None
 
-        cond = await wait_for(degraded, 20, "Degraded=True")
+        cond = await wait_for(degraded, "Degraded=True", within=20)
         assert cond["reason"] == "InvalidSpec"
         assert f"{WEIGHTS_FIELD}: not a router setting" in cond["message"]
         status = graph_status(cluster)
@@ -105,7 +106,7 @@ async def test_applying_an_unknown_router_setting_rolls_nothing_out(cluster):
         ready = condition(status, "Ready")
         assert ready["status"] == "False" and WEIGHTS_FIELD in ready["message"]
         events = await wait_for(
-            lambda: posted_events(cluster, "InvalidSpec"), 15, "an InvalidSpec Event"
+            lambda: posted_events(cluster, "InvalidSpec"), "an InvalidSpec Event", within=15
         )
         assert WEIGHTS_FIELD in events[0]["message"] and events[0]["type"] == "Warning"
         await wait_quiet(cluster)
