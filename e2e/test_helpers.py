@@ -5,7 +5,7 @@ import asyncio
 import orjson
 import pytest
 
-from . import graphs
+from . import graphs, waiting
 from .traffic import (
     Reply,
     affinity_breaks,
@@ -126,3 +126,15 @@ def test_epp_ready_workers_counts_ready_workers_by_role():
         'dynamograph_epp_workers{role="aggregated",ready="true"} 0\n'
     )
     assert epp_ready_workers(text) == {"decode": 3, "prefill": 2}
+
+
+async def test_wait_for_probes_early_then_backs_off_to_its_interval(monkeypatch):
+    naps = []
+
+    async def nap(seconds):
+        naps.append(seconds)
+
+    monkeypatch.setattr(waiting.asyncio, "sleep", nap)
+    calls = iter(range(8))
+    assert await wait_for(lambda: next(calls) == 7, "the eighth probe", interval=0.05)
+    assert naps == [0.01, 0.02, 0.04, 0.05, 0.05, 0.05, 0.05]
