@@ -40,6 +40,10 @@ from .tasks import cancel_all
 
 log = logging.getLogger(__name__)
 
+RECEIVE_QUEUE = 100_000  # batches a SUB socket holds for us (vLLM's publisher sends up to as many)
+DRAIN_MAX = 1024  # batches handled per wake-up before other tasks get the loop
+REPLAY_ATTEMPTS = 3  # replay timeouts 1 s, 2 s, 4 s (the default) before the slot is cleared
+
 
 class IngestMetrics(Protocol):
     """The Prometheus series ingestion reports to (the EPP's registry provides them)."""
@@ -85,6 +89,9 @@ class RankSubscriber:
     async def run(self) -> None:
         sub = self.context.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
+        # A router busy with requests must fall behind, not lose batches: ZMQ's I/O thread keeps
+        # queueing them for us meanwhile (ZMQ's default of 1,000 dropped the rest → a gap).
+        sub.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)
         sub.setsockopt_string(zmq.SUBSCRIBE, self.topic)
         monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sub.connect(self.endpoint)
@@ -102,17 +109,24 @@ class RankSubscriber:
                     elif event["event"] == zmq.EVENT_DISCONNECTED and self.on_disconnect:
                         self.on_disconnect(self.worker_id)
                 if sub in ready:
-                    frames = await sub.recv_multipart()
-                    if len(frames) < 3:
-                        log.warning(
-                            "KV event frame with %d parts from %s", len(frames), self.endpoint
-                        )
-                        continue
-                    await self.handle(decode_seq(frames[1]), frames[2])
+                    await self._drain(sub)
         finally:
             sub.disable_monitor()
             monitor.close(linger=0)
             sub.close(linger=0)
+
+    async def _drain(self, sub: zmq.asyncio.Socket) -> None:
+        """Every batch queued (up to `DRAIN_MAX`) in one wake-up: behind under load, the
+        subscriber then catches up in few loop turns instead of one turn a batch."""
+        for _ in range(DRAIN_MAX):
+            try:  # zmq.asyncio answers NOBLOCK with a done future: Again when nothing is queued
+                frames = sub.recv_multipart(flags=zmq.NOBLOCK).result()
+            except zmq.Again:
+                return
+            if len(frames) < 3:
+                log.warning("KV event frame with %d parts from %s", len(frames), self.endpoint)
+                continue
+            await self.handle(decode_seq(frames[1]), frames[2])
 
     def _decode(self, seq: int, payload: bytes) -> EventBatch | None:
         try:
@@ -158,7 +172,7 @@ class RankSubscriber:
         )
         if self.metrics is not None:
             self.metrics.kv_gaps.inc()
-        frames, _ = await self.fetch_replay(start)
+        frames, _ = await self.replay_patiently(start)
         if frames and frames[0][0] == start:
             for replayed_seq, replayed in frames:
                 self._apply(replayed_seq, replayed, "replay")
@@ -208,7 +222,29 @@ class RankSubscriber:
         # A complete replay tells us the next sequence number even when it was empty.
         self.synced = self.synced or complete
 
-    async def fetch_replay(self, start_seq: int) -> tuple[list[tuple[int, EventBatch]], bool]:
+    async def replay_patiently(self, start_seq: int) -> tuple[list[tuple[int, EventBatch]], bool]:
+        """`fetch_replay`, asked again with a doubled timeout while it times out: a worker (or
+        this process) slow to answer is not history lost, and clearing a slot is costly."""
+        timeout = self.replay_timeout
+        for attempt in range(REPLAY_ATTEMPTS):
+            frames, complete = await self.fetch_replay(start_seq, timeout)
+            if complete or not self.replay_endpoint:
+                return frames, complete
+            log.info(
+                "replay of worker %s rank %s from %d timed out after %g s (attempt %d of %d)",
+                self.worker_id,
+                self.dp_rank,
+                start_seq,
+                timeout,
+                attempt + 1,
+                REPLAY_ATTEMPTS,
+            )
+            timeout *= 2
+        return frames, False
+
+    async def fetch_replay(
+        self, start_seq: int, wait_s: float | None = None
+    ) -> tuple[list[tuple[int, EventBatch]], bool]:
         """Batches from `start_seq` on, as the worker's replay socket has them buffered, and
         whether the replay ended properly (False: timed out or no replay socket)."""
         if not self.replay_endpoint:
@@ -221,7 +257,8 @@ class RankSubscriber:
         try:
             await dealer.send_multipart([b"", encode_seq(start_seq)])
             while True:
-                if not await dealer.poll(self.replay_timeout * 1000):
+                wait = self.replay_timeout if wait_s is None else wait_s
+                if not await dealer.poll(wait * 1000):
                     log.debug("replay from %s timed out", self.replay_endpoint)
                     return frames, False
                 parts = await dealer.recv_multipart()

@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 BUFFER_STEPS = 10_000
 
 
+PUB_QUEUE = 100_000  # batches queued per subscriber before PUB drops (vLLM's hwm)
+
+
 def bind_address(host: str, port: int) -> str:
     return f"tcp://{'*' if host in ('0.0.0.0', '', '::') else host}:{port}"
 
@@ -103,6 +106,7 @@ def bind_publishers(
     topic: str = DEFAULT_TOPIC,
     attempts: int = 20,
     map_layout: bool = False,
+    buffer_steps: int = BUFFER_STEPS,
 ) -> tuple[list[KvEventPublisher], int, int]:
     """Bind PUB + ROUTER sockets for every rank; returns (publishers, events port, replay port)."""
     last_error: Exception | None = None
@@ -118,6 +122,8 @@ def bind_publishers(
                 for rank in range(ranks):
                     sock = ctx.socket(sock_type)
                     sock.setsockopt(zmq.LINGER, 0)
+                    if sock_type == zmq.PUB:  # vLLM's publisher queues as many for a slow router
+                        sock.setsockopt(zmq.SNDHWM, PUB_QUEUE)
                     sockets.append(sock)
                     if rank == 0 and base == 0:
                         port = sock.bind_to_random_port(bind_address(host, 0).rsplit(":", 1)[0])
@@ -130,7 +136,12 @@ def bind_publishers(
                 pubs.append(bound)
             publishers = [
                 KvEventPublisher(
-                    pubs[0][r], pubs[1][r], dp_rank=r, topic=topic, map_layout=map_layout
+                    pubs[0][r],
+                    pubs[1][r],
+                    dp_rank=r,
+                    topic=topic,
+                    buffer_steps=buffer_steps,
+                    map_layout=map_layout,
                 )
                 for r in range(ranks)
             ]
