@@ -1,4 +1,4 @@
-"""Worker discovery: which engines exist and what each says about itself (DESIGN §3.2).
+"""Worker discovery: which engines exist and what each says about itself.
 
 A *source* finds worker targets (engine URL + serving endpoint); `Discovery` turns each target
 into a `WorkerRecord` by fetching the worker's `GET /v1/engine` (block size, role, DP size and KV
@@ -113,7 +113,7 @@ def load_workers_file(path: str | Path) -> list[WorkerTarget]:
 def _pod_ready(pod: dict[str, Any]) -> bool:
     for condition in (pod.get("status") or {}).get("conditions") or []:
         if condition.get("type") == "Ready":
-            return condition.get("status") == "True"
+            return bool(condition.get("status") == "True")
     return False
 
 
@@ -340,11 +340,11 @@ class Discovery:
         self.records: dict[int, WorkerRecord] = {}
         self._targets: dict[str, WorkerTarget] = {}
         self._by_key: dict[str, WorkerRecord] = {}
-        self._fetchers: dict[str, asyncio.Task] = {}
+        self._fetchers: dict[str, asyncio.Task[None]] = {}
         self._listeners: list[tuple[Listener | None, Listener | None]] = []
         self._changed = asyncio.Event()
         self._session: aiohttp.ClientSession | None = None
-        self._source_task: asyncio.Task | None = None
+        self._source_task: asyncio.Task[None] | None = None
 
     # -- lifecycle --
     async def start(self) -> None:

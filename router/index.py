@@ -1,4 +1,4 @@
-"""KV index: which (worker, dp_rank) slot holds which prefix of blocks (DESIGN §3.5).
+"""KV index: which (worker, dp_rank) slot holds which prefix of blocks.
 
 Identity of a block. The router hashes each block's tokens itself (`protocol.hashing`, not
 chained). The index turns a sequence of those per-block hashes into *prefix keys*: key i

@@ -1,5 +1,5 @@
 """Scheduler behaviour: cost, pins, query-only, approximate mode, disaggregation, sticky sessions,
-backpressure, policies and KV-event sequencing (DESIGN §3.5, §3.6)."""
+backpressure, pickers and KV-event sequencing (docs/router.md)."""
 
 import math
 from collections import Counter
