@@ -2,8 +2,8 @@
 
 Random fleets (roles, DP ranks, adapters, readiness, scraped usage), random KV-index contents
 (real BlockStored events), random live bookings, then random requests: every decision of
-`Router.schedule` must be what a straightforward computation of the cost rule (
-docs/router.md "How a request is placed"), slot by slot in plain Python, gives — the same slot,
+`Router.schedule` must be what a straightforward computation of the cost rule
+(docs/router.md "How a request is placed"), slot by slot in plain Python, gives — the same slot,
 overlap and cost, the same 503/429 reason, and the same random tie-break or softmax draw from
 the same random state.
 """
