@@ -18,11 +18,12 @@ import logging
 import sys
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import repeat
 
 import numpy as np
 import xxhash
+from numpy.typing import NDArray
 
 BLOCK_HASH_SEED = 1337
 _U64 = (1 << 64) - 1
@@ -64,12 +65,27 @@ _SECRET = bytes.fromhex(
 )
 _PRIME64_1 = 0x9E3779B185EBCA87
 KERNEL_BLOCK_SIZES = range(5, 33)  # 20..128 bytes of ids: XXH3's 17-128-byte case
-_kernel = None  # set by warm_up()
+# xxh3_kernel.hash_blocks (ids, block_size, offsets, low, high, start, out), compiled
+_HashKernel = Callable[
+    [
+        np.ndarray,
+        int,
+        NDArray[np.int64],
+        NDArray[np.uint64],
+        NDArray[np.uint64],
+        np.uint64,
+        np.ndarray,
+    ],
+    None,
+]
+_kernel: _HashKernel | None = None  # set by warm_up()
 _kernel_lock = threading.Lock()
 
 
 @functools.lru_cache(maxsize=64)
-def _kernel_constants(block_size: int, seed: int) -> tuple[np.ndarray, ...]:
+def _kernel_constants(
+    block_size: int, seed: int
+) -> tuple[NDArray[np.int64], NDArray[np.uint64], NDArray[np.uint64], np.uint64]:
     """Per 16-byte lane XXH3 mixes for this length: the lane's u32 offset in the block and the
     secret's two words with the seed added / subtracted; then the accumulator's start."""
     length = 4 * block_size
@@ -87,20 +103,21 @@ def _kernel_constants(block_size: int, seed: int) -> tuple[np.ndarray, ...]:
     return offsets, low, high, np.uint64(length * _PRIME64_1 & _U64)
 
 
-def _compile_kernel():
+def _compile_kernel() -> _HashKernel:
     import numba
 
     from . import xxh3_kernel
 
-    kernel = xxh3_kernel.hash_blocks
+    dispatcher = xxh3_kernel.hash_blocks
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", numba.NumbaWarning)
         try:
-            kernel.enable_caching()
+            dispatcher.enable_caching()
         except RuntimeError:  # nowhere to write numba's cache: compile in memory
             _log.debug("numba cannot cache the block-hash kernel here")
-        kernel.compile(xxh3_kernel.SIGNATURE)
-    kernel.disable_compile()
+        dispatcher.compile(xxh3_kernel.SIGNATURE)
+    dispatcher.disable_compile()
+    kernel: _HashKernel = dispatcher
     return kernel
 
 
@@ -115,10 +132,13 @@ def warm_up() -> None:
 
 
 def _kernel_hash(tokens: np.ndarray, block_size: int, seed: int) -> np.ndarray:
+    kernel = _kernel
+    if kernel is None:
+        raise RuntimeError("the block-hash kernel is not compiled: call hashing.warm_up() first")
     if not tokens.flags.writeable:  # numba types read-only arrays apart; compiled for one
         tokens = tokens.copy()
     out = np.empty(len(tokens) // block_size, np.uint64)
-    _kernel(tokens, block_size, *_kernel_constants(block_size, seed), out)
+    kernel(tokens, block_size, *_kernel_constants(block_size, seed), out)
     return out
 
 
@@ -141,4 +161,5 @@ def block_hashes(
     token_ids: Sequence[int] | np.ndarray, block_size: int, lora_name: str | None = None
 ) -> list[int]:
     """`block_hash_array` as a list of Python ints."""
-    return block_hash_array(token_ids, block_size, lora_name).tolist()
+    hashes: list[int] = block_hash_array(token_ids, block_size, lora_name).tolist()
+    return hashes

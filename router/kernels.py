@@ -32,10 +32,14 @@ write a cache (it runs uncached, silently, when it cannot).
 import logging
 import threading
 import warnings
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import numba
 import numpy as np
+from numba.core.dispatcher import Dispatcher
 from numba.cpython.unsafe.numbers import trailing_zeros
+from numpy.typing import NDArray
 
 from dynamograph.protocol import hashing
 
@@ -53,7 +57,7 @@ _GOLD = np.uint64(0x9E3779B97F4A7C15)
 _ONE = np.uint64(1)
 _LOW6 = np.uint64(63)
 
-_KERNELS: list[tuple[object, str]] = []
+_KERNELS: list[tuple[Dispatcher, str]] = []
 _META = np.array([0, 0, 61, 6], np.int64)  # an empty 8-cell table's, for the warm-up call
 _warm = False
 _warm_lock = threading.Lock()
@@ -65,13 +69,16 @@ _TABLE = f"{_U8}, {_I4}, {_I8}"
 _HOLDERS = f"u8[:, ::1], {_I4}, {_I8}"
 
 
-def _kernel(signature: str):
+_Fn = TypeVar("_Fn", bound=Callable[..., Any])
+
+
+def _kernel(signature: str) -> Callable[[_Fn], _Fn]:
     """A compiled entry point for `signature` (compiled by `warm_up`, never for other types)."""
 
-    def wrap(fn):
+    def wrap(fn: _Fn) -> _Fn:
         disp = numba.njit(nogil=True)(fn)
         _KERNELS.append((disp, signature))
-        return disp
+        return cast(_Fn, disp)  # the dispatcher is called as the function it compiles
 
     return wrap
 
@@ -105,7 +112,7 @@ def warm_up() -> None:
         _warm = True
 
 
-def enable_cache(disp) -> bool:
+def enable_cache(disp: Dispatcher) -> bool:
     """Turn numba's on-disk cache on for a dispatcher: in the source's `__pycache__`, else in
     numba's user-wide cache dir; False (it then compiles in memory) when neither is writable."""
     try:
@@ -204,7 +211,9 @@ def _delete(tk, tv, meta, key):
 
 
 @_kernel(f"i4[::1]({_U8}, {_TABLE})")
-def table_get(keys, tk, tv, meta):
+def table_get(
+    keys: NDArray[np.uint64], tk: NDArray[np.uint64], tv: NDArray[np.int32], meta: NDArray[np.int64]
+) -> NDArray[np.int32]:
     out = np.empty(keys.size, np.int32)
     for j in range(keys.size):
         out[j] = _find(tk, tv, meta, keys[j])
@@ -212,7 +221,13 @@ def table_get(keys, tk, tv, meta):
 
 
 @_kernel(f"i4[::1]({_U8}, {_I4}, {_TABLE})")
-def table_put(keys, vals, tk, tv, meta):
+def table_put(
+    keys: NDArray[np.uint64],
+    vals: NDArray[np.int32],
+    tk: NDArray[np.uint64],
+    tv: NDArray[np.int32],
+    meta: NDArray[np.int64],
+) -> NDArray[np.int32]:
     out = np.empty(keys.size, np.int32)
     for j in range(keys.size):
         out[j] = _upsert(tk, tv, meta, keys[j], vals[j])
@@ -220,7 +235,9 @@ def table_put(keys, vals, tk, tv, meta):
 
 
 @_kernel(f"i4[::1]({_U8}, {_TABLE})")
-def table_pop(keys, tk, tv, meta):
+def table_pop(
+    keys: NDArray[np.uint64], tk: NDArray[np.uint64], tv: NDArray[np.int32], meta: NDArray[np.int64]
+) -> NDArray[np.int32]:
     out = np.empty(keys.size, np.int32)
     for j in range(keys.size):
         out[j] = _delete(tk, tv, meta, keys[j])
@@ -228,7 +245,13 @@ def table_pop(keys, tk, tv, meta):
 
 
 @_kernel(f"void({_U8}, {_I4}, {_TABLE})")
-def table_rehash(old_keys, old_vals, tk, tv, meta):
+def table_rehash(
+    old_keys: NDArray[np.uint64],
+    old_vals: NDArray[np.int32],
+    tk: NDArray[np.uint64],
+    tv: NDArray[np.int32],
+    meta: NDArray[np.int64],
+) -> None:
     """Insert the live cells among (old_keys, old_vals) into an empty table."""
     for j in range(old_keys.size):
         if old_keys[j] >= MIN_KEY:
@@ -236,7 +259,15 @@ def table_rehash(old_keys, old_vals, tk, tv, meta):
 
 
 @_kernel(f"void({_U8}, {_I4}, {_I4}, {_I4}, {_TABLE})")
-def table_rehash_moving(old_keys, old_vals, old_cells, moved, tk, tv, meta):
+def table_rehash_moving(
+    old_keys: NDArray[np.uint64],
+    old_vals: NDArray[np.int32],
+    old_cells: NDArray[np.int32],
+    moved: NDArray[np.int32],
+    tk: NDArray[np.uint64],
+    tv: NDArray[np.int32],
+    meta: NDArray[np.int64],
+) -> None:
     """`table_rehash` of cells that are row numbers: moved[old_cells[j]] = the new cell."""
     for j in range(old_keys.size):
         cell = -1 - _probe(tk, meta, old_keys[j])
@@ -245,7 +276,7 @@ def table_rehash_moving(old_keys, old_vals, old_cells, moved, tk, tv, meta):
 
 
 @_kernel(f"void({_U8}, {_I4}, {_I4})")
-def renumber(tk, tv, moved):
+def renumber(tk: NDArray[np.uint64], tv: NDArray[np.int32], moved: NDArray[np.int32]) -> None:
     """A table whose values are rows of a rebuilt table: each value v becomes moved[v]."""
     for i in range(tk.size):
         if tk[i] >= MIN_KEY:
@@ -254,7 +285,9 @@ def renumber(tk, tv, moved):
 
 # -- reference counts (active requests' shared prompt blocks) -------------------------------
 @_kernel(f"i8({_U8}, {_TABLE})")
-def count_up(keys, tk, tv, meta):
+def count_up(
+    keys: NDArray[np.uint64], tk: NDArray[np.uint64], tv: NDArray[np.int32], meta: NDArray[np.int64]
+) -> int:
     """Add a reference to each key; returns how many were new (values are counts), or NO_ROOM,
     changing nothing, when the table might not hold them all (reserve, then call again)."""
     if not _room(meta, keys.size):
@@ -272,7 +305,9 @@ def count_up(keys, tk, tv, meta):
 
 
 @_kernel(f"i8({_U8}, {_TABLE})")
-def count_down(keys, tk, tv, meta):
+def count_down(
+    keys: NDArray[np.uint64], tk: NDArray[np.uint64], tv: NDArray[np.int32], meta: NDArray[np.int64]
+) -> int:
     """Drop a reference to each key (absent keys are skipped); a key whose count reaches zero
     leaves the table. Returns how many left."""
     gone = 0
@@ -290,7 +325,9 @@ def count_down(keys, tk, tv, meta):
 
 
 @_kernel(f"i8({_U8}, {_TABLE})")
-def held_prefix(keys, tk, tv, meta):
+def held_prefix(
+    keys: NDArray[np.uint64], tk: NDArray[np.uint64], tv: NDArray[np.int32], meta: NDArray[np.int64]
+) -> int:
     """How many leading `keys` the table holds, by bisection: the keys are a chain's prefix
     keys, and whoever holds key i holds every key before it, so the held ones are a prefix."""
     if keys.size == 0 or _cell(tk, meta, _clamp(keys[0])) == MISSING:
@@ -307,7 +344,13 @@ def held_prefix(keys, tk, tv, meta):
 
 # -- the scheduler's tie-breaks -----------------------------------------------------------
 @_kernel("i8(i8[::1], f8[::1], i8[:], i8[:], i8[::1])")
-def least_of(at, k1, k2, k3, out):
+def least_of(
+    at: NDArray[np.int64],
+    k1: NDArray[np.float64],
+    k2: NDArray[np.int64],
+    k3: NDArray[np.int64],
+    out: NDArray[np.int64],
+) -> int:
     """The positions among `at` whose (k1, k2, k3) is smallest, compared like tuples, written
     to `out` in `at`'s order; returns how many (ties: more than one)."""
     n = 0
@@ -383,7 +426,7 @@ def _drop(row, column, gk, gv, gm, shared, sfree, hm):
 
 
 @_kernel(f"{_U8}(u8, {_U8})")
-def prefix_keys(parent, hashes):
+def prefix_keys(parent: int | np.uint64, hashes: NDArray[np.uint64]) -> NDArray[np.uint64]:
     """Prefix keys of `hashes` continuing the prefix whose key is `parent` (0: none), clamped."""
     out = np.empty(hashes.size, np.uint64)
     key = parent
@@ -395,8 +438,21 @@ def prefix_keys(parent, hashes):
 
 @_kernel(f"i8({_U8}, {_U8}, u8, b1, i8, {_TABLE}, {_TABLE}, {_HOLDERS})")
 def store_blocks(
-    engine, local, parent, has_parent, column, sk, sv, sm, gk, gv, gm, shared, sfree, hm
-):
+    engine: NDArray[np.uint64],
+    local: NDArray[np.uint64],
+    parent: int | np.uint64,
+    has_parent: bool,
+    column: int,
+    sk: NDArray[np.uint64],
+    sv: NDArray[np.int32],
+    sm: NDArray[np.int64],
+    gk: NDArray[np.uint64],
+    gv: NDArray[np.int32],
+    gm: NDArray[np.int64],
+    shared: NDArray[np.uint64],
+    sfree: NDArray[np.int32],
+    hm: NDArray[np.int64],
+) -> int:
     """A BlockStored on the slot whose engine-hash table is (sk, sv, sm) and bit is `column`:
     block i has engine hash engine[i] and our hash local[i]; its parent is the slot's block
     with engine hash `parent` when `has_parent`. Returns STORED; NO_PARENT (nothing stored)
@@ -426,7 +482,19 @@ def store_blocks(
 
 
 @_kernel(f"i8({_U8}, i8, {_TABLE}, {_TABLE}, {_HOLDERS})")
-def remove_blocks(engine, column, sk, sv, sm, gk, gv, gm, shared, sfree, hm):
+def remove_blocks(
+    engine: NDArray[np.uint64],
+    column: int,
+    sk: NDArray[np.uint64],
+    sv: NDArray[np.int32],
+    sm: NDArray[np.int64],
+    gk: NDArray[np.uint64],
+    gv: NDArray[np.int32],
+    gm: NDArray[np.int64],
+    shared: NDArray[np.uint64],
+    sfree: NDArray[np.int32],
+    hm: NDArray[np.int64],
+) -> int:
     """A BlockRemoved on the slot: each engine hash it holds goes; returns how many did."""
     removed = 0
     for i in range(engine.size):
@@ -444,7 +512,8 @@ def _emit(dropped, word, depth, out, nout):
         return nout
     while dropped:
         low = dropped & (~dropped + _ONE)
-        out[2 * nout] = word * 64 + np.int64(trailing_zeros(low))
+        # numba supplies an intrinsic's typing context itself: called with the operand only
+        out[2 * nout] = word * 64 + np.int64(trailing_zeros(low))  # type: ignore[call-arg]
         out[2 * nout + 1] = depth
         nout += 1
         dropped ^= low
@@ -452,7 +521,19 @@ def _emit(dropped, word, depth, out, nout):
 
 
 @_kernel(f"Tuple((b1, u8, i8))({_U8}, i8, u8, b1, {_U8}, {_I8}, i8, {_TABLE}, u8[:, ::1])")
-def match_prefix(hashes, depth, key, last, alive, out, nout, gk, gv, gm, shared):
+def match_prefix(
+    hashes: NDArray[np.uint64],
+    depth: int,
+    key: int,
+    last: bool,
+    alive: NDArray[np.uint64],
+    out: NDArray[np.int64],
+    nout: int,
+    gk: NDArray[np.uint64],
+    gv: NDArray[np.int32],
+    gm: NDArray[np.int64],
+    shared: NDArray[np.uint64],
+) -> tuple[bool, int, int]:
     """One stage of `find_matches`: hashes are the query's blocks from `depth` on, `key` the
     prefix key before them, `alive` the bitmask of slots holding every block so far (set to all
     ones at depth 0). Each slot's bit is ANDed with the holders of each block in turn; when

@@ -17,7 +17,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, cast
 
 import zmq
 import zmq.asyncio
@@ -120,7 +120,8 @@ class RankSubscriber:
         subscriber then catches up in few loop turns instead of one turn a batch."""
         for _ in range(DRAIN_MAX):
             try:  # zmq.asyncio answers NOBLOCK with a done future: Again when nothing is queued
-                frames = sub.recv_multipart(flags=zmq.NOBLOCK).result()
+                done = cast("asyncio.Future[list[bytes]]", sub.recv_multipart(flags=zmq.NOBLOCK))
+                frames = done.result()
             except zmq.Again:
                 return
             if len(frames) < 3:
@@ -289,7 +290,7 @@ class KvEventIngest:
         self.on_disconnect = on_disconnect
         self.context = zmq.asyncio.Context()
         self.subscribers: dict[int, list[RankSubscriber]] = {}
-        self._tasks: dict[int, list[asyncio.Task]] = {}
+        self._tasks: dict[int, list[asyncio.Task[None]]] = {}
 
     def add(self, record: WorkerRecord) -> None:
         events = record.config.kv_events

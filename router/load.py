@@ -109,7 +109,7 @@ class LoadScraper:
         self.workers: dict[int, WorkerRecord] = {}
         self._failures: dict[int, int] = {}
         self._wake: dict[int, asyncio.Event] = {}
-        self._tasks: dict[int, asyncio.Task] = {}
+        self._tasks: dict[int, asyncio.Task[None]] = {}
         # Every worker is scraped every interval (64 workers at 0.5 s = 128 scrapes/s), so
         # the client's own cost per request counts: the project's lean keep-alive HTTP/1.1
         # client (protocol.http1) took ~0.5 ms of the EPP's idle CPU per scrape off aiohttp's

@@ -14,6 +14,7 @@ callers pass keys ≥ 2 (`MIN_KEY`).
 import math
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from . import kernels
 from .kernels import LIMIT, LIVE, MIN_KEY, MISSING, USED
@@ -72,14 +73,14 @@ class U64Table:
         kernels.table_rehash_moving(old_keys, old_vals, old_cells, moved, *self.parts)
         return moved
 
-    def _compact(self, n: int, cells=None) -> tuple[np.ndarray, np.ndarray]:
+    def _compact(self, n: int, cells: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Copy out the live cells (or `cells`), then replace the arrays with empty ones big
         enough for them plus `n` keys: the old arrays (at 50% load, twice the copy) are freed
         before the new ones fill, which at 25 M keys is ~400 MB less at the peak."""
         if cells is None:
             cells = self.keys >= MIN_KEY
         old_keys, old_vals = self.keys[cells], self.vals[cells]
-        self.keys = self.vals = self.parts = None
+        del self.keys, self.vals, self.parts
         self._alloc(_cells_for(old_keys.size + n, self._max_load))
         return old_keys, old_vals
 
@@ -118,7 +119,7 @@ class U64Table:
         return self.keys[self.keys >= MIN_KEY]
 
 
-def _as_keys(keys) -> np.ndarray:
+def _as_keys(keys: ArrayLike) -> np.ndarray:
     keys = np.ascontiguousarray(keys, np.uint64)
     if keys.size and keys.min() < MIN_KEY:
         raise ValueError("table keys 0 and 1 are reserved")

@@ -5,7 +5,7 @@ import contextlib
 from collections.abc import Iterable
 
 
-async def cancel_all(tasks: Iterable[asyncio.Task]) -> None:
+async def cancel_all(tasks: Iterable[asyncio.Task[object]]) -> None:
     """Cancel every task, then wait for each to finish; their errors are already logged by them."""
     tasks = list(tasks)
     for task in tasks:

@@ -5,6 +5,7 @@ import random
 from collections.abc import Sequence
 
 import numpy as np
+from pydantic import BaseModel
 
 from .. import kernels
 from ..fleet import Candidates
@@ -54,12 +55,12 @@ class RoundRobinPicker(Picker):
 
     name = "round-robin"
 
-    def __init__(self, parameters=None) -> None:
+    def __init__(self, parameters: BaseModel | None = None) -> None:
         super().__init__(parameters)
         self._next: dict[Phase, int] = {}
 
     def pick(self, ctx: Context, c: Candidates, at: np.ndarray) -> int:
-        ordered = sorted(at.tolist(), key=c.fleet.slots.__getitem__)
+        ordered: list[int] = sorted(at.tolist(), key=c.fleet.slots.__getitem__)
         i = self._next.get(ctx.phase, 0)
         self._next[ctx.phase] = i + 1
         return ordered[i % len(ordered)]

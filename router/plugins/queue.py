@@ -25,6 +25,7 @@ class QueueScorer(Scorer):
 
     name = "queue"
     Parameters = QueueParameters
+    parameters: QueueParameters
 
     def score(self, ctx: Context, c: Candidates) -> np.ndarray:
         return self.parameters.blocks_per_request * c.fleet.waiting

@@ -2,6 +2,7 @@
 cost: `overlap_weight · prefill_blocks + decode_blocks` (`RouterConfig`'s default profile)."""
 
 import numpy as np
+from numpy.typing import NDArray
 
 from ..fleet import Candidates
 from .base import Context, Phase, Scorer, register
@@ -31,7 +32,7 @@ class LoadScorer(Scorer):
     name = "load"
 
     def score(self, ctx: Context, c: Candidates) -> np.ndarray:
-        new_prompt = ctx.prompt_blocks + ctx.output_blocks
+        new_prompt: int | NDArray[np.int64] = ctx.prompt_blocks + ctx.output_blocks
         if c.held is not None:
             new_prompt = new_prompt - c.held
         return c.booked_decode + new_prompt
