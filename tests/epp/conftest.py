@@ -255,11 +255,17 @@ def record_picks(epp) -> list[int]:
 
 
 @contextlib.asynccontextmanager
-async def running_epp(workers, **settings):
-    """A real EPP on free ports in this loop, with the given workers discovered statically."""
+async def running_epp(workers, *, serving: dict[str, str] | None = None, **settings):
+    """A real EPP on free ports in this loop, with the given workers discovered statically.
+    `serving` overrides the endpoint a worker (by URL) is routed to, e.g. one nothing answers."""
     router = settings.pop("router", RouterConfig())
+    serving = serving or {}
     targets = [
-        WorkerTarget(w.url, w.url, endpoint_of(w) if w.config.role.value != "prefill" else None)
+        WorkerTarget(
+            w.url,
+            w.url,
+            serving.get(w.url, endpoint_of(w)) if w.config.role.value != "prefill" else None,
+        )
         for w in workers
     ]
     epp = Epp(

