@@ -449,6 +449,8 @@ class Exchange:
                     log.info("served endpoint %s differs from pick %s", served, self.route.endpoint)
         if self.status is not None:
             self._metrics.response_status(self.status)
+        if self.status == 200 and self.route is not None and self.route.guard is not None:
+            self.route.guard.accepted()  # the engine took the turn: an `open` session binds
         if headers.end_of_stream:
             self._end_of_response()
         elif not self.response_body_sent:

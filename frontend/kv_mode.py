@@ -108,7 +108,11 @@ class KvMode:
             body,
             request_id=f"frontend-{next(self._ids)}",
             nvext=nvext,
-            pins=RoutePins(
+            # from the header-merged nvext when there is one: it also keeps a DP rank pinned
+            # without its worker, which `Pins` (engines to call) cannot name
+            pins=RoutePins.from_nvext(nvext)
+            if nvext is not None
+            else RoutePins(
                 pins.decode.worker_id if pins.decode else None,
                 pins.decode.dp_rank if pins.decode else None,
                 pins.prefill.worker_id if pins.prefill else None,

@@ -27,6 +27,10 @@ class Booking(Protocol):
 
     def mark_prefill_done(self) -> None: ...
 
+    def accepted(self) -> None:
+        """The decode engine answered with a success status (an `open` session binds)."""
+        ...
+
     def free(self) -> None: ...
 
 

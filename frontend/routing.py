@@ -105,7 +105,13 @@ def pins_from_headers(routing: RoutingHeaders) -> Pins:
 def merge(nvext: NvExt | None, routing: RoutingHeaders) -> tuple[NvExt | None, Pins]:
     """Headers merged into the body's nvext (headers win, as the seed) and the pins that gives."""
     if nvext is None:
-        return None, pins_from_headers(routing)
+        pins = pins_from_headers(routing)
+        if (routing.dp_rank is None or pins.decode is not None) and (
+            routing.prefill_dp_rank is None or pins.prefill is not None
+        ):
+            return None, pins
+        # a rank without its worker id: only the kv mode's router can use it (it restricts
+        # that phase's selection to the rank), so it travels in the nvext
     nvext = apply_header_routing_overrides(nvext, routing)
     return nvext, read_pins(nvext)
 

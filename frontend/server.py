@@ -384,6 +384,8 @@ class Frontend:
         except UpstreamError as exc:
             self._upstream_failed(exc, record, "decode")
             raise
+        if upstream.status == 200 and route.booking is not None:
+            route.booking.accepted()  # the engine took the turn: an `open` session binds
         try:
             trace.first_token_s = trace.elapsed()
             is_sse = upstream.content_type == "text/event-stream"

@@ -1,7 +1,9 @@
 """`nvext`: the NVIDIA request/response extensions to the OpenAI API.
 
 Field names, defaults and "omit when None" serialisation follow Dynamo's `NvExt`. Unknown
-fields are rejected so a typo in a routing hint fails loudly instead of being ignored.
+fields are ignored, as Dynamo's serde structs (no `deny_unknown_fields`) ignore them, so a
+request written for a newer Dynamo still routes here; the fields we know keep their types
+checked (a bad value is a 400 naming it). docs/nvext.md says what each field does here.
 """
 
 from enum import StrEnum
@@ -18,9 +20,10 @@ class NvExtError(ValueError):
 
 
 class _OmitNone(BaseModel):
-    """Serialises without None fields by default, as the seed's `skip_serializing_if`."""
+    """Serialises without None fields by default, as the seed's `skip_serializing_if`; unknown
+    fields are dropped on input, as serde drops them."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore")
 
     def model_dump(self, **kwargs: Any) -> dict[str, Any]:
         kwargs.setdefault("exclude_none", True)
@@ -32,16 +35,18 @@ class _OmitNone(BaseModel):
 
 
 class SessionAction(StrEnum):
-    OPEN = "open"
-    CLOSE = "close"
+    OPEN = "open"  # bind once the engine opened the session (engine-backed)
+    BIND = "bind"  # router-only affinity: the engine is not told
+    CLOSE = "close"  # unbind; the engine closes its side after the turn
 
 
 class SessionControl(_OmitNone):
-    """Sticky routing and session KV lifetime; `timeout` is seconds of inactivity."""
+    """Sticky routing and session KV lifetime; `timeout` is seconds of inactivity, any u64
+    (0 included), as Dynamo's."""
 
     session_id: str = Field(min_length=1)
     action: SessionAction | None = None
-    timeout: int = Field(default=300, ge=1)
+    timeout: U64 = 300
 
 
 class AgentHints(_OmitNone):

@@ -32,7 +32,7 @@ import functools
 import logging
 import math
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Self
 
@@ -335,9 +335,11 @@ class RequestGuard:
       released and the decode slot's prefill part dropped. Idempotent.
     - `add_output_tokens(n)`: generated tokens, for output-block tracking.
     - `free()`: release everything. Idempotent; also on `with` exit and on garbage collection.
+    - `accepted()`: the engine answered the request with a success status (an `open` session
+      binds then: `Decision.confirm_session`). Idempotent.
     """
 
-    __slots__ = ("__weakref__", "_active", "_decode", "_prefill", "request_id")
+    __slots__ = ("__weakref__", "_active", "_decode", "_prefill", "on_accepted", "request_id")
 
     def __init__(
         self,
@@ -350,6 +352,12 @@ class RequestGuard:
         self.request_id = request_id
         self._decode = decode
         self._prefill = prefill
+        self.on_accepted: Callable[[], None] | None = None
+
+    def accepted(self) -> None:
+        callback, self.on_accepted = self.on_accepted, None
+        if callback is not None:
+            callback()
 
     @property
     def booked(self) -> bool:

@@ -40,6 +40,15 @@ class Profile:
             self._refuse(ctx, c)
         return at
 
+    def passes_hard_constraints(self, ctx: Context, c: Candidates, position: int) -> bool:
+        """Whether one slot passes the request's hard constraints (`HARD_CONSTRAINTS`, the
+        first filters): what a sticky session's slot must still pass."""
+        for f in self.filters[: len(HARD_CONSTRAINTS)]:
+            mask = f.mask(ctx, c)
+            if mask is not None and not mask[position]:
+                return False
+        return True
+
     def _refuse(self, ctx: Context, c: Candidates) -> NoReturn:
         """No candidate is left: the filter that removed the last one refuses the request."""
         keep = np.ones(len(c.fleet), bool)

@@ -29,7 +29,7 @@ import numpy as np
 
 from dynamograph.protocol.engine import EngineConfig, Role
 from dynamograph.protocol.kv_events import BlockStored, EventBatch
-from dynamograph.protocol.nvext import SessionControl
+from dynamograph.protocol.nvext import SessionAction, SessionControl
 from dynamograph.protocol.pins import RoutePins
 from dynamograph.protocol.router_config import RouterConfig
 
@@ -41,7 +41,7 @@ from .plugins.base import Context, Phase
 from .prefills import PendingPrefills
 from .profile import build_profile
 from .seqtrack import GapInfo, SequenceTracker, Verdict
-from .sessions import StickySessions
+from .sessions import Binding, StickySessions
 
 __all__ = [
     "Decision",
@@ -97,10 +97,20 @@ class Decision:
     prefill: Pick | None = None
     guard: RequestGuard | None = None  # None for query-only requests
     fallback_reason: str | None = None  # why a disaggregated pool served aggregated
+    # `session_control.action: open`: binds the session once the engine accepted the turn
+    session_open: Callable[[], None] | None = None
 
     @property
     def disaggregated(self) -> bool:
         return self.prefill is not None
+
+    def confirm_session(self) -> None:
+        """The engine accepted the request (its answer is a success): an `open` session binds
+        now, as Dynamo binds once the worker's session open succeeded. Idempotent; nothing
+        to do for other requests."""
+        if self.session_open is not None:
+            self.session_open()
+            self.session_open = None
 
 
 _NO_MATCHES = np.zeros((0, 2), np.int64)
@@ -339,8 +349,8 @@ class Router:
         self.active.reap()
         candidates = fleet.candidates(matches, self.active, prompt_keys)
 
-        def select(phase: Phase, pinned_worker: int | None, pinned_rank: int | None) -> Pick:
-            ctx = Context(
+        def context(phase: Phase) -> Context:
+            return Context(
                 phase=phase,
                 prompt_blocks=prompt_blocks,
                 lora_name=request.lora_name,
@@ -349,7 +359,6 @@ class Router:
                 config=self.config,
                 rng=self._rng,
             )
-            return self._select(ctx, candidates, pinned_worker, pinned_rank)
 
         pins = request.pins
         fallback = None
@@ -358,20 +367,43 @@ class Router:
         if isinstance(disagg, str):
             fallback, disagg = disagg, False
         session = request.session
-        sticky = None
-        if session is not None and pins.worker_id is None:
-            sticky = self._sticky(session, now, candidates)
+        binding = self.sessions.bound(session.session_id, now) if session is not None else None
+        # Each phase is sticky on its own; a pin of that phase's worker or rank (headers,
+        # backend_instance_id, decode/prefill_worker_id, dp_rank, prefill_dp_rank) turns its
+        # stickiness off, and the pin does not move the binding.
+        moved: dict[Phase, Pick] = {}
         if disagg:
-            prefill = select(Phase.PREFILL, pins.prefill_worker_id, pins.prefill_dp_rank)
-            decode = sticky or select(Phase.DECODE, pins.worker_id, pins.dp_rank)
-        else:
-            decode = sticky or select(Phase.AGGREGATED, pins.worker_id, pins.dp_rank)
+            ctx = context(Phase.PREFILL)
+            prefill_pinned = pins.prefill_worker_id is not None or pins.prefill_dp_rank is not None
+            prefill = None
+            if binding is not None and not prefill_pinned and binding.prefill is not None:
+                prefill = self._sticky(ctx, candidates, binding.prefill)
+            if prefill is None:
+                prefill = self._select(
+                    ctx, candidates, pins.prefill_worker_id, pins.prefill_dp_rank
+                )
+                if (
+                    binding is not None
+                    and not prefill_pinned
+                    and (binding.prefill is None or not self._alive(binding.prefill))
+                ):
+                    moved[Phase.PREFILL] = prefill
+        ctx = context(Phase.DECODE if disagg else Phase.AGGREGATED)
+        decode_pinned = pins.worker_id is not None or pins.dp_rank is not None
+        decode = None
+        if binding is not None and not decode_pinned:
+            decode = self._sticky(ctx, candidates, binding.decode)
+        if decode is None:
+            decode = self._select(ctx, candidates, pins.worker_id, pins.dp_rank)
+            if binding is not None and not decode_pinned and not self._alive(binding.decode):
+                moved[Phase.DECODE] = decode
         decision = Decision(decode=decode, prefill=prefill, fallback_reason=fallback)
         if request.query_only:
             return decision
-        if session is not None and pins.worker_id is None:
-            self.sessions.bind(session, (decode.worker_id, decode.dp_rank), now)
+        if session is not None:
+            self._session_turn(session, binding, decision, moved, now)
         decision.guard = self._book(request, decision, hashes, prompt_blocks, prompt_keys)
+        decision.guard.on_accepted = decision.confirm_session if decision.session_open else None
         if not self.config.use_kv_events and has_blocks:
             expires = now + self.config.approx_ttl_s
             for pick in (prefill, decode):
@@ -403,6 +435,14 @@ class Router:
         if pinned_worker is not None:
             return self._pinned(ctx, c, pinned_worker, pinned_rank)
         at = profile.eligible(ctx, c)
+        if pinned_rank is not None:
+            # a rank pinned without its worker: the selection runs over the slots of that rank
+            ranks = np.fromiter((rank for _, rank in c.fleet.slots), np.int64, len(c.fleet))
+            at = at[ranks[at] == pinned_rank]
+            if not len(at):
+                raise NoEligibleWorker(
+                    f"no eligible {ctx.phase.value} worker has data-parallel rank {pinned_rank}"
+                )
         profile.score(ctx, c)
         chosen = profile.picker.pick(ctx, c, at)
         if log.isEnabledFor(logging.DEBUG):
@@ -427,17 +467,56 @@ class Router:
         return Pick(pick.worker_id, pick.dp_rank, pick.overlap_blocks, pick.cost, pinned=True)
 
     # -- sticky sessions -----------------------------------------------------------------
-    def _sticky(self, session: SessionControl, now: float, c: Candidates) -> Pick | None:
-        """The session's bound slot, if still alive and eligible (hard filters, not load)."""
-        slot = self.sessions.bound(session.session_id, now)
-        if slot is None:
-            return None
+    def _alive(self, slot: Slot) -> bool:
         wid, rank = slot
         state = self._workers.get(wid)
-        if state is None or rank >= state.dp_size or not state.ready or state.role == Role.PREFILL:
+        return state is not None and rank < state.dp_size and state.ready
+
+    def _sticky(self, ctx: Context, c: Candidates, slot: Slot) -> Pick | None:
+        """A phase's bound slot, when it still passes the request's hard constraints (role,
+        ready, LoRA adapter, subset); load does not move a session (the busy filter and the
+        other configured filters are not applied), as in Dynamo."""
+        wid, rank = slot
+        state = self._workers.get(wid)
+        if state is None or rank >= state.dp_size:
             return None
-        overlap = int(c.overlap[c.fleet.first[wid] + rank])
-        return Pick(wid, rank, overlap, None, sticky=True)
+        position = c.fleet.first[wid] + rank
+        if not self.profile.passes_hard_constraints(ctx, c, position):
+            return None
+        return Pick(wid, rank, int(c.overlap[position]), None, sticky=True)
+
+    def _session_turn(
+        self,
+        session: SessionControl,
+        binding: Binding | None,
+        decision: Decision,
+        moved: dict[Phase, Pick],
+        now: float,
+    ) -> None:
+        """What a routed turn does to its session's binding (`sessions` module docstring)."""
+        sid = session.session_id
+        action = session.action
+        decode = (decision.decode.worker_id, decision.decode.dp_rank)
+        prefill = None
+        if decision.prefill is not None:
+            prefill = (decision.prefill.worker_id, decision.prefill.dp_rank)
+        if action == SessionAction.CLOSE:
+            self.sessions.unbind(sid)
+        elif binding is not None:  # a turn (or a repeated open/bind) of a bound session
+            self.sessions.refresh(sid, now)
+            if Phase.PREFILL in moved:
+                binding.prefill = prefill
+            if Phase.DECODE in moved:
+                binding.decode = decode
+        elif action == SessionAction.BIND:
+            self.sessions.bind(session, decode, prefill, now)
+        elif action == SessionAction.OPEN:
+            sessions = self.sessions
+
+            def bind_open() -> None:
+                sessions.bind(session, decode, prefill, self._clock())
+
+            decision.session_open = bind_open
 
     # -- booking -------------------------------------------------------------------------
     def _book(

@@ -81,10 +81,10 @@ async def test_request_errors(model):
         # Bad nvext, client-supplied kv_transfer_params.
         await expect_error(
             api.completions.create(
-                **completion, extra_headers=route(local), extra_body={"nvext": {"dp_rnak": 1}}
+                **completion, extra_headers=route(local), extra_body={"nvext": {"dp_rank": "x"}}
             ),
             400,
-            "nvext.dp_rnak: unknown field",
+            "nvext.dp_rank: ",
         )
         await expect_error(
             api.completions.create(

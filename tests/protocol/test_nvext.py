@@ -56,7 +56,7 @@ def test_response_omits_none():
         ({"backend_instance_id": -1}, r"nvext\.backend_instance_id: .*\(got -1\)"),
         ({"dp_rank": "two"}, r"nvext\.dp_rank: .*\(got 'two'\)"),
         ({"dp_rank": 1 << 32}, r"nvext\.dp_rank: .*\(got 4294967296\)"),
-        ({"worker": 5}, r"nvext\.worker: unknown field \(got 5\)"),
+        ({"agent_hints": {"osl": "long", "future": 1}}, r"nvext\.agent_hints\.osl: .*'long'"),
         (
             {"session_control": {"action": "open"}},
             r"nvext\.session_control\.session_id: Field required",
@@ -71,6 +71,17 @@ def test_response_omits_none():
 def test_errors_name_field_and_value(value, message):
     with pytest.raises(NvExtError, match=message):
         parse_nvext(value)
+
+
+def test_unknown_fields_are_ignored_as_dynamo_does():
+    """Dynamo's serde structs have no deny_unknown_fields: a newer client's keys are dropped."""
+    nvext = parse_nvext(
+        {"future_hint": 5, "agent_hints": {"osl": 9, "new": "x"}, "session_control": {
+            "session_id": "s", "later": True}}
+    )
+    assert nvext.agent_hints.osl == 9 and nvext.session_control.session_id == "s"
+    assert nvext.model_dump() == {"agent_hints": {"osl": 9}, "session_control": {
+        "session_id": "s", "timeout": 300}}
 
 
 def test_nvext_must_be_an_object():

@@ -321,20 +321,22 @@ def test_enforced_disaggregation_refuses_with_the_reason():
 # -- sticky sessions -------------------------------------------------------------------------
 
 
-def test_sticky_session_binds_refreshes_and_closes():
+def test_sticky_session_open_binds_once_the_engine_accepted_refreshes_and_closes():
     clock = Clock()
     router = make_router(clock=clock)
     open_ = SessionControl(session_id="chat", action="open", timeout=60)
     first = router.schedule(request(tokens(16), session=open_))
     bound = (first.decode.worker_id, 0)
+    assert router.sessions.binding("chat") is None  # the engine has not answered yet
+    first.confirm_session()  # the engine accepted the open turn
     assert router.sessions.binding("chat") == bound
     other = next(w for w in (1, 2, 3) if w != bound[0])
     cache(router, other, tokens(64))  # a much better KV match elsewhere
-    follow = SessionControl(session_id="chat", timeout=60)
+    follow = SessionControl(session_id="chat")  # later turns name no action (nor timeout)
     d = router.schedule(request(tokens(64), session=follow))
     assert (d.decode.worker_id, d.decode.sticky) == (bound[0], True)
     clock.now += 50
-    router.schedule(request(tokens(64), session=follow))  # refreshes the timeout
+    router.schedule(request(tokens(64), session=follow))  # refreshes by the binding's 60 s
     clock.now += 50
     assert router.sessions.binding("chat") == bound
     close = SessionControl(session_id="chat", action="close")
@@ -343,28 +345,108 @@ def test_sticky_session_binds_refreshes_and_closes():
     assert router.schedule(request(tokens(64))).decode.worker_id == other
 
 
+def test_open_refused_by_the_engine_binds_nothing():
+    router = make_router()
+    d = router.schedule(request(tokens(16), session=SessionControl(session_id="x", action="open")))
+    d.guard.free()  # the engine's answer was an error: nobody confirms
+    assert router.sessions.binding("x") is None
+
+
+def test_bind_is_router_only_and_immediate_and_no_action_never_creates_a_binding():
+    router = make_router()
+    d = router.schedule(request(tokens(16), session=SessionControl(session_id="n")))
+    assert router.sessions.binding("n") is None and d.session_open is None
+    b = router.schedule(request(tokens(16), session=SessionControl(session_id="b", action="bind")))
+    assert router.sessions.binding("b") == (b.decode.worker_id, 0)
+
+
+def test_session_timeout_zero_binds_for_no_time():
+    clock = Clock()
+    router = make_router(clock=clock)
+    zero = SessionControl(session_id="z", action="bind", timeout=0)
+    first = router.schedule(request(tokens(16), session=zero))
+    assert router.sessions.binding("z") is None  # expired at once
+    cache(router, next(w for w in (1, 2, 3) if w != first.decode.worker_id), tokens(64))
+    d = router.schedule(request(tokens(64), session=SessionControl(session_id="z")))
+    assert not d.decode.sticky
+
+
 def test_sticky_session_expires_and_rebinds_when_worker_goes():
     clock = Clock()
     router = make_router(clock=clock, session_ttl_s=30)
-    s = SessionControl(session_id="a")  # no timeout given: the router's default applies
+    s = SessionControl(session_id="a", action="bind")  # no timeout given: the router's default
     bound = router.schedule(request(tokens(16), session=s)).decode.worker_id
     clock.now += 31
     assert router.sessions.binding("a") is None
     bound = router.schedule(request(tokens(16), session=s)).decode.worker_id
     router.remove_worker(bound)
-    moved = router.schedule(request(tokens(16), session=s))
+    moved = router.schedule(request(tokens(16), session=SessionControl(session_id="a")))
     assert moved.decode.worker_id != bound and not moved.decode.sticky
     assert router.sessions.binding("a") == (moved.decode.worker_id, 0)
 
 
 def test_explicit_pin_disables_stickiness_for_that_phase():
     router = make_router()
-    s = SessionControl(session_id="p")
+    s = SessionControl(session_id="p", action="bind")
     bound = router.schedule(request(tokens(16), session=s)).decode.worker_id
     other = next(w for w in (1, 2, 3) if w != bound)
     d = router.schedule(request(tokens(16), session=s, pins=RoutePins(worker_id=other)))
     assert d.decode.worker_id == other and d.decode.pinned and not d.decode.sticky
     assert router.sessions.binding("p") == (bound, 0)  # the pin did not rebind
+
+
+def test_sticky_slot_must_pass_the_hard_constraints():
+    """A session bound to a worker without the request's LoRA adapter (or outside the
+    caller's subset) is served where the constraints allow; the binding stays."""
+    router = make_router(workers=(1,))
+    router.add_worker(2, block_size=BS, total_blocks=1000, lora_names=["sql"])
+    s = SessionControl(session_id="l", action="bind")
+    router.schedule(request(tokens(16), session=s, pins=RoutePins(worker_id=1)))
+    router.sessions.unbind("l")
+    router.schedule(request(tokens(16), session=s, allowed_ids=frozenset({1})))
+    assert router.sessions.binding("l") == (1, 0)
+    follow = SessionControl(session_id="l")
+    d = router.schedule(request(tokens(16), lora="sql", session=follow))
+    assert (d.decode.worker_id, d.decode.sticky) == (2, False)
+    with pytest.raises(NoEligibleWorker, match="subset"):
+        router.schedule(request(tokens(16), session=follow, allowed_ids=frozenset({99})))
+    assert router.sessions.binding("l") == (1, 0)
+    assert router.schedule(request(tokens(16), session=follow)).decode.sticky
+
+
+def test_prefill_phase_is_sticky_and_its_pins_turn_only_it_off():
+    router = disagg_router()
+    s = SessionControl(session_id="d", action="bind")
+    first = router.schedule(request(tokens(16), session=s))
+    bound_prefill, bound_decode = first.prefill.worker_id, first.decode.worker_id
+    other = 21 - bound_prefill  # the other prefill worker (10 or 11)
+    cache(router, other, tokens(64))  # a far better prefill match elsewhere
+    follow = SessionControl(session_id="d")
+    d = router.schedule(request(tokens(64), session=follow))
+    assert (d.prefill.worker_id, d.prefill.sticky) == (bound_prefill, True)
+    assert (d.decode.worker_id, d.decode.sticky) == (bound_decode, True)
+    # a prefill pin turns off the prefill phase's stickiness only
+    pinned = router.schedule(
+        request(tokens(64), session=follow, pins=RoutePins(prefill_worker_id=other))
+    )
+    assert pinned.prefill.worker_id == other and pinned.prefill.pinned
+    assert (pinned.decode.worker_id, pinned.decode.sticky) == (bound_decode, True)
+    assert router.sessions.prefill_binding("d") == (bound_prefill, 0)
+
+
+def test_dp_rank_only_pin_is_not_overridden_by_the_session():
+    router = Router(RouterConfig(seed=7), clock=Clock())
+    for w in (1, 2):
+        router.add_worker(w, dp_size=2, block_size=BS, total_blocks=1000)
+    s = SessionControl(session_id="r", action="bind")
+    first = router.schedule(request(tokens(16), session=s, pins=RoutePins(dp_rank=0)))
+    assert first.decode.dp_rank == 0 and router.sessions.binding("r")[1] == 0
+    d = router.schedule(
+        request(tokens(16), session=SessionControl(session_id="r"), pins=RoutePins(dp_rank=1))
+    )
+    assert d.decode.dp_rank == 1 and not d.decode.sticky
+    with pytest.raises(NoEligibleWorker, match="data-parallel rank 2"):
+        router.schedule(request(tokens(16), pins=RoutePins(dp_rank=2)))
 
 
 # -- filters and backpressure ----------------------------------------------------------------
@@ -519,7 +601,7 @@ def test_router_config_from_yaml_with_overrides(tmp_path):
 
 def test_sticky_pick_reports_its_overlap_and_books_only_uncached_blocks():
     router = make_router(workers=(1, 2))
-    s = SessionControl(session_id="k")
+    s = SessionControl(session_id="k", action="bind")
     first = router.schedule(request(tokens(8), session=s))
     bound = first.decode.worker_id
     cache(router, bound, tokens(32))

@@ -1,0 +1,156 @@
+"""Requests written for Dynamo behave as in Dynamo, through the frontend's HTTP surface (issue
+20; docs/nvext.md): unknown nvext keys, sessions against the hard constraints, stickiness per
+phase, session actions. The kv mode runs the same request pipeline as the EPP."""
+
+from typing import Any
+
+import aiohttp
+import pytest
+
+from dynamograph.frontend.routing import Mode
+from dynamograph.protocol.hashing import block_hashes
+from dynamograph.protocol.tokenization import get_tokenizer
+from dynamograph.router.scheduler import RouteRequest
+from dynamograph.worker.lora import LoraModule
+from dynamograph.worker.testing import mock_worker
+from e2e.waiting import wait_for
+
+from .conftest import route, run_frontend, served
+
+pytestmark = pytest.mark.integration
+
+PROMPT = "Every turn of this conversation starts with the same long briefing. " * 8
+
+
+async def post(fe, body: dict[str, Any], headers: dict[str, str] | None = None):
+    """POST /v1/completions; (status, JSON body, response headers)."""
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(fe.url + "/v1/completions", json=body, headers=headers or {}) as r,
+    ):
+        return r.status, await r.json(), r.headers
+
+
+def cached_on(fe, worker) -> int:
+    router = fe.routing.router
+    tokens = get_tokenizer("qwen").encode(PROMPT, add_special_tokens=True)
+    probe = RouteRequest("probe", block_hashes(tokens, router.block_size), len(tokens))
+    probe.query_only = True
+    probe.pins = type(probe.pins)(worker_id=worker.config.instance_id)
+    return router.schedule(probe).decode.overlap_blocks
+
+
+@pytest.mark.parametrize("mode", [Mode.DIRECT, Mode.KV])
+async def test_unknown_nvext_and_agent_hint_keys_are_ignored(model, mode):
+    async with (
+        mock_worker() as w,
+        run_frontend(w if mode is Mode.DIRECT else None, [w], mode=mode) as fe,
+    ):
+        headers = route(w) if mode is Mode.DIRECT else None
+        nvext = {
+            "a_field_from_a_newer_dynamo": {"x": 1},
+            "agent_hints": {"osl": 4, "context_tokens_hint": 99},
+            "session_control": {"session_id": "s1", "ttl_policy": "later"},
+        }
+        body = {"model": model, "prompt": "hello", "max_tokens": 2, "nvext": nvext}
+        status, out, _ = await post(fe, body, headers)
+        assert status == 200, out
+        # the fields we know keep their types checked
+        body["nvext"] = {"agent_hints": {"osl": "many"}}
+        status, out, _ = await post(fe, body, headers)
+        assert status == 400 and "nvext.agent_hints.osl" in out["error"]["message"]
+
+
+async def test_a_session_bound_worker_without_the_adapter_does_not_get_a_lora_request(model):
+    async with (
+        mock_worker(lora_modules=[LoraModule("sql", "/a/sql")]) as with_adapter,
+        mock_worker() as without,
+        run_frontend(None, [with_adapter, without], mode=Mode.KV) as fe,
+    ):
+        # the session opens where its prompt is cached: the worker without the adapter
+        body = {"model": model, "prompt": PROMPT, "max_tokens": 1}
+        assert (await post(fe, body, route(without)))[0] == 200
+        await wait_for(lambda: cached_on(fe, without) > 0, what="the prompt's KV events")
+        opened = {**body, "nvext": {"session_control": {"session_id": "chat", "action": "open"}}}
+        assert (await post(fe, opened))[0] == 200
+        assert (await served(without))["total"] == 2
+        # the next turn asks for the adapter: the bound worker cannot serve it
+        turn = {**body, "model": "sql", "nvext": {"session_control": {"session_id": "chat"}}}
+        status, out, _ = await post(fe, turn)
+        assert status == 200, out
+        assert out["model"] == "sql" and (await served(with_adapter))["total"] == 1
+        # and the session is still bound where it was
+        status, _, headers = await post(fe, {**turn, "model": model})
+        assert headers["x-dynamograph-worker-id"] == str(without.config.instance_id)
+
+
+async def test_a_dp_rank_pin_is_not_overridden_by_the_session(model):
+    async with (
+        mock_worker(data_parallel_size=2) as w,
+        run_frontend(None, [w], mode=Mode.KV) as fe,
+    ):
+        session = {"session_control": {"session_id": "dp", "action": "open"}}
+        body = {"model": model, "prompt": PROMPT, "max_tokens": 1, "nvext": session}
+        status, _, headers = await post(fe, body)
+        assert status == 200
+        bound = int(headers["x-dynamograph-dp-rank"])
+        follow = {**body, "nvext": {"session_control": {"session_id": "dp"}}}
+        other = str(1 - bound)
+        # a rank pinned without its worker (the header, or nvext.dp_rank) wins over the session
+        status, _, headers = await post(fe, follow, {"x-dp-rank": other})
+        assert status == 200 and headers["x-dynamograph-dp-rank"] == other
+        pinned = {**follow, "nvext": {**follow["nvext"], "dp_rank": int(other)}}
+        status, _, headers = await post(fe, pinned)
+        assert status == 200 and headers["x-dynamograph-dp-rank"] == other
+        # and did not move the session
+        status, _, headers = await post(fe, follow)
+        assert headers["x-dynamograph-dp-rank"] == str(bound)
+
+
+async def test_session_actions_as_dynamo(model):
+    async with (
+        mock_worker(context_length=1024) as a,
+        mock_worker(context_length=1024) as b,
+        run_frontend(None, [a, b], mode=Mode.KV) as fe,
+    ):
+        sessions = fe.routing.router.sessions
+
+        def turn(sid: str, action: str | None = None, **fields: Any) -> dict[str, Any]:
+            control: dict[str, Any] = {"session_id": sid, **fields}
+            if action is not None:
+                control["action"] = action
+            return {
+                "model": model,
+                "prompt": "hi",
+                "max_tokens": 1,
+                "nvext": {"session_control": control},
+            }
+
+        # no action only refreshes a binding: it never creates one
+        assert (await post(fe, turn("plain")))[0] == 200
+        assert sessions.binding("plain") is None
+        # an open the engine refuses binds nothing
+        refused = {**turn("refused", "open"), "max_tokens": 5000}
+        status, out, _ = await post(fe, refused)
+        assert status == 400 and "maximum context length" in out["error"]["message"]
+        assert sessions.binding("refused") is None
+        # open binds once the engine took the turn; the engine holds the session too
+        status, _, headers = await post(fe, turn("s", "open", timeout=600))
+        where = int(headers["x-dynamograph-worker-id"])
+        assert status == 200 and sessions.binding("s") == (where, 0)
+        engine = a if a.config.instance_id == where else b
+        assert engine.engine.ranks[0].has_session("s")
+        # bind is router-only: bound at once, the engine is not told
+        status, _, headers = await post(fe, turn("r", "bind"))
+        assert status == 200 and sessions.binding("r") is not None
+        assert not any(w.engine.ranks[0].has_session("r") for w in (a, b))
+        # any u64 timeout, 0 included
+        assert (await post(fe, turn("zero", "bind", timeout=0)))[0] == 200
+        assert sessions.binding("zero") is None  # bound for no time
+        assert (await post(fe, turn("big", "bind", timeout=(1 << 64) - 1)))[0] == 200
+        assert sessions.binding("big") is not None
+        # close unbinds; the engine closes its side after the turn
+        status, _, headers = await post(fe, turn("s", "close"))
+        assert status == 200 and int(headers["x-dynamograph-worker-id"]) == where
+        assert sessions.binding("s") is None
+        await wait_for(lambda: not engine.engine.ranks[0].has_session("s"), what="engine close")
