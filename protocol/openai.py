@@ -62,15 +62,41 @@ def error_body(status: int, message: str, *, param: str | None = None) -> dict[s
     }
 
 
+# Deepest nesting of objects and arrays a request body may have. OpenAI bodies nest a handful
+# of levels (tool JSON schemas a few more); code that walks a value recursively (validation,
+# repr) would hit Python's recursion limit long before orjson's own limit of 1,024.
+MAX_JSON_DEPTH = 64
+
+
 def parse_json_body(raw: bytes) -> dict[str, Any]:
-    """Decode a request body that must be a JSON object; 400 with the parser's reason otherwise."""
+    """Decode a request body that must be a JSON object; 400 with the parser's reason otherwise,
+    and 400 naming the limit when objects and arrays nest deeper than MAX_JSON_DEPTH."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise OpenAIError(400, f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise OpenAIError(400, f"request body must be a JSON object, got {type(body).__name__}")
+    # Fewer brackets than the limit cannot nest past it: most bodies are not walked at all.
+    if raw.count(b"{") + raw.count(b"[") > MAX_JSON_DEPTH and _too_deep(body):
+        raise OpenAIError(
+            400, f"request body nests objects and arrays deeper than {MAX_JSON_DEPTH} levels"
+        )
     return body
+
+
+def _too_deep(body: dict[str, Any]) -> bool:
+    """Whether `body` nests deeper than MAX_JSON_DEPTH (iteratively: no recursion to run out of)."""
+    level: list[Any] = [body]
+    for _ in range(MAX_JSON_DEPTH):
+        below: list[Any] = []
+        for value in level:
+            items = value.values() if isinstance(value, dict) else value
+            below += [v for v in items if isinstance(v, (dict, list))]
+        if not below:
+            return False
+        level = below
+    return True
 
 
 def require_model(body: Mapping[str, Any]) -> str:

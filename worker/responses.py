@@ -49,6 +49,11 @@ def build_request(
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise OpenAIError(400, f"'seed' must be an integer, got {seed!r:.40}", param="seed")
+    if seed is not None and not -(2**63) <= seed < 2**63:
+        # vLLM's bounds (a torch long); negative seeds are valid there, and here (the sampler)
+        raise OpenAIError(
+            400, f"'seed' must be a 64-bit signed integer, got {str(seed)[:40]}", param="seed"
+        )
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise OpenAIError(400, "'stream' must be true or false", param="stream")

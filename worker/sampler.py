@@ -34,6 +34,9 @@ def _word_pool(tokenizer: Tokenizer) -> tuple[np.ndarray, tuple[str, ...]]:
     return np.asarray(ids, dtype="<u4"), tuple(texts)
 
 
+_U64 = (1 << 64) - 1
+
+
 class OutputSampler:
     """Per-request token streams: `stream(prompt, seed)` then `next()` per step."""
 
@@ -45,8 +48,10 @@ class OutputSampler:
 
     def stream(self, prompt: np.ndarray, request_seed: int | None = None) -> "TokenStream":
         key = xxhash.xxh3_64_intdigest(np.ascontiguousarray(prompt, dtype="<u4").tobytes())
-        seed = (self.seed if request_seed is None else request_seed, key)
-        return TokenStream(self, np.random.default_rng(seed))
+        seed = self.seed if request_seed is None else request_seed
+        # numpy takes only non-negative seeds; a negative one is read as its 64-bit two's
+        # complement, as torch's manual_seed (what vLLM seeds with) reads it.
+        return TokenStream(self, np.random.default_rng((seed & _U64, key)))
 
     def text(self, index: Sequence[int]) -> str:
         return "".join(self.texts[i] for i in index)

@@ -55,6 +55,7 @@ DP_RANK_HEADER = "x-dynamograph-dp-rank"
 REQUEST_ID_HEADER = "x-request-id"
 DEBUG_REQUESTS = "/debug/requests"
 RECENT_REQUESTS = 1000
+MAX_REQUEST_ID = 256
 
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -312,7 +313,7 @@ class WorkerServer:
                 raise OpenAIError(400, str(exc), param="nvext") from None
             tokens = await asyncio.to_thread(request_tokens, self.engine.tokenizer, path, body)
             prefix = "chatcmpl" if path == CHAT_COMPLETIONS else "cmpl"
-            request_id = request.headers.get(REQUEST_ID_HEADER) or f"{prefix}-{uuid.uuid4().hex}"
+            request_id = _client_request_id(request) or f"{prefix}-{uuid.uuid4().hex}"
             if self.engine.has_request(request_id):  # a client reusing an id: keep ours unique
                 request_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
             gen = build_request(
@@ -441,6 +442,26 @@ def _dp_rank_header(request: web.Request) -> int | None:
     if value < 0:
         raise OpenAIError(400, f"{VLLM_DP_RANK} must be a non-negative integer, got {raw!r:.20}")
     return value
+
+
+def _client_request_id(request: web.Request) -> str | None:
+    """The client's `x-request-id`: printable ASCII of at most MAX_REQUEST_ID characters, else
+    400. It is echoed in a response header and kept in `/debug/requests`, so bytes that are not
+    text (aiohttp hands non-UTF-8 over as surrogates) must not get in."""
+    raw = request.headers.get(REQUEST_ID_HEADER)
+    if raw is None or raw == "":
+        return None
+    if len(raw) > MAX_REQUEST_ID or not (raw.isascii() and raw.isprintable()):
+        try:
+            sent = raw.encode("utf-8", "surrogateescape")  # the bytes as they came
+        except UnicodeEncodeError:
+            sent = raw.encode("utf-8", "backslashreplace")
+        raise OpenAIError(
+            400,
+            f"{REQUEST_ID_HEADER} must be printable ASCII of at most {MAX_REQUEST_ID} "
+            f"characters, got {sent[:40]!r}",
+        )
+    return raw
 
 
 def _routing(request: web.Request) -> dict[str, int]:
