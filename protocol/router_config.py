@@ -87,10 +87,19 @@ class RouterConfig(BaseModel):
         default=None,
         gt=0,
         le=1,
-        description="a worker whose KV usage (max of scraped kv_usage and booked/total blocks) is "
-        "at or above this fraction is busy; all busy → Overloaded (429)",
+        description="Dynamo's active_decode_blocks_threshold: a worker rank whose decode blocks "
+        "(the larger of scraped kv_usage and booked blocks) over its total exceed this fraction "
+        "is busy; a worker is busy when all its ranks are; all busy → 503 with Retry-After",
     )
-    retry_after_s: float = Field(default=1.0, gt=0, description="Retry-After on 429")
+    busy_prefill_tokens_threshold: int | None = Field(
+        default=None,
+        ge=0,
+        description="Dynamo's active_prefill_tokens_threshold: a worker rank with more prompt "
+        "tokens booked and not yet prefilled than this is busy (with busy_threshold: either)",
+    )
+    retry_after_s: float = Field(
+        default=1.0, gt=0, description="Retry-After when every worker is busy (503)"
+    )
     enforce_disagg: bool = Field(
         default=False,
         description="with prefill workers configured, never fall back to aggregated serving",

@@ -18,9 +18,10 @@ class NoEligibleWorker(RoutingError):
 
 
 class Overloaded(RoutingError):
-    """Every eligible worker is saturated (429); retry after `retry_after_s` seconds."""
+    """Every eligible worker is busy (503, as Dynamo answers); retry after `retry_after_s`
+    seconds."""
 
-    status = 429
+    status = 503
 
     def __init__(self, reason: str, retry_after_s: float) -> None:
         super().__init__(reason)

@@ -10,7 +10,8 @@ gateway (the EPP, `epp.picker`) and without one (the frontend's `kv` mode):
 3. its full KV blocks are hashed with the pool's block size, under the adapter's name
    (`protocol.hashing`);
 4. the router schedules it with the request's pins, sticky session, expected output length and
-   the caller's endpoint subset; refusals become `OpenAIError`s (503, or 429 with Retry-After).
+   the caller's endpoint subset; refusals become `OpenAIError`s (503; with Retry-After when
+   every worker is busy).
 
 The catalog of models and tokenizers is fed by the same worker add/remove calls as the router.
 """
@@ -187,7 +188,7 @@ class RequestPipeline:
             decision = self.router.schedule(request)
         except Overloaded as exc:
             message = f"{exc.reason}; retry after {exc.retry_after_s:g} s"
-            raise OpenAIError(429, message, retry_after_s=exc.retry_after_s) from None
+            raise OpenAIError(exc.status, message, retry_after_s=exc.retry_after_s) from None
         except RoutingError as exc:
             raise OpenAIError(exc.status, exc.reason) from None
         first_leg = decision.prefill or decision.decode

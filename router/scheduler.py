@@ -16,7 +16,8 @@ it the same way (through `pipeline.RequestPipeline`):
         ... first token → decision.guard.mark_prefill_done() ...
 
 Refusals are exceptions carrying the HTTP status a caller should answer with (`errors`):
-`NoEligibleWorker` (503, with the reason) and `Overloaded` (429, with Retry-After).
+`NoEligibleWorker` (503, with the reason) and `Overloaded` (503, every worker busy, with
+Retry-After).
 """
 
 import logging
@@ -328,7 +329,7 @@ class Router:
     def schedule(self, request: RouteRequest) -> Decision:
         """Pick decode (and, disaggregated, prefill) slots and book them unless query-only.
 
-        Raises NoEligibleWorker (503) or Overloaded (429)."""
+        Raises NoEligibleWorker (503) or Overloaded (503, with Retry-After)."""
         if self._block_size is None:
             raise NoEligibleWorker("no worker is registered")
         now = self._clock()
@@ -358,6 +359,7 @@ class Router:
                 output_blocks=output_blocks if phase != Phase.PREFILL else 0,
                 config=self.config,
                 rng=self._rng,
+                block_size=self._block_size or 0,
             )
 
         pins = request.pins

@@ -50,6 +50,7 @@ class Context:
     output_blocks: int  # expected output blocks counted in the decode load (0 unless tracked)
     config: RouterConfig
     rng: random.Random
+    block_size: int = 0  # the pool's KV block size (prefill blocks → tokens)
 
 
 class NoParameters(BaseModel):

@@ -70,19 +70,40 @@ class SubsetFilter(Filter):
 
 @register
 class BusyFilter(Filter):
-    """Sheds workers whose KV usage reached `busy_threshold`; all busy → 429 (Overloaded)."""
+    """Dynamo's busy rule: a rank is busy when its decode blocks / total blocks exceed
+    `busy_threshold` (Dynamo's active_decode_blocks_threshold; decode blocks: the larger of the
+    scraped KV usage and the router's booked blocks) or its prefill tokens still to compute
+    exceed `busy_prefill_tokens_threshold` (active_prefill_tokens_threshold); a worker is busy
+    only when all its data-parallel ranks are. Busy workers are left out; all busy → 503
+    (`Overloaded`, with Retry-After)."""
 
     name = "busy"
 
     def mask(self, ctx: Context, c: Candidates) -> np.ndarray | None:
-        threshold = ctx.config.busy_threshold
-        return None if threshold is None else c.usage() < threshold
+        config = ctx.config
+        blocks, tokens = config.busy_threshold, config.busy_prefill_tokens_threshold
+        if blocks is None and tokens is None:
+            return None
+        busy = np.zeros(len(c.fleet), bool)
+        if blocks is not None:
+            busy |= c.usage() > blocks
+        if tokens is not None:
+            busy |= c.booked_prefill * ctx.block_size > tokens
+        # a worker is busy only when every one of its ranks is (ranks are contiguous)
+        starts = np.fromiter(c.fleet.first.values(), np.intp, len(c.fleet.first))
+        if len(starts) < len(busy):
+            every = np.logical_and.reduceat(busy, starts)
+            busy = np.repeat(every, np.diff(np.append(starts, len(busy))))
+        return ~busy
 
     def reason(self, ctx: Context) -> str:
-        return (
-            f"every eligible {ctx.phase.value} worker is at or above the busy threshold "
-            f"({ctx.config.busy_threshold:.0%} KV usage)"
-        )
+        config = ctx.config
+        limits = []
+        if config.busy_threshold is not None:
+            limits.append(f"{config.busy_threshold:.0%} of KV blocks in use")
+        if config.busy_prefill_tokens_threshold is not None:
+            limits.append(f"{config.busy_prefill_tokens_threshold} prefill tokens pending")
+        return f"every eligible {ctx.phase.value} worker is busy (over {' or '.join(limits)})"
 
     def refusal(self, ctx: Context) -> RoutingError:
         return Overloaded(self.reason(ctx), ctx.config.retry_after_s)

@@ -203,7 +203,8 @@ async def test_no_eligible_worker_is_503():
             await client.close()
 
 
-async def test_saturated_fleet_sheds_429_with_retry_after():
+async def test_busy_fleet_refuses_503_with_retry_after():
+    """Every worker busy: 503 with Retry-After, as Dynamo answers (docs/router.md, busy)."""
     router = RouterConfig(busy_threshold=0.5, retry_after_s=2.0)
     async with (
         mock_worker(model=MODEL, name="epp-small", num_gpu_blocks=64) as worker,
@@ -220,9 +221,9 @@ async def test_saturated_fleet_sheds_429_with_retry_after():
                 if first.HasField("immediate_response"):
                     status, headers, error = _immediate(first)
                     break
-            assert status == 429
+            assert status == 503
             assert headers["retry-after"] == "2"
-            assert error["error"]["type"] == "rate_limit_exceeded"
+            assert "busy" in error["error"]["message"]
         finally:
             for stream in held:
                 stream.call.cancel()
@@ -312,3 +313,4 @@ async def test_stream_ends_with_ok_once_the_response_is_complete(epp, client, ki
         assert await stream.call.read() is grpc.aio.EOF
     assert await stream.call.code() == grpc.StatusCode.OK
     await wait_for(lambda: booked(epp) == 0, "the booking to be freed")
+

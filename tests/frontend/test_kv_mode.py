@@ -73,7 +73,8 @@ async def test_kv_mode_runs_the_handoff_and_honours_pins(model):
         assert (await served(pinned))["total"] == 1
 
 
-async def test_saturated_workers_shed_with_429_and_retry_after(model):
+async def test_busy_workers_refuse_with_503_and_retry_after(model):
+    """Dynamo's busy rule: every worker busy → 503 (not 429) with Retry-After."""
     from dynamograph.protocol.router_config import RouterConfig
 
     async with (
@@ -89,8 +90,9 @@ async def test_saturated_workers_shed_with_429_and_retry_after(model):
             )
         )
         await wait_for(lambda: fe.routing.router.active.total_requests() == 1, what="booking")
-        with pytest.raises(openai.RateLimitError) as info:
+        with pytest.raises(openai.InternalServerError) as info:
             await api.completions.create(model=model, prompt="one more", max_tokens=1)
+        assert info.value.status_code == 503
         assert info.value.response.headers["retry-after"] == "2"
         assert "retry after 2 s" in info.value.body["message"]
         long_running.cancel()

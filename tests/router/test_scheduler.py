@@ -458,13 +458,41 @@ def test_backpressure_when_every_worker_is_saturated():
         router.update_load(w, kv_usage=0.95, waiting=4, running=10)
     with pytest.raises(Overloaded) as err:
         router.schedule(request(tokens(16)))
-    assert err.value.status == 429 and err.value.retry_after_s == 2
+    assert err.value.status == 503 and err.value.retry_after_s == 2
     router.update_load(2, kv_usage=0.5)
     assert router.schedule(request(tokens(16))).decode.worker_id == 2
     # booked blocks count too: 1000 total, 950 booked on worker 2
     router.active.book((2, 0), prompt_blocks=950, prefill_blocks=0)
     with pytest.raises(Overloaded):
         router.schedule(request(tokens(16)))
+
+
+def test_busy_is_strictly_over_the_threshold_and_a_dp_worker_only_when_every_rank_is():
+    router = Router(RouterConfig(seed=7, busy_threshold=0.9), clock=Clock())
+    router.add_worker(1, dp_size=2, block_size=BS, total_blocks=1000)
+    router.add_worker(2, block_size=BS, total_blocks=1000)
+    router.update_load(1, 0, kv_usage=0.95)  # rank 0 busy, rank 1 not: worker 1 is not busy
+    router.update_load(2, 0, kv_usage=0.95)  # worker 2 busy
+    cache(router, 1, tokens(64), rank=0)  # the busy rank holds the prompt
+    d = router.schedule(request(tokens(64)))
+    assert (d.decode.worker_id, d.decode.dp_rank) == (1, 0)
+    router.update_load(1, 1, kv_usage=0.9)  # at the threshold is not over it
+    assert router.schedule(request(tokens(64))).decode.worker_id == 1
+    router.update_load(1, 1, kv_usage=0.91)
+    with pytest.raises(Overloaded, match="busy"):
+        router.schedule(request(tokens(64)))
+
+
+def test_busy_by_prefill_tokens_pending():
+    router = make_router(workers=(1, 2), busy_prefill_tokens_threshold=100)
+    router.active.book((1, 0), prompt_blocks=26, prefill_blocks=26)  # 104 tokens to prefill
+    assert router.schedule(request(tokens(16))).decode.worker_id == 2
+    router.active.book((2, 0), prompt_blocks=25, prefill_blocks=25)  # 100: not over
+    assert router.schedule(request(tokens(16), rid="b")).decode.worker_id == 2
+    router.active.book((2, 0), prompt_blocks=1, prefill_blocks=1)
+    with pytest.raises(Overloaded) as err:
+        router.schedule(request(tokens(16), rid="c"))
+    assert err.value.status == 503 and "100 prefill tokens pending" in err.value.reason
 
 
 def test_filters_name_the_reason():

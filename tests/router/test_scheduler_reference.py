@@ -48,11 +48,16 @@ def reference(router: Router, request: RouteRequest, rng: random.Random):
         output = -(-request.expected_output_tokens // router.block_size)
     slots = [(w, r) for w, state in workers.items() for r in range(state.dp_size)]
 
+    def rank_busy(slot) -> bool:
+        state = workers[slot[0]]
+        usage = max(
+            state.kv_usage[slot[1]], router.active.load(slot).decode_blocks / state.total_blocks
+        )
+        return config.busy_threshold is not None and usage > config.busy_threshold
+
     def select(phase: str):
         def eligible(slot):
             state = workers[slot[0]]
-            load = router.active.load(slot)
-            usage = max(state.kv_usage[slot[1]], load.decode_blocks / state.total_blocks)
             return [
                 ("role", (state.role == Role.PREFILL) == (phase == "prefill")),
                 ("ready", state.ready),
@@ -63,7 +68,8 @@ def reference(router: Router, request: RouteRequest, rng: random.Random):
                     or phase == "prefill"
                     or slot[0] in request.allowed_ids,
                 ),
-                ("busy", config.busy_threshold is None or usage < config.busy_threshold),
+                # Dynamo: a worker is busy when every one of its ranks is
+                ("busy", not all(rank_busy((slot[0], r)) for r in range(state.dp_size))),
             ]
 
         candidates = list(slots)
