@@ -259,7 +259,7 @@ def bench_memory(workers: int, blocks: int, families: int, seed: int) -> dict:
     index = KvIndex()
     start = time.perf_counter()
     for w in range(workers):
-        held, fam_done = 0, {}
+        held, fam_done = 0, dict[int, int]()
         while held < blocks:
             f = int(rng.integers(families))
             shared = int(rng.integers(64, 513))

@@ -25,6 +25,7 @@ import tempfile
 import time
 from collections import deque
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -111,7 +112,9 @@ sys.modules[__name__] = kernels
 
 
 def _current_source(module: str) -> str:
-    return Path(importlib.import_module(f"dynamograph.router.{module}").__file__).read_text()
+    source_file = importlib.import_module(f"dynamograph.router.{module}").__file__
+    assert source_file is not None  # a module of ours, loaded from its .py file
+    return Path(source_file).read_text()
 
 
 def _fleet(scheduler, args, prefixes: list[list[int]]):
@@ -160,7 +163,7 @@ def run(args) -> int:
     routers = {name: _fleet(mod, args, prefixes) for name, mod in impls.items()}
     gc.collect()
     gc.freeze()  # as the EPP does once started: collections skip the startup heap
-    live = {name: deque() for name in impls}
+    live: dict[str, deque[Any]] = {name: deque() for name in impls}
     samples = {name: np.empty(args.requests) for name in impls}
     names = list(impls)
     mismatches = 0

@@ -51,7 +51,9 @@ async def _measure(speedup: float, args: argparse.Namespace) -> dict:
                     first = time.perf_counter()
                 last = out
             end = time.perf_counter()
-            t = last.timing
+            t = last.timing if last is not None else None
+            if first is None or t is None or t.ttft is None or t.e2e is None:
+                raise RuntimeError(f"request b{i}: the engine finished it without a token")
             samples.append((t.ttft, (first - start) * speedup, t.e2e, (end - start) * speedup))
 
     try:

@@ -11,6 +11,7 @@ import importlib.metadata
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 
 from .logs import add_logging_arguments, configure_logging
 
@@ -39,7 +40,7 @@ class NotBuilt(Exception):
     pass
 
 
-def load(command: Command):
+def load(command: Command) -> ModuleType:
     """Import a subcommand's module; NotBuilt when that component is not part of this build."""
     try:
         return importlib.import_module(command.module)
@@ -54,7 +55,7 @@ def add_lazy_subcommands(
     commands: dict[str, Command],
     argv: Sequence[str] | None,
     dest: str,
-) -> dict[str, object]:
+) -> dict[str, ModuleType]:
     """Add one subparser per command, filling in only the one named in argv (every one when argv
     is None, e.g. to check every help text).
 
@@ -65,7 +66,7 @@ def add_lazy_subcommands(
     """
     sub = parser.add_subparsers(dest=dest, metavar="COMMAND", required=True)
     chosen = None if argv is None else next((a for a in argv if not a.startswith("-")), None)
-    loaded: dict[str, object] = {}
+    loaded: dict[str, ModuleType] = {}
     for name, command in commands.items():
         child = sub.add_parser(name, help=command.help, description=command.help)
         if argv is not None and name != chosen:
@@ -84,7 +85,9 @@ def add_lazy_subcommands(
     return loaded
 
 
-def build_parser(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, dict[str, object]]:
+def build_parser(
+    argv: Sequence[str] | None,
+) -> tuple[argparse.ArgumentParser, dict[str, ModuleType]]:
     """The `dynamograph` parser with the command named in argv filled in (every command when
     argv is None), and {name: module} of the filled-in commands."""
     parser = argparse.ArgumentParser(

@@ -168,7 +168,7 @@ def load_key_pair(folder: Path) -> KeyPair:
 
 def _identity(folder: Path) -> tuple:
     """What changes when either file is replaced (os.stat follows the Secret's symlinks)."""
-    out = []
+    out: list[tuple[int, int, int] | None] = []
     for name in (CERT_FILE, KEY_FILE):
         try:
             st = os.stat(folder / name)
@@ -227,7 +227,9 @@ def server_credentials(settings: TlsSettings) -> tuple[grpc.ServerCredentials, C
     source = CertificateSource(settings)
     if settings.reload and settings.cert_path is not None:
         credentials = grpc.dynamic_ssl_server_credentials(
-            _configuration(source.pair), source.fetch, require_client_authentication=False
+            _configuration(source.pair),
+            source.fetch,  # type: ignore[arg-type]  # None means "unchanged"; grpc's stubs omit it
+            require_client_authentication=False,
         )
     else:
         credentials = grpc.ssl_server_credentials(

@@ -25,9 +25,8 @@ DECODE_ROLES = (Role.AGGREGATED, Role.DECODE)
 
 class WorkerDirectory:
     def __init__(self, engine_url: str | None, graph: Discovery | None):
-        self.local = (
-            Discovery(StaticSource([parse_worker_flag(engine_url)])) if engine_url else None
-        )
+        self._local_target = parse_worker_flag(engine_url) if engine_url else None
+        self.local = Discovery(StaticSource([self._local_target])) if self._local_target else None
         self.graph = graph
 
     async def start(self) -> None:
@@ -108,9 +107,7 @@ class WorkerDirectory:
 
     @property
     def local_url(self) -> str | None:
-        if self.local is None:
-            return None
-        return self.local.source.targets[0].engine_url
+        return self._local_target.engine_url if self._local_target else None
 
     def add_listener(self, on_added: Listener, on_removed: Listener) -> None:
         """Worker appeared / went away, from either set (a worker may be in both)."""

@@ -39,7 +39,15 @@ from .handoff import (
     reject_client_transfer_params,
     transfer_params,
 )
-from .http_server import BodyTooLarge, ClientGone, Exchange, Headers, HttpServer
+from .http_server import (
+    BODY_TIMEOUT_S,
+    HEAD_TIMEOUT_S,
+    BodyTooLarge,
+    ClientGone,
+    Exchange,
+    Headers,
+    HttpServer,
+)
 from .metrics import CONTENT_TYPE, FrontendMetrics
 from .modes import DirectMode, RoundRobinMode, Route, RoutingMode
 from .routing import Mode, merge, routing_headers
@@ -64,6 +72,8 @@ class FrontendConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     request_timeout: float = 600.0
     connect_timeout: float = 5.0
+    head_timeout: float = HEAD_TIMEOUT_S  # a client's request head, from its first byte: 408
+    body_timeout: float = BODY_TIMEOUT_S  # a client's request body, from its head: 408
     kv_events: bool = True  # kv mode: subscribe to the workers' KV events (else approximate)
     router: Any = None  # kv mode: an epp.config.RouterConfig (None: its defaults)
 
@@ -125,7 +135,9 @@ class Frontend:
             "/live": (("GET", "HEAD"), self.live),
             "/metrics": (("GET", "HEAD"), self.metrics_page),
         }
-        self._server = HttpServer(self.serve)
+        self._server = HttpServer(
+            self.serve, head_timeout=config.head_timeout, body_timeout=config.body_timeout
+        )
         self.url: str | None = None
 
     def _routing(self) -> RoutingMode:
@@ -399,8 +411,8 @@ class Frontend:
                     raw = nvext_out.add_to_body(raw, self._ext(nvext, trace))
                 self._first_byte(route, stream, trace)
                 content_type = upstream.headers.get("content-type", JSON)
-                headers = [(b"content-type", content_type.encode("latin-1"))]
-                await exchange.respond(upstream.status, raw, headers + _passed_headers(upstream))
+                head = [(b"content-type", content_type.encode("latin-1"))]
+                await exchange.respond(upstream.status, raw, head + _passed_headers(upstream))
                 return upstream.status
             await self._relay(exchange, upstream, route, nvext, trace, want_ext)
             return 200

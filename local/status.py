@@ -9,6 +9,7 @@ is visible while routing carries on over the rest.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -87,9 +88,13 @@ async def scrape(
     session: aiohttp.ClientSession, running: list[Running]
 ) -> dict[str, EngineSample | None]:
     """Samples of every live engine, by process name."""
-    engines = [p for p in running if p.spec.kind == "engine" and p.exit_code is None]
-    samples = await asyncio.gather(*(scrape_engine(session, p.spec.engine_url) for p in engines))
-    return {p.spec.name: s for p, s in zip(engines, samples, strict=True)}
+    engines = [
+        (p.spec.name, p.spec.engine_url)
+        for p in running
+        if p.spec.kind == "engine" and p.spec.engine_url is not None and p.exit_code is None
+    ]
+    samples = await asyncio.gather(*(scrape_engine(session, url) for _, url in engines))
+    return {name: s for (name, _), s in zip(engines, samples, strict=True)}
 
 
 def _state(proc: Running, sample: EngineSample | None) -> Text:
@@ -112,7 +117,7 @@ def render(
     model: str,
     running: list[Running],
     samples: dict[str, EngineSample | None],
-    events: list[str] = (),
+    events: Sequence[str] = (),
     footer: str = "",
 ) -> Group:
     """The whole view: the base URL, one row per process, the latest events."""
@@ -131,7 +136,7 @@ def render(
     for proc in running:
         sample = samples.get(proc.spec.name)
         role = proc.spec.role or proc.spec.kind
-        cells = [proc.spec.name, role, _port(proc), _state(proc, sample)]
+        cells: list[str | Text] = [proc.spec.name, role, _port(proc), _state(proc, sample)]
         if proc.spec.kind == "engine" and sample is not None and proc.exit_code is None:
             rate = sample.hit_rate
             cells += [

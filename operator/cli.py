@@ -99,7 +99,7 @@ def run_options(
 ) -> dict[str, Any]:
     """The `kopf.run` keyword arguments for these flags and environment. Raises ValueError."""
     if args.all_namespaces:
-        namespaces = []
+        namespaces: list[str] = []
     else:
         namespaces = args.namespace or [
             ns.strip() for ns in env.get("WATCH_NAMESPACE", "").split(",") if ns.strip()
@@ -136,7 +136,9 @@ async def missing_peering(name: str, namespaces: list[str]) -> list[str]:
 
     if namespaces:
         # kopf namespace patterns (globs, exclusions) name no single object: not checked.
-        wanted = [("KopfPeering", ns) for ns in namespaces if not set(ns) & set("*?[!")]
+        wanted: list[tuple[str, str | None]] = [
+            ("KopfPeering", ns) for ns in namespaces if not set(ns) & set("*?[!")
+        ]
     else:
         wanted = [("ClusterKopfPeering", None)]
     api = KubeApi(lambda: login(kopf.OperatorSettings()))

@@ -239,7 +239,7 @@ def _observe_gateway(
     graph: DynamoGraph | None, wants_route: bool, owner: Owner, live: dict
 ) -> GatewayObservation | None:
     """The graph's HTTPRoute and InferencePool as read, when the spec attaches it to a Gateway."""
-    if graph is None or not wants_route:
+    if graph is None or not wants_route or graph.spec.gateway.parent_ref is None:
         return None
     named = {(k[1], k[2]): o for k, o in live.items()}
     return GatewayObservation(

@@ -62,7 +62,8 @@ def configure(settings: kopf.OperatorSettings) -> None:
 
 
 def _announce(body: dict[str, Any], reason: str, message: str) -> None:
-    kopf.warn(body, reason=reason, message=message)
+    # kopf.warn reads any mapping; its annotation names kopf's own Body class
+    kopf.warn(body, reason=reason, message=message)  # type: ignore[arg-type]
 
 
 async def _sync(memo: kopf.Memo, body: Mapping[str, Any]) -> None:

@@ -281,7 +281,9 @@ def graph_state(degraded: bool, pending: bool, ready_pods: int) -> GraphState:
 
 def _conditions_by_type(previous: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
     return {
-        c.get("type"): c for c in (previous or {}).get("conditions") or [] if isinstance(c, dict)
+        c["type"]: c
+        for c in (previous or {}).get("conditions") or []
+        if isinstance(c, dict) and isinstance(c.get("type"), str)
     }
 
 
@@ -295,7 +297,7 @@ def _condition(
     """The condition for `verdict`; its transition time is kept while its status is unchanged."""
     before = previous.get(kind)
     unchanged = before and before.get("status") == verdict.status
-    since = before.get("lastTransitionTime") if unchanged else None
+    since = before.get("lastTransitionTime") if before and unchanged else None
     return Condition(
         type=kind,
         status=verdict.status,

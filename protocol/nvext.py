@@ -74,7 +74,7 @@ class NvExt(_OmitNone):
 
     def wants(self, field: str) -> bool:
         """True when the client asked for `field` ("worker_id", "timing") in the response."""
-        return bool(self.extra_fields) and field in self.extra_fields
+        return self.extra_fields is not None and field in self.extra_fields
 
 
 class WorkerIdInfo(_OmitNone):

@@ -9,7 +9,7 @@ failed or missing start). `validate_stream` checks the contract; tests run every
 import abc
 import asyncio
 import enum
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -163,7 +163,7 @@ class LLMEngine(abc.ABC):
     @abc.abstractmethod
     def generate(
         self, request: GenerateRequest, ctx: RequestContext
-    ) -> AsyncIterator[EngineOutput]:
+    ) -> AsyncGenerator[EngineOutput, None]:
         """Stream outputs; the last chunk, and only it, carries a finish reason.
 
         Refusals that happen before any work (EngineError) are raised on the first iteration.

@@ -113,7 +113,8 @@ def bind_publishers(
     for _ in range(attempts if 0 in (events_port, replay_port) else 1):
         sockets: list[zmq.asyncio.Socket] = []
         try:
-            pubs, ports = [], {}
+            pubs: list[list[zmq.asyncio.Socket]] = []
+            ports: dict[str, int] = {}
             for kind, base, sock_type in (
                 ("events", events_port, zmq.PUB),
                 ("replay", replay_port, zmq.ROUTER),

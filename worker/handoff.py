@@ -13,7 +13,7 @@ transfer time instead of recomputing. Blocks whose decode never comes are freed 
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 PULL_PATH = "/v1/kv_transfer/pull"
 DEFAULT_TRANSFER_TIMEOUT = 480.0
@@ -24,11 +24,11 @@ class HandoffError(ValueError):
 
 
 def wants_remote_decode(params: dict[str, Any] | None) -> bool:
-    return bool(params) and params.get("do_remote_decode") is True
+    return params is not None and params.get("do_remote_decode") is True
 
 
-def is_remote_prefill(params: dict[str, Any] | None) -> bool:
-    return bool(params) and params.get("do_remote_prefill") is True
+def is_remote_prefill(params: dict[str, Any] | None) -> TypeGuard[dict[str, Any]]:
+    return params is not None and params.get("do_remote_prefill") is True
 
 
 def validate_params(params: Any) -> dict[str, Any] | None:

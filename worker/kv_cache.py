@@ -25,6 +25,7 @@ from dynamograph.protocol.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    EngineHash,
     KvEvent,
 )
 
@@ -108,7 +109,7 @@ class KvCache:
         if count > len(self.free):
             raise CacheFull(f"need {count} blocks, {len(self.free)} free")
         out = []
-        removed = []
+        removed: list[EngineHash] = []
         for _ in range(count):
             block, _ = self.free.popitem(last=False)
             old = self.block_hash[block]
@@ -150,7 +151,7 @@ class KvCache:
         own is freed. (vLLM keeps such duplicates and may then announce a block removed while a
         copy survives; sharing keeps the events an exact description of the cache.)
         """
-        stored_hashes: list[int] = []
+        stored_hashes: list[EngineHash] = []
         stored_tokens: list[int] = []
         first_parent = parent
         bs = self.block_size
@@ -176,7 +177,7 @@ class KvCache:
             self._stored(stored_hashes, first_parent, stored_tokens, lora_id)
 
     def _stored(
-        self, hashes: list[int], parent: int | None, tokens: list[int], lora_id: int | None
+        self, hashes: list[EngineHash], parent: int | None, tokens: list[int], lora_id: int | None
     ) -> None:
         self.events.append(
             BlockStored(

@@ -29,10 +29,10 @@ def parse_lora_module(value: str) -> LoraModule:
     """`name=path` or vLLM's JSON form; argparse reports the ArgumentTypeError's message."""
     value = value.strip()
     if "=" in value and "," not in value and not value.startswith("{"):
-        name, _, path = value.partition("=")
-        if not name or not path:
+        adapter, _, folder = value.partition("=")
+        if not adapter or not folder:
             raise argparse.ArgumentTypeError(f"{value!r}: expected NAME=PATH")
-        return LoraModule(name, path)
+        return LoraModule(adapter, folder)
     try:
         raw = orjson.loads(value)
     except orjson.JSONDecodeError:

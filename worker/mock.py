@@ -11,7 +11,7 @@ for one hashes and caches its blocks under the adapter's name and its KV events 
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -253,7 +253,7 @@ class MockEngine(LLMEngine):
 
     async def generate(
         self, request: GenerateRequest, ctx: RequestContext
-    ) -> AsyncIterator[EngineOutput]:
+    ) -> AsyncGenerator[EngineOutput, None]:
         if not self.ranks:
             raise EngineError(503, "engine is not running")
         if self._draining:

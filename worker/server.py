@@ -352,6 +352,7 @@ class WorkerServer:
 
     def _extra(self, gen, last: EngineOutput, received: float) -> dict[str, Any]:
         extra: dict[str, Any] = {}
+        assert self.config is not None  # generate() answers 503 until the engine has started
         if last.kv_transfer_params is not None:
             extra["kv_transfer_params"] = last.kv_transfer_params
         nv = nvext_body(gen.nvext, last, instance_id=self.config.instance_id,
@@ -380,8 +381,9 @@ class WorkerServer:
             self._record(entry, None)
             return _error(exc)
         self._record(entry, last)
-        if last.finish_reason is FinishReason.ERROR:
-            return _json(OpenAIError(503, last.error or "engine error").body(), 503, headers)
+        if last is None or last.finish_reason is FinishReason.ERROR:
+            error = last.error if last is not None else None
+            return _json(OpenAIError(503, error or "engine error").body(), 503, headers)
         return _json(
             builder.full("".join(texts), last, self._extra(gen, last, entry["received"])),
             headers=headers,
