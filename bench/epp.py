@@ -357,7 +357,7 @@ async def _exchange(stub, body: bytes, response_chunks: int = 1) -> float:
     return elapsed
 
 
-def _exchange_stage(bodies: list[bytes]) -> float:
+async def _exchange_stage(bodies: list[bytes]) -> float:
     """CPU ms per request of the EPP's own ext_proc handling (`extproc.Exchange`: protobuf
     parsed and serialized as grpc does, headers, body buffering and re-chunking, metrics) with
     a fixed pick: the part of the floor that is our code rather than grpc.aio's transport."""
@@ -370,7 +370,7 @@ def _exchange_stage(bodies: list[bytes]) -> float:
     route = Route(endpoint="10.0.0.1:8000", headers=routing_header_values(1, 0, None, None))
 
     class FixedPicker:
-        def pick(self, path, headers, body, subset):
+        async def pick(self, path, headers, body, subset):
             return route
 
         def pick_any(self, subset):
@@ -386,7 +386,7 @@ def _exchange_stage(bodies: list[bytes]) -> float:
     for wire in wires:
         exchange = Exchange(picker, metrics, 64 << 20)
         for raw in wire:
-            for answer in exchange.on_message(parse(raw)):
+            for answer in await exchange.on_message(parse(raw)):
                 answer.SerializeToString()
         exchange.close()
     return (time.process_time() - start) / len(wires) * 1e3
@@ -510,7 +510,7 @@ async def _main(args) -> int:
     prefixes, bodies = _prompts(args)
     calibration = _tokenizer_ns_per_token()
     breakdown = {
-        "exchange": _exchange_stage(bodies[:200]),
+        "exchange": await _exchange_stage(bodies[:200]),
         **_pick_breakdown(bodies, prefixes, args.workers, 16),
     }
     spawn = multiprocessing.get_context("spawn")

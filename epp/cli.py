@@ -18,7 +18,7 @@ from pathlib import Path
 from dynamograph.protocol.router_config import RouterConfig
 from dynamograph.router.discovery import add_discovery_arguments, source_from_args
 
-from .extproc import DEFAULT_MAX_BODY_BYTES
+from .extproc import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PENDING_PICKS
 from .server import Epp, EppSettings
 from .tls import TlsError, TlsSettings, load_key_pair
 
@@ -129,6 +129,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"largest request body, else 413 (default {DEFAULT_MAX_BODY_BYTES})",
     )
     parser.add_argument(
+        "--max-pending-picks",
+        type=int,
+        default=_env_int("DYNAMOGRAPH_EPP_MAX_PENDING_PICKS", DEFAULT_MAX_PENDING_PICKS),
+        help="requests admitted and not yet routed, at most; past it a new request gets 429 "
+        f"with Retry-After at once instead of queueing (default {DEFAULT_MAX_PENDING_PICKS})",
+    )
+    parser.add_argument(
         "--endpoint-picker",
         choices=["kv", "random"],
         default="kv",
@@ -190,6 +197,7 @@ def settings_from_args(args: argparse.Namespace) -> EppSettings:
         kv_events=router.use_kv_events,
         endpoint_picker=args.endpoint_picker,
         max_body_bytes=args.max_body_bytes,
+        max_pending_picks=args.max_pending_picks,
         scrape_interval=args.scrape_interval,
         drain_grace=args.drain_grace,
         tls=tls_from_args(args),

@@ -33,6 +33,9 @@ Request path, BUFFERED: the headers are answered at once (spoofed headers remove
 sends the whole body in one message, and the pick rides on the body response (header mutation,
 clear_route_cache, `envoy.lb` metadata), the body unchanged. Envoy holds the headers until then.
 Refusals are ImmediateResponses with an OpenAI error body (400/404/413/429 + Retry-After/503).
+Admission: at most `max_pending_picks` requests are between their headers and their pick (body
+arriving, prompt being tokenized off the event loop, waiting for the loop); past that a new one
+is refused at its headers with 429 and Retry-After (`Admission`).
 
 Response path: headers and chunks pass through unchanged; the first non-empty body chunk marks
 the prefill done (the response headers do, when the body is not sent to the EPP); the end of the
@@ -73,6 +76,9 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
 MAX_CHUNK_BYTES = 62_000
 DEFAULT_MAX_BODY_BYTES = 10 * 1024 * 1024
+# Requests admitted and not yet routed, at most: ~0.25 s of picks at 1 ms each, so a client
+# refused with 429 learns it at once instead of after seconds of queueing behind the others.
+DEFAULT_MAX_PENDING_PICKS = 256
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 _Mode = processing_mode_pb2.ProcessingMode
@@ -89,14 +95,6 @@ class ProtocolViolation(Exception):
     """Envoy is configured in a way the EPP cannot work with (→ FAILED_PRECONDITION)."""
 
 
-class Refusal(OpenAIError):
-    """An OpenAI error answered as an ImmediateResponse, optionally with Retry-After."""
-
-    def __init__(self, status: int, message: str, *, retry_after_s: float | None = None):
-        super().__init__(status, message)
-        self.retry_after_s = retry_after_s
-
-
 @dataclass(slots=True)
 class Route:
     """A picker's decision: where the request goes and which headers tell the frontend."""
@@ -109,11 +107,11 @@ class Route:
     predicted_cached_tokens: int = 0
 
 
-class Picker(Protocol):
-    def pick(
+class EndpointPicker(Protocol):
+    async def pick(
         self, path: str, headers: Mapping[str, str], body: bytes, subset: frozenset[str] | None
     ) -> Route:
-        """Route a request with a body; raises OpenAIError (or Refusal) to refuse it."""
+        """Route a request with a body; raises OpenAIError to refuse it."""
         ...
 
     def pick_any(self, subset: frozenset[str] | None) -> Route:
@@ -257,10 +255,39 @@ def _spoofed_removal(spoofed: list[str]) -> pb.ProcessingResponse:
     return response
 
 
+class Admission:
+    """Bounds the requests admitted into the EPP and not yet routed (their body still arriving,
+    their prompt being tokenized, or waiting for the event loop). Past `max_pending`, a new
+    request is refused at once with 429 and Retry-After: an overloaded EPP answers in
+    milliseconds instead of queueing seconds of work inside ext_proc."""
+
+    __slots__ = ("max_pending", "pending", "retry_after_s")
+
+    def __init__(self, max_pending: int, retry_after_s: float = 1.0):
+        self.max_pending = max_pending
+        self.retry_after_s = retry_after_s
+        self.pending = 0
+
+    def enter(self) -> None:
+        if self.pending >= self.max_pending:
+            raise OpenAIError(
+                429,
+                f"the endpoint picker is saturated ({self.pending} requests waiting to be "
+                f"routed); retry after {self.retry_after_s:g} s",
+                retry_after_s=self.retry_after_s,
+            )
+        self.pending += 1
+
+    def leave(self) -> None:
+        self.pending -= 1
+
+
 class Exchange:
     """The state of one ext_proc stream: one HTTP request, its pick, and its response."""
 
     __slots__ = (
+        "_admission",
+        "_admitted",
         "_body",
         "_body_size",
         "_first_token_seen",
@@ -282,9 +309,17 @@ class Exchange:
         "status",
     )
 
-    def __init__(self, picker: Picker, metrics: EppMetrics, max_body_bytes: int):
+    def __init__(
+        self,
+        picker: EndpointPicker,
+        metrics: EppMetrics,
+        max_body_bytes: int,
+        admission: Admission | None = None,
+    ):
         self._picker = picker
         self._metrics = metrics
+        self._admission = admission
+        self._admitted = False
         self.max_body_bytes = max_body_bytes
         self._headers: dict[str, str] | None = None
         self._spoofed: list[str] = []
@@ -310,7 +345,7 @@ class Exchange:
         return self._response_mode != _Mode.NONE
 
     # -- dispatch --
-    def on_message(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+    async def on_message(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         if self._headers is None and message.HasField("protocol_config"):
             config = message.protocol_config
             check_protocol_config(config)
@@ -321,9 +356,9 @@ class Exchange:
             if kind == "request_headers":
                 return self._on_request_headers(message)
             if kind == "request_body":
-                return self._on_request_body(message.request_body)
+                return await self._on_request_body(message.request_body)
             if kind == "request_trailers":
-                return [*self._end_of_body(trailers=True), _REQUEST_TRAILERS_ACK]
+                return [*await self._end_of_body(trailers=True), _REQUEST_TRAILERS_ACK]
             if kind == "response_headers":
                 return self._on_response_headers(message.response_headers)
             if kind == "response_body":
@@ -344,6 +379,7 @@ class Exchange:
     def _refuse(self, error: OpenAIError) -> pb.ProcessingResponse:
         self.done = True
         self._body.clear()
+        self._leave()
         self._metrics.requests.labels(OUTCOME_BY_STATUS.get(error.status, "error")).inc()
         log.info("request refused", extra={"status": error.status, "reason": error.message})
         return immediate_response(error)
@@ -362,6 +398,9 @@ class Exchange:
         self._path = headers.get(":path", "/").split("?", 1)[0]
         self._subset = _subset_hint(message.metadata_context)
         if not message.request_headers.end_of_stream:
+            if self._admission is not None:
+                self._admission.enter()  # 429 at once when too many wait to be routed
+                self._admitted = True
             if self._request_mode in BUFFERED_MODES:
                 # Envoy waits for this answer before it sends the (buffered) body; the pick
                 # goes on the body response. The client's copies go now.
@@ -374,7 +413,7 @@ class Exchange:
         self._metrics.routed_header_only.inc()
         return [_headers_response(route, None, spoofed)]
 
-    def _on_request_body(self, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
+    async def _on_request_body(self, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
         if self._headers is None:
             raise ProtocolViolation("request body before request headers")
         if self._routed:
@@ -383,7 +422,7 @@ class Exchange:
         if chunk:
             self._body_size += len(chunk)
             if self._body_size > self.max_body_bytes:
-                raise Refusal(
+                raise OpenAIError(
                     413,
                     f"request body exceeds {self.max_body_bytes} bytes; send a smaller request "
                     "(the limit is the EPP's --max-body-bytes)",
@@ -392,7 +431,7 @@ class Exchange:
         if self._request_mode in BUFFERED_MODES:
             if not (body.end_of_stream or body.end_of_stream_without_message):
                 # BUFFERED_PARTIAL past the gateway's buffer: the rest would bypass the EPP.
-                raise Refusal(
+                raise OpenAIError(
                     413,
                     "request body exceeds the gateway's ext_proc buffer (BUFFERED_PARTIAL "
                     "sent part of it); send a smaller request or raise the listener's "
@@ -400,31 +439,32 @@ class Exchange:
                 )
             body_bytes = b"".join(self._body)
             self._body.clear()
-            return [self._pick(body_bytes, on_body=True)]
+            return [await self._pick(body_bytes, on_body=True)]
         if body.end_of_stream or body.end_of_stream_without_message:
-            return self._end_of_body(trailers=False)
+            return await self._end_of_body(trailers=False)
         return []
 
-    def _end_of_body(self, *, trailers: bool) -> list[pb.ProcessingResponse]:
+    async def _end_of_body(self, *, trailers: bool) -> list[pb.ProcessingResponse]:
         if self._routed:
             return []
         body = b"".join(self._body)
         self._body.clear()
         if self._request_mode in BUFFERED_MODES:
             # Trailers and no body: the headers are answered already, so no pick can reach Envoy.
-            raise Refusal(400, "a request body is required")
+            raise OpenAIError(400, "a request body is required")
         return [
-            self._pick(body, on_body=False, body_length=len(body)),
+            await self._pick(body, on_body=False, body_length=len(body)),
             *body_chunks(body, end_of_stream=not trailers),
         ]
 
-    def _pick(
+    async def _pick(
         self, body: bytes, *, on_body: bool, body_length: int | None = None
     ) -> pb.ProcessingResponse:
         assert self._headers is not None
         start = time.perf_counter()
-        route = self._picker.pick(self._path, self._headers, body, self._subset)
+        route = await self._picker.pick(self._path, self._headers, body, self._subset)
         self._metrics.pick_seconds.observe(time.perf_counter() - start)
+        self._leave()
         self._routed = True
         self.route = route
         self._metrics.routed.inc()
@@ -498,8 +538,14 @@ class Exchange:
         self.response_complete = True
         self.close()
 
+    def _leave(self) -> None:
+        if self._admitted:
+            self._admitted = False
+            self._admission.leave()  # type: ignore[union-attr]
+
     def close(self) -> None:
         """End of the exchange, however it ended: free the booking (idempotent)."""
+        self._leave()
         route = self.route
         if route is not None and route.guard is not None:
             route.guard.free()
@@ -510,26 +556,29 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
 
     def __init__(
         self,
-        picker: Picker,
+        picker: EndpointPicker,
         metrics: EppMetrics,
         *,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        max_pending_picks: int = DEFAULT_MAX_PENDING_PICKS,
+        retry_after_s: float = 1.0,
     ):
         self.picker = picker
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
+        self.admission = Admission(max_pending_picks, retry_after_s)
 
     async def Process(
         self,
         request_iterator: AsyncIterator[pb.ProcessingRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.ProcessingResponse]:
-        exchange = Exchange(self.picker, self.metrics, self.max_body_bytes)
+        exchange = Exchange(self.picker, self.metrics, self.max_body_bytes, self.admission)
         self.metrics.active_streams.inc()
         try:
             async for message in request_iterator:
                 try:
-                    responses = exchange.on_message(message)
+                    responses = await exchange.on_message(message)
                 except ProtocolViolation as exc:
                     log.error("ext_proc protocol: %s", exc)
                     await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))

@@ -22,7 +22,7 @@ from dynamograph.router.discovery import WorkerRecord
 from dynamograph.router.pipeline import RequestPipeline
 from dynamograph.router.scheduler import Router, WorkerState
 
-from .extproc import Refusal, Route
+from .extproc import Route
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +59,7 @@ class EndpointView:
             return None
         ids = frozenset(self.by_endpoint[e] for e in subset if e in self.by_endpoint)
         if not ids:
-            raise Refusal(
+            raise OpenAIError(
                 503,
                 "no ready worker is in the gateway's endpoint subset "
                 f"({', '.join(sorted(subset)) or 'empty subset'})",
@@ -87,11 +87,11 @@ class RandomEndpointPicker:
             if (allowed is None or wid in allowed) and (states is None or _ready(states.get(wid)))
         ]
         if not candidates:
-            raise Refusal(503, "no ready worker with a serving endpoint; check the worker pods")
+            raise OpenAIError(503, "no ready worker with a serving endpoint; check the worker pods")
         wid, endpoint = random.choice(candidates)
         return Route(endpoint=endpoint, headers={}, worker_id=wid)
 
-    def pick(
+    async def pick(
         self, path: str, headers: Mapping[str, str], body: bytes, subset: frozenset[str] | None
     ) -> Route:
         return self.pick_any(subset)
@@ -108,7 +108,7 @@ class KvEndpointPicker:
     def pick_any(self, subset: frozenset[str] | None) -> Route:
         return self._random.pick_any(subset)
 
-    def pick(
+    async def pick(
         self, path: str, headers: Mapping[str, str], body: bytes, subset: frozenset[str] | None
     ) -> Route:
         request = parse_json_body(body)
@@ -116,7 +116,7 @@ class KvEndpointPicker:
             nvext = parse_nvext(request.get("nvext"))
         except NvExtError as exc:
             raise OpenAIError(400, str(exc), param="nvext") from None
-        routed = self.pipeline.decide(
+        routed = await self.pipeline.decide_async(
             path,
             request,
             request_id=headers.get("x-request-id") or uuid.uuid4().hex,
@@ -129,7 +129,7 @@ class KvEndpointPicker:
         if endpoint is None:
             if decision.guard is not None:
                 decision.guard.free()
-            raise Refusal(
+            raise OpenAIError(
                 503, f"worker {decode.worker_id} has no serving endpoint (is it a prefill worker?)"
             )
         return Route(

@@ -32,7 +32,7 @@ from dynamograph.router.load import LoadScraper
 from dynamograph.router.pipeline import RequestPipeline
 from dynamograph.router.scheduler import Router
 
-from .extproc import DEFAULT_MAX_BODY_BYTES, SERVICE_NAME, ExtProcService
+from .extproc import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PENDING_PICKS, SERVICE_NAME, ExtProcService
 from .metrics import EppMetrics
 from .picker import EndpointView, KvEndpointPicker, RandomEndpointPicker
 from .tls import CertificateSource, TlsSettings, server_credentials
@@ -55,6 +55,7 @@ class EppSettings:
     kv_events: bool = True
     endpoint_picker: str = "kv"  # kv | random (no body parsing: the protocol floor)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_pending_picks: int = DEFAULT_MAX_PENDING_PICKS  # past it, new requests get 429 at once
     scrape_interval: float = 0.5
     drain_grace: float = 30.0
     # TLS on the ext_proc port (None: plaintext h2c). Health and metrics stay plaintext, as in
@@ -93,7 +94,11 @@ class Epp:
             else KvEndpointPicker(self.pipeline, self.view)
         )
         self.service = ExtProcService(
-            self.picker, self.metrics, max_body_bytes=settings.max_body_bytes
+            self.picker,
+            self.metrics,
+            max_body_bytes=settings.max_body_bytes,
+            max_pending_picks=settings.max_pending_picks,
+            retry_after_s=settings.router.retry_after_s,
         )
         self.health = HealthServicer()
         self.metrics.add_router_collector(self._snapshot)

@@ -31,6 +31,7 @@ from dynamograph.protocol.pins import RoutePins
 from dynamograph.protocol.tokenization import (
     Tokenizer,
     get_tokenizer,
+    is_loaded,
     prompt_prefix,
     request_tokens,
 )
@@ -62,6 +63,8 @@ class RequestPipeline:
         self._lora_by_model: dict[str, str | None] = {}  # served name → None, adapter → itself
         self._tokenizer_by_model: dict[str, str] = {}
         self._thread: ThreadPoolExecutor | None = None  # tokenizes long prompts off the loop
+        self._all_loaded = False  # every published tokenizer loaded (until a worker is added)
+        self.preparing = 0  # requests being tokenized off the loop now
 
     # -- the workers ---------------------------------------------------------------------
     def add_engine(self, config: EngineConfig) -> bool:
@@ -71,6 +74,7 @@ class RequestPipeline:
             return False
         self._configs[config.instance_id] = config
         self._reindex()
+        self._all_loaded = False
         return True
 
     def remove_engine(self, instance_id: int) -> None:
@@ -162,9 +166,10 @@ class RequestPipeline:
         pins: RoutePins | None = None,
         allowed_ids: frozenset[int] | None = None,
     ) -> Routed:
-        """`decide` for an event loop: a prompt of more than `INLINE_CHARS` characters is
-        tokenized and hashed on the pipeline's own thread (the tokenizers release the GIL, so
-        the loop keeps serving other requests meanwhile); scheduling stays on the loop."""
+        """`decide` for an event loop: a prompt of more than `INLINE_CHARS` characters (or any
+        prompt while a tokenizer is still loading) is tokenized and hashed on the pipeline's own
+        thread (the tokenizers release the GIL, so the loop keeps serving other requests
+        meanwhile); scheduling stays on the loop."""
         prepare = functools.partial(
             self.route_request,
             path,
@@ -174,13 +179,25 @@ class RequestPipeline:
             pins=pins,
             allowed_ids=allowed_ids,
         )
-        if prompt_chars(path, body) <= INLINE_CHARS:
+        if prompt_chars(path, body) <= INLINE_CHARS and self._tokenizers_loaded():
             request = prepare()
         else:
             if self._thread is None:  # one thread: the tokenizers' caches are not shared
                 self._thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
-            request = await asyncio.get_running_loop().run_in_executor(self._thread, prepare)
+            self.preparing += 1
+            try:
+                request = await asyncio.get_running_loop().run_in_executor(self._thread, prepare)
+            finally:
+                self.preparing -= 1
         return self.schedule(request)
+
+    def _tokenizers_loaded(self) -> bool:
+        """Whether every published tokenizer is loaded: loading one takes seconds, which a
+        request must then wait for on the tokenizing thread, not on the event loop."""
+        if self._all_loaded:
+            return True
+        self._all_loaded = all(map(is_loaded, self._tokenizer_by_model.values()))
+        return self._all_loaded
 
     def schedule(self, request: RouteRequest) -> Routed:
         """Book a prepared request; the router's refusals as OpenAIErrors."""

@@ -242,8 +242,8 @@ def record_picks(epp) -> list[int]:
     picker = epp.service.picker
     original = picker.pick
 
-    def recording_pick(path, headers, body, subset):
-        route = original(path, headers, body, subset)
+    async def recording_pick(path, headers, body, subset):
+        route = await original(path, headers, body, subset)
         picks.append(route.worker_id)
         return route
 

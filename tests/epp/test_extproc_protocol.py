@@ -314,3 +314,75 @@ async def test_stream_ends_with_ok_once_the_response_is_complete(epp, client, ki
     assert await stream.call.code() == grpc.StatusCode.OK
     await wait_for(lambda: booked(epp) == 0, "the booking to be freed")
 
+
+async def test_past_the_admission_bound_new_requests_get_429_at_once():
+    """With `max_pending_picks` requests waiting to be routed (their bodies still arriving), the
+    next is refused at its headers with 429 + Retry-After, not queued; once one is routed, new
+    requests are admitted again."""
+    async with (
+        mock_worker(model=MODEL, name="epp-admission") as worker,
+        running_epp([worker], max_pending_picks=2) as epp,
+    ):
+        client = ExtProcClient(epp.grpc_port)
+        body = chat_body("hello there")
+        waiting = [client.stream(), client.stream()]
+        try:
+            for stream in waiting:  # headers and half a body: admitted, not routed
+                await stream.send(request_headers(content_length=len(body)))
+                await stream.send(pb.ProcessingRequest(request_body=pb.HttpBody(body=body[:5])))
+            await wait_for(
+                lambda: epp.service.admission.pending == 2, "two admitted requests", within=10
+            )
+            refused = client.stream()
+            await refused.send(request_headers(content_length=len(body)))
+            status, headers, error = _immediate(await refused.recv(within=5))
+            assert status == 429 and headers["retry-after"] == "1"
+            assert "saturated" in error["error"]["message"]
+            # the first waiting request completes its body: routed, and a slot frees
+            first = waiting[0]
+            await first.send(
+                pb.ProcessingRequest(request_body=pb.HttpBody(body=body[5:], end_of_stream=True))
+            )
+            assert set_headers(await first.recv())["x-worker-instance-id"]
+            assert epp.service.admission.pending == 1
+            admitted, _, _ = await client.stream().request(body)
+            assert not admitted.HasField("immediate_response")
+        finally:
+            for stream in waiting:
+                stream.call.cancel()
+            await client.close()
+        await wait_for(
+            lambda: epp.service.admission.pending == 0, "cancelled streams to leave", within=10
+        )
+
+
+@pytest.mark.parametrize("filler", ["a", " "], ids=["no-whitespace", "whitespace"])
+async def test_a_10_mb_prompt_does_not_hold_up_small_requests(filler):
+    """A ~10 MB prompt (BPE's worst case without whitespace, or all spaces) is answered, and
+    small requests sent after it are routed before it: its tokenizing runs off the event loop
+    and is bounded by max_prompt_chars."""
+    async with (
+        mock_worker(model=MODEL, name=f"epp-big-{ord(filler)}") as worker,
+        running_epp([worker]) as epp,
+    ):
+        client = ExtProcClient(epp.grpc_port)
+        order: list[str] = []
+
+        async def send(name: str, body: bytes) -> None:
+            stream = client.stream()
+            first, _, _ = await stream.request(body, chunk=1 << 20)
+            assert not first.HasField("immediate_response"), _immediate(first)
+            order.append(name)
+            stream.call.cancel()
+
+        try:
+            big = asyncio.create_task(send("big", chat_body(filler * 9_500_000)))
+            await wait_for(
+                lambda: epp.pipeline.preparing == 1, "the big prompt being tokenized", within=20
+            )
+            await asyncio.gather(*(send(f"small{i}", chat_body(f"hi {i}")) for i in range(5)))
+            await big
+        finally:
+            await client.close()
+        assert order[-1] == "big" and len(order) == 6
+        await wait_for(lambda: booked(epp) == 0, "every booking freed", within=10)

@@ -9,12 +9,12 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from dynamograph.epp.extproc import (
     MAX_CHUNK_BYTES,
     ProtocolViolation,
-    Refusal,
     _subset_hint,
     body_chunks,
     check_protocol_config,
     immediate_response,
 )
+from dynamograph.protocol.openai import OpenAIError
 from dynamograph.router.load import parse_load
 
 from .conftest import protocol_config
@@ -61,7 +61,7 @@ def test_subset_hint_forms():
 
 
 def test_immediate_response_has_json_body_and_retry_after():
-    response = immediate_response(Refusal(429, "all workers are busy", retry_after_s=1.4))
+    response = immediate_response(OpenAIError(429, "all workers are busy", retry_after_s=1.4))
     immediate = response.immediate_response
     assert immediate.status.code == 429
     headers = {h.header.key: h.header.raw_value for h in immediate.headers.set_headers}
@@ -114,24 +114,24 @@ def test_response_status_counts_by_class():
     assert value(total, {"status": "7xx"}) == 1
 
 
-def test_a_picker_bug_answers_500_not_a_hang():
+async def test_a_picker_bug_answers_500_not_a_hang():
     from dynamograph.epp.extproc import Exchange
     from dynamograph.epp.metrics import EppMetrics
 
     from .conftest import body_messages, request_headers
 
     class Broken:
-        def pick(self, path, headers, body, subset):
+        async def pick(self, path, headers, body, subset):
             raise RuntimeError("boom")
 
         def pick_any(self, subset):
             raise RuntimeError("boom")
 
     exchange = Exchange(Broken(), EppMetrics(), 1 << 20)
-    assert exchange.on_message(request_headers(content_length=2)) == []
+    assert await exchange.on_message(request_headers(content_length=2)) == []
     (start, end) = body_messages(b"{}", trailing_empty=True)
-    assert exchange.on_message(start) == []
-    (response,) = exchange.on_message(end)
+    assert await exchange.on_message(start) == []
+    (response,) = await exchange.on_message(end)
     assert response.immediate_response.status.code == 500
     assert b"boom" in response.immediate_response.body
     assert exchange.done

@@ -83,7 +83,9 @@ async def test_killed_worker_is_removed_from_routing():
         assert all(w != vid for (w, _) in epp.router.index.find_matches(hashes))
         # Routing only ever picks the survivor now, even for the victim's prefix.
         for _ in range(5):
-            route = epp.service.picker.pick("/v1/chat/completions", {}, orjson.dumps(body), None)
+            route = await epp.service.picker.pick(
+                "/v1/chat/completions", {}, orjson.dumps(body), None
+            )
             assert route.worker_id == survivor.config.instance_id, (
                 f"picked {route.worker_id}; router knows {list(epp.router.workers())}"
             )

@@ -48,9 +48,9 @@ async def routed_to(client, body: bytes) -> int:
     return int(set_headers(first)[WORKER_INSTANCE_ID])
 
 
-def predicted_cached(epp, model: str) -> int:
+async def predicted_cached(epp, model: str) -> int:
     """The prompt tokens the EPP's picker scores as cached on the worker it picks."""
-    route = epp.picker.pick("/v1/chat/completions", {}, chat_body(PROMPT, model=model), None)
+    route = await epp.picker.pick("/v1/chat/completions", {}, chat_body(PROMPT, model=model), None)
     route.guard.free()
     return route.predicted_cached_tokens
 
@@ -67,7 +67,7 @@ async def test_adapter_requests_always_go_to_the_worker_serving_it(pool):
 async def test_repeated_adapter_prompt_is_cached_only_for_that_adapter(pool):
     epp, _, a, _ = pool
     check_adapters_registered(epp, a)
-    assert predicted_cached(epp, "sql") == 0
+    assert await predicted_cached(epp, "sql") == 0
     body = {"model": "sql", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 1}
     # the worker serves it and publishes its blocks (tagged with the adapter's lora id)
     async with (
@@ -76,10 +76,10 @@ async def test_repeated_adapter_prompt_is_cached_only_for_that_adapter(pool):
     ):
         assert resp.status == 200
     await wait_for(
-        lambda: predicted_cached(epp, "sql") > 0, "the adapter's blocks in the index", within=20
-    )
+        lambda: predicted_cached(epp, "sql"), "the adapter's blocks in the index", within=20
+    )  # (an awaitable probe: wait_for awaits it; 0 cached tokens is falsy)
     # the same tokens for the base model hash differently: nothing cached anywhere
-    assert predicted_cached(epp, MODEL) == 0
+    assert await predicted_cached(epp, MODEL) == 0
 
 
 @pytest.mark.parametrize("model", ["no-such-model", "chat"])

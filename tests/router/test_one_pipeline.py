@@ -107,7 +107,7 @@ async def test_the_epp_and_the_frontend_kv_mode_decide_alike():
     seen: dict[str, list] = {"epp": [], "frontend": []}
     held = []
     for n, (path, body) in enumerate(REQUESTS):
-        route = epp.pick(path, {"x-request-id": f"r{n}"}, orjson.dumps(body), None)
+        route = await epp.pick(path, {"x-request-id": f"r{n}"}, orjson.dumps(body), None)
         h = route.headers
         seen["epp"].append(
             (
