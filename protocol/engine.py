@@ -12,9 +12,11 @@ name is that LoRA adapter, anything else is unknown (404, `lora_for_model`).
 
 from collections.abc import Iterable, Mapping
 from enum import StrEnum
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 
+from .identity import instance_id as instance_id_of
 from .openai import OpenAIError
 
 ENGINE_PATH = "/v1/engine"
@@ -38,17 +40,29 @@ class KvEventsEndpoint(BaseModel):
     topic: str = ""
 
 
+# vLLM's default KV block size: the size an engine that does not say is assumed to use
+DEFAULT_KV_BLOCK_SIZE = 16
+
+
 class EngineConfig(BaseModel):
+    """Only `model` is required, as in Dynamo's EngineConfig (its other fields are optional
+    there). An engine that leaves the rest out is still discovered: `served_model_name` is the
+    model; `name` is the pod (or `host:port`) discovery found it at (the validation context's
+    `name`), else the served model name; `instance_id` derives from `name`; `tokenizer` is the
+    model's (`tokenization.tokenizer_for_model`); the KV block size is vLLM's default 16
+    (discovery logs that it guessed); the capacity fields stay unknown (None: the router then
+    judges KV usage by the engine's scraped metric alone)."""
+
     model_config = ConfigDict(extra="forbid")
 
     # The seed's EngineConfig.
-    model: str
+    model: str = Field(min_length=1)
     served_model_name: str
-    context_length: int = Field(gt=0)
-    kv_cache_block_size: int = Field(gt=0)
-    total_kv_blocks: int = Field(gt=0)
-    max_num_seqs: int = Field(gt=0)
-    max_num_batched_tokens: int = Field(gt=0)
+    context_length: int | None = Field(default=None, gt=0)
+    kv_cache_block_size: int = Field(default=DEFAULT_KV_BLOCK_SIZE, gt=0)
+    total_kv_blocks: int | None = Field(default=None, gt=0)
+    max_num_seqs: int | None = Field(default=None, gt=0)
+    max_num_batched_tokens: int | None = Field(default=None, gt=0)
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     # What routers need on top.
@@ -64,6 +78,27 @@ class EngineConfig(BaseModel):
         description="LoRA adapters served, vLLM's lora_int_id → adapter name (ids 1, 2, … in "
         "load order); KV events name an adapter by this id",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults(cls, data: Any, info: ValidationInfo) -> Any:
+        """Fill what an engine may leave out (the class docstring)."""
+        if not isinstance(data, dict) or not isinstance(data.get("model"), str):
+            return data  # field validation reports it
+        data = dict(data)
+        model: str = data["model"]
+        if data.get("served_model_name") is None:
+            data["served_model_name"] = model
+        if data.get("name") is None:
+            hint = (info.context or {}).get("name")
+            data["name"] = hint or data["served_model_name"]
+        if data.get("instance_id") is None and data["name"]:
+            data["instance_id"] = instance_id_of(data["name"])
+        if data.get("tokenizer") is None:
+            from .tokenization import tokenizer_for_model  # heavy: only when needed
+
+            data["tokenizer"] = tokenizer_for_model(model)
+        return data
 
 
 def served_models(configs: Iterable[EngineConfig]) -> dict[str, str | None]:

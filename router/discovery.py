@@ -310,13 +310,26 @@ class KubernetesSource:
 
 
 async def fetch_engine_config(
-    session: aiohttp.ClientSession, engine_url: str, fetch_timeout: float = 2.0
+    session: aiohttp.ClientSession,
+    engine_url: str,
+    fetch_timeout: float = 2.0,
+    name: str | None = None,
 ) -> EngineConfig:
     async with session.get(
         engine_url + ENGINE_PATH, timeout=aiohttp.ClientTimeout(total=fetch_timeout)
     ) as response:
         response.raise_for_status()
-        return EngineConfig.model_validate_json(await response.read())
+        # an engine that does not name itself is named by where it was found: the pod's name,
+        # or host:port (EngineConfig fills its other missing fields itself)
+        name = engine_url.rstrip("/").rpartition("/")[2] if name is None else name
+        config = EngineConfig.model_validate_json(await response.read(), context={"name": name})
+        if "kv_cache_block_size" not in config.model_fields_set:
+            log.warning(
+                "engine %s does not say its KV block size; assuming %d (vLLM's default)",
+                engine_url,
+                config.kv_cache_block_size,
+            )
+        return config
 
 
 Listener = Callable[[WorkerRecord], None]
@@ -445,7 +458,10 @@ class Discovery:
             assert self._session is not None, "Discovery.start() first"
             try:
                 config = await fetch_engine_config(
-                    self._session, target.engine_url, self.fetch_timeout
+                    self._session,
+                    target.engine_url,
+                    self.fetch_timeout,
+                    name=target.key.rpartition("/")[2] if target.key != target.engine_url else None,
                 )
                 break
             except (aiohttp.ClientError, TimeoutError, ValidationError, ValueError) as exc:

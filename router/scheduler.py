@@ -114,6 +114,7 @@ class Decision:
             self.session_open = None
 
 
+UNKNOWN_TOTAL_BLOCKS = 1 << 40  # an engine that does not say its KV capacity
 _NO_MATCHES = np.zeros((0, 2), np.int64)
 _NO_KEYS = np.zeros(0, np.uint64)
 
@@ -151,7 +152,9 @@ class Router:
                 role=config.role,
                 dp_size=config.data_parallel_size,
                 block_size=config.kv_cache_block_size,
-                total_blocks=config.total_kv_blocks,
+                # unknown capacity: the booked share of it counts as nothing, so KV usage is
+                # the engine's scraped metric alone
+                total_blocks=config.total_kv_blocks or UNKNOWN_TOTAL_BLOCKS,
                 lora_names=config.lora_adapters,
             )
         except ValueError as exc:

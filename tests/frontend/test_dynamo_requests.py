@@ -9,6 +9,7 @@ import pytest
 
 from dynamograph.frontend.routing import Mode
 from dynamograph.protocol.hashing import block_hashes
+from dynamograph.protocol.identity import instance_id
 from dynamograph.protocol.tokenization import get_tokenizer
 from dynamograph.router.scheduler import RouteRequest
 from dynamograph.worker.lora import LoraModule
@@ -154,3 +155,57 @@ async def test_session_actions_as_dynamo(model):
         assert status == 200 and int(headers["x-dynamograph-worker-id"]) == where
         assert sessions.binding("s") is None
         await wait_for(lambda: not engine.engine.ranks[0].has_session("s"), what="engine close")
+
+
+async def test_an_engine_saying_only_its_model_is_discovered_and_routed(model):
+    """Dynamo's EngineConfig requires only `model`: an engine whose /v1/engine says nothing
+    else is discovered (named by host:port) and served, in kv mode and through the EPP's
+    headers in direct mode."""
+    from aiohttp import web
+
+    seen: list[dict[str, Any]] = []
+
+    async def engine_config(request: web.Request) -> web.Response:
+        return web.json_response({"model": model})
+
+    async def completions(request: web.Request) -> web.Response:
+        seen.append(await request.json())
+        choice = {"index": 0, "text": "ok", "finish_reason": "length", "logprobs": None}
+        usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+        return web.json_response(
+            {"id": "c", "object": "text_completion", "created": 0, "model": model,
+             "choices": [choice], "usage": usage}
+        )  # fmt: skip
+
+    app = web.Application()
+    app.router.add_get("/v1/engine", engine_config)
+    app.router.add_post("/v1/completions", completions)
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    try:
+
+        class Minimal:  # what run_frontend needs of a worker
+            def __init__(self) -> None:
+                self.url = url
+                self.config = type("C", (), {"instance_id": instance_id(f"127.0.0.1:{port}")})
+
+        minimal = Minimal()
+        body = {"model": model, "prompt": PROMPT, "max_tokens": 1}
+        async with run_frontend(None, [minimal], mode=Mode.KV) as fe:
+            status, out, _ = await post(fe, body)
+            assert status == 200, out
+        async with run_frontend(None, [minimal]) as fe:
+            status, out, _ = await post(fe, body, route(minimal))
+            assert status == 200, out
+        assert len(seen) == 2
+    finally:
+        await runner.cleanup()
