@@ -276,6 +276,10 @@ class Frontend:
                 raise OpenAIError(400, str(exc), param="nvext") from None
             nvext, pins = merge(nvext, routing_headers(exchange.headers))
             reject_client_transfer_params(body)
+            if nvext is not None and nvext.greed_sampling:
+                # Dynamo leaves greedy sampling to the backend; vLLM's greedy is temperature 0
+                body["temperature"] = 0.0
+                raw = orjson.dumps(body)
             stream = body.get("stream") is True
             route = await self.routing.pick(pins, nvext, exchange.path, body)
             trace.decode = route.decode_target

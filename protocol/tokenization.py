@@ -766,14 +766,17 @@ def tokenizer_for_model(model: str) -> str:
 def request_tokens(tokenizer: Tokenizer, path: str, body: Mapping[str, Any]) -> np.ndarray:
     """The prompt token ids of an OpenAI request, exactly as the engine will see them.
 
-    `nvext.token_data` wins when present (pre-tokenized requests); chat messages are rendered
-    with the chat template; a completions prompt may be text or token ids. Raises OpenAIError 400.
+    `nvext.token_data` wins when the request also names its worker (`backend_instance_id`), as
+    in Dynamo (GAIE's second stage: tokens from the first, the worker chosen); without it the
+    prompt is tokenized. Chat messages are rendered with the chat template; a completions prompt
+    may be text or token ids (never templated, as vLLM's /v1/completions; Dynamo applies its
+    template there unless `use_raw_prompt`, docs/nvext.md). Raises OpenAIError 400.
     """
     try:
         nvext = parse_nvext(body.get("nvext"))
     except NvExtError as exc:
         raise OpenAIError(400, str(exc), param="nvext") from None
-    if nvext is not None and nvext.token_data is not None:
+    if nvext is not None and nvext.token_data is not None and nvext.backend_instance_id is not None:
         return np.asarray(nvext.token_data, dtype="<u4")
     if path == CHAT_COMPLETIONS:
         messages = body.get("messages")

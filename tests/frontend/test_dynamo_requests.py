@@ -2,6 +2,7 @@
 20; docs/nvext.md): unknown nvext keys, sessions against the hard constraints, stickiness per
 phase, session actions. The kv mode runs the same request pipeline as the EPP."""
 
+from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
@@ -157,10 +158,10 @@ async def test_session_actions_as_dynamo(model):
         await wait_for(lambda: not engine.engine.ranks[0].has_session("s"), what="engine close")
 
 
-async def test_an_engine_saying_only_its_model_is_discovered_and_routed(model):
-    """Dynamo's EngineConfig requires only `model`: an engine whose /v1/engine says nothing
-    else is discovered (named by host:port) and served, in kv mode and through the EPP's
-    headers in direct mode."""
+@asynccontextmanager
+async def minimal_engine(model: str):
+    """An engine whose /v1/engine says only its model (Dynamo's EngineConfig needs no more);
+    it answers completions and records the bodies it got."""
     from aiohttp import web
 
     seen: list[dict[str, Any]] = []
@@ -177,28 +178,33 @@ async def test_an_engine_saying_only_its_model_is_discovered_and_routed(model):
              "choices": [choice], "usage": usage}
         )  # fmt: skip
 
-    app = web.Application()
-    app.router.add_get("/v1/engine", engine_config)
-    app.router.add_post("/v1/completions", completions)
-
     async def metrics(request: web.Request) -> web.Response:
         return web.Response(text="")
 
+    app = web.Application()
+    app.router.add_get("/v1/engine", engine_config)
+    app.router.add_post("/v1/completions", completions)
     app.router.add_get("/metrics", metrics)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    class Minimal:  # what run_frontend and route() need of a worker
+        url = f"http://127.0.0.1:{port}"
+        config = type("C", (), {"instance_id": instance_id(f"127.0.0.1:{port}")})
+
     try:
+        yield Minimal(), seen
+    finally:
+        await runner.cleanup()
 
-        class Minimal:  # what run_frontend needs of a worker
-            def __init__(self) -> None:
-                self.url = url
-                self.config = type("C", (), {"instance_id": instance_id(f"127.0.0.1:{port}")})
 
-        minimal = Minimal()
+async def test_an_engine_saying_only_its_model_is_discovered_and_routed(model):
+    """Discovered (named by host:port) and served, in kv mode and through the EPP's headers in
+    direct mode."""
+    async with minimal_engine(model) as (minimal, seen):
         body = {"model": model, "prompt": PROMPT, "max_tokens": 1}
         async with run_frontend(None, [minimal], mode=Mode.KV) as fe:
             status, out, _ = await post(fe, body)
@@ -207,5 +213,27 @@ async def test_an_engine_saying_only_its_model_is_discovered_and_routed(model):
             status, out, _ = await post(fe, body, route(minimal))
             assert status == 200, out
         assert len(seen) == 2
-    finally:
-        await runner.cleanup()
+
+
+async def test_greed_sampling_forces_greedy_on_the_engine(model):
+    """Dynamo leaves `greed_sampling` to the backend; for a vLLM engine that is temperature 0,
+    which the frontend (the hop every request takes to its engine) sets."""
+    async with minimal_engine(model) as (engine, seen), run_frontend(None, [engine]) as fe:
+        body = {"model": model, "prompt": "hi", "max_tokens": 1, "temperature": 0.9}
+        greedy = {**body, "nvext": {"greed_sampling": True}}
+        assert (await post(fe, greedy, route(engine)))[0] == 200
+        assert (await post(fe, body, route(engine)))[0] == 200
+        assert [b["temperature"] for b in seen] == [0.0, 0.9]
+
+
+async def test_token_data_counts_only_with_backend_instance_id(model):
+    """Dynamo uses `token_data` (GAIE's pre-tokenized second stage) only together with
+    `backend_instance_id`; otherwise the prompt is tokenized, by router and engine alike."""
+    async with mock_worker() as w, run_frontend(None, [w], mode=Mode.KV) as fe:
+        tokens = list(range(100, 164))
+        body = {"model": model, "prompt": "Hello world", "max_tokens": 1}
+        status, out, _ = await post(fe, {**body, "nvext": {"token_data": tokens}})
+        assert status == 200 and out["usage"]["prompt_tokens"] == 2  # "Hello world"
+        named = {"token_data": tokens, "backend_instance_id": w.config.instance_id}
+        status, out, _ = await post(fe, {**body, "nvext": named})
+        assert status == 200 and out["usage"]["prompt_tokens"] == len(tokens)

@@ -33,7 +33,10 @@ def test_completion_prompt_text_ids_and_token_data():
     assert request_tokens(tok, COMPLETIONS, {"prompt": "Hello world"}).tolist() == [9707, 1879]
     assert request_tokens(tok, COMPLETIONS, {"prompt": [5, 6]}).tolist() == [5, 6]
     assert request_tokens(tok, COMPLETIONS, {"prompt": ["Hello world"]}).tolist() == [9707, 1879]
-    body = {"prompt": "ignored", "nvext": {"token_data": [9, 8]}}
+    # token_data counts only with backend_instance_id (Dynamo: GAIE's second stage)
+    body = {"prompt": "Hello world", "nvext": {"token_data": [9, 8]}}
+    assert request_tokens(tok, COMPLETIONS, body).tolist() == [9707, 1879]
+    body["nvext"]["backend_instance_id"] = 7
     assert request_tokens(tok, COMPLETIONS, body).tolist() == [9, 8]
 
 
