@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import grpc
@@ -213,7 +214,8 @@ def _pick_breakdown(
         t3 = clock()
         decision = router.schedule(RouteRequest(str(n), hashes, len(tokens)))
         t4 = clock()
-        decision.guard.free()
+        if decision.guard is not None:
+            decision.guard.free()
         for key, spent in zip(totals, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
             totals[key] += spent
     totals["new_text"] = new_text
@@ -225,7 +227,10 @@ async def _warm(urls: list[str], prefixes: list[str]) -> None:
     async with aiohttp.ClientSession() as http:
 
         async def one(i: int, prefix: str) -> None:
-            body = {"model": MODEL, "messages": [{"role": "system", "content": prefix}]}
+            body: dict[str, Any] = {
+                "model": MODEL,
+                "messages": [{"role": "system", "content": prefix}],
+            }
             body["max_tokens"] = 1
             async with http.post(urls[i % len(urls)] + "/v1/chat/completions", json=body) as r:
                 await r.read()

@@ -220,7 +220,7 @@ class Epp:
         await self._metrics_runner.setup()
         site = web.TCPSite(self._metrics_runner, s.host, s.metrics_port)
         await site.start()
-        self.metrics_port = site._server.sockets[0].getsockname()[1]  # port 0 → the bound one
+        self.metrics_port = self._metrics_runner.addresses[0][1]  # port 0 → the bound one
         self.discovery.add_listener(self._added, self._removed)
         await self.discovery.start()
         self._schedule_freeze(0.0)
