@@ -106,8 +106,9 @@ class RouterConfig(BaseModel):
     )
     track_output_blocks: bool = Field(
         default=False,
-        description="count expected output blocks (agent_hints.osl) in a worker's decode load, "
-        "decaying as tokens are generated",
+        description="count generated output blocks in a worker's decode load (Dynamo's "
+        "router_track_output_blocks); an expected output (agent_hints.osl) is booked either "
+        "way, decaying as tokens are generated",
     )
     session_ttl_s: float = Field(
         default=300.0, gt=0, description="sticky-session timeout when the request names none"

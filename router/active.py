@@ -235,7 +235,8 @@ class ActiveRequests:
         booking.prefill = remaining
 
     def add_output_tokens(self, booking: Booking, tokens: int) -> None:
-        """Account generated tokens; changes the decode load only when output tracking is on."""
+        """Account generated tokens: they decay an expected output (`agent_hints.osl`), and
+        count as generated blocks when output tracking is on."""
         self._reap()
         if not booking.live or tokens <= 0:
             return
@@ -300,21 +301,21 @@ class ActiveRequests:
         row[REQUESTS] = load.requests
 
     def _private_load(self, booking: Booking) -> int:
-        """Unshared prompt blocks, plus (output tracking) generated blocks decayed by the
-        expected length.
+        """Unshared prompt blocks, plus the output blocks.
 
-        With an expected output length the generated blocks weigh by the fraction of output
-        still to come: a request about to finish is about to free its blocks.
+        With an expected output length (`agent_hints.osl`) its blocks are booked from the start,
+        whether or not output is tracked, and weigh by the fraction of output still to come as
+        tokens are reported (`add_output_tokens`): a request about to finish is about to free
+        its blocks. Without one, output tracking counts the generated blocks at full weight.
         """
         base = booking.unshared_prompt
-        if not self.track_output_blocks or (base == 0 and not booking.keys.size):
-            return base
-        generated = math.ceil(booking.generated_tokens / self.block_size)
         expected = booking.expected_output_tokens
         if expected:
             remaining = max(0.0, 1.0 - booking.generated_tokens / expected)
-            generated = round(generated * remaining)
-        return base + generated
+            return base + round(math.ceil(expected / self.block_size) * remaining)
+        if not self.track_output_blocks or (base == 0 and not booking.keys.size):
+            return base
+        return base + math.ceil(booking.generated_tokens / self.block_size)
 
     def _reap(self) -> None:
         while self._orphans:

@@ -347,8 +347,8 @@ class Router:
         prompt_keys = chain_keys(0, hashes) if has_blocks else _NO_KEYS
         # every hashed block is a prompt block, whatever isl_tokens says
         prompt_blocks = max(-(-request.isl_tokens // self._block_size), len(prompt_keys))
-        output_blocks = 0
-        if self.config.track_output_blocks and request.expected_output_tokens:
+        output_blocks = 0  # agent_hints.osl: the expected output is booked (and costed) too
+        if request.expected_output_tokens:
             output_blocks = -(-request.expected_output_tokens // self._block_size)
         self.active.reap()
         candidates = fleet.candidates(matches, self.active, prompt_keys)

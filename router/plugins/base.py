@@ -47,7 +47,7 @@ class Context:
     prompt_blocks: int
     lora_name: str | None
     allowed_ids: frozenset[int] | None
-    output_blocks: int  # expected output blocks counted in the decode load (0 unless tracked)
+    output_blocks: int  # expected output blocks (agent_hints.osl) counted in the decode load
     config: RouterConfig
     rng: random.Random
     block_size: int = 0  # the pool's KV block size (prefill blocks → tokens)

@@ -2,6 +2,8 @@
 20; docs/nvext.md): unknown nvext keys, sessions against the hard constraints, stickiness per
 phase, session actions. The kv mode runs the same request pipeline as the EPP."""
 
+import asyncio
+import contextlib
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -237,3 +239,34 @@ async def test_token_data_counts_only_with_backend_instance_id(model):
         named = {"token_data": tokens, "backend_instance_id": w.config.instance_id}
         status, out, _ = await post(fe, {**body, "nvext": named})
         assert status == 200 and out["usage"]["prompt_tokens"] == len(tokens)
+
+
+async def test_expected_output_length_is_booked_load(model):
+    """agent_hints.osl: a running request's expected output counts in its worker's booked load
+    (Dynamo), so a prompt cached there still goes elsewhere when that output is large."""
+    async with (
+        mock_worker(speedup=1.0) as a,
+        mock_worker() as b,
+        run_frontend(None, [a, b], mode=Mode.KV) as fe,
+    ):
+        assert (await post(fe, {"model": model, "prompt": PROMPT, "max_tokens": 1}, route(a)))[
+            0
+        ] == 200
+        await wait_for(lambda: cached_on(fe, a) > 0, what="the prompt's KV events")
+        hinted = {
+            "model": model,
+            "prompt": "x",
+            "max_tokens": 800,
+            "ignore_eos": True,
+            "nvext": {"agent_hints": {"osl": 8000}},
+        }
+        long_running = asyncio.create_task(post(fe, hinted, route(a)))
+        try:
+            await wait_for(lambda: fe.routing.router.active.total_requests() == 1, what="booking")
+            status, _, headers = await post(fe, {"model": model, "prompt": PROMPT, "max_tokens": 1})
+            assert status == 200
+            assert headers["x-dynamograph-worker-id"] == str(b.config.instance_id)
+        finally:
+            long_running.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await long_running

@@ -187,13 +187,16 @@ def test_collected_guard_frees_and_warns(caplog):
     assert active.loads() == {}
 
 
-def test_output_blocks_grow_then_decay_with_expected_length():
-    active = ActiveRequests(block_size=16, track_output_blocks=True)
+@pytest.mark.parametrize("tracked", [False, True])
+def test_expected_output_is_booked_then_decays_as_it_is_generated(tracked):
+    """agent_hints.osl: its blocks are booked from the start (output tracking or not), and
+    weigh by the share of the output still to come."""
+    active = ActiveRequests(block_size=16, track_output_blocks=tracked)
     decode = active.book(SLOTS[0], prompt_blocks=4, prefill_blocks=0, expected_output_tokens=320)
     guard = RequestGuard(active, "r", decode)
-    assert active.load(SLOTS[0]).decode_blocks == 4
-    guard.add_output_tokens(64)  # 4 blocks generated, 80% of the output still to come
-    assert active.load(SLOTS[0]).decode_blocks == 4 + round(4 * 0.8)
+    assert active.load(SLOTS[0]).decode_blocks == 4 + 20  # 320 expected tokens: 20 blocks
+    guard.add_output_tokens(64)  # 80% of the output still to come
+    assert active.load(SLOTS[0]).decode_blocks == 4 + 16
     guard.add_output_tokens(256)  # all expected output generated: the request is about to end
     assert active.load(SLOTS[0]).decode_blocks == 4
     guard.free()

@@ -44,7 +44,7 @@ def reference(router: Router, request: RouteRequest, rng: random.Random):
     overlaps = router.index.find_matches(hashes) if hashes else {}
     prompt_blocks = max(-(-request.isl_tokens // router.block_size), len(keys))
     output = 0
-    if config.track_output_blocks and request.expected_output_tokens:
+    if request.expected_output_tokens:  # osl is booked whether or not output is tracked
         output = -(-request.expected_output_tokens // router.block_size)
     slots = [(w, r) for w, state in workers.items() for r in range(state.dp_size)]
 
