@@ -596,23 +596,27 @@ def _inference_pool(graph: DynamoGraph, owner: Owner) -> dict[str, Any]:
 
 
 def _http_route(graph: DynamoGraph, owner: Owner) -> dict[str, Any]:
-    parent = graph.spec.gateway.parent_ref
+    gateway = graph.spec.gateway
+    parent = gateway.parent_ref
     assert parent is not None
+    spec: dict[str, Any] = {
+        "parentRefs": [parent.model_dump(by_alias=True, exclude_none=True)],
+        "rules": [
+            {
+                # the OpenAI API only: the pool's frontends serve nothing else to clients
+                "matches": [{"path": {"type": "PathPrefix", "value": "/v1"}}],
+                "backendRefs": [{"group": POOL_GROUP, "kind": "InferencePool", "name": graph.name}],
+                "timeouts": {"request": gateway.request_timeout},
+            }
+        ],
+    }
+    if gateway.hostnames:
+        spec["hostnames"] = list(gateway.hostnames)
     return {
         "apiVersion": "gateway.networking.k8s.io/v1",
         "kind": "HTTPRoute",
         "metadata": _meta(owner, graph.name, graph_labels(graph.name)),
-        "spec": {
-            "parentRefs": [parent.model_dump(by_alias=True, exclude_none=True)],
-            "rules": [
-                {
-                    "matches": [{"path": {"type": "PathPrefix", "value": "/"}}],
-                    "backendRefs": [
-                        {"group": POOL_GROUP, "kind": "InferencePool", "name": graph.name}
-                    ],
-                }
-            ],
-        },
+        "spec": spec,
     }
 
 

@@ -397,6 +397,17 @@ class GatewaySpec(_Model):
         default=FailureMode.FAIL_CLOSE,
         description="what the gateway does when the EPP does not answer",
     )
+    hostnames: list[str] = Field(
+        default_factory=list,
+        description="the HTTPRoute's hostnames (empty: every hostname of the Gateway's listener)",
+    )
+    request_timeout: str = Field(
+        default="0s",
+        pattern=r"^([0-9]{1,5}(h|m|s|ms)){1,4}$",
+        description="the HTTPRoute's request timeout, a Gateway API duration; 0s disables it "
+        "(the default: a generation streams for minutes, and gateways that apply a default cut "
+        "it at 15 s)",
+    )
 
 
 def _services_with(kinds: str) -> str:

@@ -240,6 +240,12 @@ def test_inference_pool_and_route():
     assert route["spec"]["rules"][0]["backendRefs"] == [
         {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "disagg"}
     ]
+    # Streams last minutes: no gateway default (15 s on some) may cut them; only the OpenAI API.
+    assert route["spec"]["rules"][0]["timeouts"] == {"request": "0s"}
+    assert route["spec"]["rules"][0]["matches"] == [
+        {"path": {"type": "PathPrefix", "value": "/v1"}}
+    ]
+    assert "hostnames" not in route["spec"]
     # The pool selects exactly the pods carrying the frontend sidecar on its targetPort.
     for (kind, _), obj in objs.items():
         if kind != "Deployment":
@@ -248,6 +254,19 @@ def test_inference_pool_and_route():
         selected = pool["spec"]["selector"]["matchLabels"].items() <= labels.items()
         names = [c["name"] for c in obj["spec"]["template"]["spec"]["containers"]]
         assert selected == ("frontend" in names)
+
+
+def test_route_hostnames_and_timeout_from_the_gateway_spec():
+    def mutate(body):
+        with_gateway(body)
+        body["spec"]["gateway"].update(hostnames=["llm.example.com"], requestTimeout="20m")
+
+    _, objs = build("disagg.yaml", mutate)
+    route = objs["HTTPRoute", "disagg"]["spec"]
+    assert route["hostnames"] == ["llm.example.com"]
+    assert route["rules"][0]["timeouts"] == {"request": "20m"}
+    with pytest.raises(GraphError, match="requestTimeout"):
+        build("disagg.yaml", lambda b: b["spec"]["gateway"].update(requestTimeout="soon"))
 
 
 def test_no_route_without_parent_ref():
