@@ -144,6 +144,7 @@ def worker_procs(count: int, spec: WorkerSpec, logs: Path, ports: PortPool) -> l
             f"--context-length={spec.context_length}",
             f"--speedup={spec.speedup}",
             f"--seed={i}",
+            "--debug-endpoints",  # reset_caches empties their prefix caches between runs
         ]
         workers.append(Worker(name, port, events, Proc(name, argv, logs / f"{name}.log")))
     return workers

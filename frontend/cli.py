@@ -14,6 +14,7 @@ import sys
 
 from dynamograph.router.discovery import Discovery, add_discovery_arguments, source_from_args
 
+from .http_server import BODY_TIMEOUT_S, HEAD_TIMEOUT_S
 from .routing import Mode
 from .server import DEFAULT_MAX_BODY_BYTES, Frontend, FrontendConfig
 
@@ -66,6 +67,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds to open a connection to an engine (default 5)",
     )
     parser.add_argument(
+        "--head-timeout",
+        type=float,
+        default=HEAD_TIMEOUT_S,
+        help="seconds a client has to send a request head, from its first byte, else 408 "
+        f"(default {HEAD_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--body-timeout",
+        type=float,
+        default=BODY_TIMEOUT_S,
+        help="seconds a client has to send a request body, from the end of its head, else 408 "
+        f"(default {BODY_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
         "--kv-events",
         choices=["on", "off"],
         help="kv mode: follow the workers' KV events (on) or assume routed prefixes are cached "
@@ -98,6 +113,8 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         max_body_bytes=args.max_body_bytes,
         request_timeout=args.request_timeout,
         connect_timeout=args.connect_timeout,
+        head_timeout=args.head_timeout,
+        body_timeout=args.body_timeout,
         kv_events=router is None or router.use_kv_events,
         router=router,
     )

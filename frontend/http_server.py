@@ -15,11 +15,21 @@ connections closed after `KEEP_ALIVE_S`, and a client disconnect turned into can
 request's task (`Exchange.cancel_on_disconnect`): the connection's `connection_lost` is the
 signal, so watching for it costs a request nothing. On stop: no new connections, idle ones
 closed, requests in flight get `GRACEFUL_S` to finish, then are cancelled.
+
+A request it cannot serve gets a plain-text answer and the connection closed, never silence:
+400 bad syntax (request line, header, framing, chunked coding; an HTTP/1.1 request without one
+Host), 408 a head not complete within `head_timeout` of its first byte or a body not complete
+within `body_timeout` of its head (slow-loris, slow uploads), 414 a request line, 431 a head
+over `MAX_HEAD` or with over `MAX_HEADERS` fields, 501 a method outside `methods` (CONNECT, TRACE, …) or a transfer-coding other
+than chunked, 505 an HTTP version other than 1.0/1.1 (HTTP/2 prior knowledge included). 413 is
+the handler's (`Exchange.body` with its cap). The timeouts are checked by the idle sweep, not
+a timer per request.
 """
 
 import asyncio
 import contextlib
 import logging
+import re
 import socket
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
@@ -37,7 +47,11 @@ Handler = Callable[["Exchange"], Awaitable[None]]
 KEEP_ALIVE_S = 75.0  # idle client connections (Envoy's pool) stay open this long
 GRACEFUL_S = 60.0  # on stop, requests in flight get this long to finish
 MAX_HEAD = 64 * 1024  # request line and headers; llhttp sets no limit
-_SWEEP_S = 5.0  # how often idle connections are looked at
+MAX_HEADERS = 256  # header fields in a request head (Envoy forwards at most 100)
+HEAD_TIMEOUT_S = 30.0  # a request head must be complete this long after its first byte
+BODY_TIMEOUT_S = 120.0  # a request body must be complete this long after its head
+METHODS = frozenset({"GET", "HEAD", "POST"})  # others are 501
+_SWEEP_S = 5.0  # how often idle connections (and head/body deadlines) are looked at
 _READ_HIGH_WATER = 1 << 20  # unread request body that pauses reading from the client
 _BAD_REQUEST = (
     b"HTTP/1.1 %d %s\r\ncontent-type: text/plain; charset=utf-8\r\nconnection: close\r\n"
@@ -59,7 +73,32 @@ class BodyTooLarge(Exception):
 
 
 class ClientGone(Exception):
-    """The client disconnected before its request body arrived."""
+    """The client disconnected before its request body arrived (or was cut off: a malformed
+    or late body gets its 400/408 from the server, which closes the connection)."""
+
+
+class _Refused(Exception):
+    """Raised from a parser callback: the request gets `status` and the connection closes."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+_TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+
+
+def _parser_error_status(exc: Exception, data: bytes) -> int:
+    if isinstance(exc, httptools.HttpParserInvalidMethodError):
+        # A well-formed request line with a method llhttp does not know: not implemented for
+        # any resource (501); anything else is not HTTP (400).
+        line = data.split(b"\r\n", 1)[0].split(b" ")
+        well_formed = len(line) == 3 and line[2][:5] == b"HTTP/" and _TOKEN.fullmatch(line[0])
+        return 501 if well_formed else 400
+    if "HTTP version" in str(exc) or "PRI/Upgrade" in str(exc):
+        return 505  # HTTP/1.2, or HTTP/2 with prior knowledge (its PRI preface)
+    return 400
 
 
 class Exchange:
@@ -116,10 +155,12 @@ class Exchange:
 
     # -- request --
     async def body(self, cap: int) -> bytes:
-        """The whole request body; BodyTooLarge past `cap` bytes, declared or counted."""
+        """The whole request body; BodyTooLarge past `cap` bytes, declared or counted (the
+        connection then closes after the answer: the rest of the body is not read)."""
         declared = self.headers.get("content-length")
         length = int(declared) if declared is not None and declared.isdigit() else None
         if length is not None and length > cap:
+            self.keep_alive = False
             raise BodyTooLarge(length)
         if self._continue:
             self._continue = False
@@ -131,6 +172,7 @@ class Exchange:
             if self._body:
                 size += self._body_size
                 if size > cap:
+                    self.keep_alive = False
                     raise BodyTooLarge(length)
                 parts += self._body
                 self._body.clear()
@@ -241,11 +283,16 @@ class _Connection(asyncio.Protocol):
         self._queued: deque[Exchange] = deque()  # pipelined requests waiting their turn
         self._url = b""
         self._headers: list[tuple[str, str]] = []
+        self._parsed = 0
         self._in_head = False
         self._head_size = 0
         self._reading_paused = False
         self._writing_paused = False
         self._drain: asyncio.Future | None = None
+        # Loop time by which the request head or body under way must be complete (None: not
+        # receiving one), and what to answer if it is not; checked by the server's sweep.
+        self.deadline: float | None = None
+        self._late = ""
 
     # -- asyncio.Protocol --
     def connection_made(self, transport) -> None:
@@ -255,6 +302,11 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         try:
             self.parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            refused = exc.__context__
+            if not isinstance(refused, _Refused):
+                raise
+            self._bad_request(refused.status, refused.message.encode())
         except httptools.HttpParserUpgrade:
             # A protocol switch (websocket, h2c) is not offered: a complete request is served
             # over HTTP/1.1 and the connection closed after it; anything else is refused.
@@ -264,14 +316,18 @@ class _Connection(asyncio.Protocol):
             else:
                 self._bad_request(400, b"protocol upgrades are not supported")
         except httptools.HttpParserError as exc:
-            self._bad_request(400, f"Invalid HTTP request received: {exc}".encode())
+            message = f"Invalid HTTP request received: {exc}".encode()
+            self._bad_request(_parser_error_status(exc, data), message)
         else:
             # A head still incomplete after this read counts it (a body in the same read as
             # a complete head does not).
             if self._in_head:
                 self._head_size += len(data)
                 if self._head_size > MAX_HEAD:
-                    self._bad_request(431, b"request head over 64 KiB")
+                    if self._headers or self.parser.get_method():  # a header began
+                        self._bad_request(431, b"request head over 64 KiB")
+                    else:
+                        self._bad_request(414, b"request line over 64 KiB")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -302,17 +358,29 @@ class _Connection(asyncio.Protocol):
         self._head_size = 0
         self._url = b""
         self._headers = []
+        self._parsed = 0  # bytes of header fields parsed
+        self.deadline = self.loop.time() + self.server.head_timeout
+        self._late = f"request head not complete within {self.server.head_timeout:g} s"
 
     def on_url(self, url: bytes) -> None:
         self._url += url
+        if len(self._url) > MAX_HEAD:  # (a head that came in one read is counted here)
+            raise _Refused(414, "request line over 64 KiB")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers.append((name.decode("latin-1"), value.decode("latin-1")))
+        headers = self._headers
+        headers.append((name.decode("latin-1"), value.decode("latin-1")))
+        self._parsed += len(name) + len(value) + 4
+        if self._parsed > MAX_HEAD or len(headers) > MAX_HEADERS:
+            raise _Refused(431, f"request head over 64 KiB or {MAX_HEADERS} header fields")
 
     def on_headers_complete(self) -> None:
         parser = self.parser
         self._in_head = False
         headers = CIMultiDict(self._headers)
+        self._check_head(headers)
+        self.deadline = self.loop.time() + self.server.body_timeout
+        self._late = f"request body not complete within {self.server.body_timeout:g} s"
         path = httptools.parse_url(self._url).path.decode("latin-1")
         if "%" in path:
             path = unquote(path, "latin-1")
@@ -336,10 +404,35 @@ class _Connection(asyncio.Protocol):
             self._parsing._feed(body)
 
     def on_message_complete(self) -> None:
+        self.deadline = None
         exchange, self._parsing = self._parsing, None
         if exchange is not None:
             exchange._body_done = True
             exchange._wake()
+
+    def _check_head(self, headers: CIMultiDict) -> None:
+        """What llhttp lets through and this server does not serve (raised as `_Refused`)."""
+        parser = self.parser
+        method = parser.get_method().decode("ascii", "replace")
+        if method not in self.server.methods:
+            raise _Refused(501, f"method {method} is not implemented")
+        version = parser.get_http_version()
+        if version not in ("1.1", "1.0"):
+            raise _Refused(505, f"HTTP/{version} is not supported (HTTP/1.1 is)")
+        if version == "1.1" and len(headers.getall("host", ())) != 1:
+            raise _Refused(400, "an HTTP/1.1 request needs exactly one Host header")
+        codings = headers.getall("transfer-encoding", ())
+        if codings:  # llhttp has checked that chunked is the last coding
+            names = {c.strip().lower() for v in codings for c in v.split(",")}
+            if names != {"chunked"}:
+                listed = ", ".join(sorted(names - {"chunked"}))
+                raise _Refused(501, f"transfer-coding {listed} is not implemented")
+
+    def expire(self, now: float) -> None:
+        """The request head or body under way is late: 408 (see `HttpServer._sweep_idle`)."""
+        if self.deadline is not None and now >= self.deadline:
+            self.deadline = None
+            self._bad_request(408, self._late.encode())
 
     # -- running requests --
     def _begin(self, exchange: Exchange) -> None:
@@ -365,12 +458,20 @@ class _Connection(asyncio.Protocol):
             self.close()
 
     def _bad_request(self, status: int, message: bytes) -> None:
-        """Not HTTP/1.1 we can serve: a plain-text answer (when no other is under way) and
-        the connection closed."""
-        if self._current is None and not self.closed:
+        """Not HTTP/1.1 we can serve: a plain-text answer (unless an earlier request's answer
+        is under way: it would be taken for that one's) and the connection closed. The
+        request whose body was arriving, if any, ends as a disconnect (`ClientGone`)."""
+        current = self._current
+        if not self.closed and (
+            current is None or (current is self._parsing and not current.started)
+        ):
             phrase = _REASONS.get(status, b"")
             self.write(_BAD_REQUEST % (status, phrase, len(message), message))
         self.close()
+        self.closed = True  # nothing more goes out; `connection_lost` still cleans up
+        self.deadline = None
+        if current is not None and current is self._parsing:
+            current._disconnected()
 
     # -- transport --
     def write(self, data: bytes) -> None:
@@ -413,8 +514,18 @@ class _Connection(asyncio.Protocol):
 class HttpServer:
     """Serves `handler(exchange)` for every request, in the running event loop."""
 
-    def __init__(self, handler: Handler):
+    def __init__(
+        self,
+        handler: Handler,
+        *,
+        head_timeout: float | None = None,
+        body_timeout: float | None = None,
+        methods: Iterable[str] = METHODS,
+    ):
         self.handler = handler
+        self.head_timeout = HEAD_TIMEOUT_S if head_timeout is None else head_timeout
+        self.body_timeout = BODY_TIMEOUT_S if body_timeout is None else body_timeout
+        self.methods = frozenset(methods)
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # at start
         self.connections: set[_Connection] = set()
         self.tasks: set[asyncio.Task] = set()
@@ -461,14 +572,19 @@ class HttpServer:
             exchange._conn.finished(exchange)
 
     async def _sweep_idle(self) -> None:
-        """Close connections idle for over `KEEP_ALIVE_S`: one pass every few seconds rather
-        than a timer armed and cancelled around every request."""
+        """Close connections idle for over `KEEP_ALIVE_S` and answer late heads and bodies
+        with 408: one pass every few seconds (a quarter of the shortest timeout) rather than
+        a timer armed and cancelled around every request."""
+        every = min(_SWEEP_S, self.head_timeout / 4, self.body_timeout / 4)
         while True:
-            await asyncio.sleep(_SWEEP_S)
-            limit = self.loop.time() - KEEP_ALIVE_S
+            await asyncio.sleep(every)
+            now = self.loop.time()
+            limit = now - KEEP_ALIVE_S
             for conn in list(self.connections):
                 if conn.idle_since is not None and conn.idle_since < limit:
                     conn.close()
+                elif conn.deadline is not None:
+                    conn.expire(now)
 
     async def stop(self) -> None:
         if self._server is None:

@@ -18,6 +18,7 @@ Mapping (the operator puts the same command lines into pod specs; docs/contracts
 from __future__ import annotations
 
 import json
+import secrets
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -32,7 +33,13 @@ from dynamograph.protocol.graph import (
     RouterSpec,
     ServiceSpec,
 )
-from dynamograph.protocol.launch import graph_router, router_config, uses_kv_events, worker_args
+from dynamograph.protocol.launch import (
+    ADMIN_TOKEN_ENV,
+    graph_router,
+    router_config,
+    uses_kv_events,
+    worker_args,
+)
 
 from .spec import HOST, STAGE_ENGINES, STAGE_GATEWAY, STAGE_ROUTERS, Plan, Probe, ProcessSpec
 
@@ -69,6 +76,9 @@ def plan_graph(
     processes: list[ProcessSpec] = []
     epp_services = spec.services_of(ComponentType.EPP)
     router = graph_router(graph)
+    # One admin token for the graph's engines: decode engines pull KV from prefill engines
+    # with it (protocol.launch.ADMIN_TOKEN_ENV); new with every `up`.
+    admin_token = secrets.token_urlsafe(24)
 
     for service_name, service in spec.services.items():
         kind = ComponentType(service.component_type)
@@ -85,6 +95,7 @@ def plan_graph(
                     cli,
                     speedup=speedup,
                     enforce_disagg=router.enforce_disagg,
+                    admin_token=admin_token,
                 )
             )
 
@@ -165,6 +176,7 @@ def _engine_processes(
     *,
     speedup: float | None,
     enforce_disagg: bool,
+    admin_token: str,
 ) -> list[ProcessSpec]:
     kind = ComponentType(service.component_type)
     role = _ROLES[kind]
@@ -184,7 +196,8 @@ def _engine_processes(
     if speedup is not None:
         local["--speedup"] = str(speedup)
     argv = [*cli, *_set_flags(worker_args(graph, service), local)]
-    env = {e.name: e.value for e in service.envs if e.value is not None}
+    env = {ADMIN_TOKEN_ENV: admin_token}
+    env.update({e.name: e.value for e in service.envs if e.value is not None})
     processes = []
     serving = None
     if kind in (ComponentType.WORKER, ComponentType.DECODE):

@@ -25,6 +25,12 @@ EPP_GRPC_PORT = 9002
 EPP_HEALTH_PORT = 9003
 EPP_METRICS_PORT = 9090
 
+# The environment variable that carries a graph's worker admin token (`dynamograph worker
+# --admin-token`): every engine of a graph gets the same one, since a decode engine pulls KV
+# from a prefill engine's /v1/kv_transfer/pull with it. An environment variable rather than a
+# flag so that it comes from a Secret and stays out of command lines (docs/contracts.md).
+ADMIN_TOKEN_ENV = "DYNAMOGRAPH_ADMIN_TOKEN"
+
 _ROLES = {
     ComponentType.WORKER: "aggregated",
     ComponentType.PREFILL: "prefill",

@@ -14,10 +14,12 @@ import sys
 
 from dynamograph.protocol.engine import Role
 from dynamograph.protocol.identity import default_worker_name
+from dynamograph.protocol.launch import ADMIN_TOKEN_ENV
 from dynamograph.protocol.tokenization import tokenizer_for_model
 
 from .cost import CostModel
 from .handoff import DEFAULT_TRANSFER_TIMEOUT
+from .http_limits import BODY_TIMEOUT_S, HEAD_TIMEOUT_S, MAX_BODY_BYTES
 from .lora import parse_lora_module
 
 log = logging.getLogger(__name__)
@@ -70,6 +72,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--advertise-host",
         default=None,
         help="address others reach this worker at (default: $POD_IP, else --host)",
+    )
+    p.add_argument(
+        "--admin-token",
+        default=os.environ.get(ADMIN_TOKEN_ENV) or None,
+        help=f"bearer token the admin endpoints (/v1/kv_transfer/pull, /reset_prefix_cache, "
+        f"/debug/requests) require, shared by a graph's workers (default: ${ADMIN_TOKEN_ENV}; "
+        "prefer the variable: a flag shows in the process list)",
+    )
+    p.add_argument(
+        "--debug-endpoints",
+        action="store_true",
+        help="without an admin token, serve /debug/requests and /reset_prefix_cache anyway "
+        "(off by default)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=MAX_BODY_BYTES,
+        help=f"largest request body, else 413 (default {MAX_BODY_BYTES})",
+    )
+    p.add_argument(
+        "--head-timeout",
+        type=float,
+        default=HEAD_TIMEOUT_S,
+        help="seconds a client has to send a request head, from its first byte, else 408 "
+        f"(default {HEAD_TIMEOUT_S:g})",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=BODY_TIMEOUT_S,
+        help="seconds a client has to send a request body, from the end of its head, else 408 "
+        f"(default {BODY_TIMEOUT_S:g})",
     )
     p.add_argument(
         "--kv-events-port",
@@ -197,6 +232,8 @@ def mock_config(args: argparse.Namespace):
         cost=_cost_model(args),
         lora_modules=list(args.lora_modules),
         max_loras=args.max_loras,
+        admin_token=args.admin_token,
+        debug_endpoints=args.debug_endpoints,
     )
 
 
@@ -215,14 +252,21 @@ def run(args: argparse.Namespace) -> int:
         import uvloop
 
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-    return asyncio.run(_serve(config))
+    return asyncio.run(_serve(config, args))
 
 
-async def _serve(config) -> int:
+async def _serve(config, args: argparse.Namespace) -> int:
     from .mock import MockEngine
     from .server import WorkerServer
 
-    server = WorkerServer(MockEngine(config), host=config.host, port=config.port)
+    server = WorkerServer(
+        MockEngine(config),
+        host=config.host,
+        port=config.port,
+        max_body_bytes=args.max_body_bytes,
+        head_timeout=args.head_timeout,
+        body_timeout=args.body_timeout,
+    )
     try:
         engine = await server.start(config.name)
     except OSError as exc:

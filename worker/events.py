@@ -39,7 +39,12 @@ PUB_QUEUE = 100_000  # batches queued per subscriber before PUB drops (vLLM's hw
 
 
 def bind_address(host: str, port: int) -> str:
-    return f"tcp://{'*' if host in ('0.0.0.0', '', '::') else host}:{port}"
+    """A ZMQ bind endpoint: every interface for 0.0.0.0 / :: / "" (the worker binds its
+    advertised pod IP instead when it has one: `MockConfig.events_bind_host`), an IPv6
+    address in brackets."""
+    if host in ("0.0.0.0", "", "::"):
+        return f"tcp://*:{port}"
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
 class KvEventPublisher:
@@ -123,6 +128,8 @@ def bind_publishers(
                 for rank in range(ranks):
                     sock = ctx.socket(sock_type)
                     sock.setsockopt(zmq.LINGER, 0)
+                    if ":" in host:  # an IPv6 address (or every interface, v4 and v6)
+                        sock.setsockopt(zmq.IPV6, 1)
                     if sock_type == zmq.PUB:  # vLLM's publisher queues as many for a slow router
                         sock.setsockopt(zmq.SNDHWM, PUB_QUEUE)
                     sockets.append(sock)

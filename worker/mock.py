@@ -10,6 +10,8 @@ for one hashes and caches its blocks under the adapter's name and its KV events 
 
 import asyncio
 import contextlib
+import functools
+import ipaddress
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -76,6 +78,10 @@ class MockConfig:
     cost: CostModel = field(default_factory=CostModel)
     lora_modules: list[LoraModule] = field(default_factory=list)
     max_loras: int = 1  # distinct adapters in one batch (vLLM's --max-loras)
+    # Bearer token of the admin endpoints (/v1/kv_transfer/pull, /reset_prefix_cache,
+    # /debug/requests), shared by a graph's workers: a decode engine pulls with it.
+    admin_token: str | None = field(default=None, repr=False)
+    debug_endpoints: bool = False  # serve /debug/requests and /reset_prefix_cache without one
 
     @property
     def served(self) -> str:
@@ -84,6 +90,16 @@ class MockConfig:
     @property
     def public_host(self) -> str:
         return self.advertise_host or self.host
+
+    @property
+    def events_bind_host(self) -> str:
+        """Where the KV-event and replay sockets listen: the advertised address when it is an
+        IP address (a pod's IP: what the EPP connects to, and no other interface of the node),
+        else --host."""
+        if self.advertise_host:
+            with contextlib.suppress(ValueError):
+                return str(ipaddress.ip_address(self.advertise_host))
+        return self.host
 
     def validate(self) -> None:
         for name in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens",
@@ -141,11 +157,19 @@ class MockEngine(LLMEngine):
         kv_events = None
         if cfg.kv_events:
             self._zmq = zmq.asyncio.Context()
-            publishers, ev_port, rp_port = bind_publishers(
-                self._zmq, cfg.host, cfg.kv_events_port, cfg.kv_replay_port,
-                cfg.data_parallel_size, DEFAULT_TOPIC,
-                map_layout=cfg.kv_events_layout == "map",
+            bind = functools.partial(
+                bind_publishers, self._zmq, events_port=cfg.kv_events_port,
+                replay_port=cfg.kv_replay_port, ranks=cfg.data_parallel_size,
+                topic=DEFAULT_TOPIC, map_layout=cfg.kv_events_layout == "map",
             )  # fmt: skip
+            try:
+                publishers, ev_port, rp_port = bind(host=cfg.events_bind_host)
+            except OSError as exc:
+                if cfg.events_bind_host == cfg.host:
+                    raise
+                # An advertised address that is not this machine's (NAT, a test's): --host.
+                log.warning("KV event sockets bind %s instead: %s", cfg.host, exc)
+                publishers, ev_port, rp_port = bind(host=cfg.host)
             kv_events = KvEventsEndpoint(
                 endpoint=f"tcp://{cfg.public_host}:{ev_port}",
                 replay_endpoint=f"tcp://{cfg.public_host}:{rp_port}",
@@ -351,7 +375,9 @@ class MockEngine(LLMEngine):
             self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
         url = f"http://{params['remote_host']}:{params['remote_port']}{PULL_PATH}"
         body = {k: params[k] for k in ("remote_engine_id", "remote_request_id")}
-        async with self._http.post(url, json=body) as resp:
+        token = self.config.admin_token
+        headers = {"Authorization": f"Bearer {token}"} if token else None
+        async with self._http.post(url, json=body, headers=headers) as resp:
             if resp.status == 404:
                 return None
             resp.raise_for_status()

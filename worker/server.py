@@ -18,6 +18,7 @@ its KV blocks (handler cancellation is on).
 import asyncio
 import contextlib
 import dataclasses
+import hmac
 import logging
 import time
 import uuid
@@ -41,8 +42,10 @@ from dynamograph.protocol.openai import (
 )
 from dynamograph.protocol.tokenization import request_tokens
 
+from . import http_guard
 from .engine import EngineError, EngineOutput, FinishReason, RequestContext
 from .handoff import PULL_PATH
+from .http_limits import BODY_TIMEOUT_S, HEAD_TIMEOUT_S, MAX_BODY_BYTES
 from .lora import adapter_cards
 from .metrics import CONTENT_TYPE
 from .mock import MockEngine, held_to_json
@@ -56,6 +59,8 @@ REQUEST_ID_HEADER = "x-request-id"
 DEBUG_REQUESTS = "/debug/requests"
 RECENT_REQUESTS = 1000
 MAX_REQUEST_ID = 256
+# Keyword arguments of WorkerServer beyond the engine, host and port (worker.testing passes them).
+SERVER_OPTIONS = ("max_body_bytes", "head_timeout", "body_timeout")
 
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -100,18 +105,31 @@ class RequestLog:
 class WorkerServer:
     """Binds the HTTP port first (so port 0 works), then starts the engine behind it."""
 
-    def __init__(self, engine: MockEngine, host: str = "127.0.0.1", port: int = 8000):
+    def __init__(
+        self,
+        engine: MockEngine,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        *,
+        max_body_bytes: int = MAX_BODY_BYTES,
+        head_timeout: float = HEAD_TIMEOUT_S,
+        body_timeout: float = BODY_TIMEOUT_S,
+    ):
         self.engine = engine
         self.host = host
         self.port = port
+        self.max_body_bytes = max_body_bytes
+        self.head_timeout = head_timeout
+        self.body_timeout = body_timeout
         self.config: EngineConfig | None = None
         self._models: dict[str, str | None] = {}
         self.requests = RequestLog()
         self._runner: web.AppRunner | None = None
+        self._listening: asyncio.AbstractServer | None = None
         self.app = self._build_app()
 
     def _build_app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=self.max_body_bytes)
         app.router.add_post(COMPLETIONS, self.generate)
         app.router.add_post(CHAT_COMPLETIONS, self.generate)
         app.router.add_get(MODELS, self.models)
@@ -136,9 +154,14 @@ class WorkerServer:
     async def start(self, name: str | None = None) -> EngineConfig:
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
-        await site.start()
-        self.port = self._runner.addresses[0][1]
+        limits = http_guard.Limits(
+            max_body_bytes=self.max_body_bytes,
+            head_timeout=self.head_timeout,
+            body_timeout=self.body_timeout,
+        )
+        self._listening, self.port = await http_guard.serve(
+            self._runner, self.host, self.port, limits
+        )
         self.engine.config.port = self.port
         try:
             self.config = await self.engine.start(instance_id(name or self.engine.config.name))
@@ -150,6 +173,9 @@ class WorkerServer:
 
     async def stop(self) -> None:
         await self.engine.cleanup()
+        if self._listening is not None:
+            self._listening.close()
+            self._listening = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -195,10 +221,35 @@ class WorkerServer:
 
         return _json({"version": version("dynamograph"), "engine": "mock"})
 
+    def _refuse_admin(self, request: web.Request, *, debug: bool) -> web.Response | None:
+        """None when `request` may use an admin endpoint, else its refusal. With an admin token
+        (`--admin-token`, `$DYNAMOGRAPH_ADMIN_TOKEN`) every admin endpoint needs it as
+        `Authorization: Bearer …` (401 otherwise); without one, the KV pull is open (the
+        hand-off needs it) and the debug endpoints are off (404) unless `--debug-endpoints`."""
+        cfg = self.engine.config
+        if cfg.admin_token:
+            sent = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+            if hmac.compare_digest(sent, f"Bearer {cfg.admin_token}".encode()):
+                return None
+            response = _error(OpenAIError(
+                401, f"{request.path} needs this worker's admin token as 'Authorization: Bearer "
+                "<token>' (the graph's $DYNAMOGRAPH_ADMIN_TOKEN)"))  # fmt: skip
+            response.headers["WWW-Authenticate"] = "Bearer"
+            return response
+        if not debug or cfg.debug_endpoints:
+            return None
+        return _error(OpenAIError(
+            404, f"{request.path} is off: start the worker with --debug-endpoints, or with "
+            "--admin-token and send it as 'Authorization: Bearer <token>'"))  # fmt: skip
+
     async def debug_requests(self, request: web.Request) -> web.Response:
+        if (refused := self._refuse_admin(request, debug=True)) is not None:
+            return refused
         return _json(self.requests.body())
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        if (refused := self._refuse_admin(request, debug=True)) is not None:
+            return refused
         refused = [r.rank for r in self.engine.ranks if not r.reset_prefix_cache()]
         if refused:
             return _error(
@@ -285,6 +336,8 @@ class WorkerServer:
         return _json({"prompt": self.engine.tokenizer.decode(tokens)})
 
     async def kv_pull(self, request: web.Request) -> web.Response:
+        if (refused := self._refuse_admin(request, debug=False)) is not None:
+            return refused
         try:
             body = await self._body(request)
             engine_id, request_id = body.get("remote_engine_id"), body.get("remote_request_id")

@@ -5,7 +5,9 @@
 - `worker_process(*args)`: the same through the CLI (`python -m dynamograph.cli worker ...`) as
   a subprocess; waits until `/v1/engine` answers and terminates it on exit.
 
-Both default to a high `speedup` so suites stay fast; override with `speedup=...`.
+Both default to a high `speedup` so suites stay fast (override with `speedup=...`) and serve
+the debug endpoints (`/debug/requests`, `/reset_prefix_cache`), which a worker does not by
+default.
 """
 
 import asyncio
@@ -25,7 +27,7 @@ import aiohttp
 from dynamograph.protocol.engine import ENGINE_PATH, EngineConfig
 
 from .mock import MockConfig, MockEngine
-from .server import WorkerServer
+from .server import SERVER_OPTIONS, WorkerServer
 
 TEST_SPEEDUP = 100.0
 _names = itertools.count()
@@ -51,7 +53,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 @asynccontextmanager
 async def mock_worker(**overrides: Any) -> AsyncIterator[RunningWorker]:
-    """Run a mock worker in-process; keyword arguments are `MockConfig` fields."""
+    """Run a mock worker in-process; keyword arguments are `MockConfig` fields, or
+    `WorkerServer` options (`server.SERVER_OPTIONS`)."""
     fields: dict[str, Any] = {
         "host": "127.0.0.1",
         "port": 0,
@@ -59,10 +62,14 @@ async def mock_worker(**overrides: Any) -> AsyncIterator[RunningWorker]:
         "kv_replay_port": 0,
         "speedup": TEST_SPEEDUP,
         "name": f"mock-{os.getpid()}-{next(_names)}",
+        "debug_endpoints": True,  # tests look at /debug/requests and reset caches
     }
+    # `WorkerServer` options (the HTTP server's limits); the rest configure
+    # the engine.
+    server_options = {k: overrides.pop(k) for k in SERVER_OPTIONS if k in overrides}
     fields.update(overrides)
     config = MockConfig(**fields)
-    server = WorkerServer(MockEngine(config), host=config.host, port=config.port)
+    server = WorkerServer(MockEngine(config), host=config.host, port=config.port, **server_options)
     engine_config = await server.start(config.name)
     try:
         yield RunningWorker(url=server.url, config=engine_config, server=server)
@@ -77,6 +84,7 @@ def worker_command(*args: str, port: int, name: str | None = None) -> list[str]:
         "--kv-events-port", "0", "--kv-replay-port", "0",
         "--speedup", str(TEST_SPEEDUP),
         "--name", name or f"mock-proc-{os.getpid()}-{next(_names)}",
+        "--debug-endpoints",
         *args,
     ]  # fmt: skip
 

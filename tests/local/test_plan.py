@@ -12,6 +12,7 @@ from dynamograph.local.plan import plan_graph
 from dynamograph.local.spec import STAGE_ENGINES, STAGE_GATEWAY, STAGE_ROUTERS
 from dynamograph.local.up import DEFAULT_GRAPH, EXAMPLES
 from dynamograph.protocol.graph import load_graph
+from dynamograph.protocol.launch import ADMIN_TOKEN_ENV
 from dynamograph.protocol.router_config import RouterConfig
 
 pytestmark = pytest.mark.unit
@@ -271,7 +272,18 @@ def test_service_env_reaches_the_engine():
             w={"componentType": "worker", "envs": [{"name": "FOO", "value": "bar"}]},
         )
     )
-    assert p.engines()[0].env == {"FOO": "bar"}
+    env = p.engines()[0].env
+    assert env["FOO"] == "bar" and set(env) == {"FOO", ADMIN_TOKEN_ENV}
+
+
+def test_a_graphs_engines_share_one_admin_token_that_only_they_get():
+    """Decode engines pull KV from prefill engines with it; a new one on every `up`."""
+    graph = graph_dict(p={"componentType": "prefill"}, d={"componentType": "decode", "replicas": 2})
+    first, second = plan(graph), plan(graph)
+    tokens = {e.env[ADMIN_TOKEN_ENV] for e in first.engines()}
+    assert len(tokens) == 1 and len(tokens.pop()) >= 32
+    assert first.engines()[0].env != second.engines()[0].env
+    assert all(ADMIN_TOKEN_ENV not in p.env for p in first.processes if p.kind != "engine")
 
 
 @pytest.mark.parametrize("example", ["agg.yaml", "disagg.yaml"])
