@@ -9,12 +9,13 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from dynamograph.protocol.engine import Role
+from dynamograph.protocol.headers import PREFILL_INSTANCE_ID
 from dynamograph.protocol.nvext import NvExt
 from dynamograph.protocol.openai import OpenAIError
 from dynamograph.router.discovery import WorkerRecord
 
 from .directory import DECODE_ROLES, WorkerDirectory
-from .routing import Mode, Pins, Target, check_pins
+from .routing import PREFILL_WORKER_ID_REQUIRED, Mode, Pins, Target, check_pins
 
 NO_PREFILL_WORKERS = (
     "disaggregated serving is enforced (--enforce-disagg) but no prefill workers are "
@@ -76,7 +77,12 @@ class DirectMode:
 
     async def pick(self, pins: Pins, nvext: NvExt | None, path: str, body: dict[str, Any]) -> Route:
         check_pins(pins, self.mode, enforce_disagg=self.enforce_disagg)
-        return pinned_route(self.directory, pins)
+        route = pinned_route(self.directory, pins)
+        if pins.prefill is None and self.directory.with_roles((Role.PREFILL,)):
+            # Dynamo's direct routing: with prefill workers present, the picker must name one
+            # (serving aggregated instead would silently skip the disaggregated path)
+            raise OpenAIError(400, PREFILL_WORKER_ID_REQUIRED, param=PREFILL_INSTANCE_ID)
+        return route
 
     async def start(self) -> None:
         pass

@@ -205,16 +205,29 @@ class Frontend:
     # -- small endpoints --
     async def health(self, exchange: Exchange) -> None:
         local = self.directory.local_record
+        reason = self.not_ready()
         body: dict[str, Any] = {
-            "status": "ok" if self.directory.ready() else "not ready",
+            "status": "not ready" if reason else "ok",
             "mode": self.config.mode.value,
             "instance_id": local.instance_id if local else None,
             "workers": len(self.directory.records()),
         }
-        reason = self.directory.not_ready()
         if reason is not None:
             body["reason"] = reason
         await _send_json(exchange, body, 503 if reason else 200)
+
+    def not_ready(self) -> str | None:
+        """Why the frontend cannot serve yet, or None: its workers (`WorkerDirectory`), and with
+        `--enforce-disagg` a prefill worker too (Dynamo's frontend is not ready before one
+        exists: every request would fail)."""
+        reason = self.directory.not_ready()
+        enforced = self.config.enforce_disagg
+        if reason is None and enforced and not self.directory.with_roles((Role.PREFILL,)):
+            reason = (
+                "disaggregated serving is enforced (--enforce-disagg) but no prefill worker is "
+                "discovered yet"
+            )
+        return reason
 
     async def live(self, exchange: Exchange) -> None:
         """Liveness: the process answers. Unlike /health it does not wait for the engine, so a

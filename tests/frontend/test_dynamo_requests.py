@@ -11,6 +11,7 @@ import aiohttp
 import pytest
 
 from dynamograph.frontend.routing import Mode
+from dynamograph.protocol.engine import Role
 from dynamograph.protocol.hashing import block_hashes
 from dynamograph.protocol.identity import instance_id
 from dynamograph.protocol.tokenization import get_tokenizer
@@ -270,3 +271,33 @@ async def test_expected_output_length_is_booked_load(model):
             long_running.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await long_running
+
+
+async def test_direct_mode_with_prefill_workers_requires_a_prefill_id(model):
+    """Dynamo's direct routing: prefill workers exist, the request names none → error (it was
+    served aggregated, silently)."""
+    async with (
+        mock_worker(role=Role.PREFILL) as prefill,
+        mock_worker(role=Role.DECODE) as decode,
+        run_frontend(decode, [prefill, decode]) as fe,
+    ):
+        body = {"model": model, "prompt": PROMPT, "max_tokens": 1}
+        status, out, _ = await post(fe, body, route(decode))
+        assert status == 400 and "Prefill worker ID required" in out["error"]["message"]
+        assert (await served(decode))["total"] == 0
+        status, out, _ = await post(fe, body, route(decode, prefill=prefill))
+        assert status == 200, out
+
+
+async def health(fe) -> tuple[int, dict[str, Any]]:
+    async with aiohttp.ClientSession() as session, session.get(fe.url + "/health") as r:
+        return r.status, await r.json()
+
+
+async def test_enforced_disaggregation_is_not_ready_without_a_prefill_worker(model):
+    async with mock_worker(role=Role.DECODE) as decode, mock_worker(role=Role.PREFILL) as prefill:
+        async with run_frontend(decode, [decode], enforce_disagg=True) as fe:
+            status, body = await health(fe)
+            assert status == 503 and "no prefill worker" in body["reason"]
+        async with run_frontend(decode, [decode, prefill], enforce_disagg=True) as fe:
+            assert (await health(fe))[0] == 200

@@ -96,11 +96,12 @@ async def test_request_errors(model):
             "kv_transfer_params",
             "may not come from the client",
         )
-        # The engine's own refusal passes through unchanged (unknown model → its 404).
+        # A prefill worker is discovered: the picker must name one (Dynamo's direct routing).
         await expect_error(
-            api.completions.create(model="no-such-model", prompt="hi", extra_headers=route(local)),
-            404,
-            "no-such-model",
+            api.completions.create(**completion, extra_headers=route(local)),
+            400,
+            "Prefill worker ID required",
+            "x-prefill-instance-id",
         )
         # On the prefill leg it is named as the prefill worker's refusal.
         await expect_error(
@@ -124,6 +125,17 @@ async def test_request_errors(model):
             for outcome in ("client_error", "unavailable", "ok")
         }
         assert counted == {"client_error": 9, "unavailable": 2, "ok": 0}
+
+
+async def test_the_engines_refusal_passes_through_unchanged(model):
+    async with mock_worker() as local, run_frontend(local) as fe:
+        await expect_error(
+            client(fe).completions.create(
+                model="no-such-model", prompt="hi", extra_headers=route(local)
+            ),
+            404,
+            "no-such-model",
+        )
 
 
 async def test_enforce_disagg_names_the_missing_header(model):
