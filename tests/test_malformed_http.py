@@ -23,7 +23,7 @@ pytestmark = pytest.mark.integration
 
 MODEL = "Qwen/Qwen3-0.6B"
 BUDGET_S = 0.5  # head and body timeouts of the servers under test
-MAX_BODY = 1000  # body cap of the servers under test
+MAX_BODY = 16 * 1024  # body cap of the servers under test
 REPLY_WITHIN_S = 5.0  # every reply (and the close after it) comes within this
 
 
@@ -171,6 +171,19 @@ async def test_malformed_request_gets_its_status_and_the_connection_closed(serve
     status_line = reply.split(b"\r\n", 1)[0]
     assert re.match(rb"HTTP/1\.[01] %d " % case.status, status_line), reply[:300]
     assert closed, f"the server kept the connection open after: {reply[:300]!r}"
+
+
+@pytest.mark.parametrize("server", list(SERVERS))
+async def test_json_nested_1000_deep_is_400_naming_the_limit(server):
+    """Well-formed HTTP, a body whose nvext nests 1,000 deep: it was a RecursionError (500)
+    in validation; both servers parse bodies with `protocol.openai.parse_json_body`."""
+    body = b'{"model": "%s", "prompt": "hi", "nvext": ' % MODEL.encode()
+    body += b'{"a": ' * 1000 + b"1" + b"}" * 1001
+    head = POST + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body)
+    async with SERVERS[server]() as port:
+        reply, _ = await exchange(port, Case("deep", head + body, 400))
+    assert reply.startswith(b"HTTP/1.1 400 "), reply[:300]
+    assert b"deeper than 64 levels" in reply
 
 
 @pytest.mark.parametrize("server", list(SERVERS))

@@ -10,11 +10,14 @@ document from the same flags (`engine_document`; adapters' ids are vLLM's 1, 2, 
 """
 
 import argparse
+import contextlib
 import importlib.util
+import ipaddress
 import json
 import os
 import shutil
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 from dynamograph.protocol.engine import Role
@@ -27,8 +30,17 @@ from .vllm_engine import EngineDocument
 MIDDLEWARE = f"{EngineDocument.__module__}.{EngineDocument.__qualname__}"
 
 
-def kv_events_config(args: argparse.Namespace) -> dict[str, Any]:
+def kv_events_config(
+    args: argparse.Namespace, env: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """vLLM's KV-events publisher: it binds `endpoint` (and the replay one), so they name the
+    advertised pod IP when there is one (not every interface of the node), else --host."""
+    env = os.environ if env is None else env
     host = "*" if args.host in ("0.0.0.0", "", "::") else args.host
+    advertised = args.advertise_host or env.get("POD_IP")
+    with contextlib.suppress(ValueError):
+        host = str(ipaddress.ip_address(advertised or ""))
+        host = f"[{host}]" if ":" in host else host
     return {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
