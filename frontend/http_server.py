@@ -292,7 +292,7 @@ class _Connection(asyncio.Protocol):
         # Loop time by which the request head or body under way must be complete (None: not
         # receiving one), and what to answer if it is not; checked by the server's sweep.
         self.deadline: float | None = None
-        self._late = ""
+        self._late_body = False  # whether the deadline is the body's (else the head's)
 
     # -- asyncio.Protocol --
     def connection_made(self, transport) -> None:
@@ -360,7 +360,7 @@ class _Connection(asyncio.Protocol):
         self._headers = []
         self._parsed = 0  # bytes of header fields parsed
         self.deadline = self.loop.time() + self.server.head_timeout
-        self._late = f"request head not complete within {self.server.head_timeout:g} s"
+        self._late_body = False
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -380,7 +380,7 @@ class _Connection(asyncio.Protocol):
         headers = CIMultiDict(self._headers)
         self._check_head(headers)
         self.deadline = self.loop.time() + self.server.body_timeout
-        self._late = f"request body not complete within {self.server.body_timeout:g} s"
+        self._late_body = True
         path = httptools.parse_url(self._url).path.decode("latin-1")
         if "%" in path:
             path = unquote(path, "latin-1")
@@ -432,7 +432,13 @@ class _Connection(asyncio.Protocol):
         """The request head or body under way is late: 408 (see `HttpServer._sweep_idle`)."""
         if self.deadline is not None and now >= self.deadline:
             self.deadline = None
-            self._bad_request(408, self._late.encode())
+            server = self.server
+            late = (
+                f"request body not complete within {server.body_timeout:g} s"
+                if self._late_body
+                else f"request head not complete within {server.head_timeout:g} s"
+            )
+            self._bad_request(408, late.encode())
 
     # -- running requests --
     def _begin(self, exchange: Exchange) -> None:
