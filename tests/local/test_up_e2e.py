@@ -191,6 +191,11 @@ def test_disaggregated_example_served_end_to_end_through_envoy(tmp_path):
                 assert after[name] > before[name], (name, role)
         assert sum(after[n] - before[n] for n in roles if roles[n] == "prefill") == 2
         assert sum(after[n] - before[n] for n in roles if roles[n] == "decode") == 2
+        # The decode engine pulled the prefill's KV (with the graph's admin token, which
+        # `up` hands every engine): a new long prompt is cached on arrival, not recomputed.
+        long = [{"role": "user", "content": "Pull the KV of this prompt, please. " * 20}]
+        pulled = c.chat.completions.create(model="qwen", messages=long, max_tokens=2)
+        assert pulled.usage.prompt_tokens_details.cached_tokens >= 128, pulled.usage
         result = stack.down()
         assert result.returncode == 0, result.stderr
     assert_all_gone(state)
