@@ -21,13 +21,20 @@ def add_output_argument(parser) -> None:
     )
 
 
-def print_table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
+def print_table(
+    title: str, columns: list[str], rows: list[list[Any]], *, width: int | None = None
+) -> None:
+    """`width`: at least this many columns even when stdout is not a terminal (rich's default
+    there is 80, which truncates wide tables)."""
     table = Table(title=title)
     for column in columns:
         table.add_column(column, justify="right" if column != columns[0] else "left")
     for row in rows:
         table.add_row(*(_fmt(v) for v in row))
-    Console().print(table)
+    console = Console()
+    if width is not None and console.width < width:
+        console = Console(width=width)
+    console.print(table)
 
 
 def write_json(out: Path, name: str, data: dict[str, Any]) -> Path:

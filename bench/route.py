@@ -7,6 +7,10 @@ compressed by `--compression` and the engines simulate their GPU that much faste
 is the trace at its real pace, in less wall time; latencies are reported in trace seconds.
 
 Prints a table, writes `route.json` and PNG plots under the results folder (`--out`).
+
+`--workload multiturn` replays our multi-turn chat generator (`bench/workload.py`) instead of
+the trace, and `--sweep RATES|auto` runs every policy at each of several request rates on the
+same fleet (`bench/route_sweep.py`); both write `route_sweep.json` and `route_sweep.png`.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from dynamograph.local.procs import PortPool
 from dynamograph.protocol.tokenization import get_tokenizer
 
 from .report import add_output_argument, print_table, write_json
-from .route_client import completion_body, replay
+from .route_client import completion_body, replay, warm_up
 from .route_fleet import (
     LaunchError,
     WorkerSpec,
@@ -52,9 +56,73 @@ log = logging.getLogger(__name__)
 
 FULL = {"workers": 8, "families": 0.25, "compression": 6.0}
 QUICK = {"workers": 4, "families": 0.1, "compression": 50.0}
+# --workload multiturn: the window per rate in workload seconds, and a milder compression (its
+# rates are already high; the wall rate is the workload rate × compression).
+MULTITURN_FULL = {"workers": 8, "duration": 180.0, "compression": 2.0}
+MULTITURN_QUICK = {"workers": 4, "duration": 60.0, "compression": 3.0}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--workload",
+        choices=["mooncake", "multiturn"],
+        default="mooncake",
+        help="mooncake: replay the trace (default); multiturn: our multi-turn chat generator "
+        "(bench/workload.py: sessions of 3-15 growing turns with think time, plus documents)",
+    )
+    parser.add_argument(
+        "--sweep",
+        default=None,
+        metavar="RATES",
+        help="run every policy at each request rate (requests/s, workload clock), e.g. 2,4,8,16, "
+        "or 'auto': double from --rate until every policy saturates (sheds, or engine TTFT p50 "
+        "over --ttft-bound); table, route_sweep.json and route_sweep.png",
+    )
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="multiturn: requests/s (default 4); --sweep auto: the first rate (default 2)",
+    )
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        help="multiturn: arrival window per rate, workload seconds "
+        f"(default {MULTITURN_FULL['duration']:g}, quick {MULTITURN_QUICK['duration']:g})",
+    )
+    parser.add_argument(
+        "--think-time",
+        type=float,
+        default=2.0,
+        help="multiturn: median user think time between turns, s (plus the answer's time)",
+    )
+    parser.add_argument(
+        "--api",
+        choices=["completions", "chat"],
+        default="completions",
+        help="multiturn: send each conversation as /v1/completions with the chat template "
+        "applied (default; every router then passes the engine's timing back) or as "
+        "/v1/chat/completions (sglang-router 0.3.2 drops nvext from chat requests: no engine "
+        "TTFT for it)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="multiturn: workload seed")
+    parser.add_argument(
+        "--max-context",
+        type=int,
+        default=30_000,
+        help="multiturn: no prompt + answer exceeds this many tokens (sessions end there, "
+        "documents are cut to fit)",
+    )
+    parser.add_argument(
+        "--ttft-bound",
+        type=float,
+        default=2.0,
+        help="--sweep: a policy whose engine TTFT p50 exceeds this (simulated s) is saturated",
+    )
+    parser.add_argument(
+        "--max-rate", type=float, default=256.0, help="--sweep auto: stop doubling past this"
+    )
     parser.add_argument(
         "--trace",
         type=Path,
@@ -124,27 +192,36 @@ class Setup:
     families: float
     compression: float
     limit: int | None = None
+    duration: float = MULTITURN_FULL["duration"]
 
 
 def resolve(args: argparse.Namespace) -> Setup:
     base = QUICK if args.quick else FULL
+    if getattr(args, "workload", "mooncake") == "multiturn":
+        multi = MULTITURN_QUICK if args.quick else MULTITURN_FULL
+        base = {**base, **multi}
     setup = Setup(
         workers=args.workers if args.workers is not None else base["workers"],
         families=args.families if args.families is not None else base["families"],
         compression=args.compression if args.compression is not None else base["compression"],
         limit=args.limit,
+        duration=args.duration if args.duration is not None else base.get("duration", 0.0) or 1.0,
     )
     if setup.workers < 1 or setup.compression <= 0 or not 0 < setup.families <= 1:
         raise ValueError("--workers must be ≥ 1, --compression > 0, --families in (0, 1]")
+    if setup.duration <= 0:
+        raise ValueError("--duration must be positive")
     return setup
 
 
 async def _run_policy(name, workers, offsets, bodies, args, logs):
-    """One policy on the running fleet, its caches reset first; counters are deltas."""
+    """One policy on the running fleet, its caches reset first, the router warmed up (not
+    counted); counters are deltas from after the warm-up."""
     await reset_caches(workers)
-    before = await scrape_workers(workers)
     ports = PortPool()
     async with serve(POLICIES[name], workers, ports, logs / name) as url:
+        await warm_up(url, args.model)
+        before = await scrape_workers(workers)
         print(f"  {name}: replaying {len(offsets)} requests via {url} ...", flush=True)
         results, wall = await replay(
             url,
@@ -310,12 +387,19 @@ def _s(value: float | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from . import route_sweep  # imports this module's _run_policy
+
     try:
         setup = resolve(args)
+        sweep = route_sweep.parse_sweep(getattr(args, "sweep", None))
     except ValueError as exc:
         print(f"bench route: {exc}")
         return 2
+    if sweep is None and getattr(args, "workload", "mooncake") == "multiturn":
+        sweep = [args.rate or 4.0]  # one rate: the sweep's table, JSON and plot
     try:
+        if sweep is not None:
+            return asyncio.run(route_sweep.run_sweep(args, setup, sweep))
         return asyncio.run(_run(args, setup))
     except (TraceError, LaunchError) as exc:
         print(f"bench route: {exc}")

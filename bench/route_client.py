@@ -21,6 +21,7 @@ import orjson
 from .route_metrics import ERROR, OK, SHED, RequestResult
 
 COMPLETIONS = "/v1/completions"
+CHAT_COMPLETIONS = "/v1/chat/completions"
 SHED_STATUSES = {429, 503}
 
 
@@ -39,6 +40,22 @@ def completion_body(model: str, prompt: str, max_tokens: int, *, stream: bool = 
     if stream:
         body["stream_options"] = {"include_usage": True}
     return orjson.dumps(body)
+
+
+def chat_body(
+    model: str, messages: Sequence[dict], max_tokens: int, *, stream: bool = False
+) -> bytes:
+    """A `/v1/chat/completions` body with the same generation settings as `completion_body`."""
+    settings = orjson.loads(completion_body(model, "", max_tokens, stream=stream))
+    del settings["prompt"]
+    # `messages` right after `model`: `body_path` finds it at the start of the body.
+    return orjson.dumps({"model": model, "messages": list(messages), **settings})
+
+
+def body_path(body: bytes) -> str:
+    """The endpoint a body built here goes to: chat bodies carry `messages` (right after
+    `model`; a prompt's text cannot hold the unescaped key)."""
+    return CHAT_COMPLETIONS if b'"messages":' in body[:512] else COMPLETIONS
 
 
 async def send_one(
@@ -88,7 +105,7 @@ def _read_event(event: dict, result: RequestResult, start: float, streaming: boo
         result.error = f"error: {str(event['error'])[:300]}"
         return
     choices = event.get("choices") or []
-    if streaming and choices and choices[0].get("text") and result.ttft_s is None:
+    if streaming and choices and result.ttft_s is None and _chunk_text(choices[0]):
         # Without streaming the answer arrives whole: the time to first token then comes only
         # from the engine's own report (nvext.timing).
         result.ttft_s = time.perf_counter() - start
@@ -103,6 +120,11 @@ def _read_event(event: dict, result: RequestResult, start: float, streaming: boo
         result.cached_tokens = int(details.get("cached_tokens") or 0)
 
 
+def _chunk_text(choice: dict) -> str | None:
+    """Generated text of a streamed choice: `text` (completions) or `delta.content` (chat)."""
+    return choice.get("text") or (choice.get("delta") or {}).get("content")
+
+
 def _read_nvext(nvext: dict, result: RequestResult) -> None:
     worker = (nvext.get("worker_id") or {}).get("decode_worker_id")
     if worker is not None:
@@ -114,6 +136,23 @@ def _read_nvext(nvext: dict, result: RequestResult) -> None:
         result.engine_e2e_s = timing["total_time_ms"] / 1000.0
 
 
+async def warm_up(base_url: str, model: str, *, timeout_s: float = 120.0) -> None:
+    """One tiny completion and one tiny chat request through a freshly started router, not
+    measured: a router's first request of a kind can pay one-off costs (loading a tokenizer,
+    compiling a chat template; our EPP's first chat request took ~8 s on a loaded 2-core
+    host), which would otherwise land on the first requests of the replay. Failures are left
+    to the replay to report."""
+    base_url = base_url.rstrip("/")
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    bodies = [
+        completion_body(model, "Warm up.", 1),
+        chat_body(model, [{"role": "user", "content": "Warm up."}], 1),
+    ]
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        for body in bodies:
+            await send_one(session, base_url + body_path(body), body, RequestResult(index=-1))
+
+
 async def replay(
     base_url: str,
     offsets: Sequence[float],
@@ -122,8 +161,11 @@ async def replay(
     max_in_flight: int = 512,
     timeout_s: float = 600.0,
 ) -> tuple[list[RequestResult], float]:
-    """Send request i at `offsets[i]` seconds after the start; return results and wall time."""
-    url = base_url.rstrip("/") + COMPLETIONS
+    """Send request i at `offsets[i]` seconds after the start; return results and wall time.
+
+    Completion bodies go to `/v1/completions`, chat bodies (`chat_body`) to
+    `/v1/chat/completions`."""
+    base_url = base_url.rstrip("/")
     results = [RequestResult(index=i) for i in range(len(offsets))]
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -132,7 +174,7 @@ async def replay(
     async def one(i: int, body: bytes) -> None:
         nonlocal in_flight
         try:
-            await send_one(session, url, body, results[i])
+            await send_one(session, base_url + body_path(body), body, results[i])
         finally:
             in_flight -= 1
 

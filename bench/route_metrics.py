@@ -62,6 +62,7 @@ class PolicyMetrics:
     imbalance: float | None  # max / mean of requests per worker (1.0 = even)
     per_worker_requests: dict[str, int] = field(default_factory=dict)
     worker_hit_rate: float | None = None  # from the engines' prefix-cache counters
+    outside_engine_p99_s: float | None = None
     wall_s: float = 0.0
     first_error: str | None = None
 
@@ -130,6 +131,30 @@ def summarize(
         imbalance=load_imbalance(per_worker),
         per_worker_requests=per_worker,
         worker_hit_rate=worker_hit_rate,
+        outside_engine_p99_s=percentile(outside, 99),
         wall_s=wall_s,
         first_error=errors[0].error if errors else None,
     )
+
+
+def split_metrics(
+    results: Sequence[RequestResult], groups: Sequence[str]
+) -> dict[str, dict[str, float | int | None]]:
+    """Per group of requests (`groups[i]` names request i's, e.g. first turn / follow-up /
+    document): how many, how many served, engine TTFT p50 / p99 and prefix hit rate."""
+    members: dict[str, list[RequestResult]] = {}
+    for result in results:
+        members.setdefault(groups[result.index], []).append(result)
+    out = {}
+    for name, rs in members.items():
+        served = [r for r in rs if r.status == OK]
+        ttft = [r.engine_ttft_s for r in served if r.engine_ttft_s is not None]
+        prompt = sum(r.prompt_tokens for r in served)
+        out[name] = {
+            "requests": len(rs),
+            "ok": len(served),
+            "ttft_p50_s": percentile(ttft, 50),
+            "ttft_p99_s": percentile(ttft, 99),
+            "hit_rate": sum(r.cached_tokens for r in served) / prompt if prompt else None,
+        }
+    return out

@@ -4,6 +4,8 @@
 - route_latency.png: TTFT p50 / p90 / p99 per policy
 - route_reuse.png: prefix hit rate per policy against the trace's inherent reuse (the ceiling)
 - route_load.png: requests per worker for every policy (load balance)
+- route_sweep.png (`--sweep`): shed, time outside the engine, TTFT and reuse captured against
+  the request rate, one line per policy
 """
 
 from __future__ import annotations
@@ -113,6 +115,50 @@ def write_plots(
     ax.grid(alpha=0.3, axis="y")
     paths.append(_save(fig, out / "route_load.png"))
     return paths
+
+
+SWEEP_PANELS = [
+    # (title, y label, value of a sweep point, log scale)
+    ("shed", "requests shed (429/503, cap)", lambda p: p["metrics"]["shed"], False),
+    ("outside the engine p50", "wall ms (log)", lambda p: p["outside_p50_ms"], True),
+    ("outside the engine p99", "wall ms (log)", lambda p: p["outside_p99_ms"], True),
+    ("TTFT p50", "simulated s (log)", lambda p: p["metrics"]["ttft_p50_s"], True),
+    ("TTFT p99", "simulated s (log)", lambda p: p["metrics"]["ttft_p99_s"], True),
+    (
+        "reuse captured",
+        "% of inherent reuse",
+        lambda p: 100 * p["metrics"]["reuse_captured"],
+        False,
+    ),
+]
+
+
+def write_sweep_plot(out: Path, points: Sequence[dict], *, title: str) -> Path:
+    """One figure, a panel per metric against the request rate, one line per policy
+    (`points`: `route_sweep.Point.as_dict()` rows)."""
+    plt = _pyplot()
+    out.mkdir(parents=True, exist_ok=True)
+    names = list(dict.fromkeys(p["policy"] for p in points))
+    fig, axes = plt.subplots(2, 3, figsize=(13, 7))
+    for ax, (label, ylabel, value, log) in zip(axes.flat, SWEEP_PANELS, strict=True):
+        for i, name in enumerate(names):
+            mine = sorted((p for p in points if p["policy"] == name), key=lambda p: p["rate"])
+            xy = [(p["rate"], value(p)) for p in mine if value(p) is not None]
+            if log:
+                xy = [(x, y) for x, y in xy if y > 0]
+            if xy:
+                xs, ys = zip(*xy, strict=True)
+                ax.plot(xs, ys, marker="o", label=name, color=plt.cm.tab10(i % 10))
+        ax.set_xscale("log", base=2)
+        if log:
+            ax.set_yscale("log")
+        ax.set_title(label, fontsize=10)
+        ax.set_xlabel("request rate, /s (workload clock)", fontsize=8)
+        ax.set_ylabel(ylabel, fontsize=8)
+        ax.grid(alpha=0.3, which="both")
+    axes.flat[0].legend(fontsize=8)
+    fig.suptitle(f"Rate sweep — {title}", fontsize=11)
+    return _save(fig, out / "route_sweep.png")
 
 
 def _save(fig, path: Path) -> Path:
