@@ -13,7 +13,7 @@ import itertools
 import logging
 from typing import Any
 
-from dynamograph.protocol.nvext import NvExt
+from dynamograph.protocol.nvext import NvExt, NvExtResponse, WorkerIdInfo
 from dynamograph.protocol.openai import OpenAIError
 from dynamograph.protocol.pins import RoutePins
 from dynamograph.protocol.router_config import RouterConfig
@@ -108,6 +108,7 @@ class KvMode:
             body,
             request_id=f"frontend-{next(self._ids)}",
             nvext=nvext,
+            answers_queries=True,
             # from the header-merged nvext when there is one: it also keeps a DP rank pinned
             # without its worker, which `Pins` (engines to call) cannot name
             pins=RoutePins.from_nvext(nvext)
@@ -133,6 +134,17 @@ class KvMode:
             if decision.guard is not None:
                 decision.guard.free()
             raise
+        if routed.token_ids is not None:  # query-only: the workers' ids and the prompt's tokens
+            prefill_pick = decision.prefill
+            worker_id = WorkerIdInfo(
+                decode_worker_id=decision.decode.worker_id,
+                decode_dp_rank=decision.decode.dp_rank,
+                prefill_worker_id=prefill_pick.worker_id if prefill_pick else None,
+                prefill_dp_rank=prefill_pick.dp_rank if prefill_pick else None,
+            )
+            route.query_answer = NvExtResponse(
+                worker_id=worker_id, token_ids=routed.token_ids
+            ).model_dump()
         return route
 
 

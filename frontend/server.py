@@ -295,6 +295,9 @@ class Frontend:
                 raw = orjson.dumps(body)
             stream = body.get("stream") is True
             route = await self.routing.pick(pins, nvext, exchange.path, body)
+            if route.query_answer is not None:
+                await self._answer_query(exchange, body, route.query_answer, stream)
+                return
             trace.decode = route.decode_target
             payload = raw
             if route.prefill is not None:
@@ -326,6 +329,30 @@ class Frontend:
             metrics.finished(mode, outcome, disagg, stream, trace.elapsed())
             if route is not None and route.booking is not None:
                 route.booking.free()
+
+    @staticmethod
+    async def _answer_query(
+        exchange: Exchange, body: dict[str, Any], answer: dict[str, Any], stream: bool
+    ) -> None:
+        """A query-only request (`query_instance_id` annotation, Dynamo's GAIE first stage):
+        the chosen workers and the prompt's token ids in `nvext`, no choices, nothing booked
+        and no engine called."""
+        chat = exchange.path == CHAT_COMPLETIONS
+        out = {
+            "id": f"query-{time.time_ns():x}",
+            "object": ("chat.completion.chunk" if stream else "chat.completion")
+            if chat
+            else "text_completion",
+            "created": int(time.time()),
+            "model": body.get("model"),
+            "choices": [],
+            "nvext": answer,
+        }
+        if not stream:
+            await _send_json(exchange, out)
+            return
+        await exchange.start(200, list(_SSE_HEADERS))
+        await exchange.end(b"data: " + orjson.dumps(out) + b"\n\ndata: [DONE]\n\n")
 
     @staticmethod
     async def _fail(exchange: Exchange, exc: OpenAIError) -> None:

@@ -12,6 +12,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 U64 = Annotated[int, Field(ge=0, le=(1 << 64) - 1)]
+QUERY_INSTANCE_ID = "query_instance_id:"  # the annotation of a query-only request
 U32 = Annotated[int, Field(ge=0, le=(1 << 32) - 1)]
 
 
@@ -71,6 +72,14 @@ class NvExt(_OmitNone):
     agent_hints: AgentHints | None = None
     request_timestamp_ms: float | None = None
     session_control: SessionControl | None = None
+
+    def has_query_instance_id_annotation(self) -> bool:
+        """A `query_instance_id:<value>` annotation (GAIE's first stage, exact prefix as
+        Dynamo's): decide the workers, answer their ids and the prompt's token ids, book
+        nothing, generate nothing."""
+        return self.annotations is not None and any(
+            a.startswith(QUERY_INSTANCE_ID) for a in self.annotations
+        )
 
     def wants(self, field: str) -> bool:
         """True when the client asked for `field` ("worker_id", "timing") in the response."""

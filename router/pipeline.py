@@ -52,6 +52,8 @@ class Routed:
     decision: Decision
     prompt_tokens: int
     predicted_cached_tokens: int  # prompt tokens the index says the chosen worker holds
+    # a query-only request (`query_instance_id` annotation): its prompt's token ids, to answer
+    token_ids: list[int] | None = None
 
 
 class RequestPipeline:
@@ -111,8 +113,14 @@ class RequestPipeline:
         nvext: NvExt | None = None,
         pins: RoutePins | None = None,
         allowed_ids: frozenset[int] | None = None,
+        answers_queries: bool = False,
     ) -> RouteRequest:
-        """What the router needs to know about an OpenAI request (OpenAIError when it can't)."""
+        """What the router needs to know about an OpenAI request (OpenAIError when it can't).
+
+        `answers_queries`: the caller answers query-only requests (`query_instance_id`
+        annotation) itself with `Routed.token_ids` and the decision, calling no engine; a caller
+        that cannot (the EPP: its answers are routes) leaves it False, and such a request is
+        then routed and booked like any other."""
         block_size = self.router.block_size
         if block_size is None:
             raise OpenAIError(503, "no workers are registered yet; they are still being discovered")
@@ -128,6 +136,9 @@ class RequestPipeline:
             isl_tokens += cut // _CHARS_PER_TOKEN
             tokens = tokens[: max(len(tokens) - 2 * block_size, 0)]
         hints = nvext.agent_hints if nvext is not None else None
+        query_only = (
+            answers_queries and nvext is not None and nvext.has_query_instance_id_annotation()
+        )
         return RouteRequest(
             request_id=request_id,
             block_hashes=block_hash_array(tokens, block_size, lora_name),
@@ -137,6 +148,8 @@ class RequestPipeline:
             session=nvext.session_control if nvext is not None else None,
             allowed_ids=allowed_ids,
             expected_output_tokens=hints.osl if hints is not None else None,
+            query_only=query_only,
+            prompt_tokens=tokens if query_only else None,
         )
 
     def decide(
@@ -148,11 +161,18 @@ class RequestPipeline:
         nvext: NvExt | None = None,
         pins: RoutePins | None = None,
         allowed_ids: frozenset[int] | None = None,
+        answers_queries: bool = False,
     ) -> Routed:
         """Route one request and book it (its `decision.guard` frees the booking), all on the
         calling thread."""
         request = self.route_request(
-            path, body, request_id=request_id, nvext=nvext, pins=pins, allowed_ids=allowed_ids
+            path,
+            body,
+            request_id=request_id,
+            nvext=nvext,
+            pins=pins,
+            allowed_ids=allowed_ids,
+            answers_queries=answers_queries,
         )
         return self.schedule(request)
 
@@ -165,6 +185,7 @@ class RequestPipeline:
         nvext: NvExt | None = None,
         pins: RoutePins | None = None,
         allowed_ids: frozenset[int] | None = None,
+        answers_queries: bool = False,
     ) -> Routed:
         """`decide` for an event loop: a prompt of more than `INLINE_CHARS` characters (or any
         prompt while a tokenizer is still loading) is tokenized and hashed on the pipeline's own
@@ -178,6 +199,7 @@ class RequestPipeline:
             nvext=nvext,
             pins=pins,
             allowed_ids=allowed_ids,
+            answers_queries=answers_queries,
         )
         if prompt_chars(path, body) <= INLINE_CHARS and self._tokenizers_loaded():
             request = prepare()
@@ -210,7 +232,10 @@ class RequestPipeline:
             raise OpenAIError(exc.status, exc.reason) from None
         first_leg = decision.prefill or decision.decode
         cached = first_leg.overlap_blocks * (self.router.block_size or 0)
-        return Routed(decision, request.isl_tokens, min(cached, request.isl_tokens))
+        token_ids = None
+        if request.query_only and request.prompt_tokens is not None:
+            token_ids = [int(t) for t in request.prompt_tokens]
+        return Routed(decision, request.isl_tokens, min(cached, request.isl_tokens), token_ids)
 
     def close(self) -> None:
         """Stop the tokenizing thread (a tokenization under way finishes on its own)."""

@@ -78,6 +78,7 @@ class RouteRequest:
     allowed_ids: frozenset[int] | None = None  # e.g. the GAIE subset hint, as instance ids
     expected_output_tokens: int | None = None  # nvext.agent_hints.osl
     query_only: bool = False  # decide, but book nothing and record nothing
+    prompt_tokens: "np.ndarray | None" = None  # kept only for query-only requests (answered)
 
 
 @dataclass(frozen=True, slots=True)

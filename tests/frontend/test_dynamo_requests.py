@@ -301,3 +301,35 @@ async def test_enforced_disaggregation_is_not_ready_without_a_prefill_worker(mod
             assert status == 503 and "no prefill worker" in body["reason"]
         async with run_frontend(decode, [decode, prefill], enforce_disagg=True) as fe:
             assert (await health(fe))[0] == 200
+
+
+async def test_query_instance_id_answers_the_workers_and_tokens_and_books_nothing(model):
+    """Dynamo's `query_instance_id:` annotation (GAIE's first stage): the chosen workers' ids
+    and the prompt's token ids in the response nvext; no engine is called, nothing booked."""
+    async with (
+        mock_worker(role=Role.PREFILL) as prefill,
+        mock_worker(role=Role.DECODE) as decode,
+        run_frontend(None, [prefill, decode], mode=Mode.KV) as fe,
+    ):
+        query = {
+            "annotations": ["query_instance_id:"],
+            "session_control": {"session_id": "q", "action": "bind"},
+        }
+        body = {"model": model, "prompt": "Hello world", "max_tokens": 1, "nvext": query}
+        status, out, _ = await post(fe, body)
+        assert status == 200, out
+        assert out["nvext"]["token_ids"] == [9707, 1879]
+        assert out["nvext"]["worker_id"] == {
+            "prefill_worker_id": prefill.config.instance_id,
+            "prefill_dp_rank": 0,
+            "decode_worker_id": decode.config.instance_id,
+            "decode_dp_rank": 0,
+        }
+        assert out["choices"] == []
+        assert (await served(prefill))["total"] == 0 and (await served(decode))["total"] == 0
+        assert fe.routing.router.sessions.binding("q") is None  # a query binds nothing either
+        # a stray annotation of another name is not a query
+        body["nvext"] = {"annotations": ["query_instance_id_extra:1"]}
+        status, out, _ = await post(fe, body)
+        assert status == 200 and "token_ids" not in (out.get("nvext") or {})
+        assert (await served(decode))["total"] == 1
