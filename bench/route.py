@@ -21,6 +21,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import orjson
 
@@ -196,7 +197,7 @@ class Setup:
 
 
 def resolve(args: argparse.Namespace) -> Setup:
-    base = QUICK if args.quick else FULL
+    base: dict[str, Any] = QUICK if args.quick else FULL
     if getattr(args, "workload", "mooncake") == "multiturn":
         multi = MULTITURN_QUICK if args.quick else MULTITURN_FULL
         base = {**base, **multi}

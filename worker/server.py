@@ -250,11 +250,9 @@ class WorkerServer:
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
         if (refused := self._refuse_admin(request, debug=True)) is not None:
             return refused
-        refused = [r.rank for r in self.engine.ranks if not r.reset_prefix_cache()]
-        if refused:
-            return _error(
-                OpenAIError(409, f"ranks {refused} have requests running; retry when idle")
-            )
+        busy = [r.rank for r in self.engine.ranks if not r.reset_prefix_cache()]
+        if busy:
+            return _error(OpenAIError(409, f"ranks {busy} have requests running; retry when idle"))
         return web.Response(status=200)
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
