@@ -429,7 +429,11 @@ class _Connection(asyncio.Protocol):
                 raise _Refused(501, f"transfer-coding {listed} is not implemented")
 
     def expire(self, now: float) -> None:
-        """The request head or body under way is late: 408 (see `HttpServer._sweep_idle`)."""
+        """The request head or body under way is late: 408 (see `HttpServer._sweep_idle`).
+        A pipelined head waits while an earlier request is answered: its 408 comes after
+        that answer, which it must not cut short."""
+        if self._current is not None and self._current is not self._parsing:
+            return
         if self.deadline is not None and now >= self.deadline:
             self.deadline = None
             server = self.server

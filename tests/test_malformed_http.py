@@ -99,9 +99,15 @@ CASES = [
 ]
 
 
+@dataclass(frozen=True)
+class Served:
+    port: int
+    route: bytes = b""  # header lines that route a generation request to the mock engine
+
+
 @contextlib.asynccontextmanager
-async def frontend_port() -> AsyncIterator[int]:
-    async with mock_worker(model=MODEL, kv_events=False) as engine:
+async def frontend_port() -> AsyncIterator[Served]:
+    async with mock_worker(model=MODEL, kv_events=False, speedup=1.0) as engine:
         config = FrontendConfig(
             engine_url=engine.url,
             max_body_bytes=MAX_BODY,
@@ -111,19 +117,21 @@ async def frontend_port() -> AsyncIterator[int]:
         async with Frontend(config) as frontend:
             assert frontend.url is not None
             await wait_for(frontend.directory.ready, what="the frontend to know its engine")
-            yield int(frontend.url.rsplit(":", 1)[1])
+            route = b"x-worker-instance-id: %d\r\n" % engine.config.instance_id
+            yield Served(int(frontend.url.rsplit(":", 1)[1]), route)
 
 
 @contextlib.asynccontextmanager
-async def worker_port() -> AsyncIterator[int]:
+async def worker_port() -> AsyncIterator[Served]:
     async with mock_worker(
         model=MODEL,
         kv_events=False,
+        speedup=1.0,
         max_body_bytes=MAX_BODY,
         head_timeout=BUDGET_S,
         body_timeout=BUDGET_S,
     ) as worker:
-        yield int(worker.url.rsplit(":", 1)[1])
+        yield Served(int(worker.url.rsplit(":", 1)[1]))
 
 
 SERVERS = {"frontend": frontend_port, "worker": worker_port}
@@ -166,8 +174,8 @@ async def exchange(port: int, case: Case) -> tuple[bytes, bool]:
 @pytest.mark.parametrize("server", list(SERVERS))
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 async def test_malformed_request_gets_its_status_and_the_connection_closed(server, case):
-    async with SERVERS[server]() as port:
-        reply, closed = await exchange(port, case)
+    async with SERVERS[server]() as served:
+        reply, closed = await exchange(served.port, case)
     status_line = reply.split(b"\r\n", 1)[0]
     assert re.match(rb"HTTP/1\.[01] %d " % case.status, status_line), reply[:300]
     assert closed, f"the server kept the connection open after: {reply[:300]!r}"
@@ -180,15 +188,31 @@ async def test_json_nested_1000_deep_is_400_naming_the_limit(server):
     body = b'{"model": "%s", "prompt": "hi", "nvext": ' % MODEL.encode()
     body += b'{"a": ' * 1000 + b"1" + b"}" * 1001
     head = POST + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body)
-    async with SERVERS[server]() as port:
-        reply, _ = await exchange(port, Case("deep", head + body, 400))
+    async with SERVERS[server]() as served:
+        reply, _ = await exchange(served.port, Case("deep", head + body, 400))
     assert reply.startswith(b"HTTP/1.1 400 "), reply[:300]
     assert b"deeper than 64 levels" in reply
 
 
 @pytest.mark.parametrize("server", list(SERVERS))
+async def test_a_late_pipelined_head_waits_for_the_answer_in_flight(server):
+    """A request streams for ~2 s (simulated time at wall-clock speed) while the next one's
+    head stalls on the same connection: the stream is answered whole, then the 408."""
+    body = b'{"model": "%s", "prompt": "hi", "max_tokens": 300, "stream": true}' % MODEL.encode()
+    stalled = b"GET /health HTTP/1.1\r\nHost: t\r\n"
+    async with SERVERS[server]() as served:
+        first = POST + served.route + b"Content-Length: %d\r\n\r\n" % len(body)
+        case = Case("pipelined", first + body + stalled, 200)
+        reply, closed = await exchange(served.port, case)
+    assert reply.startswith(b"HTTP/1.1 200 "), reply[:300]
+    answer, _, after = reply.partition(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+    assert answer.count(b"data: {") >= 2 and after.startswith(b"HTTP/1.1 408 "), reply[-300:]
+    assert closed
+
+
+@pytest.mark.parametrize("server", list(SERVERS))
 async def test_a_well_formed_request_on_the_same_servers_is_served(server):
     """The table's servers serve what is not malformed (so their answers are not blanket)."""
-    async with SERVERS[server]() as port:
-        reply, _ = await exchange(port, Case("ok", GET + b"Connection: close\r\n\r\n", 200))
+    async with SERVERS[server]() as served:
+        reply, _ = await exchange(served.port, Case("ok", GET + b"Connection: close\r\n\r\n", 200))
     assert reply.startswith(b"HTTP/1.1 200 "), reply[:300]

@@ -68,6 +68,7 @@ class _Shadow:
     """httptools' callbacks for one connection: tracks where the request is and checks it."""
 
     __slots__ = (
+        "begun",
         "body",
         "deadline",
         "head",
@@ -82,6 +83,7 @@ class _Shadow:
     def __init__(self, limits: "Limits"):
         self.limits = limits
         self.parser = httptools.HttpRequestParser(self)
+        self.begun = 0  # messages begun on the connection
         self.url = 0
         self.head = 0
         self.headers: list[tuple[bytes, bytes]] = []
@@ -91,6 +93,7 @@ class _Shadow:
         self.late = ""
 
     def on_message_begin(self) -> None:
+        self.begun += 1
         self.url = self.head = self.body = 0
         self.headers = []
         self.late = f"request head not complete within {self.limits.head_timeout:g} s"
@@ -202,14 +205,29 @@ class GuardedRequestHandler(RequestHandler):
 
     def _expire(self) -> None:
         self._late_handle = None
+        if not self._answerable():
+            # A pipelined head waits while an earlier request is answered: its 408 comes
+            # after that answer, which it must not cut short.
+            self._arm(min(1.0, self._guard.limits.head_timeout))
+            return
         self._refuse(408, self._guard.late)
+
+    def _answerable(self) -> bool:
+        """Whether a refusal can be written as the answer to the request it concerns: no
+        request is being answered, or it is the one whose body is arriving and nothing of
+        its answer has gone out."""
+        request = self._current_request
+        if request is None:
+            return True
+        guard = self._guard
+        handled = self._request_count - len(self._messages)  # aiohttp's, 1-based
+        return guard.in_body and guard.begun == handled and request.writer.output_size == 0
 
     def _refuse(self, status: int, message: str) -> None:
         transport = self.transport
         if transport is None or transport.is_closing():
             return
-        request = self._current_request
-        if request is None or request.writer.output_size == 0:
+        if self._answerable():
             body = message.encode()
             phrase = _reason(status)
             transport.write(_PLAIN % (status, phrase, len(body), body))
