@@ -336,6 +336,10 @@ class WorkerServer:
     async def kv_pull(self, request: web.Request) -> web.Response:
         if (refused := self._refuse_admin(request, debug=False)) is not None:
             return refused
+        if self.engine.config.role is not Role.PREFILL:  # only a prefill engine holds KV for one
+            return _error(OpenAIError(
+                404, f"{PULL_PATH} is served by prefill engines only; this one is "
+                f"{self.engine.config.role.value}"))  # fmt: skip
         try:
             body = await self._body(request)
             engine_id, request_id = body.get("remote_engine_id"), body.get("remote_request_id")

@@ -34,17 +34,25 @@ async def call(url: str, path: str, token: str | None = None) -> tuple[int, str]
 
 
 async def test_debug_and_admin_endpoints_are_off_by_default():
-    async with mock_worker(model=MODEL, kv_events=False, debug_endpoints=False) as w:
+    async with (
+        mock_worker(model=MODEL, kv_events=False, debug_endpoints=False) as w,
+        mock_worker(model=MODEL, kv_events=False, role=Role.PREFILL) as prefill,
+    ):
         for path in ADMIN:
             status, text = await call(w.url, path)
             assert status == 404 and "--debug-endpoints" in text, (path, text)
-        # The hand-off's pull stays open without a token (decode engines need it).
+        # The hand-off's pull: only prefill engines serve it; open there without a token
+        # (decode engines need it).
         status, text = await call(w.url, PULL_PATH)
+        assert status == 404 and "prefill engines only" in text
+        status, text = await call(prefill.url, PULL_PATH)
         assert status == 404 and "no held KV" in text
 
 
 async def test_an_admin_token_guards_every_admin_endpoint():
-    async with mock_worker(model=MODEL, kv_events=False, admin_token="s3cret") as w:
+    async with mock_worker(
+        model=MODEL, kv_events=False, admin_token="s3cret", role=Role.PREFILL
+    ) as w:
         for path in (*ADMIN, PULL_PATH):
             for token in (None, "wrong", "s3cret-but-longer"):
                 status, text = await call(w.url, path, token)
