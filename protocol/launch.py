@@ -30,6 +30,20 @@ EPP_METRICS_PORT = 9090
 # from a prefill engine's /v1/kv_transfer/pull with it. An environment variable rather than a
 # flag so that it comes from a Secret and stays out of command lines (docs/contracts.md).
 ADMIN_TOKEN_ENV = "DYNAMOGRAPH_ADMIN_TOKEN"
+ADMIN_TOKEN_KEY = "token"  # its key in the graph's Secret (`admin_token_secret`)
+
+
+def admin_token_secret(graph: DynamoGraph) -> str:
+    """The Secret (in the graph's namespace) that holds the graph's admin token under
+    ADMIN_TOKEN_KEY: created with a random value by the operator, read by every engine."""
+    return f"{graph.name}-admin-token"
+
+
+def admin_token_env(graph: DynamoGraph) -> dict[str, Any]:
+    """The engine container's env entry for the admin token: from the graph's Secret."""
+    ref = {"name": admin_token_secret(graph), "key": ADMIN_TOKEN_KEY}
+    return {"name": ADMIN_TOKEN_ENV, "valueFrom": {"secretKeyRef": ref}}
+
 
 _ROLES = {
     ComponentType.WORKER: "aggregated",

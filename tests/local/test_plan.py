@@ -12,7 +12,7 @@ from dynamograph.local.plan import plan_graph
 from dynamograph.local.spec import STAGE_ENGINES, STAGE_GATEWAY, STAGE_ROUTERS
 from dynamograph.local.up import DEFAULT_GRAPH, EXAMPLES
 from dynamograph.protocol.graph import load_graph
-from dynamograph.protocol.launch import ADMIN_TOKEN_ENV
+from dynamograph.protocol.launch import ADMIN_TOKEN_ENV, admin_token_env
 from dynamograph.protocol.router_config import RouterConfig
 
 pytestmark = pytest.mark.unit
@@ -284,6 +284,15 @@ def test_a_graphs_engines_share_one_admin_token_that_only_they_get():
     assert len(tokens) == 1 and len(tokens.pop()) >= 32
     assert first.engines()[0].env != second.engines()[0].env
     assert all(ADMIN_TOKEN_ENV not in p.env for p in first.processes if p.kind != "engine")
+
+
+def test_on_kubernetes_the_admin_token_comes_from_the_graphs_secret():
+    """What the operator is to put into engine pods (protocol.launch), by the same name."""
+    graph = load_graph(graph_dict(w={"componentType": "worker"}))
+    assert admin_token_env(graph) == {
+        "name": ADMIN_TOKEN_ENV,
+        "valueFrom": {"secretKeyRef": {"name": "t-admin-token", "key": "token"}},
+    }
 
 
 @pytest.mark.parametrize("example", ["agg.yaml", "disagg.yaml"])
