@@ -126,6 +126,11 @@ class Frontend:
             request_timeout=config.request_timeout, connect_timeout=config.connect_timeout
         )
         self.routing: RoutingMode = self._routing()
+        queue = getattr(getattr(self.routing, "pipeline", None), "queue", None)
+        if queue is not None:  # kv mode with a router queue: its metrics on /metrics
+            from dynamograph.router.waiting import QueueCollector
+
+            self.metrics.registry.register(QueueCollector(queue))
         # path → (methods, handler); HEAD is answered like GET (the server drops the body)
         self._routes = {
             CHAT_COMPLETIONS: (("POST",), self.generate),
@@ -338,7 +343,7 @@ class Frontend:
         the chosen workers and the prompt's token ids in `nvext`, no choices, nothing booked
         and no engine called."""
         chat = exchange.path == CHAT_COMPLETIONS
-        out = {
+        out: dict[str, Any] = {
             "id": f"query-{time.time_ns():x}",
             "object": ("chat.completion.chunk" if stream else "chat.completion")
             if chat

@@ -100,6 +100,15 @@ class RouterConfig(BaseModel):
     retry_after_s: float = Field(
         default=1.0, gt=0, description="Retry-After when every worker is busy (503)"
     )
+    queue_max_requests: int = Field(
+        default=0,
+        ge=0,
+        description="when every worker is busy, up to this many requests wait for one, the "
+        "highest agent_hints.priority first, then in arrival order (0: no queue, the 503 at once)",
+    )
+    queue_timeout_s: float = Field(
+        default=30.0, gt=0, description="a queued request waiting longer gets the busy 503"
+    )
     enforce_disagg: bool = Field(
         default=False,
         description="with prefill workers configured, never fall back to aggregated serving",

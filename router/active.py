@@ -115,6 +115,8 @@ class ActiveRequests:
 
     block_size: int = 16
     track_output_blocks: bool = False
+    # called after a booking is freed (room on a worker: the router's queue tries again)
+    on_free: Callable[[], None] | None = field(default=None, compare=False, repr=False)
     _loads: dict[Slot, SlotLoad] = field(default_factory=dict)
     # Guards collected while booked push their bookings here (an atomic deque append) instead
     # of freeing inside __del__, which may run in the middle of another update.
@@ -252,6 +254,8 @@ class ActiveRequests:
         """Remove the booking entirely (idempotent)."""
         self._reap()
         self._free(booking)
+        if self.on_free is not None:
+            self.on_free()
 
     def orphaned(self, booking: Booking) -> None:
         """Called from a guard's finaliser: free at the next operation, not inside __del__."""

@@ -38,6 +38,7 @@ from dynamograph.protocol.tokenization import (
 
 from .errors import Overloaded, RoutingError
 from .scheduler import Decision, Router, RouteRequest
+from .waiting import WaitQueue
 
 _CHARS_PER_TOKEN = 4  # English prose with a BPE vocabulary; only estimates a cut prompt's length
 # Below this many characters of prompt (~1k tokens, ~0.1 ms to tokenize), the hop to the
@@ -67,6 +68,12 @@ class RequestPipeline:
         self._thread: ThreadPoolExecutor | None = None  # tokenizes long prompts off the loop
         self._all_loaded = False  # every published tokenizer loaded (until a worker is added)
         self.preparing = 0  # requests being tokenized off the loop now
+        # every worker busy: requests wait here, by priority (`waiting`), when configured
+        config = router.config
+        self.queue: WaitQueue[Routed] | None = None
+        if config.queue_max_requests > 0:
+            self.queue = WaitQueue(config.queue_max_requests, config.queue_timeout_s, _release)
+            router.active.on_free = self.queue.wake
 
     # -- the workers ---------------------------------------------------------------------
     def add_engine(self, config: EngineConfig) -> bool:
@@ -211,7 +218,22 @@ class RequestPipeline:
                 request = await asyncio.get_running_loop().run_in_executor(self._thread, prepare)
             finally:
                 self.preparing -= 1
-        return self.schedule(request)
+        queue = self.queue
+        if queue is None:
+            return self.schedule(request)
+        if queue.depth == 0:  # others waiting: a newcomer takes its place among them
+            try:
+                return self._attempt(request)
+            except Overloaded as exc:
+                busy = exc
+        else:
+            busy = Overloaded("every eligible worker is busy", self.router.config.retry_after_s)
+        hints = nvext.agent_hints if nvext is not None else None
+        priority = hints.priority if hints is not None and hints.priority is not None else 0
+        try:
+            return await queue.wait(functools.partial(self._attempt, request), priority, busy)
+        except Overloaded as exc:
+            raise _busy_error(exc) from None
 
     def _tokenizers_loaded(self) -> bool:
         """Whether every published tokenizer is loaded: loading one takes seconds, which a
@@ -224,10 +246,16 @@ class RequestPipeline:
     def schedule(self, request: RouteRequest) -> Routed:
         """Book a prepared request; the router's refusals as OpenAIErrors."""
         try:
-            decision = self.router.schedule(request)
+            return self._attempt(request)
         except Overloaded as exc:
-            message = f"{exc.reason}; retry after {exc.retry_after_s:g} s"
-            raise OpenAIError(exc.status, message, retry_after_s=exc.retry_after_s) from None
+            raise _busy_error(exc) from None
+
+    def _attempt(self, request: RouteRequest) -> Routed:
+        """`schedule`, leaving `Overloaded` (every worker busy) as it is, for the queue."""
+        try:
+            decision = self.router.schedule(request)
+        except Overloaded:
+            raise
         except RoutingError as exc:
             raise OpenAIError(exc.status, exc.reason) from None
         first_leg = decision.prefill or decision.decode
@@ -238,7 +266,10 @@ class RequestPipeline:
         return Routed(decision, request.isl_tokens, min(cached, request.isl_tokens), token_ids)
 
     def close(self) -> None:
-        """Stop the tokenizing thread (a tokenization under way finishes on its own)."""
+        """Stop the tokenizing thread (a tokenization under way finishes on its own) and the
+        queue."""
+        if self.queue is not None:
+            self.queue.close()
         if self._thread is not None:
             self._thread.shutdown(wait=False, cancel_futures=True)
             self._thread = None
@@ -258,3 +289,14 @@ def prompt_chars(path: str, body: Mapping[str, Any]) -> int:
         )
     prompt = body.get("prompt")
     return len(prompt) if isinstance(prompt, str) else 0
+
+
+def _busy_error(exc: Overloaded) -> OpenAIError:
+    message = f"{exc.reason}; retry after {exc.retry_after_s:g} s"
+    return OpenAIError(exc.status, message, retry_after_s=exc.retry_after_s)
+
+
+def _release(routed: Routed) -> None:
+    """Free the booking of a request that left the queue as it was dispatched."""
+    if routed.decision.guard is not None:
+        routed.decision.guard.free()

@@ -20,7 +20,7 @@ from dynamograph.worker.lora import LoraModule
 from dynamograph.worker.testing import mock_worker
 from e2e.waiting import wait_for
 
-from .conftest import route, run_frontend, served
+from .conftest import frontend_metric, route, run_frontend, served
 
 pytestmark = pytest.mark.integration
 
@@ -333,3 +333,33 @@ async def test_query_instance_id_answers_the_workers_and_tokens_and_books_nothin
         status, out, _ = await post(fe, body)
         assert status == 200 and "token_ids" not in (out.get("nvext") or {})
         assert (await served(decode))["total"] == 1
+
+
+async def test_busy_requests_wait_in_the_router_queue_and_show_in_metrics(model):
+    """With a router queue, a request finding every worker busy waits (instead of the 503)
+    and is served once room frees; /metrics shows the queue."""
+    from dynamograph.protocol.router_config import RouterConfig
+
+    config = RouterConfig(busy_threshold=0.05, queue_max_requests=4, queue_timeout_s=30)
+    async with (
+        mock_worker(num_gpu_blocks=64, speedup=1.0) as small,
+        run_frontend(None, [small], mode=Mode.KV, router=config) as fe,
+    ):
+        hog = {"model": model, "prompt": PROMPT, "max_tokens": 800, "ignore_eos": True}
+        long_running = asyncio.create_task(post(fe, hog))
+        await wait_for(lambda: fe.routing.router.active.total_requests() == 1, what="booking")
+        hinted = {"model": model, "prompt": "one more", "max_tokens": 1}
+        hinted["nvext"] = {"agent_hints": {"priority": 3}}
+        waiting = asyncio.create_task(post(fe, hinted))
+        queue = fe.routing.pipeline.queue
+        await wait_for(lambda: queue.depth == 1, what="the request to queue")
+        assert await frontend_metric(fe, "dynamograph_router_queue_depth") == 1
+        long_running.cancel()  # the client leaves: its booking is freed, the queue moves
+        with contextlib.suppress(asyncio.CancelledError):
+            await long_running
+        status, out, _ = await waiting
+        assert status == 200, out
+        dispatched = await frontend_metric(
+            fe, "dynamograph_router_queue_requests_total", outcome="dispatched"
+        )
+        assert dispatched == 1
