@@ -438,12 +438,15 @@ class QwenTokenizer(_FastSwitch):
         self, text: str, *, specials: bool = True, add_special_tokens: bool = False
     ) -> np.ndarray:
         array: np.ndarray
-        if specials:
-            array = self._encoding.encode_to_numpy(text, allowed_special="all")
-        else:
-            array = self._encoding.encode_to_numpy(
-                text, allowed_special=set(), disallowed_special=()
-            )
+        try:
+            if specials:
+                array = self._encoding.encode_to_numpy(text, allowed_special="all")
+            else:
+                array = self._encoding.encode_to_numpy(
+                    text, allowed_special=set(), disallowed_special=()
+                )
+        except ValueError as exc:  # its regex gave up (backtracking limit)
+            raise _untokenizable(exc) from None
         return array.astype("<u4", copy=False)
 
     def _load_fast(self, fastokens: Any) -> Any:
@@ -602,6 +605,16 @@ def _special_spans(specials: list[str]) -> bool:
     return any(after.startswith(s[k:]) for s in specials for k in range(1, len(s)))
 
 
+def _untokenizable(exc: BaseException) -> OpenAIError:
+    """400 for a text the reference tokenizer's pre-tokenizer regex gives up on: long runs of
+    whitespace next to newlines or tabs (runs of spaces alone are split off first, see
+    `QwenTokenizer._split_space_runs`)."""
+    return OpenAIError(
+        400,
+        f"the prompt could not be tokenized ({str(exc)[:120]}); shorten its runs of whitespace",
+    )
+
+
 # Runs of spaces at least this long are encoded without the pre-tokenizer regex (QwenTokenizer).
 LONG_SPACE_RUN = 4096
 _LONG_SPACES = " " * LONG_SPACE_RUN
@@ -651,7 +664,14 @@ class HuggingFaceTokenizer(_FastSwitch):
     ) -> np.ndarray:
         if not specials:
             raise NotImplementedError("tokenizers encodes special-token text as special tokens")
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        except BaseException as exc:
+            # Oniguruma's retry limit surfaces as a Rust panic (pyo3's PanicException, a
+            # BaseException): a request's text, not a bug of this process.
+            if type(exc).__name__ != "PanicException":
+                raise
+            raise _untokenizable(exc) from None
         return np.asarray(ids, dtype="<u4")
 
     def _load_fast(self, fastokens: Any) -> Any:

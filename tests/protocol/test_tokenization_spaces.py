@@ -59,6 +59,12 @@ def test_ten_megabytes_of_spaces_encode_in_linear_time(qwen):
     assert len(ids) == 78_125 and time.perf_counter() - start < 2.0
 
 
+def test_text_the_reference_regex_gives_up_on_is_a_400(qwen):
+    with pytest.raises(OpenAIError) as err:
+        qwen.encode("x\n" + " " * 1_500_000 + "y")
+    assert err.value.status == 400 and "could not be tokenized" in str(err.value)
+
+
 def test_bodies_nested_past_the_limit_are_refused_naming_it():
     def nested(depth: int) -> bytes:  # the body is level 1
         inner = b"[" * (depth - 1) + b"]" * (depth - 1)

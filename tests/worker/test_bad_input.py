@@ -95,6 +95,18 @@ async def test_a_10_mb_prompt_of_spaces_is_tokenized_and_refused_with_the_contex
     assert "78125 in the messages" in message  # 10M spaces = 78,125 tokens of 128 spaces
 
 
+async def test_a_prompt_the_tokenizer_gives_up_on_is_400_not_500(small):
+    """A long run of whitespace next to a newline still exceeds tiktoken's backtracking limit
+    (only runs of spaces alone are split off): a 400 saying so, not a 500."""
+    import orjson
+
+    prompt = "x\n" + " " * 1_500_000 + "y"
+    body = orjson.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 1})
+    status, resp = await raw_post(small.url, "/v1/completions", body)
+    assert status == 400, resp
+    assert "could not be tokenized" in resp["error"]["message"]
+
+
 async def test_negative_seed_is_accepted_as_vllm_does_and_out_of_range_is_400(small):
     """vLLM takes any 64-bit signed seed (`ge=_LONG_INFO.min`); -1 was a 500 here (numpy
     refuses negative seeds). The same seed still gives the same text."""
