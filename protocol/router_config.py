@@ -53,7 +53,7 @@ class RouterConfig(BaseModel):
     picker: PluginRef = Field(
         default_factory=lambda: PluginRef(type="kv"),
         description="the picker, by registered name: kv (the lowest cost; softmax sampling when "
-        "temperature > 0), round-robin, random, least-loaded",
+        "temperature > 0), round-robin, random, least-loaded (fewest booked requests)",
     )
     filters: list[PluginRef] = Field(
         default_factory=lambda: [PluginRef(type="busy")],
@@ -61,9 +61,10 @@ class RouterConfig(BaseModel):
     )
     scorers: list[ScorerRef] = Field(
         default_factory=dynamo_scorers,
-        description="cost terms and their weights; the default is Dynamo's: kv-overlap "
-        "(uncached prompt blocks, weight = Dynamo's kv_overlap_score_weight) + load (decode "
-        "blocks booked)",
+        description="cost terms and their weights (1.0 unless given); the default is Dynamo's "
+        "cost: kv-overlap (uncached prompt blocks; its weight is Dynamo's "
+        "kv_overlap_score_weight, the EPP's --overlap-weight, a DynamoGraph's "
+        "router.overlapWeight) + load (decode blocks booked)",
     )
     max_prompt_chars: int = Field(
         default=256 * 1024,
@@ -75,14 +76,20 @@ class RouterConfig(BaseModel):
     temperature: float = Field(
         default=0.0,
         ge=0,
-        description="0 = argmin cost; > 0 = softmax sampling over normalised costs",
+        description="0: the lowest cost wins; > 0: softmax sampling over costs normalised to "
+        "[0, 1]",
     )
     use_kv_events: bool = Field(
         default=True,
         description="index KV events from workers; False = approximate mode (routed blocks count "
         "as cached for approx_ttl_s)",
     )
-    approx_ttl_s: float = Field(default=120.0, gt=0)
+    approx_ttl_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="approximate mode: how long a routed request's blocks count as cached on "
+        "the worker it went to",
+    )
     busy_threshold: float | None = Field(
         default=None,
         gt=0,
@@ -98,7 +105,9 @@ class RouterConfig(BaseModel):
         "tokens booked and not yet prefilled than this is busy (with busy_threshold: either)",
     )
     retry_after_s: float = Field(
-        default=1.0, gt=0, description="Retry-After when every worker is busy (503)"
+        default=1.0,
+        gt=0,
+        description="Retry-After when every worker is busy (503) or the EPP is saturated (429)",
     )
     queue_max_requests: int = Field(
         default=0,
@@ -122,8 +131,14 @@ class RouterConfig(BaseModel):
     session_ttl_s: float = Field(
         default=300.0, gt=0, description="sticky-session timeout when the request names none"
     )
-    max_sessions: int = Field(default=100_000, ge=1, description="sticky-session table bound")
-    seed: int | None = Field(default=None, description="seed of the picker's random choices")
+    max_sessions: int = Field(
+        default=100_000,
+        ge=1,
+        description="bound of the sticky-session table (least recently used bindings go first)",
+    )
+    seed: int | None = Field(
+        default=None, description="seed of the random choices (ties, sampling, random picker)"
+    )
 
     def with_overlap_weight(self, weight: float) -> "RouterConfig":
         """A copy whose kv-overlap scorer has `weight` (Dynamo's kv_overlap_score_weight)."""
@@ -154,3 +169,24 @@ class RouterConfig(BaseModel):
             return cls.model_validate(data)
         except ValidationError as exc:
             raise ValueError(describe_validation_error("router config", exc)) from None
+
+
+def markdown_table() -> str:
+    """RouterConfig's fields as the Markdown table docs/router.md shows, from the model itself
+    (`python -m dynamograph.protocol.router_config` prints it)."""
+    rows = ["| field | default | meaning |", "|---|---|---|"]
+    for name, field in RouterConfig.model_fields.items():
+        default = field.get_default(call_default_factory=True)
+        if isinstance(default, BaseModel):
+            default = default.model_dump(exclude_defaults=True)
+        elif isinstance(default, list):
+            default = [d.model_dump(exclude_defaults=True) for d in default]
+        shown = yaml.safe_dump(default, default_flow_style=True, width=1000).strip()
+        shown = shown.removesuffix("\n...").strip()
+        meaning = (field.description or "").replace("|", "\\|")
+        rows.append(f"| `{name}` | `{shown}` | {meaning} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown_table(), end="")
