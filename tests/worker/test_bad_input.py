@@ -56,7 +56,7 @@ async def test_over_long_prompt_names_the_limit(small):
         ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, "'max_tokens' must be a positive"),
         ({"model": MODEL, "prompt": "hi", "n": 2}, "only n=1"),
         ({"model": MODEL, "messages": []}, "non-empty 'messages'"),
-        ({"model": MODEL, "prompt": "hi", "nvext": {"dp_rnak": 1}}, "nvext.dp_rnak"),
+        ({"model": MODEL, "prompt": "hi", "nvext": {"dp_rank": "one"}}, "nvext.dp_rank"),
         ({"prompt": "hi"}, "'model'"),
         ({"model": MODEL, "prompt": "hi", "kv_transfer_params": {"do_remote_prefill": True}},
          "needs remote_engine_id"),
