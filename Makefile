@@ -2,7 +2,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup test lint up down e2e-kind
+.PHONY: setup test lint up down e2e-kind control-plane cluster
 
 setup:
 	scripts/setup.sh
@@ -24,3 +24,13 @@ down:
 # creates the kind cluster `dynamograph-e2e` (E2E_KEEP_CLUSTER=1 keeps it for another run).
 e2e-kind:
 	DYNAMOGRAPH_E2E_KIND=1 $(BIN)/python -m pytest e2e/kind -m e2e -v -p no:cacheprovider
+
+# The real control plane of the operator tier (tests/cluster/, docs/operator.md "Running the
+# control-plane tier"): build it once (cached by version outside the clone; setup.sh runs this),
+# then `make cluster` runs etcd, kube-apiserver, controller-manager, scheduler and kwok on
+# 127.0.0.1 in the foreground and prints the KUBECONFIG to use; Ctrl-C stops everything.
+control-plane:
+	scripts/build-control-plane.sh
+
+cluster: control-plane
+	$(BIN)/python tests/cluster/controlplane.py --dir .local/cluster
