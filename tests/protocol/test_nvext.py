@@ -76,12 +76,17 @@ def test_errors_name_field_and_value(value, message):
 def test_unknown_fields_are_ignored_as_dynamo_does():
     """Dynamo's serde structs have no deny_unknown_fields: a newer client's keys are dropped."""
     nvext = parse_nvext(
-        {"future_hint": 5, "agent_hints": {"osl": 9, "new": "x"}, "session_control": {
-            "session_id": "s", "later": True}}
+        {
+            "future_hint": 5,
+            "agent_hints": {"osl": 9, "new": "x"},
+            "session_control": {"session_id": "s", "later": True},
+        }
     )
     assert nvext.agent_hints.osl == 9 and nvext.session_control.session_id == "s"
-    assert nvext.model_dump() == {"agent_hints": {"osl": 9}, "session_control": {
-        "session_id": "s", "timeout": 300}}
+    assert nvext.model_dump() == {
+        "agent_hints": {"osl": 9},
+        "session_control": {"session_id": "s", "timeout": 300},
+    }
 
 
 def test_nvext_must_be_an_object():
