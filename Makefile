@@ -7,9 +7,13 @@ BIN := $(VENV)/bin
 setup:
 	scripts/setup.sh
 
+# ruff; mypy (strict on protocol/ and router/) and the import rules between packages (.importlinter),
+# each through a script that maps the component folders to their dynamograph.* names.
 lint:
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/python scripts/typecheck.py
+	$(BIN)/python scripts/lint_imports.py
 
 test: lint
 	$(BIN)/python -m pytest
