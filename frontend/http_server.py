@@ -462,6 +462,9 @@ class _Connection(asyncio.Protocol):
             self._begin(self._queued.popleft())
             if not self._queued:
                 self.resume_reading()
+            if self.deadline is not None and self._late_body:
+                # Reading was paused while the request waited: its body's time starts now.
+                self.deadline = self.loop.time() + self.server.body_timeout
             return
         self.idle_since = self.loop.time()
         if self.server.stopping:

@@ -211,6 +211,28 @@ async def test_a_late_pipelined_head_waits_for_the_answer_in_flight(server):
 
 
 @pytest.mark.parametrize("server", list(SERVERS))
+async def test_a_pipelined_body_gets_its_time_once_its_turn_comes(server):
+    """The frontend stops reading a pipelined request while the one before it streams (~2 s):
+    its body's budget starts when it is taken up, not when its head came. The rest of its body
+    follows 0.2 s after the first answer (slowness under test, within the 0.5 s budget)."""
+    stream = b'{"model": "%s", "prompt": "hi", "max_tokens": 300, "stream": true}' % MODEL.encode()
+    second = b'{"model": "%s", "prompt": "hi", "max_tokens": 1}' % MODEL.encode()
+    async with SERVERS[server]() as served:
+        reader, writer = await asyncio.open_connection("127.0.0.1", served.port)
+        first = POST + served.route + b"Content-Length: %d\r\n\r\n" % len(stream) + stream
+        head = POST + served.route + b"Content-Length: %d\r\nConnection: close\r\n\r\n"
+        writer.write(first + head % len(second) + second[:10])
+        async with asyncio.timeout(REPLY_WITHIN_S):
+            answer = await reader.readuntil(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+            assert answer.startswith(b"HTTP/1.1 200 ")
+            await asyncio.sleep(0.2)  # slowness is the behaviour under test
+            writer.write(second[10:])
+            reply = await reader.read()
+        writer.close()
+    assert re.match(rb"HTTP/1\.[01] 200 ", reply), reply[:300]
+
+
+@pytest.mark.parametrize("server", list(SERVERS))
 async def test_a_well_formed_request_on_the_same_servers_is_served(server):
     """The table's servers serve what is not malformed (so their answers are not blanket)."""
     async with SERVERS[server]() as served:

@@ -78,6 +78,7 @@ class _Shadow:
         "limits",
         "parser",
         "url",
+        "waited",
     )
 
     def __init__(self, limits: "Limits"):
@@ -91,9 +92,11 @@ class _Shadow:
         self.in_body = False
         self.deadline = 0.0
         self.late = ""
+        self.waited = False  # the request's deadline passed while an earlier one was answered
 
     def on_message_begin(self) -> None:
         self.begun += 1
+        self.waited = False
         self.url = self.head = self.body = 0
         self.headers = []
         self.late = f"request head not complete within {self.limits.head_timeout:g} s"
@@ -139,6 +142,7 @@ class _Shadow:
             if name == b"content-length" and int(value) > self.limits.max_body_bytes:
                 raise Refused(413, self._too_large())
         self.in_body = True
+        self.waited = False
         self.late = f"request body not complete within {self.limits.body_timeout:g} s"
         self.deadline = self.limits.body_timeout
 
@@ -205,12 +209,19 @@ class GuardedRequestHandler(RequestHandler):
 
     def _expire(self) -> None:
         self._late_handle = None
+        guard = self._guard
+        budget = guard.limits.body_timeout if guard.in_body else guard.limits.head_timeout
         if not self._answerable():
-            # A pipelined head waits while an earlier request is answered: its 408 comes
-            # after that answer, which it must not cut short.
-            self._arm(min(1.0, self._guard.limits.head_timeout))
+            # A pipelined request waits while an earlier one is answered: no 408 that would
+            # cut that answer short; looked at again shortly.
+            guard.waited = True
+            self._arm(min(0.1, budget))
             return
-        self._refuse(408, self._guard.late)
+        if guard.waited:  # its turn came: its time starts now (aiohttp may not have read)
+            guard.waited = False
+            self._arm(budget)
+            return
+        self._refuse(408, guard.late)
 
     def _answerable(self) -> bool:
         """Whether a refusal can be written as the answer to the request it concerns: no
