@@ -25,4 +25,13 @@ fi
 if [ -x scripts/fetch-helm.sh ]; then
     scripts/fetch-helm.sh
 fi
+
+# The real Kubernetes control plane of the operator tier (tests/cluster/), built from Go modules
+# and cached by version outside the clone: tens of minutes the first time on a machine, nothing
+# after (scripts/build-control-plane.sh). Without Go the tier skips, saying what is missing.
+if command -v go >/dev/null 2>&1; then
+    scripts/build-control-plane.sh
+else
+    echo "setup: go not found: the control plane is not built (tests/cluster will skip)"
+fi
 echo "setup: done. Activate with: source $VENV/bin/activate"
