@@ -32,6 +32,10 @@ class Booking(Protocol):
         """The decode engine answered with a success status (an `open` session binds)."""
         ...
 
+    def add_output_tokens(self, tokens: int) -> None:
+        """Tokens streamed so far: an expected output (`agent_hints.osl`) decays by them."""
+        ...
+
     def free(self) -> None: ...
 
 

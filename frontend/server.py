@@ -491,6 +491,7 @@ class Frontend:
         """SSE pass-through, chunk by chunk; the final chunk gains `nvext` when asked."""
         record = route.decode
         injector = nvext_out.FinalChunkInjector(self._ext(nvext, trace)) if want_ext else None
+        booking = route.booking
         await exchange.start(200, _SSE_HEADERS + _passed_headers(upstream))
         first = True
         last = b""  # the engine's final bytes: they go out with the end of the stream
@@ -510,6 +511,10 @@ class Frontend:
                 first = False
                 trace.first_token_s = trace.elapsed()
                 self._first_byte(route, True, trace)
+            if booking is not None:
+                # each SSE event carries at least one token (more when the engine merged them
+                # for a slow reader): the output so far, for the expected output's decay
+                booking.add_output_tokens(chunk.count(b"data: "))
             if injector is not None:
                 chunk = injector.feed(chunk)
                 if not chunk:

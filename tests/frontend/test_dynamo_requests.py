@@ -363,3 +363,44 @@ async def test_busy_requests_wait_in_the_router_queue_and_show_in_metrics(model)
             fe, "dynamograph_router_queue_requests_total", outcome="dispatched"
         )
         assert dispatched == 1
+
+
+async def test_streamed_output_decays_the_expected_output_booked(model):
+    """Output-block decay (Dynamo's `1 - generated / osl`): as a streamed answer goes through
+    the kv mode's frontend, its expected output stops weighing on its worker's booked load."""
+    async with mock_worker(speedup=2.0) as w, run_frontend(None, [w], mode=Mode.KV) as fe:
+        active = fe.routing.router.active
+        slot = (w.config.instance_id, 0)
+        body = {
+            "model": model,
+            "prompt": PROMPT,
+            "max_tokens": 1000,
+            "ignore_eos": True,
+            "stream": True,
+            "nvext": {"agent_hints": {"osl": 640}},  # 40 blocks of 16
+        }
+
+        async def stream() -> None:
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(fe.url + "/v1/completions", json=body) as r,
+            ):
+                assert r.status == 200
+                async for _ in r.content:
+                    pass
+
+        prompt_blocks = -(-len(get_tokenizer("qwen").encode(PROMPT, add_special_tokens=True)) // 16)
+        streaming = asyncio.create_task(stream())
+        try:
+            await wait_for(lambda: slot in active.loads(), what="the booking")
+            # booked with its expected output (less what may have streamed already) ...
+            assert prompt_blocks + 20 < active.load(slot).decode_blocks <= prompt_blocks + 40
+            # ... and once the 640 expected tokens streamed, only the prompt's blocks
+            await wait_for(
+                lambda: slot in active.loads() and active.load(slot).decode_blocks == prompt_blocks,
+                what="the expected output to decay",
+            )
+        finally:
+            streaming.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await streaming
