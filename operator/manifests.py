@@ -506,6 +506,10 @@ def _deployment(
     }
     if volumes:
         pod_spec["volumes"] = volumes
+    if kind == ComponentType.PREFILL:
+        # Engine-only pods (prefill) never call the API: no token in them. The EPP and every
+        # frontend (standalone or the serving pods' sidecar) discover pods with it.
+        pod_spec["automountServiceAccountToken"] = False
     if spec.extra_pod_spec:
         pod_spec = merge_extra_pod_spec(
             pod_spec, spec.extra_pod_spec, f"spec.services.{name}.extraPodSpec"

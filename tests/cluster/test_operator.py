@@ -260,3 +260,32 @@ def test_restricted_namespace_refuses_a_pod_that_may_escalate(control_plane, nam
     assert res.returncode != 0
     assert 'violates PodSecurity "restricted:latest"' in res.stderr, res.stderr
     assert "allowPrivilegeEscalation != false" in res.stderr
+
+
+def test_only_pods_that_call_the_api_get_a_service_account_token(
+    control_plane, operator, namespace
+):
+    """The ServiceAccount admission plugin mounts a token into every pod unless told not to:
+    prefill pods (an engine only) get none; the decode pods' frontend sidecar and the EPP
+    discover pods through the API and keep theirs."""
+    cp = control_plane
+    services = {
+        "decode": {"componentType": "decode"},
+        "prefill": {"componentType": "prefill"},
+        "epp": {"componentType": "epp"},
+    }
+    cp.kubectl_apply(graph_manifest("tok", namespace, services))
+    show = lambda: describe(cp, namespace, operator)  # noqa: E731
+    wait_for("graph tok Ready", lambda: ready_graph(cp, namespace, "tok"), 120, describe=show)
+
+    def token_mounted(pod: dict) -> bool:
+        return any(
+            "serviceAccountToken" in str(v.get("projected", {}))
+            for v in pod["spec"].get("volumes", [])
+        )
+
+    for svc, wants_token in (("prefill", False), ("decode", True), ("epp", True)):
+        pods = pods_of(cp, namespace, f"dynamograph.io/graph=tok,dynamograph.io/service={svc}")
+        assert pods, show()
+        for pod in pods:
+            assert token_mounted(pod) is wants_token, (svc, pod["spec"].get("volumes"))
