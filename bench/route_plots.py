@@ -139,6 +139,7 @@ def write_sweep_plot(out: Path, points: Sequence[dict], *, title: str) -> Path:
     plt = _pyplot()
     out.mkdir(parents=True, exist_ok=True)
     names = list(dict.fromkeys(p["policy"] for p in points))
+    rates = sorted({p["rate"] for p in points})
     fig, axes = plt.subplots(2, 3, figsize=(13, 7))
     for ax, (label, ylabel, value, log) in zip(axes.flat, SWEEP_PANELS, strict=True):
         for i, name in enumerate(names):
@@ -150,6 +151,8 @@ def write_sweep_plot(out: Path, points: Sequence[dict], *, title: str) -> Path:
                 xs, ys = zip(*xy, strict=True)
                 ax.plot(xs, ys, marker="o", label=name, color=plt.cm.tab10(i % 10))
         ax.set_xscale("log", base=2)
+        ax.set_xticks(rates, [f"{r:g}" for r in rates])
+        ax.xaxis.set_minor_locator(plt.NullLocator())
         if log:
             ax.set_yscale("log")
         ax.set_title(label, fontsize=10)

@@ -8,28 +8,32 @@ What one run of the generator is (`generate(config, builder)`):
   the open **session** that has been ready longest (its think time has passed), or, when no
   session is ready, the first turn of a new session. The request rate is therefore exactly the
   configured Poisson rate from the first second (no ramp-up while sessions fill), and a turn's
-  gap to its predecessor is its think time plus at most the wait for the next arrival slot.
+  gap to its predecessor is its think time plus the wait for an arrival slot (sessions that
+  are ready queue for slots, longest-ready first; the wait is short next to the think time).
 - **Sessions.** Each plans 3–15 turns (uniform). Turn 1 is one of `system_prompts` shared
   system prompts (500–2,500 tokens; several apps' instructions, so first turns share a prefix
   across sessions) and a first user message (200–4,000 tokens, log-uniform). Turn k+1 is turn
   k's messages + the assistant's answer to turn k (the `output_tokens` the engine was asked for
-  in turn k, synthesised) + a new user message (50–6,000 tokens, log-uniform: a question, or pasted code or text): the context
-  grows every turn. A session ends after its planned turns, before a turn whose prompt would
-  exceed `max_context` tokens (~30k), or when the window closes (sessions still open then are
-  cut short, as in any trace window; `WorkloadRequest.planned_turns` keeps the plan).
+  in turn k, synthesised) + a new user message (50–6,000 tokens, log-uniform: a question, or
+  pasted text): the context grows every turn. A session ends after its planned turns, before
+  a turn whose prompt + answer would exceed `max_context` tokens (~30k), or when the window
+  closes (sessions still open then are cut short, as in any trace window;
+  `WorkloadRequest.planned_turns` keeps the plan).
 - **Think time** between turns: the time the answer takes at a nominal decode pace
   (`output_tokens × answer_s_per_token`) plus the user's think time (log-normal, median
   `think_median_s`). It counts from the previous turn's *arrival*: the replay is open loop, so
   a slow fleet builds a queue (a follow-up can then arrive before its predecessor's answer),
   as real traffic would, and every policy sees the same arrivals.
-- **Documents.** A shared system prompt and one user message of 8,000–28,000 tokens
-  (uniform); nothing else shares its text.
+- **Documents.** A shared system prompt and one user message: "Summarise the following
+  document." and 8,000–28,000 tokens (uniform; cut at a sentence to fit `max_context`);
+  nothing else shares its text.
 - **Answers** are 64–512 tokens (log-uniform) for turns, 128–512 for documents.
 
 Text is text-like, not random ids: words drawn from the tokenizer's single-token lowercase
 words (the ones `trace.PromptSynthesizer` uses), grouped into capitalised sentences of 6–18
 words ending in a full stop and paragraphs of 3–6 sentences. Every request's prompt length is
-the Qwen tokenizer's count of its rendered chat (`encode_chat`, ChatML), not an estimate.
+the Qwen tokenizer's count of its rendered chat (`encode_chat`, ChatML; the same as tokenizing
+the rendered text), not an estimate.
 
 **Determinism.** Every random choice comes from a generator seeded with `seed` and the thing
 it decides (a session's plan and text from `(seed, session)`, a document's from
@@ -68,7 +72,7 @@ class WorkloadConfig:
     doc_fraction: float = 0.15  # share of arrivals that are single-shot documents
     min_turns: int = 3
     max_turns: int = 15
-    max_context: int = 30_000  # no turn's prompt exceeds this many tokens
+    max_context: int = 30_000  # no request's prompt + answer exceeds this many tokens
     system_prompts: int = 8
     system_tokens: tuple[int, int] = (500, 2_500)
     first_user_tokens: tuple[int, int] = (200, 4_000)

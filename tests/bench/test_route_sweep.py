@@ -19,11 +19,13 @@ from dynamograph.bench.route_plots import write_sweep_plot
 from dynamograph.bench.route_sweep import (
     AUTO,
     Load,
+    TraceSource,
     make_point,
     next_rates,
     parse_sweep,
     saturation,
 )
+from dynamograph.bench.trace import inherent_reuse, load_trace
 
 pytestmark = pytest.mark.unit
 
@@ -133,3 +135,30 @@ def test_streamed_chat_chunks_give_a_client_ttft():
     assert result.ttft_s is None  # the role chunk carries no token
     _read_event({"choices": [{"delta": {"content": "Hi"}}]}, result, 0.0, True)
     assert result.ttft_s is not None and result.ttft_s > 0
+
+
+def test_the_trace_at_a_set_rate(tmp_path):
+    # 11 requests 1 s apart: 10 s at its natural 1.1 requests/s; at rate 4.4 and compression 2
+    # the same requests arrive 8x sooner on the wall clock
+    lines = [
+        orjson.dumps(
+            {
+                "timestamp": 1000 * i,
+                "input_length": 600,
+                "output_length": 4,
+                "hash_ids": [i % 3, 100 + i],
+            }
+        ).decode()
+        for i in range(11)
+    ]
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(lines) + "\n")
+    args = parse("--sweep", "4.4", "--trace", str(trace), "--families", "1", "--compression", "2")
+    source = TraceSource(args, route.resolve(args))
+    assert source.natural_rate == pytest.approx(1.1)
+    load = source.load(4.4)
+    assert load.offsets[-1] == pytest.approx(10.0 / 8)
+    assert load.offsets == sorted(load.offsets) and load.offsets[0] == 0.0
+    assert len(load.bodies) == 11 and load.groups == ["trace"] * 11
+    assert source.load(1.1).bodies is load.bodies  # the same bytes at every rate
+    assert load.inherent_reuse == pytest.approx(inherent_reuse(load_trace(trace)))
