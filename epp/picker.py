@@ -116,7 +116,7 @@ class KvEndpointPicker:
             nvext = parse_nvext(request.get("nvext"))
         except NvExtError as exc:
             raise OpenAIError(400, str(exc), param="nvext") from None
-        routed = await self.pipeline.decide_async(
+        routed = await self.pipeline.decide(
             path,
             request,
             request_id=headers.get("x-request-id") or uuid.uuid4().hex,

@@ -103,7 +103,7 @@ class KvMode:
         self.pipeline.remove_engine(record.instance_id)
 
     async def pick(self, pins: Pins, nvext: NvExt | None, path: str, body: dict[str, Any]) -> Route:
-        routed = await self.pipeline.decide_async(
+        routed = await self.pipeline.decide(
             path,
             body,
             request_id=f"frontend-{next(self._ids)}",

@@ -214,7 +214,8 @@ class RouterSpec(_Model):
         default=None,
         gt=0,
         le=1,
-        description="KV usage fraction at which a worker counts as busy; all busy: 429",
+        description="KV usage fraction over which a worker counts as busy; all busy: 503 with "
+        "Retry-After (Dynamo's rule, docs/router.md)",
     )
     config: dict[str, Any] = Field(
         default_factory=dict,

@@ -159,7 +159,7 @@ class RequestPipeline:
             prompt_tokens=tokens if query_only else None,
         )
 
-    def decide(
+    async def decide(
         self,
         path: str,
         body: Mapping[str, Any],
@@ -170,31 +170,8 @@ class RequestPipeline:
         allowed_ids: frozenset[int] | None = None,
         answers_queries: bool = False,
     ) -> Routed:
-        """Route one request and book it (its `decision.guard` frees the booking), all on the
-        calling thread."""
-        request = self.route_request(
-            path,
-            body,
-            request_id=request_id,
-            nvext=nvext,
-            pins=pins,
-            allowed_ids=allowed_ids,
-            answers_queries=answers_queries,
-        )
-        return self.schedule(request)
-
-    async def decide_async(
-        self,
-        path: str,
-        body: Mapping[str, Any],
-        *,
-        request_id: str,
-        nvext: NvExt | None = None,
-        pins: RoutePins | None = None,
-        allowed_ids: frozenset[int] | None = None,
-        answers_queries: bool = False,
-    ) -> Routed:
-        """`decide` for an event loop: a prompt of more than `INLINE_CHARS` characters (or any
+        """Route one request and book it (its `decision.guard` frees the booking). A prompt of
+        more than `INLINE_CHARS` characters (or any
         prompt while a tokenizer is still loading) is tokenized and hashed on the pipeline's own
         thread (the tokenizers release the GIL, so the loop keeps serving other requests
         meanwhile); scheduling stays on the loop."""

@@ -7,7 +7,7 @@ arrival order. Only the head is tried, so a request never overtakes a more impor
 equal priority, an earlier) one. It is tried again whenever a booking is freed
 (`ActiveRequests.on_free`) and at least every `RETRY_S` (scraped load changes too). A request
 that waits `queue_timeout_s` gets the busy 503 it would have had; a request finding the queue
-full gets it at once. The waiting is the caller's: `RequestPipeline.decide_async` awaits it,
+full gets it at once. The waiting is the caller's: `RequestPipeline.decide` awaits it,
 so the EPP and the frontend's kv mode queue alike. `QueueCollector` exposes what the queue did
 as Prometheus metrics (the frontend's /metrics).
 """

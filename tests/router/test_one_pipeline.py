@@ -141,7 +141,7 @@ async def test_the_epp_and_the_frontend_kv_mode_decide_alike():
     assert frontend.pipeline.router.active.total_requests() == 0
 
 
-def test_a_prompt_past_the_budget_is_routed_by_its_prefix():
+async def test_a_prompt_past_the_budget_is_routed_by_its_prefix():
     """A 1 MB prompt costs the router its first `max_prompt_chars` characters: those blocks are
     hashed (so it still meets its cached prefix), the rest is only counted."""
     config = RouterConfig(seed=1, max_prompt_chars=4096)
@@ -157,7 +157,10 @@ def test_a_prompt_past_the_budget_is_routed_by_its_prefix():
     assert request.isl_tokens >= 1_000_000 // 4  # the rest estimated, not tokenized
     # the prefix's blocks are the whole prompt's: a worker that cached the prefix is found
     store(pipeline.router, 1002, "/v1/completions", {"model": MODEL, "prompt": shared})
-    routed = pipeline.decide("/v1/completions", whole, request_id="big2")
+    try:
+        routed = await pipeline.decide("/v1/completions", whole, request_id="big2")
+    finally:
+        pipeline.close()
     assert routed.decision.decode.worker_id == 1002
     assert routed.decision.decode.overlap_blocks == len(request.block_hashes)
     routed.decision.guard.free()
@@ -178,12 +181,10 @@ async def test_long_prompts_are_tokenized_off_the_event_loop():
     big = {"model": MODEL, "prompt": "a" * 600_000}  # BPE pays superlinearly for this
     short = {"model": MODEL, "prompt": "hello"}
     try:
-        long_one = asyncio.create_task(
-            pipeline.decide_async("/v1/completions", big, request_id="big")
-        )
+        long_one = asyncio.create_task(pipeline.decide("/v1/completions", big, request_id="big"))
         routed_meanwhile = 0
         while not long_one.done():
-            routed = await pipeline.decide_async("/v1/completions", short, request_id="s")
+            routed = await pipeline.decide("/v1/completions", short, request_id="s")
             routed.decision.guard.free()
             routed_meanwhile += 1
             await asyncio.sleep(0)

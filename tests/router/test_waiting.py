@@ -36,7 +36,7 @@ def body(prompt: str, priority: int | None = None) -> dict:
 async def decide(pipe: RequestPipeline, rid: str, b: dict):
     from dynamograph.protocol.nvext import parse_nvext
 
-    return await pipe.decide_async(
+    return await pipe.decide(
         "/v1/completions", b, request_id=rid, nvext=parse_nvext(b.get("nvext"))
     )
 
