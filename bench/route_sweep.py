@@ -193,7 +193,7 @@ def saturation(m: PolicyMetrics, ttft_bound_s: float) -> str | None:
     if m.ok == 0:
         return "nothing served"
     if m.ttft_p50_s is not None and m.ttft_p50_s > ttft_bound_s:
-        return f"TTFT p50 {m.ttft_p50_s:.2f} s > {ttft_bound_s:g} s"
+        return f"TTFT p50 {m.ttft_p50_s:.3f} s > {ttft_bound_s:g} s"
     return None
 
 

@@ -79,8 +79,9 @@ def test_saturation_is_shedding_or_a_slow_median():
     fast = [served(i, 0.1) for i in range(10)]
     assert saturation(m(fast), ttft_bound_s=1.0) is None
     assert saturation(m([*fast, RequestResult(10, SHED)]), 1.0) == "shed 1"
-    slow = [served(i, 3.0) for i in range(10)]
-    assert saturation(m(slow), 1.0) == "TTFT p50 3.00 s > 1 s"
+    assert saturation(m([served(i, 1.0) for i in range(10)]), 1.0) is None  # at the bound
+    slow = [served(i, 3.25) for i in range(10)]
+    assert saturation(m(slow), 1.0) == "TTFT p50 3.250 s > 1 s"
     assert saturation(m([RequestResult(0, ERROR)]), 1.0) == "nothing served"
 
 
