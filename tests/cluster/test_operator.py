@@ -289,3 +289,166 @@ def test_only_pods_that_call_the_api_get_a_service_account_token(
         assert pods, show()
         for pod in pods:
             assert token_mounted(pod) is wants_token, (svc, pod["spec"].get("volumes"))
+
+
+OPERATOR_USER = "system:serviceaccount:dynamograph-system:dynamograph"
+
+# Granted by the chart but not called in the scenario below, each for a reason. A grant that is
+# neither called nor listed here is unneeded: the test names it.
+EXPECTED_UNUSED = {
+    # Kubernetes lets the operator grant (in each graph's discovery Role) only what it holds.
+    ("", "pods", "get"): "held to grant it in g-discovery",
+    ("", "pods", "list"): "held to grant it in g-discovery",
+    ("", "pods", "watch"): "held to grant it in g-discovery",
+    # kopf's Events go to the core API; events.k8s.io is granted for kopf versions that use it.
+    ("events.k8s.io", "events", "create"): "newer kopf posts through events.k8s.io",
+    # kopf lists namespaces only when given namespace patterns (-n), not with -A.
+    ("", "namespaces", "list"): "kopf with --namespace patterns",
+    ("", "namespaces", "watch"): "kopf with --namespace patterns",
+    # Always wanted while the graph exists; the garbage collector removes them with it. The
+    # reconciler's generic "delete what is no longer wanted" could, were they ever dropped.
+    ("", "serviceaccounts", "delete"): "generic prune; never dropped today",
+    ("rbac.authorization.k8s.io", "roles", "delete"): "generic prune; never dropped today",
+    ("rbac.authorization.k8s.io", "rolebindings", "delete"): "generic prune; never dropped today",
+    ("", "services", "delete"): "the frontend Service is never dropped while workers exist",
+    # single reads: the operator lists by label; kopf gets the graph only in some paths
+    ("dynamograph.io", "dynamographs", "get"): "kopf reads single graphs on some paths",
+    ("dynamograph.io", "dynamographs/status", "get"): "not read; granted with patch",
+    # A single object is read only after its create answered 409 (adopt it or report a
+    # NameConflict): the scenario provokes that for the ConfigMap alone.
+    **{
+        (group, res, "get"): "read after a 409 on create"
+        for group, res in (
+            ("", "serviceaccounts"),
+            ("", "services"),
+            ("apps", "deployments"),
+            ("rbac.authorization.k8s.io", "roles"),
+            ("rbac.authorization.k8s.io", "rolebindings"),
+            ("inference.networking.k8s.io", "inferencepools"),
+            ("gateway.networking.k8s.io", "httproutes"),
+        )
+    },
+}
+
+
+def granted_rules(cp) -> set[tuple[str, str, str]]:
+    out = set()
+    for role in ("dynamograph", "dynamograph-discovery"):
+        for rule in get(cp, "clusterrole", role)["rules"]:
+            assert not rule.get("resourceNames"), rule
+            for group in rule.get("apiGroups", []):
+                for res in rule.get("resources", []):
+                    for verb in rule["verbs"]:
+                        out.add((group, res, verb))
+    return out
+
+
+def operator_calls(cp) -> tuple[set[tuple[str, str, str]], list[str]]:
+    """(apiGroup, resource[/subresource], verb) of every request the operator made, and the
+    ones RBAC refused, as text."""
+    used, refused = set(), []
+    for e in cp.audit_events(OPERATOR_USER):
+        ref = e.get("objectRef") or {}
+        if not ref.get("resource"):
+            continue  # discovery (/api, /apis) and other non-resource URLs
+        res = ref["resource"] + (f"/{ref['subresource']}" if ref.get("subresource") else "")
+        key = (ref.get("apiGroup", ""), res, e["verb"])
+        # RBAC's own verdict (a 403 can also be admission's, e.g. a terminating namespace)
+        if (e.get("annotations") or {}).get("authorization.k8s.io/decision") == "forbid":
+            refused.append(f"{key} {e.get('requestURI')}")
+        else:
+            used.add(key)
+    return used, refused
+
+
+def test_operator_rbac_is_exactly_what_it_calls(control_plane, operator, namespace):
+    """Through the apiserver's audit log: every call of the operator's ServiceAccount is granted
+    (a missing verb fails here), and every grant of the chart is called or explained."""
+    cp = control_plane
+    show = lambda: describe(cp, namespace, operator)  # noqa: E731
+    services = {
+        "worker": {"componentType": "worker"},
+        "epp": {"componentType": "epp"},
+    }
+    body = graph_manifest("rb", namespace, services)
+    body["spec"]["gateway"] = {"parentRef": {"name": "inference-gateway"}}
+    # Somebody else's ConfigMap under the name the graph wants: a NameConflict (the operator
+    # reads it after its create answers 409, and posts a Warning Event), healed once it goes.
+    cp.kubectl("create", "configmap", "rb-router", "-n", namespace)
+    cp.kubectl_apply(body)
+    wait_for(
+        "graph rb Degraded by a NameConflict",
+        lambda: (
+            condition(get(cp, "dg", "rb", "-n", namespace), "Degraded").get("reason")
+            == "NameConflict"
+        ),
+        60,
+        describe=show,
+    )
+    assert any(
+        ev["reason"] == "NameConflict" or "rb-router" in ev.get("message", "")
+        for ev in get(cp, "events", "-n", namespace)["items"]
+        if ev["involvedObject"]["kind"] == "DynamoGraph" and ev["type"] == "Warning"
+    ), show()
+    cp.kubectl("delete", "configmap", "rb-router", "-n", namespace)
+    wait_for("graph rb Ready", lambda: ready_graph(cp, namespace, "rb"), 120, describe=show)
+
+    # Drift on every owned kind: the operator patches each back.
+    owned = [
+        ("deployment", "rb-worker"),
+        ("service", "rb-frontend"),
+        ("configmap", "rb-router"),
+        ("serviceaccount", "rb-discovery"),
+        ("role", "rb-discovery"),
+        ("rolebinding", "rb-discovery"),
+        ("inferencepool", "rb"),
+        ("httproute", "rb"),
+    ]
+    for kind, name in owned:
+        cp.kubectl("label", kind, name, "-n", namespace, "--overwrite", "app.kubernetes.io/name=x")
+    for kind, name in owned:
+        wait_for(
+            f"{kind}/{name} repaired",
+            lambda kind=kind, name=name: (
+                get(cp, kind, name, "-n", namespace)["metadata"]["labels"]["app.kubernetes.io/name"]
+                == "dynamograph"
+            ),
+            60,
+            describe=show,
+        )
+    # Dropping the EPP and the gateway: the operator deletes what only they needed.
+    cp.kubectl(
+        "patch", "dg", "rb", "-n", namespace, "--type=merge",
+        "-p", json.dumps({"spec": {"gateway": None, "services": {"epp": None}}}),
+    )  # fmt: skip
+    for kind, name in (("deployment", "rb-epp"), ("configmap", "rb-router"), ("httproute", "rb")):
+        wait_for(
+            f"{kind}/{name} deleted by the operator",
+            lambda kind=kind, name=name: get(cp, kind, name, "-n", namespace) is None,
+            60,
+            describe=show,
+        )
+
+    used, refused = operator_calls(cp)
+    assert refused == [], "the apiserver refused the operator:\n" + "\n".join(refused)
+    granted = granted_rules(cp)
+    assert used <= granted, f"called without a grant: {sorted(used - granted)}"
+    unused = granted - used
+    unexplained = sorted(unused - set(EXPECTED_UNUSED))
+    assert unexplained == [], f"granted by the chart but never called: {unexplained}"
+
+    # The control: a call outside the grants is refused and seen as refused by this check.
+    kubectl = cp.kubectl_argv()[0]
+    res = subprocess.run(
+        [kubectl, f"--kubeconfig={operator.kubeconfig}", "get", "secrets", "-n", namespace],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode != 0 and "Forbidden" in res.stderr, res.stderr
+    _, refused = wait_for(
+        "the refused call in the audit log",
+        lambda: (calls := operator_calls(cp))[1] and calls,
+        30,
+    )
+    assert [r.split(" ")[0:3] for r in refused] == [["('',", "'secrets',", "'list')"]], refused
