@@ -26,12 +26,6 @@ if [ -x scripts/fetch-helm.sh ]; then
     scripts/fetch-helm.sh
 fi
 
-# The real Kubernetes control plane of the operator tier (tests/cluster/), built from Go modules
-# and cached by version outside the clone: tens of minutes the first time on a machine, nothing
-# after (scripts/build-control-plane.sh). Without Go the tier skips, saying what is missing.
-if command -v go >/dev/null 2>&1; then
-    scripts/build-control-plane.sh
-else
-    echo "setup: go not found: the control plane is not built (tests/cluster will skip)"
-fi
+# The operator tier's Kubernetes control plane is not built here (tens of minutes the first
+# time): `make test` builds it (`make control-plane`), so `make setup && dynamograph up` stays quick.
 echo "setup: done. Activate with: source $VENV/bin/activate"

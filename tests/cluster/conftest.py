@@ -2,7 +2,7 @@
 (`controlplane.py`), our chart installed into it by real helm, and `dynamograph operator`
 running as a process with the chart's ServiceAccount token, so RBAC is enforced.
 
-Without the binaries (scripts/build-control-plane.sh; `make setup` builds them) every test here
+Without the binaries (scripts/build-control-plane.sh; `make test` builds them) every test here
 is skipped with a message naming what is missing.
 """
 
