@@ -20,6 +20,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY cli/ cli/
 COPY protocol/ protocol/
+COPY router/ router/
 COPY epp/ epp/
 COPY frontend/ frontend/
 COPY worker/ worker/
