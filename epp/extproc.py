@@ -21,8 +21,9 @@ Which ext_proc filter settings work (every configuration GAIE's own EPP accepts,
   never asks for a mode override).
 
 Request path, FULL_DUPLEX_STREAMED:
-1. request headers: remember them; client-sent routing and `x-gateway-*` headers are marked for
-   removal. Header-only requests (end_of_stream on the headers) are routed at once to a random
+1. request headers: a method other than GET, HEAD and POST is refused at once (405 with Allow,
+   501 for a method HTTP does not define): a CONNECT's body never ends. Otherwise remember them;
+   client-sent routing and `x-gateway-*` headers are marked for removal. Header-only requests (end_of_stream on the headers) are routed at once to a random
    ready endpoint.
 2. request body chunks: buffered until end_of_stream (413 past `max_body_bytes`); then the picker
    decides and we send the headers response (clear_route_cache, destination and routing headers
@@ -32,7 +33,8 @@ Request path, FULL_DUPLEX_STREAMED:
 Request path, BUFFERED: the headers are answered at once (spoofed headers removed); Envoy then
 sends the whole body in one message, and the pick rides on the body response (header mutation,
 clear_route_cache, `envoy.lb` metadata), the body unchanged. Envoy holds the headers until then.
-Refusals are ImmediateResponses with an OpenAI error body (400/404/413/429 + Retry-After/503).
+Refusals are ImmediateResponses with an OpenAI error body (400/404/405/413/429 + Retry-After/501/
+503).
 Admission: at most `max_pending_picks` requests are between their headers and their pick (body
 arriving, prompt being tokenized off the event loop, waiting for the loop); past that a new one
 is refused at its headers with 429 and Retry-After (`Admission`).
@@ -46,6 +48,7 @@ client disconnect, or Envoy closing it when the response end is not sent to the 
 `Exchange.close()` frees the booking.
 """
 
+import http
 import logging
 import re
 import time
@@ -87,6 +90,11 @@ BUFFERED_MODES = frozenset({_Mode.BUFFERED, _Mode.BUFFERED_PARTIAL})
 SERVED_REQUEST_MODES = frozenset({FULL_DUPLEX, *BUFFERED_MODES})
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _USAGE_TAIL_BYTES = 16 * 1024
+# What the OpenAI API is called with. Any other method is answered at its request headers: a
+# CONNECT's body never ends, so waiting for it would hold the stream (and Envoy's request) open.
+ALLOWED_METHODS = ("GET", "HEAD", "POST")
+_ALLOW = ", ".join(ALLOWED_METHODS).encode()
+_HTTP_METHODS = frozenset(http.HTTPMethod)  # known but not allowed: 405; unknown: 501
 _CACHED_RE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _PROMPT_RE = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 
@@ -396,6 +404,9 @@ class Exchange:
             headers[key] = header.raw_value.decode("latin-1") if header.raw_value else header.value
         self._headers = headers
         self._path = headers.get(":path", "/").split("?", 1)[0]
+        method = headers.get(":method", "")
+        if method not in ALLOWED_METHODS:
+            return [self._refuse_method(method)]
         self._subset = _subset_hint(message.metadata_context)
         if not message.request_headers.end_of_stream:
             if self._admission is not None:
@@ -412,6 +423,20 @@ class Exchange:
         self.route = route
         self._metrics.routed_header_only.inc()
         return [_headers_response(route, None, spoofed)]
+
+    def _refuse_method(self, method: str) -> pb.ProcessingResponse:
+        known = method in _HTTP_METHODS
+        response = self._refuse(
+            OpenAIError(
+                405 if known else 501,
+                f"method {method!r} is {'not allowed' if known else 'not implemented'}: the "
+                f"inference API takes {', '.join(ALLOWED_METHODS)}",
+            )
+        )
+        allow = response.immediate_response.headers.set_headers.add(append_action=_OVERWRITE)
+        allow.header.key = "allow"
+        allow.header.raw_value = _ALLOW
+        return response
 
     async def _on_request_body(self, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
         if self._headers is None:

@@ -18,8 +18,10 @@ ROUTED_HEADER_ONLY = "routed_header_only"
 OUTCOME_BY_STATUS = {
     400: "bad_request",
     404: "unknown_model",
+    405: "bad_request",  # a method the API does not take (CONNECT, OPTIONS, TRACE, …)
     413: "too_large",
     429: "shed",
+    501: "bad_request",  # a method no HTTP spec defines
     503: "no_endpoint",
 }
 
