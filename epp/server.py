@@ -32,8 +32,9 @@ from dynamograph.router.load import LoadScraper
 from dynamograph.router.pipeline import RequestPipeline
 from dynamograph.router.scheduler import Router
 
+from dynamograph.router.waiting import QueueCollector
 from .extproc import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PENDING_PICKS, SERVICE_NAME, ExtProcService
-from .metrics import EppMetrics
+from .metrics import PREFIX, EppMetrics
 from .picker import EndpointView, KvEndpointPicker, RandomEndpointPicker
 from .tls import CertificateSource, TlsSettings, server_credentials
 
@@ -112,6 +113,10 @@ class Epp:
         self.certificates: CertificateSource | None = None  # the pair served, with tls
         self.grpc_port = settings.grpc_port
         self.health_port = settings.health_port
+        if self.pipeline.queue is not None:  # the router queue's flow control, user-visible
+            self.metrics.registry.register(
+                QueueCollector(self.pipeline.queue, prefix=PREFIX + "queue")
+            )
         self.metrics_port = settings.metrics_port
 
     # -- discovery listeners --

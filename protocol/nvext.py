@@ -51,10 +51,30 @@ class SessionControl(_OmitNone):
 
 
 class AgentHints(_OmitNone):
-    priority: int | None = None
+    priority: int | None = None  # the router queue's jump in seconds (≥ 0), the engine's priority
     osl: U32 | None = None
     speculative_prefill: bool | None = None
-    latency_sensitivity: float | None = None
+    latency_sensitivity: float | None = None  # deprecated: the jump when `priority` is unset
+    strict_priority: U32 | None = None  # the router queue's tier: a higher tier goes first
+
+    def queue_order(self) -> tuple[int, float]:
+        """(tier, jump in seconds) in the router queue, as Dynamo's newest lifts them: the tier
+        is `strict_priority`; the jump is `priority` clamped at 0 (a low priority never goes
+        behind first-come order), else the deprecated `latency_sensitivity`."""
+        if self.priority is not None:
+            jump = float(max(self.priority, 0))
+        else:
+            jump = self.latency_sensitivity or 0.0
+        return self.strict_priority or 0, jump
+
+
+class RouterConfigOverride(_OmitNone):
+    """Per-request router settings (Dynamo's `RouterConfigOverride`); the router checks them
+    against its own `RouterConfig` (`RouterConfig.overridden`). Dynamo's newer fields
+    (`overlap_score_credit`, `prefill_load_scale`, ...) are ignored, as unknown keys."""
+
+    overlap_score_weight: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    router_temperature: float | None = Field(default=None, ge=0, allow_inf_nan=False)
 
 
 class NvExt(_OmitNone):
@@ -72,6 +92,16 @@ class NvExt(_OmitNone):
     agent_hints: AgentHints | None = None
     request_timestamp_ms: float | None = None
     session_control: SessionControl | None = None
+    # Dynamo's router-request fields (its `RoutingHints`), taken from the body here: HTTP is
+    # the only way into this router
+    router_config_override: RouterConfigOverride | None = None
+    priority_jump: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+
+    def queue_order(self) -> tuple[int, float]:
+        """(tier, jump in seconds) in the router queue: `agent_hints.queue_order()`, with an
+        explicit `priority_jump` winning over the jump the hints give."""
+        tier, jump = self.agent_hints.queue_order() if self.agent_hints else (0, 0.0)
+        return tier, self.priority_jump if self.priority_jump is not None else jump
 
     def has_query_instance_id_annotation(self) -> bool:
         """A `query_instance_id:<value>` annotation (GAIE's first stage, exact prefix as

@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from dynamograph.protocol.nvext import describe_validation_error
+from dynamograph.protocol.nvext import RouterConfigOverride, describe_validation_error
 
 
 class PluginRef(BaseModel):
@@ -112,8 +112,10 @@ class RouterConfig(BaseModel):
     queue_max_requests: int = Field(
         default=0,
         ge=0,
-        description="when every worker is busy, up to this many requests wait for one, the "
-        "highest agent_hints.priority first, then in arrival order (0: no queue, the 503 at once)",
+        description="when every worker is busy, up to this many requests wait for one: the "
+        "highest agent_hints.strict_priority first, then by arrival time moved earlier by the "
+        "request's priority jump (agent_hints.priority seconds, or nvext.priority_jump) (0: no "
+        "queue, the 503 at once)",
     )
     queue_timeout_s: float = Field(
         default=30.0, gt=0, description="a queued request waiting longer gets the busy 503"
@@ -151,6 +153,32 @@ class RouterConfig(BaseModel):
         return self.model_validate(
             {**self.model_dump(), "scorers": [s.model_dump() for s in scorers]}
         )
+
+    def overridden(self, override: RouterConfigOverride) -> "RouterConfig":
+        """This config with a request's `nvext.router_config_override` applied; ValueError,
+        naming the field, when this router's profile has nothing the override could change.
+        Not re-validated: the override's fields carry RouterConfig's own bounds."""
+        prefix = "nvext.router_config_override"
+        update: dict[str, Any] = {}
+        if override.router_temperature is not None:
+            if self.picker.type != "kv":
+                raise ValueError(
+                    f"{prefix}.router_temperature: this router's picker is "
+                    f"{self.picker.type!r}, which samples by no temperature"
+                )
+            update["temperature"] = override.router_temperature
+        weight = override.overlap_score_weight
+        if weight is not None:
+            if not any(ref.type == "kv-overlap" for ref in self.scorers):
+                raise ValueError(
+                    f"{prefix}.overlap_score_weight: this router's scorers have no kv-overlap "
+                    "term to weigh"
+                )
+            update["scorers"] = [
+                ref.model_copy(update={"weight": weight}) if ref.type == "kv-overlap" else ref
+                for ref in self.scorers
+            ]
+        return self.model_copy(update=update) if update else self
 
     @classmethod
     def load(cls, path: str | Path | None = None, **overrides: Any) -> "RouterConfig":

@@ -146,6 +146,12 @@ class RequestPipeline:
         query_only = (
             answers_queries and nvext is not None and nvext.has_query_instance_id_annotation()
         )
+        config = None
+        if nvext is not None and nvext.router_config_override is not None:
+            try:
+                config = self.router.config.overridden(nvext.router_config_override)
+            except ValueError as exc:
+                raise OpenAIError(400, str(exc), param="nvext") from None
         return RouteRequest(
             request_id=request_id,
             block_hashes=block_hash_array(tokens, block_size, lora_name),
@@ -157,6 +163,7 @@ class RequestPipeline:
             expected_output_tokens=hints.osl if hints is not None else None,
             query_only=query_only,
             prompt_tokens=tokens if query_only else None,
+            config=config,
         )
 
     async def decide(
@@ -205,10 +212,9 @@ class RequestPipeline:
                 busy = exc
         else:
             busy = Overloaded("every eligible worker is busy", self.router.config.retry_after_s)
-        hints = nvext.agent_hints if nvext is not None else None
-        priority = hints.priority if hints is not None and hints.priority is not None else 0
+        tier, jump = nvext.queue_order() if nvext is not None else (0, 0.0)
         try:
-            return await queue.wait(functools.partial(self._attempt, request), priority, busy)
+            return await queue.wait(functools.partial(self._attempt, request), tier, busy, jump)
         except Overloaded as exc:
             raise _busy_error(exc) from None
 

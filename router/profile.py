@@ -63,7 +63,10 @@ class Profile:
     def score(self, ctx: Context, c: Candidates) -> None:
         """Fill `c.terms` (each scorer's column) and `c.cost` (their weighted sum)."""
         cost = np.zeros(len(c.fleet), np.float64)
-        for scorer, weight in self.scorers:
+        weights = ctx.weights
+        for i, (scorer, weight) in enumerate(self.scorers):
+            if weights is not None:
+                weight = weights[i]
             term = scorer.score(ctx, c)
             c.terms[scorer.name] = term
             cost += weight * term

@@ -78,6 +78,9 @@ class RouteRequest:
     allowed_ids: frozenset[int] | None = None  # e.g. the GAIE subset hint, as instance ids
     expected_output_tokens: int | None = None  # nvext.agent_hints.osl
     query_only: bool = False  # decide, but book nothing and record nothing
+    # the router's config with the request's `nvext.router_config_override` applied
+    # (`RouterConfig.overridden`); None: the router's own
+    config: RouterConfig | None = None
     prompt_tokens: "np.ndarray | None" = None  # kept only for query-only requests (answered)
 
 
@@ -351,6 +354,9 @@ class Router:
         output_blocks = 0  # agent_hints.osl: the expected output is booked (and costed) too
         if request.expected_output_tokens:
             output_blocks = -(-request.expected_output_tokens // self._block_size)
+        config, weights = request.config or self.config, None
+        if config.scorers is not self.config.scorers:  # an overlap weight of the request's own
+            weights = tuple(ref.weight for ref in config.scorers)
         self.active.reap()
         candidates = fleet.candidates(matches, self.active, prompt_keys)
 
@@ -361,9 +367,10 @@ class Router:
                 lora_name=request.lora_name,
                 allowed_ids=request.allowed_ids,
                 output_blocks=output_blocks if phase != Phase.PREFILL else 0,
-                config=self.config,
+                config=config,
                 rng=self._rng,
                 block_size=self._block_size or 0,
+                weights=weights,
             )
 
         pins = request.pins

@@ -1,18 +1,22 @@
 """Requests waiting for a worker: a bounded queue ordered by priority (Dynamo's router queue).
 
 When every worker is busy (the `busy` filter refuses the request: `Overloaded`) and
-`RouterConfig.queue_max_requests` > 0, a request waits here instead of getting the 503 at once:
-the highest `agent_hints.priority` first (higher = more important, as Dynamo; none = 0), then
-arrival order. Only the head is tried, so a request never overtakes a more important (or, at
-equal priority, an earlier) one. It is tried again whenever a booking is freed
+`RouterConfig.queue_max_requests` > 0, a request waits here instead of getting the 503 at once.
+The order is Dynamo's newest: the highest tier first (`agent_hints.strict_priority`, none = 0),
+then the earliest effective arrival, which is the arrival time moved earlier by the request's
+priority jump in seconds (`nvext.priority_jump`, else `agent_hints.priority` clamped at 0, else
+the deprecated `latency_sensitivity`: `NvExt.queue_order`). Only the head is tried, so a request
+never overtakes one ahead of it. It is tried again whenever a booking is freed
 (`ActiveRequests.on_free`) and at least every `RETRY_S` (scraped load changes too). A request
 that waits `queue_timeout_s` gets the busy 503 it would have had; a request finding the queue
 full gets it at once. The waiting is the caller's: `RequestPipeline.decide` awaits it,
 so the EPP and the frontend's kv mode queue alike. `QueueCollector` exposes what the queue did
-as Prometheus metrics (the frontend's /metrics).
+as Prometheus metrics (the frontend's and the EPP's /metrics): depth per tier, the wait-time
+histogram, and the refusals by reason.
 """
 
 import asyncio
+import bisect
 import contextlib
 import heapq
 import itertools
@@ -20,7 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from .errors import Overloaded
@@ -28,13 +32,18 @@ from .errors import Overloaded
 RETRY_S = 0.1  # the head is tried at least this often while it waits (load scrapes free room too)
 
 R = TypeVar("R")  # what a successful attempt returns (the pipeline's `Routed`)
+# upper bounds of the wait-time histogram, seconds
+WAIT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# why a request left the queue without a worker (label `reason` of the refusals)
+REFUSALS = ("queue_full", "timed_out", "cancelled", "unroutable")
 
 
 @dataclass(order=True)
 class _Entry(Generic[R]):
-    key: tuple[int, int]  # (-priority, arrival)
+    key: tuple[int, float, int]  # (-tier, arrival - jump, arrival order)
     attempt: Callable[[], R] = field(compare=False)
     future: "asyncio.Future[R]" = field(compare=False)
+    tier: int = field(compare=False, default=0)
 
 
 class WaitQueue(Generic[R]):
@@ -51,9 +60,19 @@ class WaitQueue(Generic[R]):
         self._arrivals = itertools.count()
         self._wake: asyncio.Event | None = None
         self._pump: asyncio.Task[None] | None = None
-        # what happened, for metrics: by outcome, and by priority for the dispatched
+        # what happened, for metrics: by outcome; refusals by reason; dispatched waits
         self.outcomes: dict[str, int] = {"dispatched": 0, "timed_out": 0, "rejected": 0}
+        self.refusals: dict[str, int] = dict.fromkeys(REFUSALS, 0)
         self.waited_s = 0.0  # summed over dispatched requests
+        self.wait_counts = [0] * (len(WAIT_BUCKETS) + 1)  # per bucket (not cumulative), +Inf
+
+    def depth_by_tier(self) -> dict[int, int]:
+        """Requests waiting now, per tier (`agent_hints.strict_priority`)."""
+        depths: dict[int, int] = {}
+        for entry in self._heap:
+            if not entry.future.done():
+                depths[entry.tier] = depths.get(entry.tier, 0) + 1
+        return depths
 
     @property
     def depth(self) -> int:
@@ -64,25 +83,30 @@ class WaitQueue(Generic[R]):
         if self._wake is not None:
             self._wake.set()
 
-    async def wait(self, attempt: Callable[[], R], priority: int, busy: Overloaded) -> R:
-        """Queue a request the busy filter refused (`busy`); its result once `attempt`
-        succeeds. Raises `busy` when the queue is full or the wait times out."""
+    async def wait(
+        self, attempt: Callable[[], R], tier: int, busy: Overloaded, jump_s: float = 0.0
+    ) -> R:
+        """Queue a request the busy filter refused (`busy`) in its `tier`, its arrival moved
+        `jump_s` seconds earlier; its result once `attempt` succeeds. Raises `busy` when the
+        queue is full or the wait times out."""
         if self.depth >= self.max_requests:
             self.outcomes["rejected"] += 1
+            self.refusals["queue_full"] += 1
             raise Overloaded(
                 f"{busy.reason}; the router's queue is full ({self.max_requests} requests)",
                 busy.retry_after_s,
             )
         loop = asyncio.get_running_loop()
         future: asyncio.Future[R] = loop.create_future()
-        entry: _Entry[R] = _Entry((-priority, next(self._arrivals)), attempt, future)
+        started = loop.time()
+        key = (-tier, started - jump_s, next(self._arrivals))
+        entry: _Entry[R] = _Entry(key, attempt, future, tier)
         heapq.heappush(self._heap, entry)
         if self._wake is None:
             self._wake = asyncio.Event()
         self._wake.set()
         if self._pump is None or self._pump.done():
             self._pump = loop.create_task(self._run(), name="router-queue")
-        started = loop.time()
         try:
             result = await asyncio.wait_for(asyncio.shield(entry.future), self.timeout_s)
         except TimeoutError:
@@ -90,6 +114,7 @@ class WaitQueue(Generic[R]):
                 return entry.future.result()  # dispatched as the timeout fired
             entry.future.cancel()
             self.outcomes["timed_out"] += 1
+            self.refusals["timed_out"] += 1
             raise Overloaded(
                 f"{busy.reason}; waited {self.timeout_s:g} s in the router's queue",
                 busy.retry_after_s,
@@ -100,8 +125,14 @@ class WaitQueue(Generic[R]):
             if given and self._release is not None:
                 self._release(entry.future.result())
             entry.future.cancel()
+            self.refusals["cancelled"] += 1
             raise
-        self.waited_s += loop.time() - started
+        except Exception:
+            self.refusals["unroutable"] += 1
+            raise
+        waited = loop.time() - started
+        self.waited_s += waited
+        self.wait_counts[bisect.bisect_left(WAIT_BUCKETS, waited)] += 1
         return result
 
     async def _run(self) -> None:
@@ -133,7 +164,8 @@ class WaitQueue(Generic[R]):
 
 
 class QueueCollector(Collector):
-    """The queue's state and outcomes as Prometheus metrics."""
+    """The queue's state and outcomes as Prometheus metrics (`prefix`: the frontend's
+    `dynamograph_router_queue`, the EPP's `dynamograph_epp_queue`)."""
 
     def __init__(self, queue: WaitQueue[Any], prefix: str = "dynamograph_router_queue") -> None:
         self.queue = queue
@@ -144,6 +176,14 @@ class QueueCollector(Collector):
         yield GaugeMetricFamily(
             f"{self.prefix}_depth", "Requests waiting for a worker now", value=queue.depth
         )
+        tiers = GaugeMetricFamily(
+            f"{self.prefix}_depth_by_priority",
+            "Requests waiting for a worker now, per priority tier (agent_hints.strict_priority)",
+            labels=["priority"],
+        )
+        for tier, depth in sorted(queue.depth_by_tier().items()):
+            tiers.add_metric([str(tier)], depth)
+        yield tiers
         requests = CounterMetricFamily(
             f"{self.prefix}_requests",
             "Requests that waited for a worker, by how the wait ended (dispatched, timed_out, "
@@ -153,8 +193,24 @@ class QueueCollector(Collector):
         for outcome, count in queue.outcomes.items():
             requests.add_metric([outcome], count)
         yield requests
-        yield CounterMetricFamily(
+        refused = CounterMetricFamily(
+            f"{self.prefix}_refusals",
+            "Requests that left the queue without a worker, by reason (queue_full, timed_out: "
+            "both answered 503; cancelled: the client left; unroutable: no worker can take it "
+            "any more)",
+            labels=["reason"],
+        )
+        for reason, count in queue.refusals.items():
+            refused.add_metric([reason], count)
+        yield refused
+        buckets, total = [], 0
+        bounds = [repr(bound) for bound in WAIT_BUCKETS] + ["+Inf"]
+        for bound, count in zip(bounds, queue.wait_counts, strict=True):
+            total += count
+            buckets.append((bound, total))
+        yield HistogramMetricFamily(
             f"{self.prefix}_wait_seconds",
             "Time dispatched requests spent waiting in the queue",
-            value=queue.waited_s,
+            buckets=buckets,
+            sum_value=queue.waited_s,
         )

@@ -48,9 +48,12 @@ class Context:
     lora_name: str | None
     allowed_ids: frozenset[int] | None
     output_blocks: int  # expected output blocks (agent_hints.osl) counted in the decode load
-    config: RouterConfig
+    config: RouterConfig  # with the request's `router_config_override` applied
     rng: random.Random
     block_size: int = 0  # the pool's KV block size (prefill blocks → tokens)
+    # the scorers' weights when the request overrides them (`config.scorers` order); None:
+    # the profile's own
+    weights: tuple[float, ...] | None = None
 
 
 class NoParameters(BaseModel):

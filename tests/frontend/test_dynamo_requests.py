@@ -354,6 +354,9 @@ async def test_busy_requests_wait_in_the_router_queue_and_show_in_metrics(model)
         queue = fe.routing.pipeline.queue
         await wait_for(lambda: queue.depth == 1, what="the request to queue")
         assert await frontend_metric(fe, "dynamograph_router_queue_depth") == 1
+        async with aiohttp.ClientSession() as session, session.get(fe.url + "/metrics") as r:
+            page = await r.text()  # as Prometheus scrapes it: the depth per priority tier
+        assert 'dynamograph_router_queue_depth_by_priority{priority="0"} 1.0' in page
         long_running.cancel()  # the client leaves: its booking is freed, the queue moves
         with contextlib.suppress(asyncio.CancelledError):
             await long_running
@@ -363,6 +366,7 @@ async def test_busy_requests_wait_in_the_router_queue_and_show_in_metrics(model)
             fe, "dynamograph_router_queue_requests_total", outcome="dispatched"
         )
         assert dispatched == 1
+        assert await frontend_metric(fe, "dynamograph_router_queue_wait_seconds_count") == 1
 
 
 async def test_streamed_output_decays_the_expected_output_booked(model):
@@ -404,3 +408,46 @@ async def test_streamed_output_decays_the_expected_output_booked(model):
             streaming.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await streaming
+
+
+async def test_router_config_override_changes_the_routing_of_that_request_only(model):
+    """`nvext.router_config_override` (Dynamo's per-request router settings): an overlap weight
+    of 0 routes by load alone, for that request only; values are checked against the router's
+    config (a 400 naming the field)."""
+    async with (
+        mock_worker(speedup=1.0) as a,
+        mock_worker() as b,
+        run_frontend(None, [a, b], mode=Mode.KV) as fe,
+    ):
+        body = {"model": model, "prompt": PROMPT, "max_tokens": 1}
+        assert (await post(fe, body, route(a)))[0] == 200
+        await wait_for(lambda: cached_on(fe, a) > 1, what="the prompt's KV events")
+        # a long answer keeps a's load above b's: one block of prompt, streaming
+        hog = {"model": model, "prompt": "hog", "max_tokens": 2000, "ignore_eos": True}
+        hog["stream"] = True
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(fe.url + "/v1/completions", json=hog, headers=route(a)) as held,
+        ):
+            assert held.status == 200
+            await held.content.readline()  # its prefill is done: only its decode load is left
+            # the prompt's cached blocks outweigh a's one extra block of load ...
+            _, _, headers = await post(fe, body)
+            assert headers["x-dynamograph-worker-id"] == str(a.config.instance_id)
+            # ... unless the request weighs the overlap at 0: then load alone decides
+            override = {**body, "nvext": {"router_config_override": {"overlap_score_weight": 0}}}
+            status, out, headers = await post(fe, override)
+            assert status == 200, out
+            assert headers["x-dynamograph-worker-id"] == str(b.config.instance_id)
+            assert fe.routing.router.config.scorers[0].weight == 1.0  # the router's own
+        bad = {**body, "nvext": {"router_config_override": {"router_temperature": -1}}}
+        status, out, _ = await post(fe, bad)
+        assert status == 400
+        assert "nvext.router_config_override.router_temperature" in out["error"]["message"]
+    from dynamograph.protocol.router_config import PluginRef, RouterConfig
+
+    blind = RouterConfig(picker=PluginRef(type="round-robin"))
+    async with mock_worker() as w, run_frontend(None, [w], mode=Mode.KV, router=blind) as fe:
+        sampled = {**body, "nvext": {"router_config_override": {"router_temperature": 0.5}}}
+        status, out, _ = await post(fe, sampled)
+        assert status == 400 and "samples by no temperature" in out["error"]["message"]

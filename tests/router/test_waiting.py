@@ -86,3 +86,39 @@ async def test_without_a_queue_busy_is_the_503_at_once():
         await decide(pipe, "next", body("next"))
     assert busy.value.status == 503 and pipe.queue is None
     hog.decision.guard.free()
+
+
+def jumped(prompt: str, **nvext) -> dict:
+    return {"model": MODEL, "prompt": prompt, "nvext": nvext}
+
+
+async def test_the_order_is_the_tier_then_the_arrival_moved_earlier_by_the_priority_jump():
+    """Dynamo's newest queue order: `agent_hints.strict_priority` tiers first; within a tier the
+    arrival time moved earlier by the jump (`nvext.priority_jump` seconds, else
+    `agent_hints.priority` seconds)."""
+    pipe = pipeline(queue_max_requests=5)
+    hog = await decide(pipe, "hog", body(LONG))
+    order: list[str] = []
+    arrivals = (
+        ("first", jumped("first hi")),
+        ("jump 60 s", jumped("jump hi", priority_jump=60.0)),
+        ("priority 30", jumped("prio hi", agent_hints={"priority": 30})),
+        ("negative priority", jumped("neg hi", agent_hints={"priority": -5})),
+        ("tier 1", jumped("tier hi", agent_hints={"strict_priority": 1})),
+    )
+    tasks = []
+    for name, b in arrivals:
+        task = asyncio.create_task(decide(pipe, name, b))
+        task.add_done_callback(lambda t, name=name: order.append(name))
+        tasks.append(task)
+        queued = len(tasks)
+        await wait_for(lambda queued=queued: pipe.queue.depth == queued, what=f"{name} queued")
+    assert pipe.queue.depth_by_tier() == {0: 4, 1: 1}
+    hog.decision.guard.free()
+    routed = await asyncio.gather(*tasks)
+    # a negative priority is clamped to no jump: it keeps its place in arrival order
+    assert order == ["tier 1", "jump 60 s", "priority 30", "first", "negative priority"]
+    assert sum(pipe.queue.wait_counts) == 5
+    for r in routed:
+        r.decision.guard.free()
+    pipe.close()
