@@ -12,17 +12,22 @@ import contextlib
 import logging
 import os
 import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 from dynamograph.protocol.router_config import RouterConfig
 from dynamograph.router.discovery import add_discovery_arguments, source_from_args
+from dynamograph.router.replicas import ReplicaSettings
 
 from .extproc import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PENDING_PICKS
 from .server import Epp, EppSettings
 from .tls import TlsError, TlsSettings, load_key_pair
 
 log = logging.getLogger(__name__)
+
+PROCESS_INDEX_ENV = "DYNAMOGRAPH_EPP_PROCESS_INDEX"  # set by `--processes` for its children
 
 
 def _env_int(name: str, default: int) -> int:
@@ -148,6 +153,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=float(os.environ.get("DYNAMOGRAPH_EPP_SCRAPE_INTERVAL", 0.5)),
         help="seconds between /metrics scrapes of each worker (default 0.5)",
     )
+    replicas = parser.add_argument_group(
+        "active-active: processes and replicas sharing their bookings (docs/epp.md)"
+    )
+    replicas.add_argument(
+        "--processes",
+        type=int,
+        default=_env_int("DYNAMOGRAPH_EPP_PROCESSES", 1),
+        help="EPP processes in this pod/host, all serving the gRPC and health ports "
+        "(SO_REUSEPORT); process i serves metrics on --metrics-port + i (default 1)",
+    )
+    replicas.add_argument(
+        "--replica-port",
+        type=int,
+        default=_env_int("DYNAMOGRAPH_EPP_REPLICA_PORT", 9004),
+        help="replica sync: process i publishes its bookings on this port + i (default 9004)",
+    )
+    replicas.add_argument(
+        "--replica-peers",
+        default=os.environ.get("DYNAMOGRAPH_EPP_REPLICA_PEERS", ""),
+        metavar="HOST:PORT,...",
+        help="other EPP replicas' sync addresses (their --replica-port + process index)",
+    )
+    replicas.add_argument(
+        "--replica-selector",
+        default=os.environ.get("DYNAMOGRAPH_EPP_REPLICA_SELECTOR", ""),
+        help="Kubernetes: label selector of the EPP's own pods; each other pod is a peer "
+        "(--processes replicas at --replica-port..) in --namespace",
+    )
+    replicas.add_argument(
+        "--replica-heartbeat",
+        type=float,
+        default=float(os.environ.get("DYNAMOGRAPH_EPP_REPLICA_HEARTBEAT", 1.0)),
+        help="seconds between a replica's heartbeats (default 1)",
+    )
+    replicas.add_argument(
+        "--replica-timeout",
+        type=float,
+        default=float(os.environ.get("DYNAMOGRAPH_EPP_REPLICA_TIMEOUT", 5.0)),
+        help="a peer silent this many seconds has its bookings dropped (default 5)",
+    )
     parser.add_argument(
         "--drain-grace",
         type=float,
@@ -188,11 +233,12 @@ def settings_from_args(args: argparse.Namespace) -> EppSettings:
     )
     if args.overlap_weight is not None:
         router = router.with_overlap_weight(args.overlap_weight)
+    index = process_index()
     return EppSettings(
         host=args.host,
         grpc_port=args.grpc_port,
         health_port=args.health_port,
-        metrics_port=args.metrics_port,
+        metrics_port=args.metrics_port + index if args.metrics_port else 0,
         router=router,
         kv_events=router.use_kv_events,
         endpoint_picker=args.endpoint_picker,
@@ -202,6 +248,38 @@ def settings_from_args(args: argparse.Namespace) -> EppSettings:
         drain_grace=args.drain_grace,
         tls=tls_from_args(args),
         freeze_heap=True,  # this process is the EPP's own
+        replicas=replica_settings(args, index),
+        reuse_port=args.processes > 1,
+    )
+
+
+def process_index() -> int:
+    """This process's index among `--processes` (set by the parent for its children)."""
+    return int(os.environ.get(PROCESS_INDEX_ENV, 0))
+
+
+def replica_settings(args: argparse.Namespace, index: int) -> ReplicaSettings | None:
+    """Replica sync when there is anyone to sync with: sibling processes, static peers or the
+    EPP's pods."""
+    if args.processes < 1:
+        raise ValueError("--processes must be at least 1")
+    static = [f"tcp://{p.strip()}" for p in args.replica_peers.split(",") if p.strip()]
+    if args.processes == 1 and not static and not args.replica_selector:
+        return None
+    # siblings over loopback (a wildcard host binds it too)
+    local = "127.0.0.1" if args.host in ("0.0.0.0", "", "::") else args.host
+    siblings = [
+        f"tcp://{local}:{args.replica_port + i}" for i in range(args.processes) if i != index
+    ]
+    return ReplicaSettings(
+        bind=f"tcp://{args.host}:{args.replica_port + index}",
+        peers=siblings + static,
+        heartbeat_s=args.replica_heartbeat,
+        timeout_s=args.replica_timeout,
+        pod_selector=args.replica_selector,
+        namespace=args.namespace,
+        pod_port=args.replica_port,
+        pod_processes=args.processes,
     )
 
 
@@ -218,6 +296,42 @@ async def serve(epp: Epp) -> None:
         await epp.drain()
 
 
+def run_processes(count: int) -> int:
+    """Run `count` EPP processes (this command line again, each told its index) and stop them
+    on SIGTERM/SIGINT (each drains). A process that dies is started again: a new replica, which
+    its siblings sync with from its first snapshot."""
+    stopping = False
+    children: dict[int, subprocess.Popen[bytes]] = {}
+
+    def start(i: int) -> None:
+        env = {**os.environ, PROCESS_INDEX_ENV: str(i)}
+        argv = [sys.executable, "-m", "dynamograph.cli", *sys.argv[1:]]
+        children[i] = subprocess.Popen(argv, env=env)
+
+    def stop(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+        for child in children.values():
+            with contextlib.suppress(ProcessLookupError):
+                child.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    for i in range(count):
+        start(i)
+    while not stopping:
+        pid, status = os.wait()  # retried after a signal handler ran (PEP 475)
+        index = next((i for i, c in children.items() if c.pid == pid), None)
+        if index is None:
+            continue
+        children[index].returncode = code = os.waitstatus_to_exitcode(status)
+        if not stopping:
+            log.error("EPP process %d exited (%d); starting it again", index, code)
+            time.sleep(1.0)  # a process failing at start must not spin
+            start(index)
+    return max(abs(child.wait()) for child in children.values())
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         settings = settings_from_args(args)
@@ -225,6 +339,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"dynamograph epp: {exc}", file=sys.stderr)
         return 2
+    if args.processes > 1 and PROCESS_INDEX_ENV not in os.environ:
+        return run_processes(args.processes)
     with contextlib.suppress(ImportError):
         import uvloop
 

@@ -30,9 +30,10 @@ from dynamograph.router.discovery import Discovery, KubernetesSource, StaticSour
 from dynamograph.router.kv_events import KvEventIngest
 from dynamograph.router.load import LoadScraper
 from dynamograph.router.pipeline import RequestPipeline
+from dynamograph.router.replicas import ReplicaCollector, ReplicaSettings, ReplicaSync
 from dynamograph.router.scheduler import Router
-
 from dynamograph.router.waiting import QueueCollector
+
 from .extproc import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PENDING_PICKS, SERVICE_NAME, ExtProcService
 from .metrics import PREFIX, EppMetrics
 from .picker import EndpointView, KvEndpointPicker, RandomEndpointPicker
@@ -68,6 +69,10 @@ class EppSettings:
     # objects cost up to 0.45 s of CPU (and that long a pause) every ~1,500 requests, which
     # was ~0.3 ms per routed request; with the heap frozen, collections only see new objects.
     freeze_heap: bool = False
+    # Active-active: share in-flight bookings with peer EPPs (router/replicas.py; docs/epp.md)
+    replicas: ReplicaSettings | None = None
+    # Several EPP processes on the same ports (`--processes`): the kernel spreads connections
+    reuse_port: bool = False
 
 
 class Epp:
@@ -101,8 +106,17 @@ class Epp:
             max_pending_picks=settings.max_pending_picks,
             retry_after_s=settings.router.retry_after_s,
         )
+        self.replicas = (
+            ReplicaSync(self.router.active, settings.replicas) if settings.replicas else None
+        )
+        if self.replicas is not None:
+            self.metrics.registry.register(ReplicaCollector(self.replicas, PREFIX + "replica"))
         self.health = HealthServicer()
         self.metrics.add_router_collector(self._snapshot)
+        if self.pipeline.queue is not None:  # the router queue's flow control, user-visible
+            self.metrics.registry.register(
+                QueueCollector(self.pipeline.queue, prefix=PREFIX + "queue")
+            )
         self._grpc: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None
         self._metrics_runner: web.AppRunner | None = None
@@ -113,10 +127,6 @@ class Epp:
         self.certificates: CertificateSource | None = None  # the pair served, with tls
         self.grpc_port = settings.grpc_port
         self.health_port = settings.health_port
-        if self.pipeline.queue is not None:  # the router queue's flow control, user-visible
-            self.metrics.registry.register(
-                QueueCollector(self.pipeline.queue, prefix=PREFIX + "queue")
-            )
         self.metrics_port = settings.metrics_port
 
     # -- discovery listeners --
@@ -199,8 +209,9 @@ class Epp:
         credentials = None
         if s.tls is not None:  # first: bad files raise TlsError before anything is bound
             credentials, self.certificates = server_credentials(s.tls)
-        # No SO_REUSEPORT: a second process on our port must fail to start, not share traffic.
-        options = [("grpc.so_reuseport", 0)]
+        # No SO_REUSEPORT unless asked (`--processes`): a stray second process on our port must
+        # fail to start, not take a share of the traffic.
+        options = [("grpc.so_reuseport", 1 if s.reuse_port else 0)]
         self._grpc = grpc.aio.server(
             options=[*options, ("grpc.max_receive_message_length", 64 * 1024 * 1024)]
         )
@@ -226,6 +237,8 @@ class Epp:
         site = web.TCPSite(self._metrics_runner, s.host, s.metrics_port)
         await site.start()
         self.metrics_port = self._metrics_runner.addresses[0][1]  # port 0 → the bound one
+        if self.replicas is not None:  # peers' bookings before our first request
+            await self.replicas.start()
         self.discovery.add_listener(self._added, self._removed)
         await self.discovery.start()
         self._schedule_freeze(0.0)
@@ -264,6 +277,8 @@ class Epp:
         await self.load.close()
         if self.kv is not None:
             await self.kv.close()
+        if self.replicas is not None:
+            await self.replicas.close()
         if self._health_server is not None:
             await self._health_server.stop(0)
             self._health_server = None

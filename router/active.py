@@ -21,7 +21,10 @@ nothing drifts, whatever order book / prefill-done / free / cancel arrive in.
 
 Each slot also has a *column*: its row in `sums`, a small int64 matrix (prefill, decode,
 requests per slot) kept equal to its `SlotLoad` on every change, so the scheduler reads every
-slot's load with one numpy index instead of one Python object per slot per request.
+slot's load with one numpy index instead of one Python object per slot per request. `progress`,
+by the same column, is when the slot last showed progress (monotonic seconds): a booking making
+it busy, a first output, prefill progress, output tokens, or a KV event (`progressed`); the
+`stalled` filter leaves out busy slots that have shown none for a while.
 
 A `RequestGuard` owns the bookings of one routed request (a prefill slot and/or a decode slot).
 Every exit path frees: `free()`, the context manager, cancellation, and garbage collection (with
@@ -31,14 +34,16 @@ a warning, since a collected booked guard means a caller forgot to free it).
 import functools
 import logging
 import math
+import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Self
+from typing import Protocol, Self
 
 import numpy as np
 
 from . import kernels
+from .prefills import Mark, PendingPrefills
 from .table import U64Table
 
 log = logging.getLogger(__name__)
@@ -69,6 +74,7 @@ class SlotLoad:
     shared: U64Table = field(default_factory=lambda: U64Table(1024))
     firsts: Counter[int] = field(default_factory=Counter)  # bookings' first keys: a quick test
     column: int = -1  # the slot's row of `ActiveRequests.sums` (-1: a copy, or idle)
+    pending: PendingPrefills = field(default_factory=PendingPrefills)  # marks awaited (prefills)
 
     @property
     def decode_blocks(self) -> int:
@@ -103,10 +109,21 @@ class Booking:
     expected_output_tokens: int | None
     generated_tokens: int = 0
     live: bool = True
+    marks: tuple[Mark, ...] = ()  # the prefill's marks `load.pending` waits on (`prefills`)
 
     def current(self, loads: dict[Slot, "SlotLoad"]) -> "SlotLoad | None":
         """The sums to update, or None when the booking is freed or its slot was dropped."""
         return self.load if self.live and loads.get(self.slot) is self.load else None
+
+
+class BookingObserver(Protocol):
+    """Told of every booking's lifecycle (replica sync: `replicas.ReplicaSync`)."""
+
+    def booked(self, booking: Booking) -> None: ...
+
+    def changed(self, booking: Booking) -> None: ...  # prefill progress or output tokens
+
+    def freed(self, booking: Booking) -> None: ...
 
 
 @dataclass
@@ -117,6 +134,7 @@ class ActiveRequests:
     track_output_blocks: bool = False
     # called after a booking is freed (room on a worker: the router's queue tries again)
     on_free: Callable[[], None] | None = field(default=None, compare=False, repr=False)
+    observer: BookingObserver | None = field(default=None, compare=False, repr=False)
     _loads: dict[Slot, SlotLoad] = field(default_factory=dict)
     # Guards collected while booked push their bookings here (an atomic deque append) instead
     # of freeing inside __del__, which may run in the middle of another update.
@@ -124,6 +142,10 @@ class ActiveRequests:
     # (prefill, decode, requests) per slot column; a slot without live bookings has zeros
     sums: np.ndarray = field(
         default_factory=lambda: np.zeros((64, 3), np.int64), compare=False, repr=False
+    )
+    # when each slot column last showed progress (monotonic seconds; see the module docstring)
+    progress: np.ndarray = field(
+        default_factory=lambda: np.zeros(64, np.float64), compare=False, repr=False
     )
     _columns: dict[Slot, int] = field(default_factory=dict, repr=False)
     _free_columns: list[int] = field(default_factory=list, repr=False)
@@ -141,6 +163,7 @@ class ActiveRequests:
                 col = len(self._columns)
                 if col == len(self.sums):
                     self.sums = np.concatenate([self.sums, np.zeros_like(self.sums)])
+                    self.progress = np.concatenate([self.progress, np.zeros_like(self.progress)])
             self._columns[slot] = col
         return col
 
@@ -218,8 +241,12 @@ class ActiveRequests:
                 load.shared.reserve(keys.size)
                 kernels.count_up(keys, *load.shared.parts)
             load.firsts[int(keys[0])] += 1
+        if not load.requests:  # busy from now: its stall clock starts
+            self.progress[load.column] = time.monotonic()
         load.requests += 1
         self._sync(load)
+        if self.observer is not None:
+            self.observer.booked(booking)
         return booking
 
     def prefill_done(self, booking: Booking) -> None:
@@ -234,7 +261,40 @@ class ActiveRequests:
         if load is not None:
             load.prefill_blocks -= booking.prefill - remaining
             self.sums[load.column, PREFILL] = load.prefill_blocks
+            self.progress[load.column] = time.monotonic()
+        changed = remaining != booking.prefill
         booking.prefill = remaining
+        if changed and booking.live and self.observer is not None:
+            self.observer.changed(booking)
+        if booking.marks:  # marks at or past this point are passed: stop waiting on them
+            passed = [mark for mark in booking.marks if mark[1] >= remaining]
+            booking.marks = tuple(mark for mark in booking.marks if mark[1] < remaining)
+            if load is not None:
+                load.pending.unwatch(booking, passed)
+
+    def watch_prefill(self, booking: Booking, marks: tuple[Mark, ...]) -> None:
+        """Let the slot's KV events settle the booking's prefill (`prefills.prefill_marks`)."""
+        self._reap()
+        load = booking.current(self._loads)
+        if load is None or not booking.prefill or not marks or booking.marks:
+            return
+        booking.marks = marks
+        load.pending.watch(booking)
+
+    def awaits_stored_blocks(self, slot: Slot) -> bool:
+        """Whether a prefill on `slot` waits for its engine to store blocks."""
+        load = self._loads.get(slot)
+        return load is not None and bool(load.pending)
+
+    def blocks_stored(self, slot: Slot, keys: np.ndarray) -> None:
+        """The slot's engine stored blocks with these prefix keys (`KvIndex.stored_keys`): the
+        prefills waiting on them progress, or end."""
+        self._reap()
+        load = self._loads.get(slot)
+        if load is None or not load.pending:
+            return
+        for booking, remaining in load.pending.stored(keys):
+            self.prefill_progress(booking, remaining)
 
     def add_output_tokens(self, booking: Booking, tokens: int) -> None:
         """Account generated tokens: they decay an expected output (`agent_hints.osl`), and
@@ -248,7 +308,16 @@ class ActiveRequests:
         if load is not None:
             load.private_blocks += value - booking.private
             self.sums[load.column, DECODE] = len(load.shared) + load.private_blocks
+            self.progress[load.column] = time.monotonic()
         booking.private = value
+        if self.observer is not None:
+            self.observer.changed(booking)
+
+    def progressed(self, slot: Slot) -> None:
+        """The slot's engine showed it is working (a KV event): not stalled."""
+        col = self._columns.get(slot)
+        if col is not None:
+            self.progress[col] = time.monotonic()
 
     def free(self, booking: Booking) -> None:
         """Remove the booking entirely (idempotent)."""
@@ -274,7 +343,10 @@ class ActiveRequests:
 
     def _free(self, booking: Booking) -> None:
         load = booking.current(self._loads)
+        if booking.live and self.observer is not None:
+            self.observer.freed(booking)
         booking.live = False
+        marks, booking.marks = booking.marks, ()
         if load is None:
             return
         if load.requests == 1:  # the slot's last booking: its sums empty at once
@@ -283,11 +355,14 @@ class ActiveRequests:
             load.prefill_blocks = load.private_blocks = load.requests = 0
             load.shared.clear()
             load.firsts.clear()
+            load.pending.clear()
             self._idle_loads[booking.slot] = load  # freed bookings of it are not `live`
             return
         load.requests -= 1
         load.prefill_blocks -= booking.prefill
         load.private_blocks -= booking.private
+        if marks:
+            load.pending.unwatch(booking, marks)
         keys = booking.keys
         if keys.size:
             kernels.count_down(keys, *load.shared.parts)
@@ -338,6 +413,9 @@ class RequestGuard:
 
     - `mark_prefill_done()`: the first output arrived; the prefill slot (disaggregated) is
       released and the decode slot's prefill part dropped. Idempotent.
+    - `awaits_stored_blocks`: the engine's KV events will end the prefill (`prefills`): a
+      caller without a sign of the first token (an EPP not reading the response body) leaves
+      it to them instead of marking it done at the response headers.
     - `add_output_tokens(n)`: generated tokens, for output-block tracking.
     - `free()`: release everything. Idempotent; also on `with` exit and on garbage collection.
     - `accepted()`: the engine answered the request with a success status (an `open` session
@@ -371,6 +449,10 @@ class RequestGuard:
     @property
     def prefill_done(self) -> bool:
         return self._decode.prefill == 0 and (self._prefill is None or not self._prefill.live)
+
+    @property
+    def awaits_stored_blocks(self) -> bool:
+        return bool((self._prefill or self._decode).marks)
 
     def mark_prefill_done(self) -> None:
         if self._prefill is not None:

@@ -204,9 +204,11 @@ class KubernetesSource:
         *,
         watch_timeout: int = 300,
         retry_interval: float = 1.0,
+        target: Callable[[dict[str, Any]], WorkerTarget | None] = pod_target,
     ):
         self.namespace = namespace
         self.selector = selector
+        self.target = target  # what a pod stands for (a worker; replica sync: a peer EPP)
         self.configuration = configuration
         self.watch_timeout = watch_timeout
         self.retry_interval = retry_interval
@@ -230,7 +232,7 @@ class KubernetesSource:
         labels = (pod.get("metadata") or {}).get("labels") or {}
         if self.selector and not selector_matches(self.selector, labels):
             return None
-        return pod_target(pod)
+        return self.target(pod)
 
     async def run(self, sink: TargetSink) -> None:
         from kubernetes_asyncio import client

@@ -1,0 +1,462 @@
+"""Replica sync: active-active EPPs share their in-flight bookings over ZMQ.
+
+Every EPP process (a replica) routes on its own and ingests KV events itself; what it cannot
+see on its own is the load the *other* replicas booked on each worker. `ReplicaSync` closes
+that gap (Dynamo's router replica sync, with what it lacks: snapshots for late joiners and a
+timeout for lost peers):
+
+- each replica publishes its bookings' lifecycle on an XPUB socket: booked (slot, prompt
+  blocks, prefix keys, prefill still to compute, expected output, generated tokens), changed
+  (prefill progress, output tokens), freed. Changes are coalesced per event-loop turn, so a
+  request booked and freed in one turn is never sent, and a streamed answer's many output
+  updates cost one message a turn;
+- it SUBscribes to its peers; a peer's bookings enter `ActiveRequests` as ordinary bookings
+  (so `load()`, the scheduler's cost and the booked-requests gauge count them) and leave on
+  the peer's free;
+- a snapshot of the live bookings goes out whenever a subscription reaches the XPUB (a peer
+  started, restarted or reconnected, or asked again after a gap in the sequence numbers, by
+  subscribing again): the receiver replaces that peer's bookings with it, so a late joiner
+  converges;
+- a heartbeat every `heartbeat_s`; a peer silent for `timeout_s` has its bookings freed (the
+  `dropped` counter): a lost replica's requests stop counting, the survivor's own bookings
+  are untouched. A peer that restarts under the same name replaces its old self at once.
+
+Wire format, one msgpack frame: `[sender id, name, seq, kind, body]` with kind `e` (events:
+`["b", bid, worker, rank, prompt_blocks, prefill, keys (uint64 LE bytes), osl, generated]`,
+`["p", bid, prefill, generated]`, `["f", bid]`), `s` (snapshot: a list of `b` entries) or `h`
+(heartbeat). The router core stays single-threaded: everything runs on the event loop the
+router's requests run on.
+"""
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+import zmq
+import zmq.asyncio
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from .active import ActiveRequests, Booking
+from .discovery import KubernetesSource, WorkerTarget, pod_key
+from .tasks import cancel_all
+
+log = logging.getLogger(__name__)
+
+RECEIVE_QUEUE = 100_000  # messages a socket holds for a busy replica before dropping (→ a gap)
+
+
+@dataclass
+class ReplicaSettings:
+    bind: str  # this replica's XPUB address, e.g. tcp://0.0.0.0:9004 or ipc:///tmp/epp-0
+    peers: list[str] = field(default_factory=list)  # the other replicas' addresses
+    heartbeat_s: float = 1.0
+    timeout_s: float = 5.0  # a peer silent this long has its bookings dropped
+    name: str = ""  # stable across restarts of the same replica (default: host + bind)
+    # Kubernetes: every pod matching this selector (the EPP Deployment's) but our own is a
+    # peer, one replica per process at ports pod_port .. pod_port + pod_processes - 1
+    pod_selector: str = ""
+    namespace: str = "default"
+    pod_port: int = 9004
+    pod_processes: int = 1
+
+
+@dataclass
+class _Peer:
+    name: str
+    last_seen: float
+    seq: int = -1
+    synced: bool = False  # a snapshot was applied: events can be applied in order
+    bookings: dict[int, Booking] = field(default_factory=dict)
+
+
+class ReplicaSync:
+    """Shares `active`'s local bookings with peers and books theirs into it (module doc)."""
+
+    def __init__(
+        self,
+        active: ActiveRequests,
+        settings: ReplicaSettings,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.active = active
+        self.settings = settings
+        self.id = int.from_bytes(os.urandom(8), "little") >> 1
+        self.name = settings.name  # set at start (the default names the bound address)
+        self._clock = clock
+        self._context = zmq.asyncio.Context()
+        self._pub: zmq.asyncio.Socket | None = None
+        self._sub: zmq.asyncio.Socket | None = None
+        self._seq = 0
+        self._next_bid = 0
+        self._local: dict[int, tuple[int, Booking]] = {}  # id(booking) → (bid, booking)
+        self._touched: dict[int, tuple[int, Booking, bool]] = {}  # id → (bid, booking, new)
+        self._flush_scheduled = False
+        self._peers: dict[int, _Peer] = {}
+        self._addresses: set[str] = set()
+        self._static = list(settings.peers)
+        self._pods: dict[str, str] = {}  # pod key → IP, from the pod watch
+        self._applying = False  # booking a peer's request: not ours to publish
+        self._last_resubscribe = -1e9
+        self._tasks: list[asyncio.Task[None]] = []
+        self.address = settings.bind  # the bound address (a tcp port 0 resolved)
+        # counters, exported by the EPP's /metrics
+        self.dropped = 0  # peers' bookings dropped because the peer went silent
+        self.peers_lost = 0
+        self.snapshots_sent = 0
+        self.snapshots_applied = 0
+        self.gaps = 0
+
+    # -- lifecycle -----------------------------------------------------------------------
+    async def start(self) -> None:
+        pub = self._context.socket(zmq.XPUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.setsockopt(zmq.SNDHWM, RECEIVE_QUEUE)
+        pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, also repeated ones
+        pub.bind(self.settings.bind)
+        self.address = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.name = self.settings.name or f"{socket.gethostname()}/{self.address}"
+        sub = self._context.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._pub, self._sub = pub, sub
+        self._update_peers()
+        self.active.observer = self
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._receive()),
+            loop.create_task(self._subscriptions()),
+            loop.create_task(self._heartbeat()),
+        ]
+        if self.settings.pod_selector:
+            source = KubernetesSource(
+                self.settings.namespace, self.settings.pod_selector, target=peer_pod_target
+            )
+            self._tasks.append(loop.create_task(source.run(self)))
+        log.info("replica sync on %s, %d peer(s)", self.address, len(self._addresses))
+
+    async def close(self) -> None:
+        if self.active.observer is self:
+            self.active.observer = None
+        await cancel_all(self._tasks)
+        self._tasks = []
+        for sock in (self._pub, self._sub):
+            if sock is not None:
+                sock.close(linger=0)
+        self._pub = self._sub = None
+        self._context.term()
+
+    def set_peers(self, addresses: Iterable[str]) -> None:
+        """The static peers (besides those of the pod watch)."""
+        self._static = list(addresses)
+        self._update_peers()
+
+    def _update_peers(self) -> None:
+        """Connect to the peers, disconnect from the ones gone (their bookings go on timeout)."""
+        s = self.settings
+        pods = [
+            f"tcp://{ip}:{s.pod_port + i}"
+            for ip in self._pods.values()
+            for i in range(s.pod_processes)
+        ]
+        wanted = {a for a in [*self._static, *pods] if a and a != self.address}
+        if self._sub is None:
+            return
+        for address in wanted - self._addresses:
+            self._sub.connect(address)
+        for address in self._addresses - wanted:
+            self._sub.disconnect(address)
+        self._addresses = wanted
+
+    # -- the pod watch's TargetSink (`discovery.KubernetesSource` with `peer_pod_target`) --
+    def sync(self, targets: Iterable[WorkerTarget]) -> None:
+        self._pods = {t.key: t.engine_url for t in targets}
+        self._update_peers()
+
+    def upsert(self, target: WorkerTarget) -> None:
+        self._pods[target.key] = target.engine_url
+        self._update_peers()
+
+    def remove(self, key: str) -> None:
+        if self._pods.pop(key, None) is not None:
+            self._update_peers()
+
+    def remote_requests(self) -> int:
+        return sum(len(p.bookings) for p in self._peers.values())
+
+    def live_peers(self) -> int:
+        return len(self._peers)
+
+    # -- BookingObserver: local bookings out ---------------------------------------------
+    def booked(self, booking: Booking) -> None:
+        if self._applying:
+            return
+        bid = self._next_bid
+        self._next_bid += 1
+        self._local[id(booking)] = (bid, booking)
+        self._touch(bid, booking, new=True)
+
+    def changed(self, booking: Booking) -> None:
+        entry = self._local.get(id(booking)) if not self._applying else None
+        if entry is not None:
+            self._touch(entry[0], booking, new=False)
+
+    def freed(self, booking: Booking) -> None:
+        entry = self._local.pop(id(booking), None) if not self._applying else None
+        if entry is not None:
+            self._touch(entry[0], booking, new=False)
+
+    def _touch(self, bid: int, booking: Booking, *, new: bool) -> None:
+        key = id(booking)
+        previous = self._touched.get(key)
+        self._touched[key] = (bid, booking, new or (previous is not None and previous[2]))
+        if not self._flush_scheduled and self._pub is not None:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """One message with the turn's changes, each booking in its state now."""
+        self._flush_scheduled = False
+        touched, self._touched = self._touched, {}
+        events: list[list[Any]] = []
+        for bid, booking, new in touched.values():
+            if not booking.live:
+                if not new:  # booked and freed within one turn: the peers never knew it
+                    events.append(["f", bid])
+            elif new:
+                events.append(_entry(bid, booking))
+            else:
+                events.append(["p", bid, booking.prefill, booking.generated_tokens])
+        if events:
+            self._send("e", events)
+
+    def _send(self, kind: str, body: Any) -> None:
+        if self._pub is None:
+            return
+        self._seq += 1
+        message = msgpack.packb([self.id, self.name, self._seq, kind, body])
+        # XPUB drops for a peer past its queue (that peer then sees a gap), never blocks
+        with contextlib.suppress(zmq.Again):
+            self._pub.send(message, zmq.NOBLOCK)
+
+    def _send_snapshot(self) -> None:
+        self._flush()  # what changed this turn is in the snapshot anyway
+        self._send("s", [_entry(bid, b) for bid, b in self._local.values() if b.live])
+        self.snapshots_sent += 1
+
+    # -- tasks ---------------------------------------------------------------------------
+    async def _subscriptions(self) -> None:
+        """A (re)subscribing peer gets a snapshot (to everyone: applying one is idempotent)."""
+        assert self._pub is not None
+        while True:
+            frame = await self._pub.recv()
+            if frame[:1] == b"\x01":
+                self._send_snapshot()
+
+    async def _heartbeat(self) -> None:
+        while True:
+            self._send("h", None)
+            self._expire()
+            await asyncio.sleep(self.settings.heartbeat_s)
+
+    async def _receive(self) -> None:
+        assert self._sub is not None
+        while True:
+            frame = await self._sub.recv()
+            try:
+                sender, name, seq, kind, body = msgpack.unpackb(frame)
+            except (ValueError, TypeError, msgpack.UnpackException) as exc:
+                log.warning("replica sync: undecodable message dropped: %s", exc)
+                continue
+            if sender == self.id:
+                continue
+            try:
+                self._apply(sender, name, seq, kind, body)
+            except (ValueError, TypeError, IndexError, KeyError) as exc:
+                log.warning("replica sync: bad message from %s dropped: %s", name, exc)
+
+    # -- peers' bookings in --------------------------------------------------------------
+    def _apply(self, sender: int, name: str, seq: int, kind: str, body: Any) -> None:
+        now = self._clock()
+        peer = self._peers.get(sender)
+        if peer is None:
+            for other_id, other in list(self._peers.items()):
+                if other.name == name:  # the same replica, restarted: its old self is gone
+                    log.info("replica %s restarted; dropping its old bookings", name)
+                    self._drop(other_id)
+            peer = self._peers[sender] = _Peer(name, now)
+            log.info("replica %s joined", name)
+        peer.last_seen = now
+        if kind == "s":
+            self._apply_snapshot(peer, body)
+            peer.seq, peer.synced = seq, True
+            self.snapshots_applied += 1
+            return
+        if seq <= peer.seq:
+            return  # seen already
+        if not peer.synced or seq != peer.seq + 1:
+            if peer.synced:
+                self.gaps += 1
+                log.warning("replica %s: messages %d..%d lost", name, peer.seq + 1, seq - 1)
+            peer.synced = False
+            self._ask_snapshot(now)
+            return
+        peer.seq = seq
+        if kind == "e":
+            self._apply_events(peer, body)
+
+    def _ask_snapshot(self, now: float) -> None:
+        """Subscribe again: every peer's XPUB sees it and answers with a snapshot."""
+        if self._sub is None or now - self._last_resubscribe < self.settings.heartbeat_s:
+            return
+        self._last_resubscribe = now
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+
+    def _apply_events(self, peer: _Peer, events: list[list[Any]]) -> None:
+        for event in events:
+            tag = event[0]
+            if tag == "b":
+                self._book(peer, event)
+            elif tag == "p":
+                booking = peer.bookings.get(event[1])
+                if booking is not None:
+                    self._progress(booking, event[2], event[3])
+            elif tag == "f":
+                booking = peer.bookings.pop(event[1], None)
+                if booking is not None:
+                    self._free(booking)
+
+    def _apply_snapshot(self, peer: _Peer, entries: list[list[Any]]) -> None:
+        seen = set()
+        for entry in entries:
+            bid = entry[1]
+            seen.add(bid)
+            booking = peer.bookings.get(bid)
+            if booking is None:
+                self._book(peer, entry)
+            else:
+                self._progress(booking, entry[5], entry[8])
+        for bid in [b for b in peer.bookings if b not in seen]:
+            self._free(peer.bookings.pop(bid))
+
+    def _book(self, peer: _Peer, entry: list[Any]) -> None:
+        _, bid, worker, rank, prompt_blocks, prefill, keys, osl, generated = entry
+        old = peer.bookings.pop(bid, None)
+        if old is not None:
+            self._free(old)
+        self._applying = True
+        try:
+            booking = self.active.book(
+                (worker, rank),
+                prompt_blocks=prompt_blocks,
+                prefill_blocks=prefill,
+                prompt_keys=np.frombuffer(keys, "<u8").astype(np.uint64),  # writable
+                expected_output_tokens=osl,
+            )
+            if generated:
+                self.active.add_output_tokens(booking, generated)
+        finally:
+            self._applying = False
+        peer.bookings[bid] = booking
+
+    def _progress(self, booking: Booking, prefill: int, generated: int) -> None:
+        self._applying = True
+        try:
+            self.active.prefill_progress(booking, prefill)
+            if generated > booking.generated_tokens:
+                self.active.add_output_tokens(booking, generated - booking.generated_tokens)
+        finally:
+            self._applying = False
+
+    def _free(self, booking: Booking) -> None:
+        self._applying = True
+        try:
+            self.active.free(booking)
+        finally:
+            self._applying = False
+
+    def _expire(self) -> None:
+        deadline = self._clock() - self.settings.timeout_s
+        for sender, peer in list(self._peers.items()):
+            if peer.last_seen < deadline:
+                log.warning(
+                    "replica %s silent for %.1f s; dropping its %d booking(s)",
+                    peer.name,
+                    self.settings.timeout_s,
+                    len(peer.bookings),
+                )
+                self._drop(sender)
+
+    def _drop(self, sender: int) -> None:
+        peer = self._peers.pop(sender)
+        self.peers_lost += 1
+        self.dropped += len(peer.bookings)
+        for booking in peer.bookings.values():
+            self._free(booking)
+
+
+def _entry(bid: int, booking: Booking) -> list[Any]:
+    worker, rank = booking.slot
+    return [
+        "b",
+        bid,
+        worker,
+        rank,
+        len(booking.keys) + booking.unshared_prompt,
+        booking.prefill,
+        booking.keys.astype("<u8", copy=False).tobytes(),
+        booking.expected_output_tokens,
+        booking.generated_tokens,
+    ]
+
+
+def peer_pod_target(pod: dict[str, Any]) -> WorkerTarget | None:
+    """A peer EPP pod, by IP (`engine_url` holds it): any pod with an IP but our own. Readiness
+    does not matter (a draining pod still has requests in flight, booked on the workers)."""
+    ip = (pod.get("status") or {}).get("podIP")
+    if not ip or (pod.get("metadata") or {}).get("name") == socket.gethostname():
+        return None
+    return WorkerTarget(key=pod_key(pod), engine_url=f"[{ip}]" if ":" in ip else ip)
+
+
+class ReplicaCollector(Collector):
+    """Replica sync as Prometheus metrics (`prefix`: the EPP's `dynamograph_epp_replica`)."""
+
+    def __init__(self, sync: ReplicaSync, prefix: str) -> None:
+        self.sync = sync
+        self.prefix = prefix
+
+    def collect(self) -> Iterator[Any]:
+        s = self.sync
+        yield GaugeMetricFamily(
+            f"{self.prefix}_peers",
+            "Peer replicas heard from within the timeout",
+            value=s.live_peers(),
+        )
+        yield GaugeMetricFamily(
+            f"{self.prefix}_remote_requests",
+            "In-flight requests booked by peer replicas, counted in this replica's load",
+            value=s.remote_requests(),
+        )
+        counters = {
+            "dropped_bookings": ("Peers' bookings dropped because the peer went silent", s.dropped),
+            "peers_lost": (
+                "Peers dropped after the timeout or replaced by a restart",
+                s.peers_lost,
+            ),
+            "gaps": ("Sequence gaps in a peer's messages (each answered by a snapshot)", s.gaps),
+            "snapshots_sent": ("Snapshots of the live bookings sent to peers", s.snapshots_sent),
+            "snapshots_applied": ("Peers' snapshots applied", s.snapshots_applied),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(f"{self.prefix}_{name}", doc, value=value)
