@@ -16,7 +16,7 @@ import json
 import os
 import subprocess
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import aiohttp
@@ -25,6 +25,9 @@ from . import procs
 from .spec import Plan, Probe, ProcessSpec
 
 STATE_FILE = "state.json"
+
+# Supervision states of a process (`local/supervisor.py` moves them; `up --status` shows them).
+STARTING, RUNNING, BACKING_OFF, GIVEN_UP = "starting", "running", "backing-off", "given-up"
 
 
 class StackError(RuntimeError):
@@ -41,6 +44,12 @@ class Running:
     exit_code: int | None = None
     stopped: str | None = None  # why the supervisor stopped it on purpose, if it did
     recorded_exit: str | None = None  # how it ended, as the supervisor wrote in the state file
+    state: str = RUNNING  # supervision state (STARTING, RUNNING, BACKING_OFF, GIVEN_UP)
+    restarts: int = 0
+    last_exit: str | None = None  # how its previous run ended (describe_exit), once it died
+    failures: int = 0  # deaths in a row, each soon after its start (the back-off's exponent)
+    restart_at: float | None = None  # monotonic time of the next start while backing off
+    spawned: float = field(default_factory=time.monotonic)
 
     def poll(self) -> int | None:
         """Exit code once the process has ended (negative: killed by that signal)."""
@@ -82,12 +91,12 @@ class Stack:
 
     # --- starting -------------------------------------------------------------------------
 
-    def _spawn(self, spec: ProcessSpec) -> Running:
+    def _spawn(self, spec: ProcessSpec, append: bool = False) -> Running:
         log_dir = self.run_dir / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         log = log_dir / f"{spec.name}.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **spec.env}
-        with log.open("wb") as out:
+        with log.open("ab" if append else "wb") as out:
             popen = subprocess.Popen(
                 spec.argv,
                 stdin=subprocess.DEVNULL,
@@ -97,6 +106,17 @@ class Stack:
                 start_new_session=True,  # own process group; survives the terminal and `up`
             )
         return Running(spec, popen.pid, procs.start_time(popen.pid), log, popen)
+
+    def respawn(self, proc: Running) -> None:
+        """Start a process that ended again, in place: same command line, ports and log (the
+        new run's output is appended after the old one's)."""
+        if proc.popen is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.popen.wait(timeout=1.0)  # reap the old one: no zombie left behind
+        fresh = self._spawn(proc.spec, append=True)
+        proc.pid, proc.started, proc.popen = fresh.pid, fresh.started, fresh.popen
+        proc.exit_code = proc.recorded_exit = proc.restart_at = None
+        proc.spawned = fresh.spawned
 
     def prepare(self) -> None:
         """Create the run directory and write the plan's files (Envoy's config)."""
@@ -219,6 +239,9 @@ class Stack:
                     "started": p.started,
                     "log": str(p.log),
                     "exit": None if p.exit_code is None else p.describe_exit(),
+                    "state": p.state,
+                    "restarts": p.restarts,
+                    "last_exit": p.last_exit,
                 }
                 for p in self.running
             ],
@@ -243,7 +266,15 @@ class Stack:
                 **{**raw, "argv": tuple(raw["argv"]), "ready": Probe(**raw["ready"])}
             )
             specs.append(spec)
-            proc = Running(spec, entry["pid"], entry["started"], Path(entry["log"]))
+            proc = Running(
+                spec,
+                entry["pid"],
+                entry["started"],
+                Path(entry["log"]),
+                state=entry.get("state", RUNNING),
+                restarts=entry.get("restarts", 0),
+                last_exit=entry.get("last_exit"),
+            )
             if entry.get("exit"):
                 proc.exit_code, proc.recorded_exit = -1, entry["exit"]
             running.append(proc)

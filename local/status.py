@@ -2,8 +2,9 @@
 
 Scrapes each engine's `/metrics` (vLLM's metric names, docs/worker.md) and renders one rich
 table with the OpenAI base URL above it. Parsing and rendering are pure (`sample_from_metrics`,
-`render`); `scrape` is the only I/O. A process that has exited shows as such, so a killed worker
-is visible while routing carries on over the rest.
+`render`); `scrape` is the only I/O. Each row shows the process's supervision state (running,
+starting, backing-off, given-up), its restarts and how its last run ended, so a killed worker is
+visible while it comes back and routing carries on over the rest.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from . import stack
 from .stack import Running
 
 RUNNING = "vllm:num_requests_running"
@@ -98,11 +100,17 @@ async def scrape(
 
 
 def _state(proc: Running, sample: EngineSample | None) -> Text:
+    """The supervision state (`local/supervisor.py`), else how the process ended, else whether
+    it answers."""
+    if proc.state == stack.GIVEN_UP:
+        return Text(stack.GIVEN_UP, style="bold red")
+    if proc.state in (stack.BACKING_OFF, stack.STARTING):
+        return Text(proc.state, style="yellow")
     if proc.exit_code is not None:
         return Text(proc.describe_exit(), style="bold red")
     if proc.spec.kind == "engine" and sample is None:
         return Text("not answering", style="yellow")
-    return Text("up", style="green")
+    return Text(stack.RUNNING, style="green")
 
 
 def _port(proc: Running) -> str:
@@ -130,8 +138,8 @@ def render(
     )
     table = Table(expand=False)
     columns = ("process", "role", "port", "state", "running", "waiting", "KV cache", "hit rate")
-    for column in (*columns, "done"):
-        left = column in ("process", "role", "state")
+    for column in (*columns, "done", "restarts", "last exit"):
+        left = column in ("process", "role", "state", "last exit")
         table.add_column(column, justify="left" if left else "right", no_wrap=True)
     for proc in running:
         sample = samples.get(proc.spec.name)
@@ -146,10 +154,14 @@ def render(
                 "-" if rate is None else f"{rate:.1%}",
                 f"{sample.requests:.0f}",
             ]
+        else:
+            cells += [""] * (len(columns) - len(cells) + 1)
+        cells += [str(proc.restarts), proc.last_exit or ""]
         table.add_row(*cells)
     parts: list = [header, table]
     parts.extend(
-        Text(e, style="red" if "exited" in e or "killed" in e else "") for e in events[-5:]
+        Text(e, style="red" if any(w in e for w in ("exited", "killed", "gave up")) else "")
+        for e in events[-5:]
     )
     if footer:
         parts.append(Text(footer, style="dim"))

@@ -1,10 +1,12 @@
 """`dynamograph up [GRAPH.yaml]`: a whole DynamoGraph on this machine behind a real Envoy.
 
 Reads the graph with the DynamoGraph models the operator uses too (`protocol/graph.py`), plans the processes
-(`local/plan.py`), starts and supervises them (`local/stack.py`), prints the OpenAI base URL
-(Envoy's listener) and a live status view until Ctrl-C or SIGTERM, then stops everything.
+(`local/plan.py`), starts them (`local/stack.py`) and keeps them running (`local/supervisor.py`:
+restarts with back-off), prints the OpenAI base URL (Envoy's listener) and a live status view
+until Ctrl-C or SIGTERM, then stops everything.
 
-- `--detach`: start, print the base URL, return; `dynamograph down` stops it.
+- `--detach`: the same supervising `up` in the background (its own session, output in
+  `logs/up.log`); this command returns once the graph is ready; `dynamograph down` stops it.
 - `--status`: the status of a running graph (e.g. a detached one), once.
 - `--bench`: a short prefix-heavy workload, KV routing against round-robin (`local/load.py`);
   against the running graph if there is one, else on a graph started (and stopped) for it.
@@ -19,8 +21,10 @@ import argparse
 import asyncio
 import contextlib
 import os
+import select
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,7 +34,16 @@ from rich.console import Console
 from rich.live import Live
 
 from . import procs
-from .stack import STATE_FILE, Stack, StackError, default_state_root
+from .stack import (
+    GIVEN_UP,
+    RUNNING,
+    STATE_FILE,
+    Running,
+    Stack,
+    StackError,
+    default_state_root,
+    log_tail,
+)
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 DEFAULT_GRAPH = EXAMPLES / "agg.yaml"
@@ -72,6 +85,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=180.0,
         help="seconds to wait for every process to become ready (default 180)",
     )
+    # The background `up` that `--detach` starts writes the base URL to this pipe once ready.
+    parser.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -106,9 +121,11 @@ def run(args: argparse.Namespace) -> int:
             f"stop it with: dynamograph down {graph.name}"
         )
         return 1
+    if args.detach and args.ready_fd is None:
+        return _detach(console, err, path, run_dir, args)
 
     try:
-        stack = _new_stack(graph, run_dir, args.speedup)
+        stack = _new_stack(graph, run_dir, args.speedup, fresh=args.ready_fd is None)
     except FileNotFoundError as exc:  # no Envoy binary: the message says how to install it
         err.print(f"[red]{exc}[/red]")
         return 2
@@ -133,14 +150,68 @@ def _attach_live(run_dir: Path) -> Stack | None:
     return None
 
 
-def _new_stack(graph, run_dir: Path, speedup: float | None) -> Stack:
+def _detach(
+    console: Console, err: Console, path: Path, run_dir: Path, args: argparse.Namespace
+) -> int:
+    """`--detach`: the supervising `up` runs in the background (its own session, its output in
+    `logs/up.log`); return once it says the graph is ready, or with its error and exit code."""
+    _clear(run_dir)
+    log = run_dir / "logs" / "up.log"
+    log.parent.mkdir(parents=True)
+    read, write = os.pipe()
+    argv = [
+        sys.executable,
+        *("-m", "dynamograph.cli", "up", str(path.resolve()), "--detach"),
+        *("--ready-fd", str(write), "--state-dir", str(run_dir.parent)),
+        *("--timeout", str(args.timeout)),
+        *(() if args.speedup is None else ("--speedup", str(args.speedup))),
+    ]
+    with log.open("wb") as out:
+        child = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            pass_fds=(write,),
+            start_new_session=True,  # outlives this command and the terminal
+        )
+    os.close(write)
+    base_url = ""
+    try:
+        # The child bounds its own start (--timeout); the margin covers its imports.
+        if select.select([read], [], [], args.timeout + 60)[0]:
+            base_url = os.read(read, 4096).decode().strip()
+    except KeyboardInterrupt:
+        child.terminate()  # it stops whatever it started
+        child.wait()
+        return 130
+    finally:
+        os.close(read)
+    if not base_url:
+        if child.poll() is None:
+            child.terminate()
+        code = child.wait()
+        err.print(f"[red]the graph did not start[/red]; last lines of {log}:\n{log_tail(log, 40)}")
+        return code or 1
+    console.print(f"OpenAI base URL: {base_url}", highlight=False)
+    console.print(f"logs: {run_dir / 'logs'} (the supervisor's: up.log, supervisor.log)")
+    console.print(f"stop with: dynamograph down {run_dir.name}")
+    return 0
+
+
+def _clear(run_dir: Path) -> None:
+    if run_dir.exists():  # logs of an earlier run
+        shutil.rmtree(run_dir)
+
+
+def _new_stack(graph, run_dir: Path, speedup: float | None, fresh: bool = True) -> Stack:
     from .envoy import envoy_config, find_envoy
     from .plan import plan_graph
     from .procs import PortPool
 
     envoy = find_envoy()
-    if run_dir.exists():  # logs of an earlier run
-        shutil.rmtree(run_dir)
+    if fresh:
+        _clear(run_dir)
     pool = PortPool()
     try:
         plan = plan_graph(
@@ -162,30 +233,25 @@ async def _run(console: Console, err: Console, stack: Stack, args: argparse.Name
     # Ctrl-C, `kill`, or the terminal closing (SIGHUP): all stop the graph cleanly.
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         loop.add_signal_handler(sig, stop.set)
-    detached = args.detach
     try:
         started = await _start(err, stack, stop, args.timeout)
         if not started:
             return 1 if not stop.is_set() else 130
-        if detached:
-            stack.save_state()
-            console.print(f"OpenAI base URL: {stack.plan.base_url}")
-            console.print(f"logs: {stack.run_dir / 'logs'}")
-            console.print(f"stop with: dynamograph down {stack.plan.graph}")
-            return 0
         stack.save_state(supervisor=os.getpid())
         console.print(f"OpenAI base URL: {stack.plan.base_url}", highlight=False)
+        if args.ready_fd is not None:  # the background `up` of --detach: tell the caller
+            os.write(args.ready_fd, f"{stack.plan.base_url}\n".encode())
+            os.close(args.ready_fd)
         if args.bench:
             return await _bench(console, stack)
         return await _watch(console, stack, stop)
     finally:
-        if not detached:
-            left = stack.stop()
-            (stack.run_dir / STATE_FILE).unlink(missing_ok=True)
-            if left:
-                err.print(f"[red]could not stop: {', '.join(left)}[/red]")
-            else:
-                err.print(f"stopped {len(stack.running)} processes")
+        left = stack.stop()
+        (stack.run_dir / STATE_FILE).unlink(missing_ok=True)
+        if left:
+            err.print(f"[red]could not stop: {', '.join(left)}[/red]")
+        else:
+            err.print(f"stopped {len(stack.running)} processes")
 
 
 async def _start(err: Console, stack: Stack, stop: asyncio.Event, ready_within: float) -> bool:
@@ -208,43 +274,26 @@ async def _start(err: Console, stack: Stack, stop: asyncio.Event, ready_within: 
     return True
 
 
-def _death_event(proc, stamp: bool = True) -> str:
-    what = f"{proc.spec.name} {proc.describe_exit()}"
-    if stamp:
-        what = f"{time.strftime('%H:%M:%S')} {what}"
-    if proc.spec.kind == "engine":
-        return f"{what}: the EPP drops it, routing continues on the rest"
-    return f"{what} (log: {proc.log})"
-
-
 async def _watch(console: Console, stack: Stack, stop: asyncio.Event) -> int:
-    """Live view until Ctrl-C; on a terminal a rich Live table, otherwise one line per event."""
+    """Supervise until Ctrl-C (`local/supervisor.py`: restarts with back-off); on a terminal a
+    rich Live table, otherwise one line per event. Exits 1 when a process was given up."""
     from .status import render, scrape
+    from .supervisor import Supervisor
 
+    supervisor = Supervisor(stack)
     events: list[str] = []
-    fatal = False
     live = console.is_terminal
     view = Live(console=console, refresh_per_second=2, transient=False) if live else None
     async with aiohttp.ClientSession() as session:
         with view or contextlib.nullcontext():
             while not stop.is_set():
-                for proc in stack.reap():
-                    if proc.stopped:
-                        continue
-                    event = _death_event(proc)
-                    if proc.spec.kind == "engine":
-                        # The pod is gone: its sidecar goes with it, as in Kubernetes.
-                        for sidecar in stack.sidecars_of(proc):
-                            await asyncio.to_thread(stack.stop_one, sidecar, "with its engine")
-                    events.append(event)
+                new = await supervisor.tick(session)
+                if new:
+                    events.extend(new)
                     if not live:
-                        print(event, flush=True)
-                    fatal = fatal or proc.spec.kind in ("envoy", "epp")
+                        for event in new:
+                            print(event, flush=True)
                     stack.save_state(supervisor=os.getpid())  # `up --status` shows it too
-                if fatal:
-                    events.append("the gateway cannot route any more: stopping")
-                    print(events[-1], flush=True)
-                    break
                 if view is not None:
                     samples = await scrape(session, stack.running)
                     view.update(
@@ -259,8 +308,20 @@ async def _watch(console: Console, stack: Stack, stop: asyncio.Event) -> int:
                         )
                     )
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), timeout=1.0)
-    return 1 if fatal else 0
+                    await asyncio.wait_for(stop.wait(), timeout=0.25)
+    return 1 if any(p.state == GIVEN_UP for p in stack.running) else 0
+
+
+def _status_event(proc: Running) -> str:
+    state = proc.state
+    if state == RUNNING and proc.exit_code is not None:  # ended on purpose, or unsupervised
+        state = proc.describe_exit()
+    what = f"{proc.spec.name}: {state}"
+    if proc.restarts:
+        what += f", {proc.restarts} restart{'s' if proc.restarts > 1 else ''}"
+    if proc.last_exit:
+        what += f", last exit: {proc.last_exit}"
+    return f"{what} (log: {proc.log})"
 
 
 async def _print_status(console: Console, stack: Stack) -> int:
@@ -270,7 +331,11 @@ async def _print_status(console: Console, stack: Stack) -> int:
         samples = await scrape(session, stack.running)
     for proc in stack.running:
         proc.poll()
-    events = [_death_event(p, stamp=False) for p in stack.running if p.exit_code is not None]
+    events = [
+        _status_event(p)
+        for p in stack.running
+        if p.state != RUNNING or p.exit_code is not None or p.restarts
+    ]
     console.print(
         render(
             stack.plan.graph,

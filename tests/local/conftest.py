@@ -96,10 +96,12 @@ def served_counts(state: dict) -> dict[str, float]:
 class Detached:
     """`dynamograph up --detach GRAPH`, and `down` at the end whatever happened."""
 
-    def __init__(self, graph: str, state_dir: Path, *, default: bool = False):
+    def __init__(
+        self, graph: str, state_dir: Path, *, default: bool = False, path: Path | None = None
+    ):
         self.graph = graph
         self.state_dir = state_dir
-        self.path = EXAMPLES / f"{graph}.yaml"
+        self.path = path or EXAMPLES / f"{graph}.yaml"
         # default: `dynamograph up` with no graph argument, as the README's first command.
         self.args = [] if default else [str(self.path)]
 

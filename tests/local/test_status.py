@@ -77,7 +77,7 @@ def test_render_shows_url_load_cache_hit_rate_and_deaths():
     )
     assert "http://127.0.0.1:1234/v1" in out and "qwen" in out
     row0 = next(line for line in out.splitlines() if "g-worker-0" in line)
-    assert "up" in row0 and "30.0%" in row0 and "66.7%" in row0
+    assert "running" in row0 and "30.0%" in row0 and "66.7%" in row0
     row1 = next(line for line in out.splitlines() if "g-worker-1" in line)
     assert "killed by signal 9" in row1
     assert "w1 died" in out and "bye" in out
@@ -86,3 +86,22 @@ def test_render_shows_url_load_cache_hit_rate_and_deaths():
 def test_an_engine_that_does_not_answer_is_flagged():
     out = text_of(render("g", "u", "m", [proc("g-worker-0")], {"g-worker-0": None}))
     assert "not answering" in out
+
+
+def test_render_shows_supervision_state_restarts_and_last_exit():
+    back = proc("g-worker-0")
+    back.restarts, back.last_exit = 2, "killed by signal 9"
+    waiting = proc("g-epp", "epp", exit_code=-9)
+    waiting.state, waiting.restarts, waiting.last_exit = "backing-off", 1, "exited with code 1"
+    dead = proc("g-envoy", "envoy", exit_code=1)
+    dead.state, dead.restarts, dead.last_exit = "given-up", 4, "exited with code 1"
+    samples = {"g-worker-0": sample_from_metrics(vllm_metrics_text())}
+    out = text_of(render("g", "u", "m", [back, waiting, dead], samples))
+
+    def cells(name):  # state, restarts, last exit
+        row = next(line for line in out.splitlines() if name in line).split("│")
+        return row[4].strip(), row[-3].strip(), row[-2].strip()
+
+    assert cells("g-worker-0") == ("running", "2", "killed by signal 9")
+    assert cells("g-epp") == ("backing-off", "1", "exited with code 1")
+    assert cells("g-envoy") == ("given-up", "4", "exited with code 1")
