@@ -4,9 +4,13 @@ Per generation request: read the body (capped), merge routing headers into `nvex
 mode's picker choose discovered workers, run the prefill leg when the route is disaggregated,
 then send the decode leg and pass its answer through — byte for byte, chunk by chunk for SSE,
 parsed only when the client asked for response `nvext` fields. A client that goes away cancels
-the request's task (`http_server.Exchange.cancel_on_disconnect`), which closes the engine connection of
-whichever leg is running, so the engine frees the request. The HTTP server is the package's own
-lean HTTP/1.1 protocol (`http_server.py`); no web framework sits in the hop.
+the request's task (`http_server.Exchange.cancel_on_disconnect`), which closes the decode
+leg's engine connection, so the engine frees the request. A client that leaves during the
+prefill leg does not cut it: as Dynamo, the prefill runs to its end and the decode leg is still
+sent (one token, not streamed), so the decode engine pulls the KV the prefill holds for it and
+both engines free it; the request's booking is freed after that (`_abandoned`). The HTTP server
+is the package's own lean HTTP/1.1 protocol (`http_server.py`); no web framework sits in the
+hop.
 """
 
 import asyncio
@@ -144,6 +148,7 @@ class Frontend:
             self.serve, head_timeout=config.head_timeout, body_timeout=config.body_timeout
         )
         self.url: str | None = None
+        self._abandoned_legs: set[asyncio.Task[None]] = set()  # `_abandoned`, until they end
 
     def _routing(self) -> RoutingMode:
         cfg = self.config
@@ -172,6 +177,9 @@ class Frontend:
 
     async def stop(self) -> None:
         await self._server.stop()
+        for task in list(self._abandoned_legs):
+            task.cancel()
+        await asyncio.gather(*self._abandoned_legs, return_exceptions=True)
         await self.routing.stop()
         await self.directory.stop()
         await self.client.stop()
@@ -283,6 +291,7 @@ class Frontend:
         disagg = "false"
         outcome = "ok"
         route: Route | None = None
+        handed_off = False  # the booking is `_abandoned`'s to free
         metrics.started()
         try:
             raw = await self._read_body(exchange)
@@ -307,7 +316,15 @@ class Frontend:
             payload = raw
             if route.prefill is not None:
                 disagg = "true"
-                params = await self._prefill(exchange, route, body, trace)
+                prefill = asyncio.ensure_future(self._prefill(exchange, route, body, trace))
+                try:
+                    params = await asyncio.shield(prefill)
+                except asyncio.CancelledError:
+                    if exchange.gone:  # the prefill goes on; the decode leg cleans its KV up
+                        handed_off = self._abandoned(prefill, exchange, route, body)
+                    else:
+                        prefill.cancel()
+                    raise
                 if params is not None:
                     payload = orjson.dumps(decode_request(body, params))
                 else:
@@ -332,8 +349,49 @@ class Frontend:
             )
         finally:
             metrics.finished(mode, outcome, disagg, stream, trace.elapsed())
-            if route is not None and route.booking is not None:
+            if route is not None and route.booking is not None and not handed_off:
                 route.booking.free()
+
+    def _abandoned(
+        self,
+        prefill: "asyncio.Future[dict[str, Any] | None]",
+        exchange: Exchange,
+        route: Route,
+        body: dict[str, Any],
+    ) -> bool:
+        """The client left during the prefill leg: as Dynamo, let the prefill finish and still
+        send the decode leg — one token, not streamed — so the decode engine pulls the KV the
+        prefill holds for it (else held until vLLM's abort timeout, 480 s) and both free it;
+        then free the booking. True: the booking is this task's to free."""
+        headers = EngineClient.headers(exchange.headers, route.decode_target.dp_rank)
+        path = exchange.path
+
+        async def finish() -> None:
+            try:
+                params = await prefill
+                if params is None:  # served aggregated instead: no KV is held anywhere
+                    return
+                leg = decode_request(prefill_request(body), params)
+                status, raw = await self._call(
+                    route.decode, path, orjson.dumps(leg), headers, "decode"
+                )
+                if status != 200:
+                    log.warning(
+                        "%s: the decode leg of an abandoned request failed with %d: %s",
+                        describe(route.decode, "decode"), status, _engine_message(raw),
+                    )  # fmt: skip
+            except OpenAIError as exc:  # nobody to answer: log it
+                if isinstance(exc, UpstreamError) and exc.kind != "handoff":
+                    self._upstream_failed(exc, route.decode, "decode")
+                log.warning("abandoned request: %s", exc.message)
+            finally:
+                if route.booking is not None:
+                    route.booking.free()
+
+        task = asyncio.get_running_loop().create_task(finish(), name="abandoned-prefill")
+        self._abandoned_legs.add(task)
+        task.add_done_callback(self._abandoned_legs.discard)
+        return True
 
     @staticmethod
     async def _answer_query(

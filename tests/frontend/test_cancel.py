@@ -1,5 +1,6 @@
-"""A client that goes away frees the engines: whichever leg is running is cancelled, and the
-workers' own gauges (running/waiting requests, KV usage) return to their idle baseline."""
+"""A client that goes away frees the engines: the decode leg is cancelled (a prefill leg runs on
+and its decode leg is still sent, to pull and free its KV, as Dynamo does), and the workers' own
+gauges (running/waiting requests, KV usage) return to their idle baseline."""
 
 import asyncio
 
@@ -85,7 +86,7 @@ async def _metric_is(fe, name, value, **labels) -> bool:
     return await frontend_metric(fe, name, **labels) == value
 
 
-async def test_cancel_during_the_prefill_leg_frees_the_prefill_worker(model):
+async def test_cancel_during_the_prefill_leg_still_sends_the_decode_leg(model):
     async with (
         mock_worker(role=Role.PREFILL, speedup=0.02) as prefill,  # a slow prefill (~seconds)
         mock_worker(role=Role.DECODE) as decode,
@@ -100,10 +101,16 @@ async def test_cancel_during_the_prefill_leg_frees_the_prefill_worker(model):
         with pytest.raises(asyncio.CancelledError):
             await task
 
-        await wait_for(lambda: idle(prefill, decode), what="the prefill worker to free the leg")
-        assert (await served(decode))["total"] == 0  # the decode leg never started
+        # the prefill runs to its end, the decode leg pulls its KV: both workers end idle
+        async def decoded() -> bool:
+            return (await served(decode))["total"] == 1
+
+        await wait_for(decoded, what="the decode leg to be sent")
+        await wait_for(lambda: idle(prefill, decode), what="both workers to free the request")
         (p,) = (await served(prefill))["recent"]
-        assert _cut_short(p)
+        assert not _cut_short(p)
+        (d,) = (await served(decode))["recent"]
+        assert d["kv_transfer"] and d["completion_tokens"] == 1
 
 
 async def test_non_streaming_cancel_frees_the_aggregated_worker(model):

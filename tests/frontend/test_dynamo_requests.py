@@ -20,7 +20,7 @@ from dynamograph.worker.lora import LoraModule
 from dynamograph.worker.testing import mock_worker
 from e2e.waiting import wait_for
 
-from .conftest import frontend_metric, route, run_frontend, served
+from .conftest import engine_gauges, frontend_metric, route, run_frontend, served
 
 pytestmark = pytest.mark.integration
 
@@ -451,3 +451,42 @@ async def test_router_config_override_changes_the_routing_of_that_request_only(m
         sampled = {**body, "nvext": {"router_config_override": {"router_temperature": 0.5}}}
         status, out, _ = await post(fe, sampled)
         assert status == 400 and "samples by no temperature" in out["error"]["message"]
+
+
+async def test_a_client_leaving_during_prefill_still_gets_its_decode_leg_sent(model):
+    """As Dynamo: a client that disconnects while the prefill runs does not abort it; the
+    decode leg is still routed, so the decode engine pulls (and frees) the KV the prefill holds
+    for it; the booking is freed after that. Nothing is left on either engine."""
+    async with (
+        mock_worker(role=Role.PREFILL, speedup=0.01) as prefill,
+        mock_worker(role=Role.DECODE) as decode,
+        run_frontend(None, [prefill, decode], mode=Mode.KV) as fe,
+    ):
+        body = {"model": model, "prompt": PROMPT * 4, "max_tokens": 200, "stream": True}
+        client = asyncio.create_task(post(fe, body))
+
+        async def prefilling() -> bool:
+            return (await served(prefill))["total"] == 1
+
+        await wait_for(prefilling, what="the prefill leg to start")
+        client.cancel()  # the client goes away mid-prefill
+        with contextlib.suppress(asyncio.CancelledError):
+            await client
+
+        async def decoded() -> bool:
+            recent = (await served(decode))["recent"]
+            return len(recent) == 1 and recent[0].get("finish_reason") is not None
+
+        await wait_for(decoded, what="the decode leg to be sent and end", within=30)
+        first = (await served(prefill))["recent"][0]
+        assert first["finish_reason"] == "length"  # the prefill ran to its end
+        leg = (await served(decode))["recent"][0]
+        assert leg["kv_transfer"] and leg["finish_reason"] == "length"
+        await wait_for(
+            lambda: fe.routing.router.active.total_requests() == 0, what="the booking freed"
+        )
+        # no KV held for a decode that will never come, nothing running
+        assert sum(len(rank.transfers) for rank in prefill.server.engine.ranks) == 0
+        for worker in (prefill, decode):
+            gauges = await engine_gauges(worker)
+            assert gauges["running"] == gauges["waiting"] == 0
