@@ -65,6 +65,7 @@ _STAGE_GROWTH = 4
 _SLOT_CAPACITY = 1024
 _NO_MATCH = np.zeros(0, np.int64)
 _NO_MATCH.flags.writeable = False
+_NO_KEYS = np.zeros(0, np.uint64)
 
 
 def as_u64(values: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -331,6 +332,18 @@ class KvIndex:
                 self.remove(slot, gone)
 
     # -- queries ---------------------------------------------------------------------------
+    def stored_keys(
+        self, slot: Slot, engine_hashes: Sequence[int | bytes] | np.ndarray
+    ) -> np.ndarray:
+        """The prefix keys of the blocks `slot` holds under these engine hashes (those it does
+        not hold left out): a BlockStored event's blocks named as requests name them."""
+        state = self._slots.get(slot)
+        if state is None or not len(engine_hashes):
+            return _NO_KEYS
+        rows = state.blocks.get(np.maximum(engine_keys(engine_hashes), kernels.MIN_KEY))
+        keys: np.ndarray = self._keys.keys[rows[rows >= 0]]
+        return keys
+
     def find_matches(self, local_hashes: Sequence[int] | np.ndarray) -> dict[Slot, int]:
         """{slot: number of leading blocks of the request the slot holds}, for slots with > 0.
 

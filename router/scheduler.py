@@ -39,7 +39,7 @@ from .errors import NoEligibleWorker, Overloaded, RoutingError
 from .fleet import Candidates, Fleet, WorkerState
 from .index import KvIndex, as_u64, chain_keys
 from .plugins.base import Context, Phase
-from .prefills import PendingPrefills
+from .prefills import prefill_marks
 from .profile import build_profile
 from .seqtrack import GapInfo, SequenceTracker, Verdict
 from .sessions import Binding, StickySessions
@@ -141,7 +141,6 @@ class Router:
         self._block_size: int | None = None
         self._seqs = SequenceTracker()
         self.sessions = StickySessions(self.config.session_ttl_s, self.config.max_sessions, clock)
-        self._prefills = PendingPrefills(self.index, self.active)
 
     # -- workers -------------------------------------------------------------------------
     def add_engine(self, config: EngineConfig) -> bool:
@@ -227,7 +226,6 @@ class Router:
             self._block_size = None
 
     def _drop_slot(self, slot: Slot) -> None:
-        self._prefills.forget(slot)
         self.index.remove_slot(slot)
         self._seqs.forget(slot)
         self.active.drop_slot(slot)
@@ -310,10 +308,12 @@ class Router:
             log.info("worker %d rank %d: KV event sequence restarted; clearing", worker_id, rank)
             self.index.clear(slot)
         self.index.apply_events(slot, batch.events, self._lora_ids.get(worker_id))
-        if self._prefills.waiting_on(slot) and any(
-            isinstance(e, BlockStored) for e in batch.events
-        ):
-            self._prefills.settle(slot)
+        self.active.progressed(slot)
+        if self.active.awaits_stored_blocks(slot):  # prefills settled by the blocks stored
+            for event in batch.events:
+                if isinstance(event, BlockStored):
+                    stored = self.index.stored_keys(slot, event.block_hashes)
+                    self.active.blocks_stored(slot, stored)
         return None
 
     def replay_failed(self, worker_id: int, dp_rank: int | None = None) -> None:
@@ -415,7 +415,7 @@ class Router:
             return decision
         if session is not None:
             self._session_turn(session, binding, decision, moved, now)
-        decision.guard = self._book(request, decision, hashes, prompt_blocks, prompt_keys)
+        decision.guard = self._book(request, decision, prompt_blocks, prompt_keys)
         decision.guard.on_accepted = decision.confirm_session if decision.session_open else None
         if not self.config.use_kv_events and has_blocks:
             expires = now + self.config.approx_ttl_s
@@ -536,7 +536,6 @@ class Router:
         self,
         request: RouteRequest,
         decision: Decision,
-        hashes: np.ndarray,
         prompt_blocks: int,
         prompt_keys: np.ndarray,
     ) -> RequestGuard:
@@ -558,8 +557,9 @@ class Router:
             prefill_blocks=0 if prefill is not None else uncached,
             expected_output_tokens=request.expected_output_tokens,
         )
-        if self.config.use_kv_events and len(prompt_keys) > (prefill or decode).overlap_blocks:
-            self._prefills.watch(prefill_booking or decode_booking, hashes, prompt_blocks)
+        if self.config.use_kv_events:
+            marks = prefill_marks(prompt_keys, (prefill or decode).overlap_blocks, prompt_blocks)
+            self.active.watch_prefill(prefill_booking or decode_booking, marks)
         return RequestGuard(self.active, request.request_id, decode_booking, prefill_booking)
 
 

@@ -83,7 +83,76 @@ def test_engine_storing_the_prompt_settles_its_pending_prefill():
     assert router.active.load(slot).prefill_blocks == 0 and d.guard.prefill_done
     assert router.active.load(slot).decode_blocks == 11  # still decoding: blocks held
     d.guard.free()
-    assert router.active.loads() == {} and not router._prefills.waiting_on(slot)
+    assert router.active.loads() == {} and not router.active.awaits_stored_blocks(slot)
+
+
+def _pending_marks(router: Router, slot) -> int:
+    return len(router.active.load(slot).pending)
+
+
+def test_prefill_waits_on_its_last_block_at_its_position():
+    """A prompt of one repeated block: the engine storing that block's content at the first
+    position is not the prompt's last block stored (marks are prefix keys, not block hashes)."""
+    router = make_router(workers=(1,))
+    prompt = [7] * (BS * 6)  # six identical blocks
+    d = router.schedule(request(prompt))
+    assert d.guard.awaits_stored_blocks
+    cache(router, 1, prompt[:BS])
+    assert not d.guard.prefill_done and d.guard.awaits_stored_blocks
+    cache(router, 1, prompt)
+    assert d.guard.prefill_done and not d.guard.awaits_stored_blocks
+    assert _pending_marks(router, (1, 0)) == 0
+    d.guard.free()
+
+
+def test_short_or_cached_prompts_are_not_left_to_kv_events():
+    """No new full block to store, no event to wait for: the caller's own sign ends those."""
+    router = make_router(workers=(1,))
+    short = router.schedule(request(tokens(BS - 1), rid="short"))
+    assert not short.guard.awaits_stored_blocks
+    prompt = tokens(BS * 5)
+    cache(router, 1, prompt)
+    cached = router.schedule(request(prompt, rid="cached"))
+    assert cached.decode.overlap_blocks == 5 and not cached.guard.awaits_stored_blocks
+    assert _pending_marks(router, (1, 0)) == 0
+    short.guard.free()
+    cached.guard.free()
+
+
+def test_a_long_prefill_is_watched_with_few_marks_and_shrinks_as_it_goes():
+    router = make_router(workers=(1,))
+    prompt = tokens(BS * 1000)
+    d = router.schedule(request(prompt))
+    slot = (1, 0)
+    assert _pending_marks(router, slot) == 16  # MAX_MARKS, whatever the prompt's length
+    cache(router, 1, prompt[: BS * 500])  # a chunk: the booked prefill shrinks at a mark
+    assert 500 <= router.active.load(slot).prefill_blocks < 1000
+    assert _pending_marks(router, slot) < 16
+    d.guard.mark_prefill_done()  # the first token came first: nothing is waited on any more
+    assert _pending_marks(router, slot) == 0 and not d.guard.awaits_stored_blocks
+    d.guard.free()
+
+
+@pytest.mark.parametrize("end", ["free", "collected", "worker_removed"])
+def test_pending_prefill_marks_cannot_outlive_their_request(end):
+    """However a request ends before its prompt is stored (answered, failed, client gone, its
+    guard dropped, its worker gone), the slot waits on none of its marks any more."""
+    router = make_router(workers=(1,))
+    keep = router.schedule(request(tokens(BS * 8, 50_000), rid="other"))  # keeps the slot busy
+    d = router.schedule(request(tokens(BS * 8), rid="r"))
+    slot = (1, 0)
+    assert _pending_marks(router, slot) == 16
+    if end == "free":
+        d.guard.free()
+    elif end == "collected":
+        del d
+        router.active.reap()
+    else:
+        router.remove_worker(1)
+        router.add_worker(1, block_size=BS, total_blocks=1000)
+    assert _pending_marks(router, slot) == (8 if end != "worker_removed" else 0)
+    keep.guard.free()
+    assert _pending_marks(router, slot) == 0
 
 
 def test_requests_sharing_a_prefix_load_the_worker_once():
