@@ -100,6 +100,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=32,
         help="chunks of the streamed responses whose per-chunk EPP CPU is measured (32)",
     )
+    parser.add_argument(
+        "--processes",
+        default="1,2,4",
+        help="EPP process counts (`dynamograph epp --processes N`) whose routed req/s is "
+        "measured, comma-separated; empty: skip (default 1,2,4)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     add_output_argument(parser)
 
@@ -256,7 +262,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-async def _start_epp(workers_file: Path, picker: str, count: int):
+async def _start_epp(workers_file: Path, picker: str, count: int, processes: int = 1):
+    """`dynamograph epp` (with `processes` > 1: that many, on one port, syncing bookings;
+    process i serves metrics on the metrics port + i), once every process knows the fleet."""
     grpc_port, health_port, metrics_port = _free_port(), _free_port(), _free_port()
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "dynamograph.cli", "epp",
@@ -264,26 +272,28 @@ async def _start_epp(workers_file: Path, picker: str, count: int):
         "--health-port", str(health_port), "--metrics-port", str(metrics_port),
         "--workers-file", str(workers_file), "--endpoint-picker", picker,
         "--scrape-interval", "1.0",
+        "--processes", str(processes), "--replica-port", str(_free_port()),
         stdin=asyncio.subprocess.DEVNULL,
     )  # fmt: skip
     deadline = time.monotonic() + 120
     async with aiohttp.ClientSession() as http:
-        while True:
-            if proc.returncode is not None:
-                raise RuntimeError(f"the EPP exited with {proc.returncode}")
-            with contextlib.suppress(aiohttp.ClientError, OSError):
-                async with http.get(f"http://127.0.0.1:{metrics_port}/metrics") as r:
-                    text = await r.text()
-                known = sum(
-                    float(line.rsplit(" ", 1)[1])
-                    for line in text.splitlines()
-                    if line.startswith("dynamograph_epp_workers{")
-                )
-                if known >= count:
-                    break
-            if time.monotonic() > deadline:
-                raise TimeoutError("the EPP did not discover the fleet in 120 s")
-            await asyncio.sleep(0.2)
+        for index in range(processes):
+            while True:
+                if proc.returncode is not None:
+                    raise RuntimeError(f"the EPP exited with {proc.returncode}")
+                with contextlib.suppress(aiohttp.ClientError, OSError):
+                    async with http.get(f"http://127.0.0.1:{metrics_port + index}/metrics") as r:
+                        text = await r.text()
+                    known = sum(
+                        float(line.rsplit(" ", 1)[1])
+                        for line in text.splitlines()
+                        if line.startswith("dynamograph_epp_workers{")
+                    )
+                    if known >= count:
+                        break
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the EPP did not discover the fleet in 120 s")
+                await asyncio.sleep(0.2)
     await asyncio.sleep(1.0)  # KV subscribers connect and replay the warmed history
     return proc, grpc_port, metrics_port
 
@@ -511,6 +521,47 @@ async def _measure_streaming(args, workers_file: Path, bodies: list[bytes]) -> d
     }
 
 
+async def _measure_processes(args, workers_file: Path, bodies: list[bytes], n: int) -> dict:
+    """Routed requests/s (wall) of `n` EPP processes on one port, kv mode, `--concurrency`
+    streams each on a connection of its own (the kernel spreads connections, not streams)."""
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+    proc, port, metrics_port = await _start_epp(workers_file, "kv", args.workers, n)
+    channels = [
+        grpc.aio.insecure_channel(
+            f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)]
+        )
+        for _ in range(args.concurrency)
+    ]
+    try:
+        stubs = [pb_grpc.ExternalProcessorStub(channel) for channel in channels]
+        for stub in stubs:  # warm-up: every connection, every process's tokenizer and caches
+            for body in bodies[:5]:
+                await _exchange(stub, body)
+        queue = iter(bodies[: args.load_requests])
+        wall0 = time.perf_counter()
+
+        async def client(stub) -> None:
+            for body in queue:
+                await _exchange(stub, body)
+
+        await asyncio.gather(*(client(stub) for stub in stubs))
+        wall = time.perf_counter() - wall0
+        routed = [(await _server_picks(metrics_port + i))[1] for i in range(n)]
+    finally:
+        for channel in channels:
+            await channel.close()
+        proc.terminate()
+        await proc.wait()
+    return {
+        "processes": n,
+        "requests_per_s_wall": args.load_requests / wall,
+        "requests": args.load_requests,
+        "routed_per_process": routed,  # picks since start, warm-up included
+        "concurrency": args.concurrency,
+    }
+
+
 async def _main(args) -> int:
     prefixes, bodies = _prompts(args)
     calibration = _tokenizer_ns_per_token()
@@ -539,6 +590,11 @@ async def _main(args) -> int:
                 if args.response_chunks > 1
                 else None
             )
+            scaling = [
+                await _measure_processes(args, workers_file, bodies, int(n))
+                for n in args.processes.split(",")
+                if n.strip()
+            ]
     finally:
         with contextlib.suppress(BrokenPipeError, OSError):
             parent.send("stop")
@@ -577,6 +633,16 @@ async def _main(args) -> int:
             f"request against {streaming['cpu_ms_per_request_1_chunk']:.2f} ms with one chunk); "
             "the target above counts a one-chunk response"
         )
+    if scaling:
+        print_table(
+            f"EPP processes on one port (kv mode, {args.concurrency} connections; the client "
+            f"shares the machine's {os.cpu_count()} cores)",
+            ["processes", "routed req/s wall", "requests", "routed per process"],
+            [
+                [r["processes"], r["requests_per_s_wall"], r["requests"], r["routed_per_process"]]
+                for r in scaling
+            ],
+        )
     kv = rows[0]
     verdict = "meets" if kv["cpu_ms_per_request"] <= TARGET_CPU_MS else "misses"
     print(
@@ -596,6 +662,7 @@ async def _main(args) -> int:
             "load_average": os.getloadavg()[0],
             "rows": rows,
             "streaming": streaming,
+            "processes": scaling,
         },
     )
     return 0
