@@ -39,12 +39,22 @@ Admission: at most `max_pending_picks` requests are between their headers and th
 arriving, prompt being tokenized off the event loop, waiting for the loop); past that a new one
 is refused at its headers with 429 and Retry-After (`Admission`).
 
-Response path: headers and chunks pass through unchanged; the first non-empty body chunk marks
-the prefill done (the response headers do, when the body is not sent to the EPP); the end of the
-response (end of stream on headers, body or trailers) frees the booking;
-`usage.prompt_tokens_details.cached_tokens` (when the worker reports it and the body is sent) is
-compared with the index's prediction. Whatever ends the gRPC stream (end of response, error,
-client disconnect, or Envoy closing it when the response end is not sent to the EPP),
+Response path. Recommended (local/envoy.py, docs/gateways.md): response headers SEND, body NONE,
+trailers SEND. The EPP then gets two messages per response and none per chunk: the headers
+(status; `RequestGuard.accepted`) and the end of the gRPC stream, which Envoy closes when the
+HTTP response ends (with trailers SKIP, Envoy 1.40 closes it right after the response headers
+instead, so the booking would be freed at once). Prefill done, without seeing a token: a prompt
+with uncached full blocks is marked done by the picked worker's KV events storing its last full
+block (`router.prefills`, the same step that emits the first token); any other prompt (shorter
+than a block, or cached whole) at the response headers.
+When the body is sent (gateways that send it FULL_DUPLEX_STREAMED; `mode_override` cannot turn it
+off: Envoy ignores it when either body mode is FULL_DUPLEX_STREAMED, and honours it only with a
+BUFFERED request body), each chunk is echoed back unchanged (a prebuilt CONTINUE in the other
+modes), the first non-empty one marks the prefill done unless the KV events did first, and
+`usage.prompt_tokens_details.cached_tokens` in the response's tail (when the worker reports it)
+is compared with the index's prediction at its end. The end of the response (end of stream on
+headers, body or trailers) frees the booking. Whatever ends the gRPC stream (end of response,
+error, client disconnect, or Envoy closing it when the response end is not sent to the EPP),
 `Exchange.close()` frees the booking.
 """
 
@@ -518,9 +528,16 @@ class Exchange:
             self.route.guard.accepted()  # the engine took the turn: an `open` session binds
         if headers.end_of_stream:
             self._end_of_response()
-        elif not self.response_body_sent:
+        elif not self.response_body_sent and not self._awaits_stored_blocks():
             self._mark_first_token()  # the closest sign of it the EPP will get
         return [_RESPONSE_HEADERS_ACK]
+
+    def _awaits_stored_blocks(self) -> bool:
+        """The worker's KV events will mark the prefill done (the prompt's last full block is
+        not stored yet): more precise than the response headers, which a streaming engine
+        sends before it computes anything."""
+        route = self.route
+        return route is not None and route.guard is not None and route.guard.awaits_stored_blocks
 
     def _mark_first_token(self) -> None:
         route = self.route
