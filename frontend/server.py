@@ -106,6 +106,24 @@ async def _send_json(exchange: Exchange, obj: Any, status: int = 200) -> None:
     await exchange.respond(status, orjson.dumps(obj), _JSON_HEADERS)
 
 
+def _engine_fields(nvext: NvExt, body: dict[str, Any]) -> bool:
+    """Set what the engine takes from `nvext` in its own request fields; whether any was set.
+
+    `greed_sampling`: Dynamo leaves greedy sampling to the backend; vLLM's greedy is
+    temperature 0. `agent_hints.priority`: normalised into vLLM's request `priority` as Dynamo
+    does (vLLM runs lower values first, Dynamo's hint is higher = more important), unless the
+    body names a `priority` of its own."""
+    changed = False
+    if nvext.greed_sampling:
+        body["temperature"] = 0.0
+        changed = True
+    hints = nvext.agent_hints
+    if hints is not None and hints.priority is not None and "priority" not in body:
+        body["priority"] = -hints.priority
+        changed = True
+    return changed
+
+
 def _engine_message(raw: bytes) -> str:
     """The message inside an engine's OpenAI error body, else the body's start."""
     try:
@@ -303,9 +321,7 @@ class Frontend:
                 raise OpenAIError(400, str(exc), param="nvext") from None
             nvext, pins = merge(nvext, routing_headers(exchange.headers))
             reject_client_transfer_params(body)
-            if nvext is not None and nvext.greed_sampling:
-                # Dynamo leaves greedy sampling to the backend; vLLM's greedy is temperature 0
-                body["temperature"] = 0.0
+            if nvext is not None and _engine_fields(nvext, body):
                 raw = orjson.dumps(body)
             stream = body.get("stream") is True
             route = await self.routing.pick(pins, nvext, exchange.path, body)

@@ -56,6 +56,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "`model`; the mock only records the path",
     )
     p.add_argument(
+        "--scheduling-policy",
+        choices=("priority", "fcfs"),
+        default="priority",
+        help="vLLM's --scheduling-policy: priority (default here: the frontend forwards "
+        "agent_hints.priority as the request's priority) or fcfs (vLLM's default: a request "
+        "with a non-zero priority is refused)",
+    )
+    p.add_argument(
         "--max-loras",
         type=int,
         default=1,
@@ -244,6 +252,7 @@ def run(args: argparse.Namespace) -> int:
         return run_vllm(args)
     try:
         config = mock_config(args)
+        scheduling_policy=args.scheduling_policy,
         config.validate()
     except ValueError as exc:
         print(f"dynamograph worker: {exc}", file=sys.stderr)

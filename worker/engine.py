@@ -39,6 +39,7 @@ class GenerateRequest:
     nvext: NvExt | None = None
     lora_name: str | None = None  # the LoRA adapter the request's `model` names
     lora_id: int | None = None  # its vLLM id (set by the engine that serves the adapter)
+    priority: int = 0  # vLLM's request priority: lower runs first (`--scheduling-policy priority`)
 
 
 @dataclass(slots=True)

@@ -78,6 +78,9 @@ class MockConfig:
     cost: CostModel = field(default_factory=CostModel)
     lora_modules: list[LoraModule] = field(default_factory=list)
     max_loras: int = 1  # distinct adapters in one batch (vLLM's --max-loras)
+    # vLLM's --scheduling-policy: "priority" runs the lowest request `priority` first (then
+    # arrival); "fcfs" (vLLM's default) refuses a non-zero priority, as vLLM does
+    scheduling_policy: str = "priority"
     # Bearer token of the admin endpoints (/v1/kv_transfer/pull, /reset_prefix_cache,
     # /debug/requests), shared by a graph's workers: a decode engine pulls with it.
     admin_token: str | None = field(default=None, repr=False)
@@ -110,6 +113,8 @@ class MockConfig:
             raise ValueError("--speedup must be positive")
         if self.max_loras < 1:
             raise ValueError("--max-loras must be positive")
+        if self.scheduling_policy not in ("priority", "fcfs"):
+            raise ValueError("--scheduling-policy must be priority or fcfs")
         check_modules(self.lora_modules, self.served)
 
     @property
@@ -190,6 +195,7 @@ class MockEngine(LLMEngine):
                 transfer_timeout=cfg.transfer_timeout,
                 handoff_params=self._handoff_params,
                 max_loras=cfg.max_loras if cfg.lora_modules else None,
+                priority_policy=cfg.scheduling_policy == "priority",
             )
             for r in range(cfg.data_parallel_size)
         ]

@@ -109,6 +109,7 @@ class EngineRank:
         transfer_timeout: float,
         handoff_params: ParamsFactory,
         max_loras: int | None = None,
+        priority_policy: bool = True,
     ):
         self.rank = rank
         self.cost = cost
@@ -118,7 +119,8 @@ class EngineRank:
         self.scheduler = Scheduler(cache=self.cache, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
                                    transfer_time=cost.transfer_time,
-                                   max_loras=max_loras)  # fmt: skip
+                                   max_loras=max_loras,
+                                   priority_policy=priority_policy)  # fmt: skip
         self.publisher = publisher
         self._m = metrics.for_rank(rank) if metrics is not None else None
         self.transfers = PendingTransfers(transfer_timeout)
@@ -182,6 +184,7 @@ class EngineRank:
             lora_name=request.lora_name,
             lora_id=request.lora_id,
             remote_tokens=remote_tokens,
+            priority=request.priority,
         )
         if not (self.scheduler.running or self.scheduler.waiting):
             self.clock.sync()  # the modelled GPU was idle until now

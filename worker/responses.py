@@ -37,6 +37,7 @@ def build_request(
     dp_rank: int | None,
     context_length: int,
     default_max_tokens: int,
+    priority_scheduling: bool = True,
 ) -> GenerateRequest:
     """Validate the generation parameters the engine honours; 400 naming the field otherwise."""
     n = body.get("n", 1)
@@ -63,6 +64,15 @@ def build_request(
         raise OpenAIError(400, str(exc), param="kv_transfer_params") from None
     if dp_rank is None and nvext is not None:
         dp_rank = nvext.dp_rank
+    priority = body.get("priority", 0)
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise OpenAIError(400, f"'priority' must be an integer, got {priority!r:.40}", "priority")
+    if priority and not priority_scheduling:  # vLLM's refusal, in its words
+        raise OpenAIError(
+            400,
+            f"Got priority {priority} but Priority scheduling is not enabled.",
+            param="priority",
+        )
     return GenerateRequest(
         request_id=request_id,
         prompt_tokens=tokens,
@@ -71,6 +81,7 @@ def build_request(
         dp_rank=dp_rank,
         kv_transfer_params=kv_params,
         nvext=nvext,
+        priority=priority,
     )
 
 

@@ -12,10 +12,15 @@ Pure logic over a `KvCache`, modelled on vLLM V1's scheduler:
 - remote prefill (disaggregated decode): a sequence whose KV is pulled from a prefill engine
   holds its blocks in `loading` until the simulated transfer completes, then runs;
 - LoRA (`max_loras`): at most that many distinct adapters in the batch; a waiting sequence of
-  another adapter is skipped (keeping its place) until one drains, as vLLM's scheduler does.
+  another adapter is skipped (keeping its place) until one drains, as vLLM's scheduler does;
+- priority (`priority_policy`, vLLM's `--scheduling-policy priority`): the waiting queue is
+  ordered by (request priority, arrival), lower first, and preemption takes the running
+  sequence last in that order, as vLLM's priority policy does.
 """
 
+import bisect
 import enum
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +56,8 @@ class Sequence:
     num_cached_tokens: int = -1  # prefix hit at first admission (-1: not admitted yet)
     num_remote_loaded: int = 0
     ready_at: float = 0.0
+    priority: int = 0  # vLLM's request priority: lower runs first under the priority policy
+    arrival: int = -1  # arrival order at this scheduler (-1: not added yet)
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.prompt)
@@ -118,8 +125,11 @@ class Scheduler:
         max_num_batched_tokens: int,
         transfer_time=lambda tokens: 0.0,
         max_loras: int | None = None,
+        priority_policy: bool = False,
     ):
         self.cache = cache
+        self.priority_policy = priority_policy
+        self._arrivals = itertools.count()
         self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -133,7 +143,20 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
-        self.waiting.append(seq)
+        if seq.arrival < 0:
+            seq.arrival = next(self._arrivals)
+        if self.priority_policy:
+            self._insert(seq)
+        else:
+            self.waiting.append(seq)
+
+    @staticmethod
+    def _order(seq: Sequence) -> tuple[int, int]:
+        return seq.priority, seq.arrival
+
+    def _insert(self, seq: Sequence) -> None:
+        """Into the waiting queue at its place by (priority, arrival)."""
+        self.waiting.insert(bisect.bisect(self.waiting, self._order(seq), key=self._order), seq)
 
     def remove(self, seq: Sequence) -> list[int]:
         """Take a sequence out of every queue; returns the blocks it still references."""
@@ -171,7 +194,13 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed, budget)
             need = self.cache.blocks_needed(len(seq.blocks), seq.num_computed + n)
             while not self.cache.can_allocate(need):
-                victim = self.running.pop()
+                if self.priority_policy:  # the least important, latest arrival goes
+                    victim = max(self.running, key=self._order)
+                    at = self.running.index(victim)
+                    del self.running[at]
+                    i -= at < i  # one scheduled before it left: `seq` moved down
+                else:
+                    victim = self.running.pop()
                 self._preempt(victim)
                 plan.preempted.append(victim)
                 if victim is seq:
@@ -263,7 +292,10 @@ class Scheduler:
         seq.num_committed = 0
         seq.status = Status.WAITING
         self.stats.preemptions += 1
-        self.waiting.appendleft(seq)
+        if self.priority_policy:
+            self._insert(seq)
+        else:
+            self.waiting.appendleft(seq)
 
     def complete(self, plan: StepPlan) -> list[Sequence]:
         """Account a finished step; returns the sequences that now sample a token."""

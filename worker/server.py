@@ -376,6 +376,7 @@ class WorkerServer:
                 dp_rank=_dp_rank_header(request),
                 context_length=self.engine.config.context_length,
                 default_max_tokens=self.engine.config.default_max_tokens,
+                priority_scheduling=self.engine.config.scheduling_policy == "priority",
             )  # fmt: skip
             gen.lora_name = lora_name
             self.engine.check_limits(gen)
@@ -430,6 +431,8 @@ class WorkerServer:
         last: EngineOutput | None = None
         try:
             async for out in stream:
+                if last is None:
+                    entry["first_output"] = time.time()  # the engine's first token
                 texts.append(out.text)
                 last = out
         except EngineError as exc:
@@ -456,6 +459,7 @@ class WorkerServer:
         except EngineError as exc:
             self._record(entry, None)
             return _error(exc)
+        entry["first_output"] = time.time()  # the engine's first token
         try:
             await response.prepare(request)
             opening = builder.first_chunk()

@@ -73,6 +73,7 @@ def vllm_argv(args: argparse.Namespace) -> list[str]:
         "--seed", str(args.seed),
         "--kv-events-config", json.dumps(kv_events_config(args), separators=(",", ":")),
         "--middleware", MIDDLEWARE,
+        "--scheduling-policy", args.scheduling_policy,
     ]  # fmt: skip
     if args.num_gpu_blocks is not None:
         argv += ["--num-gpu-blocks-override", str(args.num_gpu_blocks)]

@@ -4,6 +4,7 @@ phase, session actions. The kv mode runs the same request pipeline as the EPP.""
 
 import asyncio
 import contextlib
+import functools
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -490,3 +491,39 @@ async def test_a_client_leaving_during_prefill_still_gets_its_decode_leg_sent(mo
         for worker in (prefill, decode):
             gauges = await engine_gauges(worker)
             assert gauges["running"] == gauges["waiting"] == 0
+
+
+async def test_agent_hints_priority_reaches_the_engine_as_vllms_request_priority(model):
+    """Dynamo normalises `agent_hints.priority` into the engine's priority: vLLM's request
+    `priority` (lower runs first, under `--scheduling-policy priority`), which the mock engine
+    honours in its scheduler; under vLLM's default fcfs policy it is refused as vLLM does."""
+    async with (
+        mock_worker(max_num_seqs=1, speedup=1.0) as w,  # one sequence at a time: a queue forms
+        run_frontend(w) as fe,
+    ):
+        hog = {"model": model, "prompt": "hog", "max_tokens": 40, "ignore_eos": True}
+        running = asyncio.create_task(post(fe, hog, route(w)))
+
+        async def queued(n: int) -> bool:
+            gauges = await engine_gauges(w)
+            return gauges["running"] == 1 and gauges["waiting"] == n
+
+        await wait_for(lambda: queued(0), what="the first request to run")
+        order: list[str] = []
+        tasks = []
+        for name, nvext in (("plain", None), ("important", {"agent_hints": {"priority": 5}})):
+            body = {"model": model, "prompt": name, "max_tokens": 5, "ignore_eos": True}
+            if nvext:
+                body["nvext"] = nvext
+            task = asyncio.create_task(post(fe, body, route(w)))
+            task.add_done_callback(lambda t, name=name: order.append(name))
+            tasks.append(task)
+            await wait_for(functools.partial(queued, len(tasks)), what=f"{name} to wait")
+        assert (await running)[0] == 200
+        assert [status for status, _, _ in await asyncio.gather(*tasks)] == [200, 200]
+        assert order == ["important", "plain"]  # it arrived last and ran first
+    async with mock_worker(scheduling_policy="fcfs") as w, run_frontend(w) as fe:
+        body = {"model": model, "prompt": "hi", "max_tokens": 1}
+        body["nvext"] = {"agent_hints": {"priority": 5}}
+        status, out, _ = await post(fe, body, route(w))
+        assert status == 400 and "Priority scheduling is not enabled" in out["error"]["message"]

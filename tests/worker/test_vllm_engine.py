@@ -118,3 +118,12 @@ async def test_middleware_serves_the_document_once_vllm_has_sized_its_cache():
             assert response.status == 405
         async with http.get(base + "/v1/models") as response:  # vLLM's routes untouched
             assert await response.read() == b"vllm:/v1/models"
+
+
+def test_vllm_is_launched_with_the_priority_policy_the_frontend_forwards_for():
+    """The frontend forwards `agent_hints.priority` as vLLM's request `priority`, which vLLM
+    takes only under `--scheduling-policy priority` (else a 400): the launcher sets it."""
+    argv = vllm_argv(worker_args("--engine", "vllm"))
+    assert argv[argv.index("--scheduling-policy") + 1] == "priority"
+    argv = vllm_argv(worker_args("--engine", "vllm", "--scheduling-policy", "fcfs"))
+    assert argv[argv.index("--scheduling-policy") + 1] == "fcfs"
