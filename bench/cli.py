@@ -9,12 +9,19 @@ BENCHMARKS = {
     "index": Command("dynamograph.bench.index", "KV index: ours vs Dynamo's RadixTree"),
     "worker": Command("dynamograph.bench.worker", "mock engine: simulated vs wall-clock timing"),
     "epp": Command("dynamograph.bench.epp", "endpoint picker: routed requests/s and pick latency"),
+    "prefill-signal": Command(
+        "dynamograph.bench.prefill_signal", "EPP: how late it learns a prefill is done, by signal"
+    ),
     "schedule": Command(
         "dynamograph.bench.schedule", "router core: schedule + free CPU time, A/B vs a revision"
     ),
     "frontend": Command("dynamograph.bench.frontend", "frontend hop: added latency vs direct"),
     "route": Command(
         "dynamograph.bench.route", "routing quality on a trace, against other routers"
+    ),
+    "soak": Command(
+        "dynamograph.bench.soak",
+        "long run near capacity with worker kills: requests lost, bookings, RSS",
     ),
     "all": Command("dynamograph.bench.all", "every benchmark above with a summary table"),
 }
