@@ -2,7 +2,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup test lint up down e2e-kind control-plane cluster
+.PHONY: setup test lint up down soak e2e-kind control-plane cluster
 
 setup:
 	scripts/setup.sh
@@ -25,6 +25,12 @@ up:
 
 down:
 	$(BIN)/dynamograph down
+
+# The long mode of the fault suite (tests/faults is the quick one, in `make test`): 10 minutes
+# at 80% of measured capacity, a worker SIGKILLed every minute; prints requests lost, leaked
+# bookings and RSS growth, writes results/soak.json, exits 1 when a target is missed.
+soak:
+	$(BIN)/dynamograph bench soak --duration 600
 
 # The kind suite (docs/running.md, "End-to-end tests"): needs docker, kind, kubectl and helm;
 # creates the kind cluster `dynamograph-e2e` (E2E_KEEP_CLUSTER=1 keeps it for another run).

@@ -50,6 +50,7 @@ class Running:
     failures: int = 0  # deaths in a row, each soon after its start (the back-off's exponent)
     restart_at: float | None = None  # monotonic time of the next start while backing off
     spawned: float = field(default_factory=time.monotonic)
+    reaped: bool = False  # reap() has reported this run's end (poll() alone does not count)
 
     def poll(self) -> int | None:
         """Exit code once the process has ended (negative: killed by that signal)."""
@@ -116,7 +117,7 @@ class Stack:
         fresh = self._spawn(proc.spec, append=True)
         proc.pid, proc.started, proc.popen = fresh.pid, fresh.started, fresh.popen
         proc.exit_code = proc.recorded_exit = proc.restart_at = None
-        proc.spawned = fresh.spawned
+        proc.spawned, proc.reaped = fresh.spawned, False
 
     def prepare(self) -> None:
         """Create the run directory and write the plan's files (Envoy's config)."""
@@ -178,8 +179,11 @@ class Stack:
     # --- watching and stopping ------------------------------------------------------------
 
     def reap(self) -> list[Running]:
-        """Processes that ended since the last call."""
-        return [p for p in self.running if p.exit_code is None and p.poll() is not None]
+        """Processes that ended since the last call (also when someone else polled them)."""
+        ended = [p for p in self.running if not p.reaped and p.poll() is not None]
+        for proc in ended:
+            proc.reaped = True
+        return ended
 
     def stop(self, grace: float = 10.0) -> list[str]:
         """Stop every process group (Envoy first); names of any that would not die."""

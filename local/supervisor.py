@@ -15,8 +15,10 @@ returned events are the human lines `up` prints.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +47,23 @@ class Supervisor:
         self.stack = stack
         self.policy = policy or RestartPolicy()
         self.log_path: Path = stack.run_dir / "logs" / LOG_NAME
+        self.events: list[str] = []  # every event `run` saw, oldest first
+
+    async def run(
+        self,
+        stop: asyncio.Event,
+        each_round: Callable[[list[str]], Awaitable[None]] | None = None,
+        interval: float = 0.25,
+    ) -> None:
+        """Tick until `stop` is set; `each_round` gets every round's events (maybe none)."""
+        async with aiohttp.ClientSession() as session:
+            while not stop.is_set():
+                events = await self.tick(session)
+                self.events.extend(events)
+                if each_round is not None:
+                    await each_round(events)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=interval)
 
     async def tick(self, session: aiohttp.ClientSession) -> list[str]:
         """Notice deaths, start what is due, mark restarted processes ready; the events."""
@@ -105,6 +124,26 @@ class Supervisor:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("a") as out:
             out.write(json.dumps(line) + "\n")
+
+
+@contextlib.asynccontextmanager
+async def supervised(
+    stack: Stack, policy: RestartPolicy | None = None, ready_within: float = 180.0
+) -> AsyncIterator[Supervisor]:
+    """Start `stack`, keep it running while the block runs, stop it all after: `up` embedded in
+    another program (the soak benchmark, the fault-injection suite)."""
+    supervisor = Supervisor(stack, policy)
+    stop = asyncio.Event()
+    try:
+        await stack.start(ready_within)
+        task = asyncio.create_task(supervisor.run(stop))
+        try:
+            yield supervisor
+        finally:
+            stop.set()
+            await task
+    finally:
+        await asyncio.to_thread(stack.stop)
 
 
 def _stamp() -> str:

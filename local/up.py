@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
         return _detach(console, err, path, run_dir, args)
 
     try:
-        stack = _new_stack(graph, run_dir, args.speedup, fresh=args.ready_fd is None)
+        stack = new_stack(graph, run_dir, args.speedup, fresh=args.ready_fd is None)
     except FileNotFoundError as exc:  # no Envoy binary: the message says how to install it
         err.print(f"[red]{exc}[/red]")
         return 2
@@ -204,8 +204,13 @@ def _clear(run_dir: Path) -> None:
         shutil.rmtree(run_dir)
 
 
-def _new_stack(graph, run_dir: Path, speedup: float | None, fresh: bool = True) -> Stack:
-    from .envoy import envoy_config, find_envoy
+def new_stack(
+    graph, run_dir: Path, speedup: float | None, fresh: bool = True, envoy_config=None
+) -> Stack:
+    """The planned (not started) stack of `graph`; `envoy_config` replaces Envoy's config
+    builder (the fault suite puts a proxy between Envoy and the EPP)."""
+    from . import envoy as envoy_module
+    from .envoy import find_envoy
     from .plan import plan_graph
     from .procs import PortPool
 
@@ -219,7 +224,7 @@ def _new_stack(graph, run_dir: Path, speedup: float | None, fresh: bool = True) 
             run_dir,
             pool.take,
             envoy_binary=str(envoy),
-            envoy_config=envoy_config,
+            envoy_config=envoy_config or envoy_module.envoy_config,
             speedup=speedup,
         )
     finally:
@@ -281,34 +286,32 @@ async def _watch(console: Console, stack: Stack, stop: asyncio.Event) -> int:
     from .supervisor import Supervisor
 
     supervisor = Supervisor(stack)
-    events: list[str] = []
     live = console.is_terminal
     view = Live(console=console, refresh_per_second=2, transient=False) if live else None
+
+    async def each_round(new: list[str]) -> None:
+        if new:
+            if not live:
+                for event in new:
+                    print(event, flush=True)
+            stack.save_state(supervisor=os.getpid())  # `up --status` shows it too
+        if view is not None:
+            samples = await scrape(session, stack.running)
+            view.update(
+                render(
+                    stack.plan.graph,
+                    stack.plan.base_url,
+                    stack.plan.model,
+                    stack.running,
+                    samples,
+                    supervisor.events,
+                    footer="Ctrl-C stops everything",
+                )
+            )
+
     async with aiohttp.ClientSession() as session:
         with view or contextlib.nullcontext():
-            while not stop.is_set():
-                new = await supervisor.tick(session)
-                if new:
-                    events.extend(new)
-                    if not live:
-                        for event in new:
-                            print(event, flush=True)
-                    stack.save_state(supervisor=os.getpid())  # `up --status` shows it too
-                if view is not None:
-                    samples = await scrape(session, stack.running)
-                    view.update(
-                        render(
-                            stack.plan.graph,
-                            stack.plan.base_url,
-                            stack.plan.model,
-                            stack.running,
-                            samples,
-                            events,
-                            footer="Ctrl-C stops everything",
-                        )
-                    )
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), timeout=0.25)
+            await supervisor.run(stop, each_round)
     return 1 if any(p.state == GIVEN_UP for p in stack.running) else 0
 
 

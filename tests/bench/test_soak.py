@@ -1,0 +1,112 @@
+"""The soak's (and fault suite's) client: every way a request can end is told apart, and a hang
+is bounded; the EPP's booking gauge is summed."""
+
+import asyncio
+import socket
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from dynamograph.bench.soak import (
+    CUT,
+    HTTP_ERROR,
+    OK,
+    REFUSED,
+    STREAM_ERROR,
+    UNANSWERED,
+    SteadyLoad,
+    booked_requests,
+    classify,
+)
+
+pytestmark = pytest.mark.integration
+
+
+async def stream(request: web.Request, events: list[bytes], end: bool = True):
+    resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+    await resp.prepare(request)
+    for event in events:
+        await resp.write(b"data: " + event + b"\n\n")
+    if end:
+        await resp.write_eof()
+    else:  # drop the connection mid-stream, as a killed process does
+        request.transport.close()
+    return resp
+
+
+async def handler(request: web.Request):
+    kind = request.match_info["kind"]
+    if kind == "ok":
+        return await stream(request, [b'{"choices": []}', b"[DONE]"])
+    if kind == "status":
+        return web.json_response({"error": {"message": "no"}}, status=503)
+    if kind == "error-event":
+        return await stream(request, [b'{"choices": []}', b'{"error": {"message": "gone"}}'])
+    if kind == "cut":
+        return await stream(request, [b'{"choices": []}'], end=False)
+    await request.app[RELEASE].wait()  # "hang": until the test's server stops
+    return web.Response()
+
+
+RELEASE = web.AppKey("release", asyncio.Event)
+
+
+@pytest.fixture
+async def server():
+    app = web.Application()
+    app[RELEASE] = asyncio.Event()
+    app.router.add_post("/{kind}/chat/completions", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        app[RELEASE].set()
+        await runner.cleanup()
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def test_every_ending_has_its_category(server):
+    async with aiohttp.ClientSession() as session:
+        got = {
+            kind: (await classify(session, f"{server}/{kind}", {}, 1.0))[0]
+            for kind in ("ok", "status", "error-event", "cut", "hang")
+        }
+        refused = await classify(session, f"http://127.0.0.1:{closed_port()}", {}, 1.0)
+    assert got == {
+        "ok": OK,
+        "status": HTTP_ERROR,
+        "error-event": STREAM_ERROR,
+        "cut": CUT,
+        "hang": UNANSWERED,
+    }
+    assert refused[0] == REFUSED
+
+
+async def test_steady_load_counts_outcomes_and_stops_within_its_bound(server):
+    async with SteadyLoad(f"{server}/ok", "m", clients=2, timeout=1.0) as load:
+        await load.wait_answered(5, within=10)
+    assert load.outcomes.counts[OK] >= 5 and load.outcomes.lost == 0
+    async with SteadyLoad(f"{server}/hang", "m", rate=20, timeout=0.5) as load:
+        await asyncio.sleep(0.3)
+    assert load.outcomes.counts[UNANSWERED] == load.outcomes.total > 0
+    assert load.outcomes.lost == load.outcomes.total
+
+
+def test_booked_requests_sums_every_slot():
+    text = (
+        "# TYPE dynamograph_epp_worker_booked_requests gauge\n"
+        'dynamograph_epp_worker_booked_requests{worker="a",dp_rank="0"} 2\n'
+        'dynamograph_epp_worker_booked_requests{worker="b",dp_rank="0"} 1\n'
+        'dynamograph_epp_worker_running_requests{worker="b",dp_rank="0"} 7\n'
+    )
+    assert booked_requests(text) == 3
