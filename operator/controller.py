@@ -15,7 +15,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dynamograph.protocol.graph import API_VERSION, KIND, DynamoGraph, GraphError, load_graph
+from dynamograph.protocol.graph import (
+    API_VERSION,
+    KIND,
+    DynamoGraph,
+    GraphError,
+    ScaleStatus,
+    load_graph,
+)
 from dynamograph.protocol.launch import HTTP_PORT
 
 from .config import OperatorConfig
@@ -150,6 +157,7 @@ async def reconcile(api: KubeApi, body: dict[str, Any], config: OperatorConfig) 
         now=_now(),
         gateway=_observe_gateway(graph, wants_route, owner, live),
     )
+    status.scale = scale_status(graph, owner.name, live)
     return Outcome(status_body(status), problems)
 
 
@@ -247,6 +255,20 @@ def _observe_gateway(
         namespace=owner.namespace,
         route=named.get(("HTTPRoute", owner.name)),
         pool=named.get(("InferencePool", owner.name)),
+    )
+
+
+def scale_status(graph: DynamoGraph | None, graph_name: str, live: dict) -> ScaleStatus | None:
+    """What /scale reads (operator/crds.py): the scale target's pods, as its Deployment counts
+    them, and the label selector of its pods. None without a (valid) target."""
+    service = graph.spec.scale_target_service if graph is not None else None
+    if service is None:
+        return None
+    deployment = live.get(("apps/v1", "Deployment", deployment_name(graph_name, service))) or {}
+    return ScaleStatus(
+        service=service,
+        replicas=(deployment.get("status") or {}).get("replicas", 0),
+        selector=f"{LABEL_GRAPH}={graph_name},{LABEL_SERVICE}={service}",
     )
 
 

@@ -24,8 +24,11 @@ from pydantic import ValidationError
 from dynamograph.protocol.graph import (
     API_VERSION,
     ENGINE_TYPES,
+    GPU_PRODUCT_LABEL,
     KIND,
+    MODEL_CACHE_DIR,
     SERVING_TYPES,
+    Backend,
     ComponentType,
     DynamoGraph,
     EppTlsMode,
@@ -317,16 +320,87 @@ def _router_config_error(router: RouterSpec, path: str, err: Any) -> tuple[str, 
     return path, f"router setting {loc}: {message}"
 
 
+# vLLM's workers and NCCL exchange tensors through /dev/shm; a container's default is 64 MiB.
+DEFAULT_SHARED_MEMORY = "8Gi"
+SHM_VOLUME = "shm"
+MODEL_CACHE_VOLUME = "model-cache"
+STARTUP_PROBE_PERIOD = 10
+# An engine Deployment's progress deadline is its startup allowance plus this, for scheduling
+# and the image pull (Kubernetes' default deadline, 600 s, is all a Deployment gets otherwise).
+PROGRESS_MARGIN_SECONDS = 600
+
+
+def _shared_memory(graph: DynamoGraph, spec: ServiceSpec) -> str | None:
+    if spec.shared_memory is not None:
+        return spec.shared_memory
+    return DEFAULT_SHARED_MEMORY if graph.spec.backend == Backend.VLLM else None
+
+
+def _engine_volumes(graph: DynamoGraph, spec: ServiceSpec) -> list[dict[str, Any]]:
+    """An engine pod's /dev/shm (in memory) and model cache volumes."""
+    volumes = []
+    shm = _shared_memory(graph, spec)
+    if shm is not None:
+        volumes.append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": shm}})
+    cache = graph.spec.model.cache
+    # `readOnly: false` only when true: the apiserver omits a false one, and a field the live
+    # object lacks would be patched on every pass.
+    read_only = {"readOnly": True} if cache is not None and cache.read_only else {}
+    if cache is not None and cache.claim_name is not None:
+        claim = {"claimName": cache.claim_name, **read_only}
+        volumes.append({"name": MODEL_CACHE_VOLUME, "persistentVolumeClaim": claim})
+    elif cache is not None:
+        host = {"path": cache.host_path, "type": "DirectoryOrCreate"}
+        volumes.append({"name": MODEL_CACHE_VOLUME, "hostPath": host})
+    return volumes
+
+
+def _engine_mounts(graph: DynamoGraph, spec: ServiceSpec) -> list[dict[str, Any]]:
+    mounts: list[dict[str, Any]] = []
+    if _shared_memory(graph, spec) is not None:
+        mounts.append({"name": SHM_VOLUME, "mountPath": "/dev/shm"})
+    cache = graph.spec.model.cache
+    if cache is not None:
+        mount: dict[str, Any] = {"name": MODEL_CACHE_VOLUME, "mountPath": MODEL_CACHE_DIR}
+        mounts.append({**mount, "readOnly": True} if cache.read_only else mount)
+    return mounts
+
+
+def _placement(spec: ServiceSpec) -> dict[str, Any]:
+    """nodeSelector (with gpuType's label), tolerations and affinity of a service's pods."""
+    selector = dict(spec.node_selector)
+    if spec.gpu_type is not None:
+        selector[GPU_PRODUCT_LABEL] = spec.gpu_type
+    out: dict[str, Any] = {}
+    if selector:
+        out["nodeSelector"] = selector
+    if spec.tolerations:
+        out["tolerations"] = [
+            t.model_dump(by_alias=True, exclude_none=True) for t in spec.tolerations
+        ]
+    if spec.affinity is not None:
+        out["affinity"] = copy.deepcopy(spec.affinity)
+    return out
+
+
 def _engine_container(
     graph: DynamoGraph, spec: ServiceSpec, image: str, config: OperatorConfig
 ) -> dict[str, Any]:
     limits: dict[str, Any] = _cpu_memory(spec)
     requests = dict(limits)
-    if spec.resources.gpu:
-        limits["nvidia.com/gpu"] = str(spec.resources.gpu)
+    gpus = graph.spec.gpus(spec)
+    if gpus:
+        limits["nvidia.com/gpu"] = str(gpus)
     resources = {k: v for k, v in (("requests", requests), ("limits", limits)) if v}
     # Model loading takes minutes on vLLM; the startup probe holds liveness off until then.
-    startup_failures = 180 if graph.spec.backend == "vllm" else 30
+    startup_failures = -(-graph.spec.startup_seconds(spec) // STARTUP_PROBE_PERIOD)
+    env = _downward_env()
+    if graph.spec.model.cache is not None:
+        env.append({"name": "HF_HOME", "value": MODEL_CACHE_DIR})
+    fields: dict[str, Any] = {}
+    mounts = _engine_mounts(graph, spec)
+    if mounts:
+        fields["volumeMounts"] = mounts
     return _container(
         "engine",
         image,
@@ -336,11 +410,12 @@ def _engine_container(
             {"name": "engine", "containerPort": ENGINE_PORT, "protocol": "TCP"},
             *_kv_ports(spec.data_parallel_size),
         ],
-        env=_downward_env() + _user_env(spec),
+        env=[*env, *_user_env(spec)],
         resources=resources,
-        startupProbe=_http_probe("engine", 10, startup_failures),
+        startupProbe=_http_probe("engine", STARTUP_PROBE_PERIOD, startup_failures),
         readinessProbe=_http_probe("engine", 5, 3),
         livenessProbe=_http_probe("engine", 10, 6),
+        **fields,
     )
 
 
@@ -478,6 +553,7 @@ def _deployment(
     volumes: list[dict[str, Any]] = []
     if kind in ENGINE_TYPES:
         containers = [_engine_container(graph, spec, image, config)]
+        volumes += _engine_volumes(graph, spec)
         annotations["prometheus.io/port"] = str(ENGINE_PORT)
         if kind in SERVING_TYPES:
             containers.append(_frontend_container(graph, owner, spec, image, config, sidecar=True))
@@ -504,6 +580,7 @@ def _deployment(
         # Engines drain in-flight requests on SIGTERM before exiting.
         "terminationGracePeriodSeconds": 60 if kind in ENGINE_TYPES else 30,
     }
+    pod_spec.update(_placement(spec))
     if volumes:
         pod_spec["volumes"] = volumes
     if kind == ComponentType.PREFILL:
@@ -522,7 +599,12 @@ def _deployment(
             "spec": pod_spec,
         },
     }
-    if spec.resources.gpu:
+    if kind in ENGINE_TYPES:
+        # The Deployment gives up (Degraded) only after a pod has had its whole startup allowance.
+        deployment_spec["progressDeadlineSeconds"] = (
+            graph.spec.startup_seconds(spec) + PROGRESS_MARGIN_SECONDS
+        )
+    if graph.spec.gpus(spec):
         # No surge: a rollout must not need a spare GPU node; replace one pod at a time.
         deployment_spec["strategy"] = {
             "type": "RollingUpdate",

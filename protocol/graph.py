@@ -51,6 +51,63 @@ QUANTITY = (
 )
 
 
+# The node label NVIDIA's GPU feature discovery puts on GPU nodes (e.g. NVIDIA-H100-80GB-HBM3);
+# `gpuType` selects nodes by it.
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
+
+# The `vllm serve` flags `dynamograph worker --engine vllm` sets itself (worker/vllm.py; a test
+# checks the two agree), each with what sets it instead: `engine.extraArgs` may not repeat them.
+# vLLM also reads `--flag_name` for `--flag-name` and has `--no-` forms of its boolean flags.
+VLLM_OWNED_FLAGS: Final = {
+    "--model": "model.name",
+    "--served-model-name": "model.servedModelName",
+    "--tokenizer": "model.tokenizer",
+    "--host": "the contract's ports (docs/contracts.md)",
+    "--port": "the contract's ports (docs/contracts.md)",
+    "--block-size": "kvBlockSize",
+    "--enable-prefix-caching": "nothing: always on, KV-aware routing needs it",
+    "--no-enable-prefix-caching": "nothing: always on, KV-aware routing needs it",
+    "--max-num-seqs": "engine.maxNumSeqs",
+    "--max-num-batched-tokens": "engine.maxNumBatchedTokens",
+    "--max-model-len": "engine.contextLength",
+    "--num-gpu-blocks-override": "engine.numGpuBlocks",
+    "--seed": "engine.seed",
+    "--data-parallel-size": "dataParallelSize",
+    "-dp": "dataParallelSize",
+    "--tensor-parallel-size": "tensorParallelSize",
+    "-tp": "tensorParallelSize",
+    "--pipeline-parallel-size": "pipelineParallelSize",
+    "-pp": "pipelineParallelSize",
+    "--kv-events-config": "the operator (KV events feed the router's index)",
+    "--kv-transfer-config": "componentType (the prefill/decode hand-off)",
+    "--middleware": "the operator (it serves /v1/engine)",
+    "--scheduling-policy": "the operator (priority: the frontend forwards request priorities)",
+    "--enable-lora": "nothing yet: LoRA adapters are not part of a DynamoGraph",
+    "--no-enable-lora": "nothing yet: LoRA adapters are not part of a DynamoGraph",
+    "--max-loras": "nothing yet: LoRA adapters are not part of a DynamoGraph",
+    "--lora-modules": "nothing yet: LoRA adapters are not part of a DynamoGraph",
+}
+
+
+def _owned_flags_regex() -> str:
+    names = sorted({f.lstrip("-").replace("-", "[-_]") for f in VLLM_OWNED_FLAGS})
+    long = [n for n in names if len(n) > 2]
+    short = [n for n in names if len(n) <= 2]
+    return f"^(--({'|'.join(long)})|-({'|'.join(short)}))(=.*)?$"
+
+
+# An argument that sets one of VLLM_OWNED_FLAGS, in any of vLLM's spellings.
+VLLM_OWNED_FLAG_RE: Final = _owned_flags_regex()
+
+
+def owned_vllm_flag(argument: str) -> str | None:
+    """The VLLM_OWNED_FLAGS entry `argument` sets (`--max_model_len=9` sets --max-model-len)."""
+    if not re.match(VLLM_OWNED_FLAG_RE, argument):
+        return None
+    flag = argument.split("=", 1)[0]
+    return flag[:2] + flag[2:].replace("_", "-") if flag.startswith("--") else flag
+
+
 class ComponentType(StrEnum):
     FRONTEND = "frontend"
     WORKER = "worker"  # aggregated: prefill and decode in one engine
@@ -133,6 +190,64 @@ Quantity = Annotated[
 ]
 
 
+def _cel(rule: str, message: str, field_path: str | None = None) -> dict[str, Any]:
+    """An `x-kubernetes-validations` rule: the apiserver refuses what the validators refuse."""
+    out: dict[str, Any] = {"rule": rule, "message": message}
+    if field_path:
+        out["fieldPath"] = field_path
+    return out
+
+
+# Names of Secrets, PersistentVolumeClaims: DNS subdomains.
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+
+
+# Where the model cache volume is mounted in engine containers; HF_HOME points there.
+MODEL_CACHE_DIR: Final = "/var/cache/huggingface"
+
+
+class ModelCacheSpec(_Model):
+    """The model cache: a PersistentVolumeClaim (any node) or a directory on the node."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    "has(self.claimName) != has(self.hostPath)",
+                    "claimName: set exactly one of claimName and hostPath",
+                    ".claimName",
+                )
+            ]
+        }
+    )
+
+    claim_name: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=253,
+        pattern=DNS_SUBDOMAIN,
+        description="a PersistentVolumeClaim in the graph's namespace (ReadWriteMany, or "
+        "ReadOnlyMany with readOnly, when several pods share it)",
+    )
+    host_path: str | None = Field(
+        default=None,
+        min_length=2,
+        max_length=4096,
+        pattern=r"^/",
+        description="a directory on the node (created if absent); Pod Security baseline and "
+        "restricted refuse hostPath volumes, so the namespace must allow privileged pods",
+    )
+    read_only: bool = Field(
+        default=False, description="mount read-only (a cache filled beforehand)"
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelCacheSpec:
+        if (self.claim_name is None) == (self.host_path is None):
+            raise ValueError("claimName: set exactly one of claimName and hostPath")
+        return self
+
+
 class ModelSpec(_Model):
     """The model every engine of the graph serves."""
 
@@ -148,10 +263,22 @@ class ModelSpec(_Model):
         description="tokenizer spec shared by EPP, frontend and engine: `qwen`, `qwen:<vocabulary>` "
         "or a path to a tokenizer.json; defaults to the model's own",
     )
+    cache: ModelCacheSpec | None = Field(
+        default=None,
+        description="a volume holding the Hugging Face cache, mounted into every engine "
+        f"container at {MODEL_CACHE_DIR} with HF_HOME pointing there, so a restarted or added "
+        "pod does not download the model again",
+    )
 
 
 class ResourcesSpec(_Model):
-    gpu: int = Field(default=0, ge=0, le=64, description="GPUs per pod (`nvidia.com/gpu`)")
+    gpu: int | None = Field(
+        default=None,
+        ge=0,
+        le=64,
+        description="GPUs per pod (`nvidia.com/gpu`); for vllm engines it defaults to, and must "
+        "equal, dataParallelSize × tensorParallelSize × pipelineParallelSize; otherwise 0",
+    )
     cpu: Quantity | None = Field(default=None, description="CPU request and limit per container")
     memory: Quantity | None = Field(
         default=None, description="memory request and limit per container"
@@ -176,6 +303,31 @@ class EnvVar(_Model):
         return self
 
 
+_OWNED_FLAG_MESSAGE = (
+    " is a flag the operator sets itself; set its DynamoGraph field instead "
+    "(docs/operator.md, engine arguments)"
+)
+# One `vllm serve` argument. The rule is on each item, and items and their count are bounded,
+# to keep the apiserver's cost estimate of the regular expression (at most 32 services × 32
+# arguments × 192 characters) within its budget.
+EngineArgument = Annotated[
+    str,
+    Field(
+        min_length=1,
+        max_length=192,
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": f"!self.matches('{VLLM_OWNED_FLAG_RE}')",
+                    "messageExpression": f"'extraArgs: ' + self + '{_OWNED_FLAG_MESSAGE}'",
+                    "message": f"extraArgs: an argument{_OWNED_FLAG_MESSAGE}",
+                }
+            ]
+        },
+    ),
+]
+
+
 class EngineArgs(_Model):
     """Engine sizing passed to `dynamograph worker` (the mock simulates them; vLLM obeys them)."""
 
@@ -188,7 +340,26 @@ class EngineArgs(_Model):
     speedup: float | None = Field(
         default=None, gt=0, description="mock only: simulated time runs this many times faster"
     )
-    seed: int | None = Field(default=None, ge=0, description="mock only: random seed")
+    seed: int | None = Field(default=None, ge=0, description="random seed")
+    extra_args: list[EngineArgument] = Field(
+        default_factory=list,
+        max_length=32,
+        description="vllm only: arguments appended to `vllm serve` as given (e.g. "
+        "`--gpu-memory-utilization=0.92`, `--kv-cache-dtype=fp8`); flags the operator sets "
+        "itself are refused, with the field that sets them",
+    )
+
+    @field_validator("extra_args")
+    @classmethod
+    def _not_ours(cls, extra_args: list[str]) -> list[str]:
+        for argument in extra_args:
+            flag = owned_vllm_flag(argument)
+            if flag is not None:
+                raise ValueError(
+                    f"{argument!r} is a flag the operator sets itself; set it with "
+                    f"{VLLM_OWNED_FLAGS[flag]} instead (docs/operator.md, engine arguments)"
+                )
+        return extra_args
 
 
 class RouterSpec(_Model):
@@ -217,6 +388,21 @@ class RouterSpec(_Model):
         description="KV usage fraction over which a worker counts as busy; all busy: 503 with "
         "Retry-After (Dynamo's rule, docs/router.md)",
     )
+    processes: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="epp services: EPP processes per pod (more cores for one pod); they serve "
+        "the pod's ports together and share their in-flight bookings, as the pods do with each "
+        "other (docs/epp.md, replicas and processes)",
+    )
+    replica_timeout_seconds: float = Field(
+        default=5.0,
+        gt=0,
+        le=300,
+        description="epp services: a replica (pod or process) silent this long has its "
+        "in-flight bookings dropped from the others' load",
+    )
     config: dict[str, Any] = Field(
         default_factory=dict,
         description="further router settings, written verbatim into the router config file",
@@ -224,16 +410,6 @@ class RouterSpec(_Model):
     )
 
 
-def _cel(rule: str, message: str, field_path: str | None = None) -> dict[str, Any]:
-    """An `x-kubernetes-validations` rule: the apiserver refuses what the validators refuse."""
-    out: dict[str, Any] = {"rule": rule, "message": message}
-    if field_path:
-        out["fieldPath"] = field_path
-    return out
-
-
-# A Secret's name is a DNS subdomain.
-DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 _IS_SECRET_MODE = "has(self.mode) && self.mode == 'Secret'"
 
 
@@ -283,6 +459,64 @@ class EppTlsSpec(_Model):
         return self
 
 
+class TolerationEffect(StrEnum):
+    NO_SCHEDULE = "NoSchedule"
+    PREFER_NO_SCHEDULE = "PreferNoSchedule"
+    NO_EXECUTE = "NoExecute"
+
+
+class Toleration(_Model):
+    """A pod toleration, as in a pod spec (`kubectl explain pod.spec.tolerations`)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    "has(self.key) || (has(self.operator) && self.operator == 'Exists')",
+                    "key: a toleration without a key needs operator Exists (it tolerates every "
+                    "taint)",
+                    ".key",
+                )
+            ]
+        }
+    )
+
+    key: str | None = Field(default=None, min_length=1, max_length=317)
+    operator: Literal["Exists", "Equal"] = "Equal"
+    value: str | None = Field(default=None, max_length=63)
+    effect: TolerationEffect | None = Field(
+        default=None, description="absent: tolerate every effect of the taint"
+    )
+    toleration_seconds: int | None = Field(
+        default=None, description="NoExecute only: how long the pod stays once tainted"
+    )
+
+    @model_validator(mode="after")
+    def _key_or_exists(self) -> Toleration:
+        if self.key is None and self.operator != "Exists":
+            raise ValueError(
+                "key: a toleration without a key needs operator Exists (it tolerates every taint)"
+            )
+        return self
+
+
+class MultinodeSpec(_Model):
+    """Reserved for engines that span nodes (one replica made of `nodeCount` pods, e.g. a
+    LeaderWorkerSet with tensor or pipeline parallelism across them). Not implemented: only
+    `nodeCount: 1` is accepted, so a graph written today keeps its meaning when it is."""
+
+    node_count: int = Field(
+        default=1,
+        ge=1,
+        le=1,
+        description="nodes per engine replica; reserved, only 1 (one pod per replica) today",
+    )
+
+
+# The startup allowance of an engine when `startupTimeoutSeconds` is absent: vLLM downloads and
+# loads weights (tens of minutes for a 70B model on a cold cache); the mock starts in seconds.
+DEFAULT_STARTUP_SECONDS: Final = {Backend.VLLM: 1800, Backend.MOCK: 300}
+
 _ENGINE_CEL = "self.componentType in ['worker', 'prefill', 'decode']"
 
 
@@ -312,6 +546,25 @@ class ServiceSpec(_Model):
                     ".dataParallelSize",
                 ),
                 _cel(
+                    f"{_ENGINE_CEL} || ((!has(self.tensorParallelSize) || "
+                    "self.tensorParallelSize == 1) && (!has(self.pipelineParallelSize) || "
+                    "self.pipelineParallelSize == 1))",
+                    "tensorParallelSize: only worker, prefill and decode services run an engine",
+                    ".tensorParallelSize",
+                ),
+                _cel(
+                    f"{_ENGINE_CEL} || (!has(self.sharedMemory) && !has(self.gpuType) && "
+                    "!has(self.startupTimeoutSeconds) && !has(self.multinode))",
+                    "sharedMemory, gpuType, startupTimeoutSeconds, multinode: only worker, "
+                    "prefill and decode services run an engine",
+                ),
+                _cel(
+                    "!has(self.gpuType) || !has(self.nodeSelector) || "
+                    f"!('{GPU_PRODUCT_LABEL}' in self.nodeSelector)",
+                    f"gpuType: sets nodeSelector {GPU_PRODUCT_LABEL}; set one of the two",
+                    ".gpuType",
+                ),
+                _cel(
                     "!has(self.tls) || self.componentType == 'epp'",
                     "tls: only epp services serve the gateway's ext_proc connection",
                     ".tls",
@@ -331,7 +584,60 @@ class ServiceSpec(_Model):
     data_parallel_size: int = Field(
         default=1, ge=1, le=64, description="data-parallel ranks per engine pod"
     )
+    tensor_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="vllm: GPUs each data-parallel rank shards the model over "
+        "(`--tensor-parallel-size`); the pod's GPU count follows",
+    )
+    pipeline_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="vllm: pipeline stages per rank (`--pipeline-parallel-size`); the pod's GPU "
+        "count follows",
+    )
+    multinode: MultinodeSpec | None = Field(
+        default=None, description="reserved for engines spanning several nodes; nodeCount 1 only"
+    )
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    shared_memory: Quantity | None = Field(
+        default=None,
+        description="engines: size of /dev/shm, an in-memory emptyDir counted against the "
+        "pod's memory (NCCL and vLLM's workers exchange data there); default 8Gi for vllm "
+        "engines, none for the mock",
+    )
+    gpu_type: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=63,
+        pattern=r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$",
+        description=f"engines: run only on nodes whose {GPU_PRODUCT_LABEL} label is this "
+        "(NVIDIA GPU feature discovery's product name, e.g. NVIDIA-H100-80GB-HBM3)",
+    )
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, description="the pods' nodeSelector"
+    )
+    tolerations: list[Toleration] = Field(
+        default_factory=list,
+        max_length=32,
+        description="the pods' tolerations (e.g. of a `nvidia.com/gpu` taint on GPU nodes)",
+    )
+    affinity: dict[str, Any] | None = Field(
+        default=None,
+        description="the pods' affinity, a Kubernetes Affinity (nodeAffinity, podAffinity, "
+        "podAntiAffinity), checked by the apiserver when the Deployment is applied",
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
+    startup_timeout_seconds: int | None = Field(
+        default=None,
+        ge=30,
+        le=86400,
+        description="engines: how long a pod may take to load its model before it is "
+        "restarted (the startup probe); the Deployment's progressDeadlineSeconds is this plus "
+        "10 minutes for scheduling and pulling. Default 1800 for vllm, 300 for the mock",
+    )
     envs: list[EnvVar] = Field(default_factory=list, description="extra container env")
     extra_pod_spec: dict[str, Any] = Field(
         default_factory=dict,
@@ -369,6 +675,16 @@ class ServiceSpec(_Model):
             raise ValueError(f"dataParallelSize: {kind} services run no engine")
         if kind not in ENGINE_TYPES and self.resources.gpu:
             raise ValueError(f"resources.gpu: {kind} services use no GPU")
+        if kind not in ENGINE_TYPES and (
+            self.tensor_parallel_size,
+            self.pipeline_parallel_size,
+        ) != (1, 1):
+            raise ValueError(f"tensorParallelSize: {kind} services run no engine")
+        for field in ("shared_memory", "gpu_type", "startup_timeout_seconds", "multinode"):
+            if kind not in ENGINE_TYPES and getattr(self, field) is not None:
+                raise ValueError(f"{to_camel(field)}: {kind} services run no engine")
+        if self.gpu_type is not None and GPU_PRODUCT_LABEL in self.node_selector:
+            raise ValueError(f"gpuType: sets nodeSelector {GPU_PRODUCT_LABEL}; set one of the two")
         if (
             kind == ComponentType.FRONTEND
             and self.router is not None
@@ -378,6 +694,11 @@ class ServiceSpec(_Model):
                 f"router.mode: a frontend routes with kv or round-robin, not {self.router.mode}"
             )
         return self
+
+    @property
+    def devices(self) -> int:
+        """The GPUs an engine's ranks occupy on vLLM: data × tensor × pipeline parallel."""
+        return self.data_parallel_size * self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 class ParentRef(_Model):
@@ -415,6 +736,17 @@ def _services_with(kinds: str) -> str:
     return f"self.services.exists(k, self.services[k].componentType in [{kinds}])"
 
 
+def _service_field(name: str, default: int) -> str:
+    """A service's integer field in a CEL rule over `self.services[k]`, its default if absent."""
+    return f"(has(self.services[k].{name}) ? self.services[k].{name} : {default})"
+
+
+_VLLM_GPUS_CEL = " * ".join(
+    _service_field(f, 1) for f in ("dataParallelSize", "tensorParallelSize", "pipelineParallelSize")
+)
+_SCALABLE = "'worker', 'decode'"
+
+
 class DynamoGraphSpec(_Model):
     model_config = ConfigDict(
         json_schema_extra={
@@ -440,6 +772,37 @@ class DynamoGraphSpec(_Model):
                     "gateway.parentRef: routing through a gateway needs an epp service",
                     ".gateway",
                 ),
+                _cel(
+                    "self.backend == 'vllm' || self.services.all(k, "
+                    f"{_service_field('tensorParallelSize', 1)} == 1 && "
+                    f"{_service_field('pipelineParallelSize', 1)} == 1 && "
+                    "(!has(self.services[k].engine) || !has(self.services[k].engine.extraArgs) "
+                    "|| size(self.services[k].engine.extraArgs) == 0))",
+                    "backend: tensorParallelSize, pipelineParallelSize and engine.extraArgs "
+                    "are vllm settings; the mock backend simulates one device per rank",
+                    ".backend",
+                ),
+                _cel(
+                    "self.backend != 'vllm' || self.services.all(k, "
+                    f"!(self.services[k].componentType in ['worker', 'prefill', 'decode']) || "
+                    "!has(self.services[k].resources) || !has(self.services[k].resources.gpu) "
+                    f"|| self.services[k].resources.gpu == {_VLLM_GPUS_CEL})",
+                    "services: a vllm engine pod uses dataParallelSize × tensorParallelSize × "
+                    "pipelineParallelSize GPUs; leave resources.gpu out or set it to that",
+                    ".services",
+                ),
+                _cel(
+                    "!has(self.scaleTarget) || self.scaleTarget in self.services",
+                    "scaleTarget: must name a service of the graph",
+                    ".scaleTarget",
+                ),
+                _cel(
+                    "!has(self.replicas) || has(self.scaleTarget) || size(self.services.filter("
+                    f"k, self.services[k].componentType in [{_SCALABLE}])) == 1",
+                    "replicas: the graph has several worker/decode services; name the one "
+                    "spec.replicas scales in scaleTarget",
+                    ".replicas",
+                ),
             ]
         }
     )
@@ -453,6 +816,21 @@ class DynamoGraphSpec(_Model):
         description="service name -> service; each becomes a Deployment `<graph>-<name>`",
     )
     gateway: GatewaySpec = Field(default_factory=GatewaySpec)
+    replicas: int | None = Field(
+        default=None,
+        ge=0,
+        le=1024,
+        description="replicas of the scale target service, in place of its own "
+        "services.<name>.replicas; the field `kubectl scale dg/NAME` and a "
+        "HorizontalPodAutoscaler set (the /scale subresource)",
+    )
+    scale_target: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=40,
+        description="the service `replicas` and the /scale subresource scale; default: the "
+        "graph's only worker or decode service",
+    )
 
     @field_validator("services")
     @classmethod
@@ -478,7 +856,63 @@ class DynamoGraphSpec(_Model):
             raise ValueError("services: a prefill service needs a decode service to hand off to")
         if self.gateway.parent_ref is not None and ComponentType.EPP not in kinds:
             raise ValueError("gateway.parentRef: routing through a gateway needs an epp service")
+        if self.backend != Backend.VLLM:
+            for name, spec in self.services.items():
+                engine = spec.engine
+                if (spec.tensor_parallel_size, spec.pipeline_parallel_size) != (1, 1) or (
+                    engine is not None and engine.extra_args
+                ):
+                    raise ValueError(
+                        f"spec.services.{name}: tensorParallelSize, pipelineParallelSize and "
+                        "engine.extraArgs are vllm settings; the mock backend simulates one "
+                        "device per rank"
+                    )
+        for name, spec in self.services_of(*ENGINE_TYPES).items():
+            want = spec.devices
+            if self.backend == Backend.VLLM and spec.resources.gpu not in (None, want):
+                raise ValueError(
+                    f"spec.services.{name}.resources.gpu: a vllm engine pod uses "
+                    f"dataParallelSize × tensorParallelSize × pipelineParallelSize = {want} "
+                    f"GPUs, not {spec.resources.gpu}; leave resources.gpu out or set it to {want}"
+                )
+        if self.scale_target is not None and self.scale_target not in self.services:
+            raise ValueError(
+                f"scaleTarget: {self.scale_target!r} is not a service of the graph "
+                f"(services: {', '.join(self.services)})"
+            )
+        target = self.scale_target_service
+        if self.replicas is not None:
+            if target is None:
+                raise ValueError(
+                    "replicas: the graph has several worker/decode services; name the one "
+                    "spec.replicas scales in scaleTarget"
+                )
+            self.services[target].replicas = self.replicas
         return self
+
+    @property
+    def scale_target_service(self) -> str | None:
+        """The service `replicas` and /scale act on: `scaleTarget`, else the only worker or
+        decode service (None when there are several)."""
+        if self.scale_target is not None:
+            return self.scale_target
+        serving = list(self.services_of(*SERVING_TYPES))
+        return serving[0] if len(serving) == 1 else None
+
+    def gpus(self, spec: ServiceSpec) -> int:
+        """GPUs per pod of a service: `resources.gpu`, else for a vllm engine one per device of
+        its ranks (data × tensor × pipeline parallel), else none."""
+        if spec.resources.gpu is not None:
+            return spec.resources.gpu
+        if self.backend == Backend.VLLM and spec.component_type in ENGINE_TYPES:
+            return spec.devices
+        return 0
+
+    def startup_seconds(self, spec: ServiceSpec) -> int:
+        """How long an engine may take to start (its startup probe's allowance)."""
+        if spec.startup_timeout_seconds is not None:
+            return spec.startup_timeout_seconds
+        return DEFAULT_STARTUP_SECONDS[Backend(self.backend)]
 
     def services_of(self, *kinds: ComponentType) -> dict[str, ServiceSpec]:
         return {n: s for n, s in self.services.items() if s.component_type in kinds}
@@ -514,6 +948,16 @@ class Condition(_Model):
     observed_generation: int | None = Field(default=None, ge=0)
 
 
+class ScaleStatus(_Model):
+    """What the /scale subresource reads: the scale target service's pods and their selector."""
+
+    service: str = Field(description="the scale target service")
+    replicas: int = Field(default=0, ge=0, description="its pods (the Deployment's replicas)")
+    selector: str = Field(
+        description="label selector of its pods, as a string (what an HPA's metrics select)"
+    )
+
+
 class DynamoGraphStatus(_Model):
     observed_generation: int | None = Field(default=None, ge=0)
     state: GraphState = GraphState.PENDING
@@ -523,6 +967,9 @@ class DynamoGraphStatus(_Model):
     ready_replicas: int = Field(default=0, ge=0, description="ready pods over all services")
     endpoint: str | None = Field(
         default=None, description="in-cluster URL of the graph's OpenAI frontend"
+    )
+    scale: ScaleStatus | None = Field(
+        default=None, description="the scale target service, for the /scale subresource"
     )
 
 

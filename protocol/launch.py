@@ -24,6 +24,7 @@ KV_REPLAY_PORT = 5558
 EPP_GRPC_PORT = 9002
 EPP_HEALTH_PORT = 9003
 EPP_METRICS_PORT = 9090
+EPP_REPLICA_PORT = 9004  # replica sync: process i of an EPP pod publishes its bookings on + i
 
 # The environment variable that carries a graph's worker admin token (`dynamograph worker
 # --admin-token`): every engine of a graph gets the same one, since a decode engine pulls KV
@@ -85,6 +86,12 @@ def worker_args(graph: DynamoGraph, spec: ServiceSpec) -> list[str]:
     ]
     if model.tokenizer:
         args += ["--tokenizer", model.tokenizer]
+    for flag, size in (
+        ("--tensor-parallel-size", spec.tensor_parallel_size),
+        ("--pipeline-parallel-size", spec.pipeline_parallel_size),
+    ):
+        if size != 1:  # vllm only (the graph refuses them for the mock)
+            args += [flag, str(size)]
     engine = spec.engine
     if engine is not None:
         for flag, value in (
@@ -97,6 +104,8 @@ def worker_args(graph: DynamoGraph, spec: ServiceSpec) -> list[str]:
         ):
             if value is not None:
                 args += [flag, str(value)]
+        # `=`: an argument that starts with `-` would otherwise read as a flag of our own
+        args += [f"--vllm-arg={argument}" for argument in engine.extra_args]
     return args
 
 

@@ -144,6 +144,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--context-length", type=int, default=32768, help="max model length")
     p.add_argument("--data-parallel-size", type=int, default=1, help="DP ranks in this process")
     p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="vllm: GPUs each rank shards the model over (the mock simulates one device)",
+    )
+    p.add_argument(
+        "--pipeline-parallel-size",
+        type=int,
+        default=1,
+        help="vllm: pipeline stages per rank (the mock simulates one device)",
+    )
+    p.add_argument(
         "--speedup",
         type=float,
         default=1.0,
@@ -250,6 +262,13 @@ def run(args: argparse.Namespace) -> int:
         from .vllm import run_vllm
 
         return run_vllm(args)
+    if (args.tensor_parallel_size, args.pipeline_parallel_size) != (1, 1):
+        print(
+            "dynamograph worker: --tensor-parallel-size and --pipeline-parallel-size are vllm "
+            "settings; the mock engine simulates one device per rank",
+            file=sys.stderr,
+        )
+        return 2
     try:
         config = mock_config(args)
         scheduling_policy=args.scheduling_policy,

@@ -70,6 +70,8 @@ def vllm_argv(args: argparse.Namespace) -> list[str]:
         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
         "--max-model-len", str(args.context_length),
         "--data-parallel-size", str(args.data_parallel_size),
+        "--tensor-parallel-size", str(args.tensor_parallel_size),
+        "--pipeline-parallel-size", str(args.pipeline_parallel_size),
         "--seed", str(args.seed),
         "--kv-events-config", json.dumps(kv_events_config(args), separators=(",", ":")),
         "--middleware", MIDDLEWARE,

@@ -26,7 +26,7 @@ def example(name: str) -> dict:
     return yaml.safe_load((EXAMPLES / name).read_text())
 
 
-@pytest.mark.parametrize("name", ["agg.yaml", "disagg.yaml"])
+@pytest.mark.parametrize("name", ["agg.yaml", "disagg.yaml", "vllm-tp.yaml"])
 def test_examples_pass_every_rule(name):
     outcome = cel.evaluate(spec_schema(crds.build_crd(), "v1alpha1"), example(name))
     assert outcome.failures == []
@@ -93,6 +93,67 @@ def _services(body):
 )
 def test_rules_and_models_refuse_the_same_graphs(mutate, message, field):
     body = example("agg.yaml")
+    mutate(body)
+    outcome = cel.evaluate(spec_schema(crds.build_crd(), "v1alpha1"), body)
+    assert [m for _, m in outcome.failures if message in m], outcome.failures
+    with pytest.raises(GraphError) as info:
+        load_graph(copy.deepcopy(body))
+    assert field in [path for path, _ in info.value.errors], info.value
+
+
+def _vllm_worker(b):
+    return b["spec"]["services"]["worker"]
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message", "field"),
+    [
+        (
+            lambda b: _vllm_worker(b)["engine"]["extraArgs"].append("--max_model_len=8192"),
+            "extraArgs:",
+            "spec.services.worker.engine.extraArgs",
+        ),
+        (
+            lambda b: _vllm_worker(b)["resources"].update(gpu=8),
+            "vllm engine pod uses",
+            "spec.services.worker.resources.gpu",
+        ),
+        (lambda b: b["spec"].update(backend="mock"), "vllm settings", "spec.services.worker"),
+        (
+            lambda b: b["spec"]["model"]["cache"].update(hostPath="/mnt/hf"),
+            "exactly one of claimName and hostPath",
+            "spec.model.cache.claimName",
+        ),
+        (
+            lambda b: _vllm_worker(b).update(nodeSelector={"nvidia.com/gpu.product": "x"}),
+            "gpuType:",
+            "spec.services.worker.gpuType",
+        ),
+        (
+            lambda b: b["spec"]["services"]["epp"].update(startupTimeoutSeconds=60),
+            "only worker, prefill and decode",
+            "spec.services.epp.startupTimeoutSeconds",
+        ),
+        (
+            lambda b: b["spec"]["services"]["epp"].update(tensorParallelSize=2),
+            "tensorParallelSize:",
+            "spec.services.epp.tensorParallelSize",
+        ),
+        (
+            lambda b: _vllm_worker(b)["tolerations"].append({"operator": "Equal"}),
+            "needs operator Exists",
+            "spec.services.worker.tolerations[1].key",
+        ),
+        (lambda b: b["spec"].update(scaleTarget="nope"), "scaleTarget:", "spec.scaleTarget"),
+        (
+            lambda b: b["spec"]["services"].update(more={"componentType": "worker"}),
+            "replicas:",
+            "spec.replicas",
+        ),
+    ],
+)
+def test_vllm_rules_and_models_refuse_the_same_graphs(mutate, message, field):
+    body = example("vllm-tp.yaml")
     mutate(body)
     outcome = cel.evaluate(spec_schema(crds.build_crd(), "v1alpha1"), body)
     assert [m for _, m in outcome.failures if message in m], outcome.failures

@@ -64,14 +64,25 @@ def test_schema_is_structural():
         for bound in ("exclusiveMinimum", "exclusiveMaximum"):
             assert node.get(bound) in (None, True), f"{path}.{bound} must be boolean"
         assert "title" not in node, path
-    assert version["subresources"] == {"status": {}}
+    assert version["subresources"] == {
+        "status": {},
+        "scale": {
+            "specReplicasPath": ".spec.replicas",
+            "statusReplicasPath": ".status.scale.replicas",
+            "labelSelectorPath": ".status.scale.selector",
+        },
+    }
+    # the /scale paths name fields the schema has
+    status = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
+    assert {"replicas", "selector"} <= set(status["scale"]["properties"])
+    assert "replicas" in version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
     assert crd["spec"]["names"]["shortNames"] == ["dg"]
     columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
     assert columns["State"] == ".status.state"
     assert columns["Ready"] == ".status.readyReplicas"
 
 
-@pytest.mark.parametrize("example", ["agg.yaml", "disagg.yaml"])
+@pytest.mark.parametrize("example", ["agg.yaml", "disagg.yaml", "vllm-tp.yaml"])
 def test_examples_fit_the_crd(example):
     validate_against_crd(yaml.safe_load((EXAMPLES / example).read_text()), crds.build_crd())
 

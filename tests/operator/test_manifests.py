@@ -349,11 +349,18 @@ def test_service_features_render_and_validate():
         "requests": {"cpu": "8", "memory": "64Gi"},
         "limits": {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": "2"},
     }
-    assert engine["volumeMounts"] == [{"name": "cache", "mountPath": "/cache"}]
+    # extraPodSpec's items come after ours (a vllm engine's /dev/shm)
+    assert engine["volumeMounts"] == [
+        {"name": "shm", "mountPath": "/dev/shm"},
+        {"name": "cache", "mountPath": "/cache"},
+    ]
     assert engine["startupProbe"]["failureThreshold"] > 100  # vLLM loads for minutes
     assert {e["name"] for e in engine["env"]} >= {"POD_NAME", "POD_IP", "HF_TOKEN", "LOG"}
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "H100"}
-    assert pod["volumes"] == [{"name": "cache", "emptyDir": {}}]
+    assert pod["volumes"] == [
+        {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}},
+        {"name": "cache", "emptyDir": {}},
+    ]
     assert [c["name"] for c in pod["containers"]] == ["engine", "frontend"]
     kubernetes_validate.validate(worker, K8S_VERSION, strict=True)
 

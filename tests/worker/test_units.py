@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pytest
 
+from dynamograph.protocol.graph import VLLM_OWNED_FLAGS, owned_vllm_flag
 from dynamograph.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from dynamograph.worker import cli as worker_cli
 from dynamograph.worker.cost import CostModel
@@ -166,6 +167,26 @@ def test_vllm_argv_by_role():
         transfer = json.loads(argv[argv.index("--kv-transfer-config") + 1])
         assert transfer == {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
         assert argv[argv.index("--num-gpu-blocks-override") + 1] == "100"
+
+
+def test_every_flag_the_launcher_sets_is_owned_by_the_graph():
+    """What `engine.extraArgs` may not repeat (protocol/graph.py) is every flag vllm_argv sets,
+    with every option that adds flags turned on."""
+    args = worker_args("--engine", "vllm", "--role", "prefill", "--num-gpu-blocks", "8",
+                       "--tokenizer", __file__, "--tensor-parallel-size", "4",
+                       "--pipeline-parallel-size", "2", "--lora-modules", "a=/a")  # fmt: skip
+    argv = vllm_argv(args)
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "4"
+    assert argv[argv.index("--pipeline-parallel-size") + 1] == "2"
+    flags = {a for a in argv if a.startswith("-")}
+    assert flags - set(VLLM_OWNED_FLAGS) == set()
+    assert {owned_vllm_flag(f) for f in flags} == flags
+
+
+def test_mock_refuses_tensor_and_pipeline_parallel(capsys):
+    for flag in ("--tensor-parallel-size", "--pipeline-parallel-size"):
+        assert worker_cli.run(worker_args(flag, "2")) == 2
+        assert "vllm settings" in capsys.readouterr().err
 
 
 def test_mock_rejects_bad_flags(capsys):
