@@ -12,9 +12,7 @@ import contextlib
 import logging
 import os
 import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 from dynamograph.protocol.router_config import RouterConfig
@@ -22,12 +20,11 @@ from dynamograph.router.discovery import add_discovery_arguments, source_from_ar
 from dynamograph.router.replicas import ReplicaSettings
 
 from .extproc import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PENDING_PICKS
+from .processes import CHILD_METRICS_HOST, child_metrics_port, process_index, run_processes
 from .server import Epp, EppSettings
 from .tls import TlsError, TlsSettings, load_key_pair
 
 log = logging.getLogger(__name__)
-
-PROCESS_INDEX_ENV = "DYNAMOGRAPH_EPP_PROCESS_INDEX"  # set by `--processes` for its children
 
 
 def _env_int(name: str, default: int) -> int:
@@ -161,7 +158,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=_env_int("DYNAMOGRAPH_EPP_PROCESSES", 1),
         help="EPP processes in this pod/host, all serving the gRPC and health ports "
-        "(SO_REUSEPORT); process i serves metrics on --metrics-port + i (default 1)",
+        "(SO_REUSEPORT), sharing their bookings; --metrics-port shows them all, labelled "
+        "process=i (default 1)",
     )
     replicas.add_argument(
         "--replica-port",
@@ -234,11 +232,16 @@ def settings_from_args(args: argparse.Namespace) -> EppSettings:
     if args.overlap_weight is not None:
         router = router.with_overlap_weight(args.overlap_weight)
     index = process_index()
+    child = index is not None and args.processes > 1
+    metrics_port = args.metrics_port
+    if index is not None and child and metrics_port:  # the parent serves the merged page
+        metrics_port = child_metrics_port(metrics_port, index)
     return EppSettings(
         host=args.host,
         grpc_port=args.grpc_port,
         health_port=args.health_port,
-        metrics_port=args.metrics_port + index if args.metrics_port else 0,
+        metrics_port=metrics_port,
+        metrics_host=CHILD_METRICS_HOST if child else None,
         router=router,
         kv_events=router.use_kv_events,
         endpoint_picker=args.endpoint_picker,
@@ -248,14 +251,9 @@ def settings_from_args(args: argparse.Namespace) -> EppSettings:
         drain_grace=args.drain_grace,
         tls=tls_from_args(args),
         freeze_heap=True,  # this process is the EPP's own
-        replicas=replica_settings(args, index),
+        replicas=replica_settings(args, index or 0),
         reuse_port=args.processes > 1,
     )
-
-
-def process_index() -> int:
-    """This process's index among `--processes` (set by the parent for its children)."""
-    return int(os.environ.get(PROCESS_INDEX_ENV, 0))
 
 
 def replica_settings(args: argparse.Namespace, index: int) -> ReplicaSettings | None:
@@ -296,42 +294,6 @@ async def serve(epp: Epp) -> None:
         await epp.drain()
 
 
-def run_processes(count: int) -> int:
-    """Run `count` EPP processes (this command line again, each told its index) and stop them
-    on SIGTERM/SIGINT (each drains). A process that dies is started again: a new replica, which
-    its siblings sync with from its first snapshot."""
-    stopping = False
-    children: dict[int, subprocess.Popen[bytes]] = {}
-
-    def start(i: int) -> None:
-        env = {**os.environ, PROCESS_INDEX_ENV: str(i)}
-        argv = [sys.executable, "-m", "dynamograph.cli", *sys.argv[1:]]
-        children[i] = subprocess.Popen(argv, env=env)
-
-    def stop(signum: int, _frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-        for child in children.values():
-            with contextlib.suppress(ProcessLookupError):
-                child.send_signal(signum)
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    for i in range(count):
-        start(i)
-    while not stopping:
-        pid, status = os.wait()  # retried after a signal handler ran (PEP 475)
-        index = next((i for i, c in children.items() if c.pid == pid), None)
-        if index is None:
-            continue
-        children[index].returncode = code = os.waitstatus_to_exitcode(status)
-        if not stopping:
-            log.error("EPP process %d exited (%d); starting it again", index, code)
-            time.sleep(1.0)  # a process failing at start must not spin
-            start(index)
-    return max(abs(child.wait()) for child in children.values())
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         settings = settings_from_args(args)
@@ -339,8 +301,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"dynamograph epp: {exc}", file=sys.stderr)
         return 2
-    if args.processes > 1 and PROCESS_INDEX_ENV not in os.environ:
-        return run_processes(args.processes)
+    if args.processes > 1 and process_index() is None:
+        return run_processes(args.processes, args.host, args.metrics_port)
     with contextlib.suppress(ImportError):
         import uvloop
 

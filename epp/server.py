@@ -53,6 +53,7 @@ class EppSettings:
     grpc_port: int = 9002
     health_port: int = 9003
     metrics_port: int = 9090
+    metrics_host: str | None = None  # default: host (`--processes` children: loopback)
     router: RouterConfig = field(default_factory=RouterConfig)
     kv_events: bool = True
     endpoint_picker: str = "kv"  # kv | random (no body parsing: the protocol floor)
@@ -234,7 +235,7 @@ class Epp:
         app.router.add_get("/metrics", self._serve_metrics)
         self._metrics_runner = web.AppRunner(app, access_log=None)
         await self._metrics_runner.setup()
-        site = web.TCPSite(self._metrics_runner, s.host, s.metrics_port)
+        site = web.TCPSite(self._metrics_runner, s.metrics_host or s.host, s.metrics_port)
         await site.start()
         self.metrics_port = self._metrics_runner.addresses[0][1]  # port 0 → the bound one
         if self.replicas is not None:  # peers' bookings before our first request

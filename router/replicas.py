@@ -450,7 +450,7 @@ class ReplicaCollector(Collector):
         )
         counters = {
             "dropped_bookings": ("Peers' bookings dropped because the peer went silent", s.dropped),
-            "peers_lost": (
+            "lost_peers": (
                 "Peers dropped after the timeout or replaced by a restart",
                 s.peers_lost,
             ),
