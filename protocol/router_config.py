@@ -56,7 +56,7 @@ class RouterConfig(BaseModel):
         "temperature > 0), round-robin, random, least-loaded (fewest booked requests)",
     )
     filters: list[PluginRef] = Field(
-        default_factory=lambda: [PluginRef(type="busy")],
+        default_factory=lambda: [PluginRef(type="stalled"), PluginRef(type="busy")],
         description="filters after the hard constraints, in order; each may only remove slots",
     )
     scorers: list[ScorerRef] = Field(

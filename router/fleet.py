@@ -55,6 +55,7 @@ class Candidates:
     booked_prefill: NDArray[np.int64]  # blocks booked slots still have to prefill
     booked_decode: NDArray[np.int64]  # blocks booked requests hold (shared prompt blocks once)
     requests: NDArray[np.int64]  # booked requests
+    progress_at: NDArray[np.float64]  # when the slot last showed progress (ActiveRequests)
     overlap: NDArray[np.int64]  # prompt blocks cached on the slot (KV index)
     held: NDArray[np.int64] | None  # leading prompt blocks live requests here hold (None: nowhere)
     terms: dict[str, np.ndarray] = field(default_factory=dict)
@@ -140,7 +141,10 @@ class Fleet:
         """The per-request columns: `matches` is `KvIndex.match_columns` of the prompt."""
         n = len(self.slots)
         # a view is enough: nothing books between gathering and deciding
-        sums = active.sums[:n] if self._sums_in_order else active.sums[self.active_cols]
+        if self._sums_in_order:
+            sums, progress = active.sums[:n], active.progress[:n]
+        else:
+            sums, progress = active.sums[self.active_cols], active.progress[self.active_cols]
         overlap = np.zeros(n + 1, np.int64)
         if len(matches):
             overlap[self.index_pos[matches[:, 0]]] = matches[:, 1]
@@ -157,6 +161,7 @@ class Fleet:
             booked_prefill=sums[:, PREFILL],
             booked_decode=sums[:, DECODE],
             requests=sums[:, REQUESTS],
+            progress_at=progress,
             overlap=overlap,
             held=held,
         )

@@ -1,7 +1,11 @@
 """Built-in filters. `role`, `ready`, `lora` and `subset` are the request's hard constraints,
-applied to every selection before the configured filters; `busy` sheds saturated workers."""
+applied to every selection before the configured filters; `stalled` leaves out slots whose
+requests make no progress; `busy` sheds saturated workers."""
+
+import time
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import Overloaded, RoutingError
 from ..fleet import Candidates
@@ -66,6 +70,53 @@ class SubsetFilter(Filter):
 
     def reason(self, ctx: Context) -> str:
         return "no eligible worker is in the requested endpoint subset"
+
+
+class StalledParameters(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    timeout_s: float = Field(
+        default=3.0,
+        gt=0,
+        description="a slot with requests in flight and no sign of progress for this long is "
+        "left out until it shows one",
+    )
+
+
+@register
+class StalledFilter(Filter):
+    """Leaves out slots whose requests stall: requests in flight and no sign of progress from
+    the slot (a first output byte, prefill progress, output tokens, a KV event;
+    `ActiveRequests.progress`) for `timeout_s`. A hung engine or sidecar — one whose /metrics
+    still answers included — stops getting new requests within `timeout_s`, not after its
+    requests time out or its scrapes fail; the slot is back as soon as it shows progress or its
+    requests end. When every ready slot of the phase has stalled, none is left out (they may
+    only be slow: the other filters and the picker decide)."""
+
+    name = "stalled"
+    Parameters = StalledParameters
+    parameters: StalledParameters
+
+    def mask(self, ctx: Context, c: Candidates) -> np.ndarray | None:
+        deadline = time.monotonic() - self.parameters.timeout_s
+        stalled = (c.requests > 0) & (c.progress_at < deadline)
+        if not stalled.any():
+            return None
+        fleet = c.fleet
+        role = fleet.prefill_role if ctx.phase == Phase.PREFILL else fleet.serving_role
+        keep = ~stalled
+        if not (keep & role & fleet.ready).any():
+            return None
+        return keep
+
+    def reason(self, ctx: Context) -> str:
+        return (
+            f"every eligible {ctx.phase.value} worker has requests that made no progress for "
+            f"{self.parameters.timeout_s:g} s"
+        )
+
+    def refusal(self, ctx: Context) -> RoutingError:
+        return Overloaded(self.reason(ctx), ctx.config.retry_after_s)
 
 
 @register
