@@ -110,6 +110,10 @@ def envoy_config(
     message_timeout_s: float = 300.0,
     route_timeout_s: float = 600.0,
     connect_timeout_s: float = 5.0,
+    first_byte_timeout_s: float = 300.0,
+    request_timeout_s: float = 120.0,
+    headers_timeout_s: float = 10.0,
+    stream_idle_timeout_s: float = 300.0,
     epp_tls: bool = False,
     epp_ca: bytes | None = None,
     epp_sni: str | None = None,
@@ -123,6 +127,18 @@ def envoy_config(
     it limits neither uploads nor streams here.
     `failure_mode_allow` is the InferencePool's FailOpen; `pool_endpoints` ("ip:port") are where
     FailOpen may send a request the EPP did not route (see the module docstring).
+
+    Faults: `first_byte_timeout_s` is the route's per-try timeout, which Envoy counts until the
+    response head (the first token of a streamed answer, through our sidecar; all of a
+    non-streamed one): a worker that sends nothing that long gets the client a 504. A try that
+    never reached the worker (connect failure, refused stream, reset before the request went
+    out) is retried once, on another host when the cluster has one (`previous_hosts`); nothing
+    is retried once the worker may have started. The pool cluster ejects an endpoint after 3
+    local-origin failures (connect failures, resets, timeouts) or 3 gateway errors in a row
+    (outlier detection: the FailOpen pool then routes around it; under ORIGINAL_DST the EPP's
+    pick decides and the `stalled` filter steers it away). `request_timeout_s` bounds receiving
+    the whole request (a trickled upload gets 408), `headers_timeout_s` its head, and
+    `stream_idle_timeout_s` any stream that moves no byte either way.
     """
     epp_host, epp_port = _split_host_port(epp_address)
     if (epp_ca is not None or epp_sni is not None) and not epp_tls:
@@ -160,6 +176,9 @@ def envoy_config(
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "gateway",
         "codec_type": "AUTO",
+        "request_headers_timeout": f"{headers_timeout_s}s",
+        "request_timeout": f"{request_timeout_s}s",
+        "stream_idle_timeout": f"{stream_idle_timeout_s}s",
         "route_config": {
             "name": "inference",
             "virtual_hosts": [
@@ -169,7 +188,11 @@ def envoy_config(
                     "routes": [
                         {
                             "match": {"prefix": "/"},
-                            "route": {"cluster": POOL_CLUSTER, "timeout": f"{route_timeout_s}s"},
+                            "route": {
+                                "cluster": POOL_CLUSTER,
+                                "timeout": f"{route_timeout_s}s",
+                                "retry_policy": _retry_policy(first_byte_timeout_s),
+                            },
                         }
                     ],
                 }
@@ -235,6 +258,38 @@ def envoy_config(
     }
 
 
+def _retry_policy(first_byte_timeout_s: float) -> dict[str, Any]:
+    """Retry only tries the worker never saw; bound each try's wait for the response head."""
+    return {
+        "retry_on": "connect-failure,refused-stream,reset-before-request",
+        "num_retries": 1,
+        "per_try_timeout": f"{first_byte_timeout_s}s",
+        "retry_host_predicate": [
+            {
+                "name": "envoy.retry_host_predicates.previous_hosts",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
+                },
+            }
+        ],
+        "host_selection_retry_max_attempts": 3,
+    }
+
+
+# Endpoints that keep failing are ejected for a while (longer each time); a pool may lose all
+# of them (its EPP decides under ORIGINAL_DST anyway).
+OUTLIER_DETECTION = {
+    "consecutive_local_origin_failure": 3,
+    "split_external_local_origin_errors": True,
+    "consecutive_gateway_failure": 3,
+    "enforcing_consecutive_gateway_failure": 100,  # Envoy's default is 0: counted, not enforced
+    "enforcing_consecutive_5xx": 0,  # an engine's 500 answers a request: the engine works
+    "interval": "2s",
+    "base_ejection_time": "10s",
+    "max_ejection_percent": 100,
+}
+
+
 def _pool_cluster(pool: list[tuple[str, int]], connect_timeout_s: float) -> dict[str, Any]:
     """The InferencePool. Without `pool` (FailClose): ORIGINAL_DST, Envoy connects wherever the
     EPP's header says, and nowhere when there is none. With `pool` (FailOpen): those endpoints,
@@ -246,6 +301,7 @@ def _pool_cluster(pool: list[tuple[str, int]], connect_timeout_s: float) -> dict
             "type": "ORIGINAL_DST",
             "lb_policy": "CLUSTER_PROVIDED",
             "connect_timeout": f"{connect_timeout_s}s",
+            "outlier_detection": OUTLIER_DETECTION,
             "original_dst_lb_config": {
                 "use_http_header": True,
                 "http_header_name": DESTINATION_ENDPOINT,
@@ -268,6 +324,7 @@ def _pool_cluster(pool: list[tuple[str, int]], connect_timeout_s: float) -> dict
         "name": POOL_CLUSTER,
         "type": "STATIC",
         "connect_timeout": f"{connect_timeout_s}s",
+        "outlier_detection": OUTLIER_DETECTION,
         "load_balancing_policy": {
             "policies": [
                 {
