@@ -106,7 +106,24 @@ async def test_repeated_prefix_lands_on_the_worker_holding_it(gateway):
         assert status == 200
         assert int(headers[WORKER_HEADER]) == holder
     assert len(set(picks)) > 1  # the unrelated requests did not all go to one place
-    # The workers' reported cached tokens came back through the response path.
+    # The generated config sends no response body: the usage the workers report is not read.
+    assert epp.metrics.predicted_cached_tokens._value.get() > 0
+    assert epp.metrics.reported_cached_tokens._value.get() == 0
+
+
+async def test_usage_is_read_when_the_gateway_sends_the_response_body(gateway):
+    """A gateway that sends the response body (FULL_DUPLEX_STREAMED): the workers' reported
+    cached tokens come back through the response path and are compared with the prediction."""
+    _, http, epp, _, _ = gateway
+    config = envoy_config(free_port(), free_port(), f"127.0.0.1:{epp.grpc_port}")
+    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    (ext_proc,) = [f for f in manager["typed_config"]["http_filters"] if "ext_proc" in f["name"]]
+    ext_proc["typed_config"]["processing_mode"]["response_body_mode"] = "FULL_DUPLEX_STREAMED"
+    prefix = "A shared system prompt for usage. " * 80
+    async with run_envoy(config) as envoy:
+        for i in range(6):
+            status, _, _ = await _post(http, envoy, _chat(prefix + f"question {i}", max_tokens=2))
+            assert status == 200
     metrics = epp.metrics
     assert metrics.predicted_cached_tokens._value.get() > 0
     assert metrics.reported_cached_tokens._value.get() > 0
