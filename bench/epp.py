@@ -266,7 +266,7 @@ def _free_port() -> int:
 
 async def _start_epp(workers_file: Path, picker: str, count: int, processes: int = 1):
     """`dynamograph epp` (with `processes` > 1: that many, on one port, syncing bookings;
-    process i serves metrics on the metrics port + i), once every process knows the fleet."""
+    its metrics page merges theirs), once every process knows the fleet."""
     grpc_port, health_port, metrics_port = _free_port(), _free_port(), _free_port()
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "dynamograph.cli", "epp",
@@ -279,23 +279,22 @@ async def _start_epp(workers_file: Path, picker: str, count: int, processes: int
     )  # fmt: skip
     deadline = time.monotonic() + 120
     async with aiohttp.ClientSession() as http:
-        for index in range(processes):
-            while True:
-                if proc.returncode is not None:
-                    raise RuntimeError(f"the EPP exited with {proc.returncode}")
-                with contextlib.suppress(aiohttp.ClientError, OSError):
-                    async with http.get(f"http://127.0.0.1:{metrics_port + index}/metrics") as r:
-                        text = await r.text()
-                    known = sum(
-                        float(line.rsplit(" ", 1)[1])
-                        for line in text.splitlines()
-                        if line.startswith("dynamograph_epp_workers{")
-                    )
-                    if known >= count:
-                        break
-                if time.monotonic() > deadline:
-                    raise TimeoutError("the EPP did not discover the fleet in 120 s")
-                await asyncio.sleep(0.2)
+        while True:
+            if proc.returncode is not None:
+                raise RuntimeError(f"the EPP exited with {proc.returncode}")
+            with contextlib.suppress(aiohttp.ClientError, OSError):
+                async with http.get(f"http://127.0.0.1:{metrics_port}/metrics") as r:
+                    text = await r.text()
+                known = sum(
+                    float(line.rsplit(" ", 1)[1])
+                    for line in text.splitlines()
+                    if line.startswith("dynamograph_epp_workers{")
+                )
+                if known >= count * processes:  # every process (the page merges them)
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError("the EPP did not discover the fleet in 120 s")
+            await asyncio.sleep(0.2)
     await asyncio.sleep(1.0)  # KV subscribers connect and replay the warmed history
     return proc, grpc_port, metrics_port
 
@@ -418,18 +417,21 @@ async def _exchange_stage(bodies: list[bytes]) -> float:
     return (time.process_time() - start) / len(wires) * 1e3
 
 
-async def _server_picks(metrics_port: int) -> tuple[float, float]:
-    """(sum seconds, count) of the EPP's own pick_seconds histogram (wall time inside it)."""
+async def _server_picks(metrics_port: int, process: int | None = None) -> tuple[float, float]:
+    """(sum seconds, count) of the EPP's own pick_seconds histogram (wall time inside it); of
+    one process (`process="i"` on the page `--processes` merges) or of all."""
     async with (
         aiohttp.ClientSession() as http,
         http.get(f"http://127.0.0.1:{metrics_port}/metrics") as response,
     ):
         text = await response.text()
-    values = {}
+    values: dict[str, float] = {}
     for line in text.splitlines():
+        if process is not None and f'process="{process}"' not in line:
+            continue
         for name in ("dynamograph_epp_pick_seconds_sum", "dynamograph_epp_pick_seconds_count"):
-            if line.startswith(name + " "):
-                values[name] = float(line.split()[1])
+            if line.startswith((name + " ", name + "{")):
+                values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return (
         values.get("dynamograph_epp_pick_seconds_sum", 0.0),
         values.get("dynamograph_epp_pick_seconds_count", 0.0),
@@ -571,7 +573,7 @@ async def _measure_processes(args, workers_file: Path, bodies: list[bytes], n: i
 
         await asyncio.gather(*(client(stub) for stub in stubs))
         wall = time.perf_counter() - wall0
-        routed = [(await _server_picks(metrics_port + i))[1] for i in range(n)]
+        routed = [(await _server_picks(metrics_port, i if n > 1 else None))[1] for i in range(n)]
     finally:
         for channel in channels:
             await channel.close()
