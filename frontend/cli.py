@@ -61,6 +61,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds an engine may stay silent before the request fails with 504 (default 600)",
     )
     parser.add_argument(
+        "--first-byte-timeout",
+        type=float,
+        default=300.0,
+        help="seconds an engine has to send its response head (a streamed answer's start, all "
+        "of a non-streamed one) before the request fails with 504; in kv and round-robin modes "
+        "a request the client has had nothing of then goes to another worker once (default 300)",
+    )
+    parser.add_argument(
         "--connect-timeout",
         type=float,
         default=5.0,
@@ -113,6 +121,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         max_body_bytes=args.max_body_bytes,
         request_timeout=args.request_timeout,
         connect_timeout=args.connect_timeout,
+        first_byte_timeout=args.first_byte_timeout,
         head_timeout=args.head_timeout,
         body_timeout=args.body_timeout,
         kv_events=router is None or router.use_kv_events,

@@ -127,6 +127,12 @@ class FrontendMetrics:
             ["leg", "kind"],
             registry=r,
         )
+        self.retries = Counter(
+            "dynamograph_frontend_retries",
+            "Requests sent to a second worker because the first never answered (connection "
+            "refused, or no response head within --first-byte-timeout; kv and round-robin modes)",
+            registry=r,
+        )
         self.fallbacks = Counter(
             "dynamograph_frontend_disagg_fallbacks",
             "Disaggregated requests served aggregated on the decode worker after a prefill failure",

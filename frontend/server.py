@@ -54,7 +54,7 @@ from .http_server import (
 )
 from .metrics import CONTENT_TYPE, FrontendMetrics
 from .modes import DirectMode, RoundRobinMode, Route, RoutingMode
-from .routing import Mode, merge, routing_headers
+from .routing import Mode, Pins, merge, routing_headers
 from .upstream import EngineClient, UpstreamError, describe
 
 log = logging.getLogger(__name__)
@@ -76,6 +76,9 @@ class FrontendConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     request_timeout: float = 600.0
     connect_timeout: float = 5.0
+    # an engine's response head, at most this long after the call: 504 (and, when the frontend
+    # picked the worker and the client has nothing yet, one try on another worker)
+    first_byte_timeout: float = 300.0
     head_timeout: float = HEAD_TIMEOUT_S  # a client's request head, from its first byte: 408
     body_timeout: float = BODY_TIMEOUT_S  # a client's request body, from its head: 408
     kv_events: bool = True  # kv mode: subscribe to the workers' KV events (else approximate)
@@ -145,7 +148,9 @@ class Frontend:
         self.metrics = FrontendMetrics()
         self.directory = WorkerDirectory(config.engine_url, graph)
         self.client = EngineClient(
-            request_timeout=config.request_timeout, connect_timeout=config.connect_timeout
+            request_timeout=config.request_timeout,
+            connect_timeout=config.connect_timeout,
+            first_byte_timeout=config.first_byte_timeout,
         )
         self.routing: RoutingMode = self._routing()
         queue = getattr(getattr(self.routing, "pipeline", None), "queue", None)
@@ -345,7 +350,17 @@ class Frontend:
                     payload = orjson.dumps(decode_request(body, params))
                 else:
                     disagg = "fallback"
-            status = await self._decode(exchange, route, payload, nvext, trace, stream)
+            try:
+                status = await self._decode(exchange, route, payload, nvext, trace, stream)
+            except UpstreamError as exc:
+                retry = await self._elsewhere(exc, exchange, route, pins, nvext, body)
+                if retry is None:
+                    raise
+                if route.booking is not None:
+                    route.booking.free()
+                route = retry
+                trace.decode = route.decode_target
+                status = await self._decode(exchange, route, payload, nvext, trace, stream)
             outcome = _outcome(trace.stream_error or status)
         except OpenAIError as exc:
             outcome = _outcome(exc.status)
@@ -541,6 +556,40 @@ class Frontend:
             return 200
         finally:
             _finish(upstream)
+
+    async def _elsewhere(
+        self,
+        exc: UpstreamError,
+        exchange: Exchange,
+        route: Route,
+        pins: Pins,
+        nvext: NvExt | None,
+        body: dict[str, Any],
+    ) -> Route | None:
+        """Another worker for an aggregated request whose engine never answered (connection
+        refused, or no response head within --first-byte-timeout), when this frontend picked it
+        (kv, round-robin) and the client has been sent nothing; None: no retry. The first
+        worker's booking is still held while picking, so a stalled worker is not picked again;
+        a connection refused has already taken it out of the directory."""
+        if (
+            self.config.mode is Mode.DIRECT
+            or exc.kind not in ("connect", "first_byte")
+            or route.prefill is not None
+            or pins.decode is not None
+            or exchange.started
+        ):
+            return None
+        try:
+            retry = await self.routing.pick(pins, nvext, exchange.path, body)
+        except OpenAIError:
+            return None
+        if retry.decode.instance_id == route.decode.instance_id or retry.prefill is not None:
+            if retry.booking is not None:
+                retry.booking.free()
+            return None
+        self.metrics.retries.inc()
+        log.warning("%s; trying %s", exc.message, describe(retry.decode, "decode"))
+        return retry
 
     def _ext(self, nvext: NvExt | None, trace: nvext_out.Trace):
         assert nvext is not None

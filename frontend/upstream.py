@@ -1,11 +1,13 @@
 """Calls to engines over the lean HTTP/1.1 pool (`http1`), engine failures mapped to OpenAI errors.
 
 Keep-alive connections to every engine. Timeouts: `request_timeout` is the longest the engine
-may stay silent (no response byte) before the call fails with 504; `connect_timeout` bounds
-opening a connection. A call that ends early (client gone, task cancelled) closes its
+may stay silent (no response byte) before the call fails with 504; `first_byte_timeout` bounds
+the wait for the response head (504 too: a hung engine is given up on sooner than a slow
+stream); `connect_timeout` bounds opening a connection. A call that ends early (client gone, task cancelled) closes its
 connection, so the engine sees the disconnect and frees the request.
 """
 
+import asyncio
 from collections.abc import Mapping
 
 from dynamograph.protocol.headers import VLLM_DP_RANK
@@ -33,9 +35,16 @@ def describe(record: WorkerRecord, leg: str) -> str:
 
 
 class EngineClient:
-    def __init__(self, *, request_timeout: float, connect_timeout: float = 5.0):
+    def __init__(
+        self,
+        *,
+        request_timeout: float,
+        connect_timeout: float = 5.0,
+        first_byte_timeout: float | None = None,
+    ):
         self.request_timeout = request_timeout
         self.connect_timeout = connect_timeout
+        self.first_byte_timeout = first_byte_timeout
         self._pool: Http1Pool | None = None
 
     async def start(self) -> None:
@@ -67,9 +76,18 @@ class EngineClient:
     ) -> Response:
         """POST and wait for the response head; the caller reads the body and closes it."""
         assert self._pool is not None, "EngineClient.start() first"
+        waited = asyncio.timeout(self.first_byte_timeout)
         try:
-            return await self._pool.request(b"POST", record.engine_url, path, headers, payload)
+            async with waited:  # cancelling the request closes its connection: the engine aborts
+                return await self._pool.request(b"POST", record.engine_url, path, headers, payload)
         except (ConnectionError, TimeoutError) as exc:
+            if waited.expired():
+                raise UpstreamError(
+                    504,
+                    f"{describe(record, leg)} sent no response head within "
+                    f"{self.first_byte_timeout:g} s (--first-byte-timeout)",
+                    "first_byte",
+                ) from exc
             raise self.failure(exc, record, leg) from exc
 
     async def read(self, response: Response, record: WorkerRecord, leg: str) -> bytes:
