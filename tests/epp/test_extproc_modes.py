@@ -15,6 +15,7 @@ from dynamograph.protocol.headers import DESTINATION_ENDPOINT, WORKER_INSTANCE_I
 from e2e.waiting import wait_for
 
 from .conftest import (
+    MODEL,
     NO_PROTOCOL_CONFIG,
     body_messages,
     chat_body,
@@ -182,3 +183,43 @@ async def test_buffered_header_only_request_routes_on_the_headers(epp, workers, 
     first = await stream.recv()
     destination = _mutation_headers(first.request_headers.response)[DESTINATION_ENDPOINT]
     assert destination in {endpoint_of(w) for w in workers}
+
+
+@pytest.mark.parametrize("prompt", ["long", "short"])
+async def test_response_headers_leave_a_long_prefill_to_kv_events(epp, client, prompt):
+    """Response body NONE: the response headers mark the prefill done only for a prompt no KV
+    event will settle; a prompt with uncached full blocks waits for its worker to store them
+    (this fake gateway never forwards the request, so no event comes here)."""
+    guards = []
+    pick = epp.service.picker.pick
+
+    async def recording_pick(path, headers, body, subset):
+        route = await pick(path, headers, body, subset)
+        guards.append(route.guard)
+        return route
+
+    epp.service.picker.pick = recording_pick
+    stream = client.stream()
+    if prompt == "long":
+        body = chat_body("a prompt of many blocks " * 40)
+    else:  # two tokens: no full block
+        body = b'{"model": "%s", "prompt": "hi"}' % MODEL.encode()
+    messages = [
+        request_headers(
+            "/v1/completions" if prompt == "short" else "/v1/chat/completions",
+            content_length=len(body),
+            config=protocol_config(response_mode=Mode.NONE),
+        ),
+        *body_messages(body),
+    ]
+    await stream.send(*messages)
+    assert (await stream.recv()).HasField("request_headers")
+    await stream.recv()  # the re-streamed body
+    (guard,) = guards
+    assert guard.awaits_stored_blocks == (prompt == "long")
+    await stream.send(response_headers())
+    assert (await stream.recv()).HasField("response_headers")
+    assert guard.prefill_done == (prompt == "short")
+    assert guard.booked  # the response is under way until Envoy ends the stream
+    await stream.call.done_writing()
+    await wait_for(lambda: booked(epp) == 0, "the booking to be freed")
