@@ -138,6 +138,13 @@ class FrontendMetrics:
             "Disaggregated requests served aggregated on the decode worker after a prefill failure",
             registry=r,
         )
+        self.speculative = Counter(
+            "dynamograph_frontend_speculative_prefills",
+            "Speculative prefills of a session's next turn (agent_hints.speculative_prefill), by "
+            "outcome: done, cancelled (the next turn came first), failed",
+            ["outcome"],
+            registry=r,
+        )
         self.workers = Gauge(
             "dynamograph_frontend_known_workers",
             "Engines this frontend may forward to, by role",

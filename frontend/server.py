@@ -17,6 +17,7 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +25,7 @@ import orjson
 
 from dynamograph.protocol.engine import Role, served_models
 from dynamograph.protocol.http1 import Response
-from dynamograph.protocol.nvext import NvExt, NvExtError, parse_nvext
+from dynamograph.protocol.nvext import NvExt, NvExtError, SessionAction, parse_nvext
 from dynamograph.protocol.openai import (
     CHAT_COMPLETIONS,
     COMPLETIONS,
@@ -34,7 +35,7 @@ from dynamograph.protocol.openai import (
 )
 from dynamograph.router.discovery import Discovery, WorkerRecord
 
-from . import nvext_out
+from . import nvext_out, speculative
 from .directory import WorkerDirectory
 from .handoff import (
     HandoffError,
@@ -82,6 +83,7 @@ class FrontendConfig:
     head_timeout: float = HEAD_TIMEOUT_S  # a client's request head, from its first byte: 408
     body_timeout: float = BODY_TIMEOUT_S  # a client's request body, from its head: 408
     kv_events: bool = True  # kv mode: subscribe to the workers' KV events (else approximate)
+    kv_curve: Any = None  # kv mode: CURVE on the KV-event subscriptions (protocol.kv_curve)
     router: Any = None  # kv mode: an epp.config.RouterConfig (None: its defaults)
 
 
@@ -125,6 +127,16 @@ def _engine_fields(nvext: NvExt, body: dict[str, Any]) -> bool:
         body["priority"] = -hints.priority
         changed = True
     return changed
+
+
+def _speculates(nvext: NvExt | None) -> bool:
+    """A turn after which the next one is prefilled (`agent_hints.speculative_prefill`): one
+    of a session that goes on (a `close` ends it)."""
+    if nvext is None or nvext.session_control is None or nvext.agent_hints is None:
+        return False
+    return bool(nvext.agent_hints.speculative_prefill) and (
+        nvext.session_control.action != SessionAction.CLOSE
+    )
 
 
 def _engine_message(raw: bytes) -> str:
@@ -171,7 +183,9 @@ class Frontend:
             self.serve, head_timeout=config.head_timeout, body_timeout=config.body_timeout
         )
         self.url: str | None = None
-        self._abandoned_legs: set[asyncio.Task[None]] = set()  # `_abandoned`, until they end
+        # requests the frontend sends on its own (`_abandoned`, `_speculate`), until they end
+        self._background: set[asyncio.Task[None]] = set()
+        self._speculative: dict[str, asyncio.Task[None]] = {}  # by session id
 
     def _routing(self) -> RoutingMode:
         cfg = self.config
@@ -186,6 +200,7 @@ class Frontend:
             enforce_disagg=cfg.enforce_disagg,
             kv_events=cfg.kv_events,
             config=cfg.router,
+            kv_curve=cfg.kv_curve,
         )
 
     # -- lifecycle --
@@ -200,9 +215,9 @@ class Frontend:
 
     async def stop(self) -> None:
         await self._server.stop()
-        for task in list(self._abandoned_legs):
+        for task in list(self._background):
             task.cancel()
-        await asyncio.gather(*self._abandoned_legs, return_exceptions=True)
+        await asyncio.gather(*self._background, return_exceptions=True)
         await self.routing.stop()
         await self.directory.stop()
         await self.client.stop()
@@ -325,6 +340,9 @@ class Frontend:
             except NvExtError as exc:
                 raise OpenAIError(400, str(exc), param="nvext") from None
             nvext, pins = merge(nvext, routing_headers(exchange.headers))
+            session = nvext.session_control if nvext is not None else None
+            if session is not None and self._speculative:
+                await self._stop_speculating(session.session_id)
             reject_client_transfer_params(body)
             if nvext is not None and _engine_fields(nvext, body):
                 raw = orjson.dumps(body)
@@ -350,8 +368,9 @@ class Frontend:
                     payload = orjson.dumps(decode_request(body, params))
                 else:
                     disagg = "fallback"
+            answer: list[bytes] | None = [] if _speculates(nvext) else None
             try:
-                status = await self._decode(exchange, route, payload, nvext, trace, stream)
+                status = await self._decode(exchange, route, payload, nvext, trace, stream, answer)
             except UpstreamError as exc:
                 retry = await self._elsewhere(exc, exchange, route, pins, nvext, body)
                 if retry is None:
@@ -360,8 +379,10 @@ class Frontend:
                     route.booking.free()
                 route = retry
                 trace.decode = route.decode_target
-                status = await self._decode(exchange, route, payload, nvext, trace, stream)
+                status = await self._decode(exchange, route, payload, nvext, trace, stream, answer)
             outcome = _outcome(trace.stream_error or status)
+            if answer is not None and session is not None and outcome == "ok":
+                self._speculate(route, exchange.path, body, answer, stream, session.session_id)
         except OpenAIError as exc:
             outcome = _outcome(exc.status)
             if isinstance(exc, UpstreamError):
@@ -419,10 +440,67 @@ class Frontend:
                 if route.booking is not None:
                     route.booking.free()
 
-        task = asyncio.get_running_loop().create_task(finish(), name="abandoned-prefill")
-        self._abandoned_legs.add(task)
-        task.add_done_callback(self._abandoned_legs.discard)
+        self._spawn(finish(), "abandoned-prefill")
         return True
+
+    def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(work, name=name)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    async def _stop_speculating(self, session_id: str) -> None:
+        """The session's next turn arrived: a speculative prefill still running is cancelled
+        (its engine request aborted, its booking freed) before the turn is routed."""
+        task = self._speculative.pop(session_id, None)
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    def _speculate(
+        self,
+        route: Route,
+        path: str,
+        body: dict[str, Any],
+        answer: list[bytes],
+        stream: bool,
+        session_id: str,
+    ) -> None:
+        """Dynamo's speculative prefill (`agent_hints.speculative_prefill`,
+        frontend/speculative.py): the turn's prompt and answer as a one-token request to the
+        workers that served the turn — the session's — booked while it runs (kv mode)."""
+        text = speculative.answer_text(path, answer, stream)
+        spec = speculative.next_turn_body(path, body, text) if text is not None else None
+        if spec is None:
+            return
+        pins = Pins(route.decode_target, route.prefill_target)
+
+        async def prefill_next_turn() -> None:
+            leg: Route | None = None
+            try:
+                leg = await self.routing.pick(pins, None, path, spec)
+                payload = orjson.dumps(spec)
+                if leg.prefill is not None and leg.prefill_target is not None:
+                    headers = EngineClient.headers({}, leg.prefill_target.dp_rank)
+                    leg_body = orjson.dumps(prefill_request(spec))
+                    _, raw = await self._call(leg.prefill, path, leg_body, headers, "prefill")
+                    payload = orjson.dumps(decode_request(spec, transfer_params(orjson.loads(raw))))
+                headers = EngineClient.headers({}, leg.decode_target.dp_rank)
+                await self._call(leg.decode, path, payload, headers, "decode")
+                self.metrics.speculative.labels("done").inc()
+            except (OpenAIError, HandoffError, orjson.JSONDecodeError) as exc:
+                self.metrics.speculative.labels("failed").inc()
+                log.info("speculative prefill of session %s not done: %s", session_id, exc)
+            except asyncio.CancelledError:
+                self.metrics.speculative.labels("cancelled").inc()
+                raise
+            finally:
+                if leg is not None and leg.booking is not None:
+                    leg.booking.free()
+                if self._speculative.get(session_id) is asyncio.current_task():
+                    del self._speculative[session_id]
+
+        self._speculative[session_id] = self._spawn(prefill_next_turn(), "speculative-prefill")
 
     @staticmethod
     async def _answer_query(
@@ -524,8 +602,10 @@ class Frontend:
         nvext: NvExt | None,
         trace: nvext_out.Trace,
         stream: bool,
+        answer: list[bytes] | None = None,
     ) -> int:
-        """The decode leg, answered to the client; the status sent."""
+        """The decode leg, answered to the client; the status sent. `answer` collects the
+        engine's response body (a speculative prefill reads the answer's text from it)."""
         record = route.decode
         headers = EngineClient.headers(exchange.headers, route.decode_target.dp_rank)
         want_ext = nvext_out.wanted(nvext)
@@ -545,6 +625,8 @@ class Frontend:
                 except UpstreamError as exc:
                     self._upstream_failed(exc, record, "decode")
                     raise
+                if answer is not None:
+                    answer.append(raw)
                 if want_ext and upstream.status == 200:
                     raw = nvext_out.add_to_body(raw, self._ext(nvext, trace))
                 self._first_byte(route, stream, trace)
@@ -552,7 +634,7 @@ class Frontend:
                 head = [(b"content-type", content_type.encode("latin-1"))]
                 await exchange.respond(upstream.status, raw, head + _passed_headers(upstream))
                 return upstream.status
-            await self._relay(exchange, upstream, route, nvext, trace, want_ext)
+            await self._relay(exchange, upstream, route, nvext, trace, want_ext, answer)
             return 200
         finally:
             _finish(upstream)
@@ -610,6 +692,7 @@ class Frontend:
         nvext: NvExt | None,
         trace: nvext_out.Trace,
         want_ext: bool,
+        answer: list[bytes] | None,
     ) -> None:
         """SSE pass-through, chunk by chunk; the final chunk gains `nvext` when asked."""
         record = route.decode
@@ -638,6 +721,8 @@ class Frontend:
                 # each SSE event carries at least one token (more when the engine merged them
                 # for a slow reader): the output so far, for the expected output's decay
                 booking.add_output_tokens(chunk.count(b"data: "))
+            if answer is not None:
+                answer.append(chunk)
             if injector is not None:
                 chunk = injector.feed(chunk)
                 if not chunk:

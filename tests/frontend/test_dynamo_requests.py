@@ -501,7 +501,8 @@ async def test_agent_hints_priority_reaches_the_engine_as_vllms_request_priority
         mock_worker(max_num_seqs=1, speedup=1.0) as w,  # one sequence at a time: a queue forms
         run_frontend(w) as fe,
     ):
-        hog = {"model": model, "prompt": "hog", "max_tokens": 40, "ignore_eos": True}
+        # long enough (~6 s) for the two others to queue behind it on a loaded machine
+        hog = {"model": model, "prompt": "hog", "max_tokens": 1000, "ignore_eos": True}
         running = asyncio.create_task(post(fe, hog, route(w)))
 
         async def queued(n: int) -> bool:
@@ -527,3 +528,100 @@ async def test_agent_hints_priority_reaches_the_engine_as_vllms_request_priority
         body["nvext"] = {"agent_hints": {"priority": 5}}
         status, out, _ = await post(fe, body, route(w))
         assert status == 400 and "Priority scheduling is not enabled" in out["error"]["message"]
+
+
+def _speculating(session_id: str, action: str | None = None) -> dict:
+    session: dict = {"session_id": session_id}
+    if action:
+        session["action"] = action
+    return {"session_control": session, "agent_hints": {"speculative_prefill": True}}
+
+
+async def test_speculative_prefill_warms_the_next_turn_on_the_bound_worker(model):
+    """`agent_hints.speculative_prefill`: after a turn, the frontend prefills the turn's prompt
+    followed by its answer (one token) on the worker the session is bound to, so the next turn
+    finds that prefix cached there; the speculative request's booking is freed."""
+    async with (
+        mock_worker() as a,
+        mock_worker() as b,
+        run_frontend(None, [a, b], mode=Mode.KV) as fe,
+    ):
+        body = {"model": model, "prompt": PROMPT, "max_tokens": 24, "ignore_eos": True}
+        body["nvext"] = _speculating("agent", "open")
+        status, out, headers = await post(fe, body)
+        assert status == 200, out
+        bound = a if headers["x-dynamograph-worker-id"] == str(a.config.instance_id) else b
+        prefix = PROMPT + out["choices"][0]["text"]
+        prefix_tokens = len(get_tokenizer("qwen").encode(prefix, add_special_tokens=True))
+
+        async def speculated() -> bool:
+            recent = (await served(bound))["recent"]
+            return len(recent) == 2 and recent[1].get("finish_reason") is not None
+
+        await wait_for(speculated, what="the speculative prefill on the bound worker")
+        spec = (await served(bound))["recent"][1]
+        assert spec["prompt_tokens"] == prefix_tokens and spec["completion_tokens"] == 1
+        assert fe.routing.router.active.total_requests() == 0  # its booking is freed
+        assert (
+            await frontend_metric(
+                fe, "dynamograph_frontend_speculative_prefills_total", outcome="done"
+            )
+            == 1
+        )
+        # the next turn starts with that prefix: cached on the bound worker
+        follow = {"model": model, "prompt": prefix + " And then?", "max_tokens": 1}
+        follow["nvext"] = {"session_control": {"session_id": "agent"}}
+        status, out, headers = await post(fe, follow)
+        assert headers["x-dynamograph-worker-id"] == str(bound.config.instance_id)
+        cached = out["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= prefix_tokens // 16 * 16
+
+
+async def test_a_speculative_prefill_is_cancelled_when_the_next_turn_comes_first(model):
+    """The real turn arriving first cancels the speculative request: the engine aborts it and
+    its booking is freed before the turn is routed."""
+    async with (
+        mock_worker(max_num_seqs=1, speedup=1.0) as w,  # one at a time: the speculation waits
+        run_frontend(None, [w], mode=Mode.KV) as fe,
+    ):
+        body = {"model": model, "prompt": PROMPT, "max_tokens": 60, "ignore_eos": True}
+        body["stream"] = True
+        body["nvext"] = _speculating("agent", "open")
+        hog = {"model": model, "prompt": "hog", "max_tokens": 400, "ignore_eos": True}
+
+        async def waiting(n: int) -> bool:
+            return (await engine_gauges(w))["waiting"] == n
+
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(fe.url + "/v1/completions", json=body) as turn,
+        ):
+            assert turn.status == 200
+            # a long request queues behind the turn: it runs when the turn ends, so the
+            # speculative prefill then waits behind it
+            hogging = asyncio.create_task(post(fe, hog, route(w)))
+            await wait_for(functools.partial(waiting, 1), what="the long request to queue")
+            await turn.read()
+        await wait_for(lambda: len(fe._speculative) == 1, what="the speculative prefill")
+        await wait_for(functools.partial(waiting, 1), what="the speculative prefill to queue")
+        assert fe.routing.router.active.total_requests() == 2  # the long one and it
+        follow = {"model": model, "prompt": PROMPT + " And then?", "max_tokens": 1}
+        follow["nvext"] = {"session_control": {"session_id": "agent"}}
+        status, out, _ = await post(fe, follow)
+        assert status == 200, out
+        assert (
+            await frontend_metric(
+                fe, "dynamograph_frontend_speculative_prefills_total", outcome="cancelled"
+            )
+            == 1
+        )
+        assert (await hogging)[0] == 200
+        # the engine's log: turn, long request, speculation, next turn; the speculation was
+        # aborted while it waited (it never ran), and nothing is left running
+        spec = (await served(w))["recent"][2]
+        assert "first_output" not in spec and spec.get("finish_reason") is None
+        gauges = await engine_gauges(w)
+        assert gauges["running"] == gauges["waiting"] == 0
+        await wait_for(
+            lambda: fe.routing.router.active.total_requests() == 0, what="every booking freed"
+        )
