@@ -15,6 +15,7 @@ import signal
 import sys
 from pathlib import Path
 
+from dynamograph.protocol.kv_curve import add_kv_curve_argument, kv_curve_from_args
 from dynamograph.protocol.router_config import RouterConfig
 from dynamograph.router.discovery import add_discovery_arguments, source_from_args
 from dynamograph.router.replicas import ReplicaSettings
@@ -99,6 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "without a restart",
     )
     add_discovery_arguments(parser)
+    add_kv_curve_argument(parser)
     parser.add_argument(
         "--config",
         default=os.environ.get("DYNAMOGRAPH_EPP_CONFIG"),
@@ -244,6 +246,7 @@ def settings_from_args(args: argparse.Namespace) -> EppSettings:
         metrics_host=CHILD_METRICS_HOST if child else None,
         router=router,
         kv_events=router.use_kv_events,
+        kv_curve=kv_curve_from_args(args),
         endpoint_picker=args.endpoint_picker,
         max_body_bytes=args.max_body_bytes,
         max_pending_picks=args.max_pending_picks,

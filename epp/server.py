@@ -25,6 +25,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
+from dynamograph.protocol.kv_curve import CurveKeys
 from dynamograph.protocol.router_config import RouterConfig
 from dynamograph.router.discovery import Discovery, KubernetesSource, StaticSource, WorkerRecord
 from dynamograph.router.kv_events import KvEventIngest
@@ -56,6 +57,7 @@ class EppSettings:
     metrics_host: str | None = None  # default: host (`--processes` children: loopback)
     router: RouterConfig = field(default_factory=RouterConfig)
     kv_events: bool = True
+    kv_curve: CurveKeys | None = None  # CURVE on the KV-event subscriptions (protocol.kv_curve)
     endpoint_picker: str = "kv"  # kv | random (no body parsing: the protocol floor)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_pending_picks: int = DEFAULT_MAX_PENDING_PICKS  # past it, new requests get 429 at once
@@ -91,7 +93,12 @@ class Epp:
             metrics=self.metrics,
         )
         self.kv = (
-            KvEventIngest(self.router, self.metrics, on_disconnect=self.load.probe_now)
+            KvEventIngest(
+                self.router,
+                self.metrics,
+                on_disconnect=self.load.probe_now,
+                curve=settings.kv_curve,
+            )
             if settings.kv_events
             else None
         )

@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 
+from dynamograph.protocol.kv_curve import add_kv_curve_argument, kv_curve_from_args
 from dynamograph.router.discovery import Discovery, add_discovery_arguments, source_from_args
 
 from .http_server import BODY_TIMEOUT_S, HEAD_TIMEOUT_S
@@ -38,6 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the KV-aware router core (no gateway); round-robin: cycle through the workers",
     )
     add_discovery_arguments(parser)
+    add_kv_curve_argument(parser)
     parser.add_argument(
         "--enforce-disagg",
         action="store_true",
@@ -125,6 +127,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         head_timeout=args.head_timeout,
         body_timeout=args.body_timeout,
         kv_events=router is None or router.use_kv_events,
+        kv_curve=kv_curve_from_args(args),
         router=router,
     )
 

@@ -13,6 +13,7 @@ import itertools
 import logging
 from typing import Any
 
+from dynamograph.protocol.kv_curve import CurveKeys
 from dynamograph.protocol.nvext import NvExt, NvExtResponse, WorkerIdInfo
 from dynamograph.protocol.openai import OpenAIError
 from dynamograph.protocol.pins import RoutePins
@@ -40,8 +41,10 @@ class KvMode:
         enforce_disagg: bool,
         kv_events: bool,
         config: RouterConfig | None = None,
+        kv_curve: CurveKeys | None = None,
     ):
         self.directory = directory
+        self.kv_curve = kv_curve
         base = config or RouterConfig()
         # The frontend's own flags can only tighten what the router config file says.
         self.config = base.model_copy(
@@ -61,7 +64,9 @@ class KvMode:
         # Created here: they bind to the running event loop.
         self.load = LoadScraper(self.router, on_unreachable=self.directory.mark_unreachable)
         if self.config.use_kv_events:
-            self.events = KvEventIngest(self.router, on_disconnect=self.load.probe_now)
+            self.events = KvEventIngest(
+                self.router, on_disconnect=self.load.probe_now, curve=self.kv_curve
+            )
         self.directory.add_listener(self._added, self._removed)
 
     async def stop(self) -> None:

@@ -11,6 +11,8 @@ seq, payload]`… `[b"", -1, b""]`):
 - on a sequence gap reported by the router; when the replay cannot fill the gap, the router
   clears that slot (`Router.replay_failed`).
 A worker that goes away (discovery) has its subscribers cancelled; the router drops its state.
+With `curve` (protocol.kv_curve) both sockets are CURVE clients that trust only the graph's
+workers; a failed handshake is logged (the keys are wrong on one side) and nothing is received.
 """
 
 import asyncio
@@ -24,6 +26,7 @@ import zmq.asyncio
 from prometheus_client import Counter, Histogram
 from zmq.utils.monitor import parse_monitor_message
 
+from dynamograph.protocol.kv_curve import CurveKeys
 from dynamograph.protocol.kv_events import (
     END_SEQ,
     EventBatch,
@@ -43,6 +46,11 @@ log = logging.getLogger(__name__)
 RECEIVE_QUEUE = 100_000  # batches a SUB socket holds for us (vLLM's publisher sends up to as many)
 DRAIN_MAX = 1024  # batches handled per wake-up before other tasks get the loop
 REPLAY_ATTEMPTS = 3  # replay timeouts 1 s, 2 s, 4 s (the default) before the slot is cleared
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
 
 
 class IngestMetrics(Protocol):
@@ -70,8 +78,10 @@ class RankSubscriber:
         metrics: IngestMetrics | None = None,
         replay_timeout: float = 1.0,
         on_disconnect: Callable[[int], None] | None = None,
+        curve: CurveKeys | None = None,
     ):
         self.context = context
+        self.curve = curve
         self.router = router
         self.worker_id = worker_id
         self.dp_rank = dp_rank
@@ -93,7 +103,11 @@ class RankSubscriber:
         # queueing them for us meanwhile (ZMQ's default of 1,000 dropped the rest → a gap).
         sub.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)
         sub.setsockopt_string(zmq.SUBSCRIBE, self.topic)
-        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        if self.curve is not None:
+            self.curve.subscribe(sub)
+        monitor = sub.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
+        )
         sub.connect(self.endpoint)
         poller = zmq.asyncio.Poller()
         poller.register(sub, zmq.POLLIN)
@@ -108,6 +122,13 @@ class RankSubscriber:
                         await self.catch_up()
                     elif event["event"] == zmq.EVENT_DISCONNECTED and self.on_disconnect:
                         self.on_disconnect(self.worker_id)
+                    elif event["event"] & _HANDSHAKE_FAILED:
+                        log.warning(
+                            "KV events of worker %d: handshake with %s failed; with CURVE, "
+                            "check that both sides use the graph's keys (--kv-curve-dir)",
+                            self.worker_id,
+                            self.endpoint,
+                        )
                 if sub in ready:
                     await self._drain(sub)
         finally:
@@ -253,6 +274,8 @@ class RankSubscriber:
         self.replays += 1
         dealer = self.context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        if self.curve is not None:
+            self.curve.subscribe(dealer)
         dealer.connect(self.replay_endpoint)
         frames: list[tuple[int, EventBatch]] = []
         try:
@@ -283,8 +306,10 @@ class KvEventIngest:
         *,
         replay_timeout: float = 1.0,
         on_disconnect: Callable[[int], None] | None = None,
+        curve: CurveKeys | None = None,
     ):
         self.router = router
+        self.curve = curve
         self.metrics = metrics
         self.replay_timeout = replay_timeout
         self.on_disconnect = on_disconnect
@@ -310,6 +335,7 @@ class KvEventIngest:
                 metrics=self.metrics,
                 replay_timeout=self.replay_timeout,
                 on_disconnect=self.on_disconnect,
+                curve=self.curve,
             )
             for rank in range(record.config.data_parallel_size)
         ]

@@ -14,6 +14,7 @@ import sys
 
 from dynamograph.protocol.engine import Role
 from dynamograph.protocol.identity import default_worker_name
+from dynamograph.protocol.kv_curve import add_kv_curve_argument, kv_curve_from_args
 from dynamograph.protocol.launch import ADMIN_TOKEN_ENV
 from dynamograph.protocol.tokenization import tokenizer_for_model
 
@@ -126,6 +127,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=5558,
         help="ZMQ ROUTER replay port of DP rank 0; rank r uses port + r",
     )
+    add_kv_curve_argument(p)
     p.add_argument(
         "--kv-events-layout",
         choices=["array", "map"],
@@ -252,13 +254,22 @@ def mock_config(args: argparse.Namespace):
         cost=_cost_model(args),
         lora_modules=list(args.lora_modules),
         max_loras=args.max_loras,
+        scheduling_policy=args.scheduling_policy,
         admin_token=args.admin_token,
         debug_endpoints=args.debug_endpoints,
+        kv_curve=kv_curve_from_args(args),
     )
 
 
 def run(args: argparse.Namespace) -> int:
     if args.engine == "vllm":
+        if args.kv_curve_dir:
+            print(
+                "dynamograph worker: --kv-curve-dir needs --engine mock: vLLM's KV-event "
+                "publisher has no CURVE option",
+                file=sys.stderr,
+            )
+            return 2
         from .vllm import run_vllm
 
         return run_vllm(args)
@@ -271,7 +282,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         config = mock_config(args)
-        scheduling_policy=args.scheduling_policy,
         config.validate()
     except ValueError as exc:
         print(f"dynamograph worker: {exc}", file=sys.stderr)

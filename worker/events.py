@@ -6,6 +6,8 @@
 - ROUTER replay socket: a DEALER sends `[b"", start_seq]`; the publisher answers one
   `[b"", seq, payload]` per buffered batch with seq >= start_seq, then `[b"", END_SEQ, b""]`.
   The buffer keeps the last `buffer_steps` batches (vLLM's default: 10,000).
+- With `curve` (protocol.kv_curve), both sockets are CURVE servers: encrypted, and only
+  subscribers holding the graph's client key complete a handshake (the caller runs ZAP).
 - With data parallelism, rank r binds `port + r` (protocol.kv_events.endpoint_for_rank).
   Port 0 picks free ports (tests): the rank-0 ports are chosen by the OS and later ranks try
   base + r, retrying with new bases until all ranks fit.
@@ -20,6 +22,7 @@ from collections import deque
 import zmq
 import zmq.asyncio
 
+from dynamograph.protocol.kv_curve import CurveKeys
 from dynamograph.protocol.kv_events import (
     DEFAULT_TOPIC,
     END_SEQ,
@@ -112,6 +115,7 @@ def bind_publishers(
     attempts: int = 20,
     map_layout: bool = False,
     buffer_steps: int = BUFFER_STEPS,
+    curve: CurveKeys | None = None,
 ) -> tuple[list[KvEventPublisher], int, int]:
     """Bind PUB + ROUTER sockets for every rank; returns (publishers, events port, replay port)."""
     last_error: Exception | None = None
@@ -130,6 +134,8 @@ def bind_publishers(
                     sock.setsockopt(zmq.LINGER, 0)
                     if ":" in host:  # an IPv6 address (or every interface, v4 and v6)
                         sock.setsockopt(zmq.IPV6, 1)
+                    if curve is not None:
+                        curve.serve(sock)
                     if sock_type == zmq.PUB:  # vLLM's publisher queues as many for a slow router
                         sock.setsockopt(zmq.SNDHWM, PUB_QUEUE)
                     sockets.append(sock)

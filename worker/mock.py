@@ -19,8 +19,10 @@ from typing import Any
 
 import aiohttp
 import zmq.asyncio
+from zmq.auth.asyncio import AsyncioAuthenticator
 
-from dynamograph.protocol.engine import EngineConfig, KvEventsEndpoint, Role
+from dynamograph.protocol.engine import BOOTSTRAP_ROOM, EngineConfig, KvEventsEndpoint, Role
+from dynamograph.protocol.kv_curve import CurveKeys
 from dynamograph.protocol.kv_events import DEFAULT_TOPIC
 from dynamograph.protocol.tokenization import get_tokenizer
 
@@ -34,6 +36,7 @@ from .engine import (
 )
 from .events import bind_publishers
 from .handoff import (
+    BOOTSTRAP_WAIT_S,
     DEFAULT_TRANSFER_TIMEOUT,
     PULL_PATH,
     HeldBlocks,
@@ -85,6 +88,7 @@ class MockConfig:
     # /debug/requests), shared by a graph's workers: a decode engine pulls with it.
     admin_token: str | None = field(default=None, repr=False)
     debug_endpoints: bool = False  # serve /debug/requests and /reset_prefix_cache without one
+    kv_curve: CurveKeys | None = None  # CURVE on the KV-event sockets (protocol.kv_curve)
 
     @property
     def served(self) -> str:
@@ -136,6 +140,7 @@ class MockEngine(LLMEngine):
         self.instance_id: int | None = None
         self._kv_puller = kv_puller
         self._zmq: zmq.asyncio.Context | None = None
+        self._zap: AsyncioAuthenticator | None = None  # admits CURVE subscribers (kv_curve)
         self._http: aiohttp.ClientSession | None = None
         self._draining = False
         self._inflight = 0
@@ -162,10 +167,13 @@ class MockEngine(LLMEngine):
         kv_events = None
         if cfg.kv_events:
             self._zmq = zmq.asyncio.Context()
+            if cfg.kv_curve is not None:
+                self._zap = cfg.kv_curve.admit_subscribers(self._zmq)
             bind = functools.partial(
                 bind_publishers, self._zmq, events_port=cfg.kv_events_port,
                 replay_port=cfg.kv_replay_port, ranks=cfg.data_parallel_size,
                 topic=DEFAULT_TOPIC, map_layout=cfg.kv_events_layout == "map",
+                curve=cfg.kv_curve,
             )  # fmt: skip
             try:
                 publishers, ev_port, rp_port = bind(host=cfg.events_bind_host)
@@ -234,6 +242,9 @@ class MockEngine(LLMEngine):
         if self._http is not None:
             await self._http.close()
             self._http = None
+        if self._zap is not None:
+            self._zap.stop()
+            self._zap = None
         if self._zmq is not None:
             self._zmq.term()
             self._zmq = None
@@ -343,12 +354,26 @@ class MockEngine(LLMEngine):
             port=self.config.port,
         )
 
-    def take_transfer(self, remote_engine_id: str, request_id: str) -> HeldBlocks | None:
-        """Serve a decode engine's pull (the prefill side of the hand-off)."""
+    def _rank_of(self, remote_engine_id: str) -> EngineRank | None:
         for rank in self.ranks:
             if engine_id(self.instance_id or 0, rank.rank) == remote_engine_id:
-                return rank.take_transfer(request_id)
+                return rank
         return None
+
+    def take_transfer(self, remote_engine_id: str, request_id: str) -> HeldBlocks | None:
+        """Serve a decode engine's pull (the prefill side of the hand-off)."""
+        rank = self._rank_of(remote_engine_id)
+        return rank.take_transfer(request_id) if rank is not None else None
+
+    async def wait_transfer(
+        self, remote_engine_id: str, request_id: str, wait_s: float
+    ) -> HeldBlocks | None:
+        """A bootstrap pull: `take_transfer` once the prefill holds the blocks, waiting up to
+        `wait_s` seconds for it."""
+        rank = self._rank_of(remote_engine_id)
+        if rank is None:
+            return None
+        return await rank.wait_transfer(request_id, min(wait_s, self.config.transfer_timeout))
 
     async def _pull(self, request: GenerateRequest, params: dict[str, Any]) -> int:
         """Pull the prefill's KV; returns how many prompt tokens need no recompute.
@@ -380,10 +405,14 @@ class MockEngine(LLMEngine):
         if self._http is None:
             self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
         url = f"http://{params['remote_host']}:{params['remote_port']}{PULL_PATH}"
-        body = {k: params[k] for k in ("remote_engine_id", "remote_request_id")}
+        body: dict[str, Any] = {k: params[k] for k in ("remote_engine_id", "remote_request_id")}
+        timeout = None
+        if params.get(BOOTSTRAP_ROOM) is not None:  # the prefill may still be running
+            body["wait_s"] = BOOTSTRAP_WAIT_S
+            timeout = aiohttp.ClientTimeout(total=BOOTSTRAP_WAIT_S + 10)
         token = self.config.admin_token
         headers = {"Authorization": f"Bearer {token}"} if token else None
-        async with self._http.post(url, json=body, headers=headers) as resp:
+        async with self._http.post(url, json=body, headers=headers, timeout=timeout) as resp:
             if resp.status == 404:
                 return None
             resp.raise_for_status()
