@@ -14,6 +14,7 @@ second replica. Exiting instead makes Kubernetes restart the pod, which register
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import random
@@ -72,7 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace, env=os.environ) -> OperatorConfig:
     base = OperatorConfig.from_env(env)
-    return OperatorConfig(
+    return dataclasses.replace(
+        base,
         image=args.image or base.image,
         image_pull_policy=args.image_pull_policy or base.image_pull_policy,
         resync_seconds=args.resync_seconds or base.resync_seconds,

@@ -1,7 +1,8 @@
 """One reconcile pass for one graph: read, decide (pure modules), write. The I/O glue.
 
 `sync_graph` is what every kopf handler calls: it validates the graph, builds the desired objects
-(`manifests`), lists what the graph owns, applies the plan (`reconcile`), computes the status
+(`manifests`), makes sure the graph's admin-token Secret exists, lists what the graph owns,
+applies the plan (`reconcile`), computes the status
 (`status`), patches it when it changed and posts an Event when the graph newly becomes Degraded
 or its gateway newly rejects it.
 Idempotent: running it twice in a row changes nothing the second time. Passes for one graph are
@@ -11,6 +12,7 @@ serialised by a lock, because the create handler, the timer and Deployment event
 import asyncio
 import datetime
 import logging
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +35,7 @@ from .manifests import (
     LABEL_SERVICE,
     MANAGED_BY,
     Owner,
+    admin_token_secret_object,
     deployment_name,
     desired_objects,
     frontend_service_name,
@@ -51,17 +54,24 @@ from .status import (
 
 log = logging.getLogger(__name__)
 
-# Every kind a graph may own, in creation order; the last two come from CRDs that may be absent.
+# Every kind a graph may own, in creation order; the last three come from CRDs that may be absent.
+# (Its admin-token Secret is not listed: the operator only creates it, see _ensure_admin_token.)
 MANAGED_KINDS: list[tuple[str, str]] = [
     ("v1", "ServiceAccount"),
     ("rbac.authorization.k8s.io/v1", "Role"),
     ("rbac.authorization.k8s.io/v1", "RoleBinding"),
     ("v1", "ConfigMap"),
     ("v1", "Service"),
+    ("networking.k8s.io/v1", "NetworkPolicy"),
     ("apps/v1", "Deployment"),
+    ("policy/v1", "PodDisruptionBudget"),
     ("inference.networking.k8s.io/v1", "InferencePool"),
     ("gateway.networking.k8s.io/v1", "HTTPRoute"),
+    ("monitoring.coreos.com/v1", "PodMonitor"),
 ]
+# Kinds rendered only where their CRD is served, without a problem where it is not: a cluster
+# without the Prometheus Operator simply gets no PodMonitor.
+OPTIONAL_KINDS = frozenset({"PodMonitor"})
 _CRD_SOURCES = {
     "InferencePool": "the Gateway API Inference Extension CRDs (inference.networking.k8s.io)",
     "HTTPRoute": "the Gateway API CRDs (gateway.networking.k8s.io)",
@@ -127,7 +137,7 @@ def missing_crd_problems(desired: list[dict[str, Any]], missing: set[str]) -> li
             "CRDMissing",
             f"{kind}: not served by this cluster; install {_CRD_SOURCES.get(kind, 'its CRD')}",
         )
-        for kind in sorted(missing & {o["kind"] for o in desired})
+        for kind in sorted((missing - OPTIONAL_KINDS) & {o["kind"] for o in desired})
     ]
 
 
@@ -144,6 +154,8 @@ async def reconcile(api: KubeApi, body: dict[str, Any], config: OperatorConfig) 
     live = {object_key(o): o for o in actual if owned_by(o, owner.uid)}
     wants_route = False
     if desired is not None:
+        assert graph is not None  # objects come from a graph that loaded
+        problems += await _ensure_admin_token(api, graph, owner)
         problems += missing_crd_problems(desired, missing)
         wants_route = any(o["kind"] == "HTTPRoute" for o in desired)
         servable = [o for o in desired if o["kind"] not in missing]
@@ -159,6 +171,22 @@ async def reconcile(api: KubeApi, body: dict[str, Any], config: OperatorConfig) 
     )
     status.scale = scale_status(graph, owner.name, live)
     return Outcome(status_body(status), problems)
+
+
+async def _ensure_admin_token(api: KubeApi, graph: DynamoGraph, owner: Owner) -> list[Problem]:
+    """Create the graph's admin-token Secret with a random token; a 409 means it exists (made
+    by an earlier pass, or beforehand by someone who chose the token), which is fine. Create is
+    the operator's only right on Secrets: it never reads one, and the token is never logged."""
+    secret = admin_token_secret_object(graph, owner, secrets.token_urlsafe(32))
+    name = secret["metadata"]["name"]
+    try:
+        await api.create(secret)
+    except ApiError as exc:
+        if exc.status == 409:
+            return []
+        return [Problem("ApplyFailed", f"create Secret {name}: {exc}")]
+    log.info("created Secret %s/%s (the graph's admin token)", owner.namespace, name)
+    return []
 
 
 async def _list_owned(api: KubeApi, owner: Owner) -> tuple[list[dict[str, Any]], set[str]]:

@@ -2,9 +2,13 @@
 
 For one DynamoGraph this builds, in creation order: the discovery ServiceAccount, Role and
 RoleBinding (pods get/list/watch, used by the EPP and by the frontends), the EPP's router
-ConfigMap, the EPP and frontend Services, a Deployment per service, the InferencePool over the
-decode/aggregated worker pods, and an HTTPRoute when the gateway names a parentRef. Every object
-carries the graph's labels and a controller ownerReference, so deleting the graph deletes them.
+ConfigMap, the EPP and frontend Services, the NetworkPolicies of the engine and EPP pods, a
+Deployment per service with a PodDisruptionBudget for the EPP and every service of more than
+one replica, the InferencePool over the decode/aggregated worker pods, an HTTPRoute when the
+gateway names a parentRef, and a PodMonitor (applied only where its CRD is served). Apart from
+them, `admin_token_secret_object` is the Secret the engines read their admin token from. Every
+object carries the graph's labels and a controller ownerReference, so deleting the graph
+deletes them.
 
 The pods run the command lines of the contract (docs/contracts.md): `dynamograph worker` with
 the frontend sidecar in engine pods that serve requests, `dynamograph epp`, and standalone
@@ -38,12 +42,15 @@ from dynamograph.protocol.graph import (
     ServiceSpec,
 )
 from dynamograph.protocol.launch import (
+    ADMIN_TOKEN_KEY,
     ENGINE_PORT,
     EPP_GRPC_PORT,
     EPP_HEALTH_PORT,
     EPP_METRICS_PORT,
     HTTP_PORT,
     KV_EVENTS_PORT,
+    admin_token_env,
+    admin_token_secret,
     graph_router,
     kv_replay_port,
     router_config,
@@ -71,6 +78,21 @@ ROUTER_CONFIG_FILE = "router.yaml"
 EPP_TLS_DIR = "/etc/dynamograph/epp-tls"
 EPP_TLS_VOLUME = "epp-tls"
 POOL_GROUP = "inference.networking.k8s.io"
+MONITORING_API_VERSION = "monitoring.coreos.com/v1"
+
+# The EPP's rollout drains streams: on deletion its pod first keeps serving for the preStop
+# sleep (gateways learn from the EndpointSlice that it is going and open no new streams there),
+# then SIGTERM turns readiness off and the streams in flight get `--drain-grace` to finish;
+# the kubelet kills it at terminationGracePeriodSeconds. `extraPodSpec`'s
+# terminationGracePeriodSeconds sets the whole budget; sleep and drain grace follow from it.
+EPP_TERMINATION_GRACE_SECONDS = 130
+EPP_PRESTOP_SECONDS = 10
+EPP_STOP_MARGIN_SECONDS = 5  # after the drain: closing the index and the servers
+# Defaults for the containers without GPUs, when the service's resources say nothing. No CPU
+# limits: CFS throttling shows up as tail latency on the routing path; memory is limited.
+EPP_RESOURCES = {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}}
+FRONTEND_RESOURCES = {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}}
+SIDECAR_RESOURCES = {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
 
 
 @functools.cache
@@ -123,6 +145,11 @@ def discovery_name(graph: str) -> str:
 
 def router_config_name(graph: str) -> str:
     return f"{graph}-router"
+
+
+def engines_policy_name(graph: str) -> str:
+    """The NetworkPolicy of the graph's engine pods (the EPP's is `epp_service_name`)."""
+    return f"{graph}-engines"
 
 
 def graph_labels(graph: str) -> dict[str, str]:
@@ -251,7 +278,11 @@ def frontend_args(graph: DynamoGraph, owner: Owner, *, sidecar: bool, mode: str)
 
 
 def epp_args(
-    graph: DynamoGraph, owner: Owner, router: RouterSpec, tls: EppTlsSpec | None = None
+    graph: DynamoGraph,
+    owner: Owner,
+    router: RouterSpec,
+    tls: EppTlsSpec | None = None,
+    drain_grace: int | None = None,
 ) -> list[str]:
     args = [
         "epp",
@@ -282,6 +313,8 @@ def epp_args(
     ]
     if router.enforce_disagg:
         args.append("--enforce-disagg")
+    if drain_grace is not None:
+        args += ["--drain-grace", str(drain_grace)]
     return args + _tls_args(tls or EppTlsSpec())
 
 
@@ -394,7 +427,7 @@ def _engine_container(
     resources = {k: v for k, v in (("requests", requests), ("limits", limits)) if v}
     # Model loading takes minutes on vLLM; the startup probe holds liveness off until then.
     startup_failures = -(-graph.spec.startup_seconds(spec) // STARTUP_PROBE_PERIOD)
-    env = _downward_env()
+    env = [*_downward_env(), admin_token_env(graph)]
     if graph.spec.model.cache is not None:
         env.append({"name": "HF_HOME", "value": MODEL_CACHE_DIR})
     fields: dict[str, Any] = {}
@@ -430,12 +463,11 @@ def _frontend_container(
 ) -> dict[str, Any]:
     if sidecar:
         mode = "direct"  # the EPP already chose; the sidecar follows the routing headers
-        resources: dict[str, Any] = {"requests": {"cpu": "100m", "memory": "256Mi"}}
+        resources: dict[str, Any] = copy.deepcopy(SIDECAR_RESOURCES)
         env = _downward_env()
     else:
         mode = str(spec.router.mode) if spec.router is not None else "kv"
-        cpu_memory = _cpu_memory(spec)
-        resources = {"requests": cpu_memory, "limits": cpu_memory} if cpu_memory else {}
+        resources = _resources_or(spec, FRONTEND_RESOURCES)
         env = _downward_env() + _user_env(spec)
     return _container(
         "frontend",
@@ -452,10 +484,34 @@ def _frontend_container(
     )
 
 
-def _epp_container(
-    graph: DynamoGraph, owner: Owner, spec: ServiceSpec, image: str, config: OperatorConfig
-) -> dict[str, Any]:
+def _resources_or(spec: ServiceSpec, default: dict[str, Any]) -> dict[str, Any]:
+    """The service's cpu/memory as requests and limits, else `default`."""
     cpu_memory = _cpu_memory(spec)
+    if cpu_memory:
+        return {"requests": cpu_memory, "limits": dict(cpu_memory)}
+    return copy.deepcopy(default)
+
+
+def epp_grace(spec: ServiceSpec, path: str) -> tuple[int, int, int]:
+    """(terminationGracePeriodSeconds, preStop sleep, --drain-grace) of an EPP service: the
+    budget is extraPodSpec's terminationGracePeriodSeconds or EPP_TERMINATION_GRACE_SECONDS."""
+    grace = spec.extra_pod_spec.get("terminationGracePeriodSeconds", EPP_TERMINATION_GRACE_SECONDS)
+    if not isinstance(grace, int) or isinstance(grace, bool) or grace < 0:
+        raise GraphError([(f"{path}.terminationGracePeriodSeconds", "must be an integer >= 0")])
+    sleep = min(EPP_PRESTOP_SECONDS, grace // 4)
+    return grace, sleep, max(grace - sleep - EPP_STOP_MARGIN_SECONDS, 0)
+
+
+def _epp_container(
+    graph: DynamoGraph,
+    owner: Owner,
+    spec: ServiceSpec,
+    image: str,
+    config: OperatorConfig,
+    name: str,
+) -> dict[str, Any]:
+    _, sleep, drain = epp_grace(spec, f"spec.services.{name}.extraPodSpec")
+    lifecycle = {"preStop": {"sleep": {"seconds": sleep}}} if sleep else {}
     tls = epp_tls(graph)
     mounts = [{"name": "router-config", "mountPath": ROUTER_CONFIG_DIR, "readOnly": True}]
     if tls.mode == EppTlsMode.SECRET:
@@ -463,7 +519,7 @@ def _epp_container(
     return _container(
         "epp",
         image,
-        epp_args(graph, owner, graph_router(graph), tls),
+        epp_args(graph, owner, graph_router(graph), tls, drain),
         config,
         ports=[
             {"name": "grpc", "containerPort": EPP_GRPC_PORT, "protocol": "TCP"},
@@ -471,8 +527,9 @@ def _epp_container(
             {"name": "metrics", "containerPort": EPP_METRICS_PORT, "protocol": "TCP"},
         ],
         env=_downward_env() + _user_env(spec),
-        resources={"requests": cpu_memory, "limits": cpu_memory} if cpu_memory else {},
+        resources=_resources_or(spec, EPP_RESOURCES),
         volumeMounts=mounts,
+        **({"lifecycle": lifecycle} if lifecycle else {}),
         # The EPP's gRPC health services: readiness (a serving worker is known, not draining)
         # and liveness (the process runs).
         readinessProbe=_grpc_probe(EPP_HEALTH_PORT, "readiness", 5, 3),
@@ -559,7 +616,7 @@ def _deployment(
             containers.append(_frontend_container(graph, owner, spec, image, config, sidecar=True))
             pod_labels[LABEL_SERVING] = "true"
     elif kind == ComponentType.EPP:
-        containers = [_epp_container(graph, owner, spec, image, config)]
+        containers = [_epp_container(graph, owner, spec, image, config, name)]
         annotations["prometheus.io/port"] = str(EPP_METRICS_PORT)
         volumes.append(
             {"name": "router-config", "configMap": {"name": router_config_name(graph.name)}}
@@ -578,7 +635,13 @@ def _deployment(
         "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
         "containers": containers,
         # Engines drain in-flight requests on SIGTERM before exiting.
-        "terminationGracePeriodSeconds": 60 if kind in ENGINE_TYPES else 30,
+        "terminationGracePeriodSeconds": (
+            epp_grace(spec, "")[0]
+            if kind == ComponentType.EPP
+            else 60
+            if kind in ENGINE_TYPES
+            else 30
+        ),
     }
     pod_spec.update(_placement(spec))
     if volumes:
@@ -609,6 +672,12 @@ def _deployment(
         deployment_spec["strategy"] = {
             "type": "RollingUpdate",
             "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1},
+        }
+    elif kind == ComponentType.EPP:
+        # The new EPP is ready before an old one starts draining: the gateway always has one.
+        deployment_spec["strategy"] = {
+            "type": "RollingUpdate",
+            "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
         }
     return {
         "apiVersion": "apps/v1",
@@ -710,6 +779,153 @@ def _http_route(graph: DynamoGraph, owner: Owner) -> dict[str, Any]:
     }
 
 
+def _pod_disruption_budget(
+    graph: DynamoGraph, owner: Owner, name: str, spec: ServiceSpec
+) -> dict[str, Any]:
+    """One pod at a time may be evicted (node drains, cluster autoscaling): never a budget that
+    blocks a drain (a single-replica EPP may go; run two for drains without a gap), and pods
+    that are not Ready may always be evicted (a crash-looping pod must not hold a node)."""
+    kind = ComponentType(spec.component_type)
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(
+            owner, deployment_name(graph.name, name), service_labels(graph.name, name, kind)
+        ),
+        "spec": {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": {LABEL_GRAPH: graph.name, LABEL_SERVICE: name}},
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    }
+
+
+def _component_peer(graph: DynamoGraph, **labels: str) -> dict[str, Any]:
+    """Pods of this graph (in its namespace) with these labels, as a NetworkPolicyPeer."""
+    return {"podSelector": {"matchLabels": {LABEL_GRAPH: graph.name, **labels}}}
+
+
+def _tcp(port: int, end: int | None = None) -> dict[str, Any]:
+    return {"protocol": "TCP", "port": port, **({"endPort": end} if end and end > port else {})}
+
+
+def _gateway_peers(graph: DynamoGraph, owner: Owner, config: OperatorConfig) -> list[dict]:
+    """Who may open ext_proc streams to the EPP: the configured peers, else the namespace of the
+    graph's Gateway (where kgateway, Istio and GAIE's reference gateway run their proxies), else
+    (no parentRef: the gateway is not known here) anyone."""
+    if config.gateway_from:
+        return [copy.deepcopy(peer) for peer in config.gateway_from]
+    parent = graph.spec.gateway.parent_ref
+    if parent is None:
+        return []
+    namespace = parent.namespace or owner.namespace
+    return [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}}}]
+
+
+def _rule(ports: list[dict[str, Any]], peers: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """An ingress rule; `peers` None means from anywhere (a rule without `from`)."""
+    return {"ports": ports} if peers is None else {"from": peers, "ports": ports}
+
+
+def _network_policies(
+    graph: DynamoGraph, owner: Owner, config: OperatorConfig
+) -> list[dict[str, Any]]:
+    """Ingress allow-lists for the engine pods and the EPP pods (docs/security.md).
+
+    Engines: their engine HTTP port (OpenAI API, /v1/engine, admin endpoints) and KV-event and
+    replay sockets from the graph's EPP and frontends (standalone, and the sidecars of the
+    serving pods); every port from the graph's other engines (the disaggregated hand-off: KV
+    pulls, vLLM's NIXL side channel and transfer ports); the frontend sidecar's serving port
+    from anyone (the InferencePool's targetPort: the gateway's proxies, and in-cluster clients
+    of the frontend Service); the engine port from Prometheus (`metrics_from`, it serves
+    /metrics). EPP: gRPC (and its health port) from the gateway, metrics from Prometheus. The
+    kubelet's probes are node traffic, which NetworkPolicy does not filter."""
+    engines = graph.spec.services_of(*ENGINE_TYPES)
+    widest = max(spec.data_parallel_size for spec in engines.values())
+    kv = _tcp(KV_EVENTS_PORT, kv_replay_port(widest) + widest - 1)
+    routers = [
+        _component_peer(graph, **{LABEL_COMPONENT: ComponentType.EPP.value}),
+        _component_peer(graph, **{LABEL_COMPONENT: ComponentType.FRONTEND.value}),
+    ]
+    engine_peers = [
+        {
+            "podSelector": {
+                "matchLabels": {LABEL_GRAPH: graph.name},
+                "matchExpressions": [
+                    {
+                        "key": LABEL_COMPONENT,
+                        "operator": "In",
+                        "values": sorted(str(k) for k in ENGINE_TYPES),
+                    }
+                ],
+            }
+        }
+    ]
+    metrics = [copy.deepcopy(peer) for peer in config.metrics_from]
+    engine_rules = [
+        _rule([_tcp(ENGINE_PORT), kv], routers),
+        {"from": engine_peers},  # every port
+        _rule([_tcp(HTTP_PORT)], None),
+    ]
+    if metrics:
+        engine_rules.append(_rule([_tcp(ENGINE_PORT)], metrics))
+
+    def policy(name: str, selector: dict[str, Any], rules: list[dict[str, Any]]) -> dict:
+        return {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": _meta(owner, name, graph_labels(graph.name)),
+            "spec": {"podSelector": selector, "policyTypes": ["Ingress"], "ingress": rules},
+        }
+
+    engine_pods = copy.deepcopy(engine_peers[0]["podSelector"])
+    out = [policy(engines_policy_name(graph.name), engine_pods, engine_rules)]
+    if graph.spec.services_of(ComponentType.EPP):
+        gateway = _gateway_peers(graph, owner, config)
+        epp_rules = [
+            _rule([_tcp(EPP_GRPC_PORT), _tcp(EPP_HEALTH_PORT)], gateway or None),
+        ]
+        if metrics:
+            epp_rules.append(_rule([_tcp(EPP_METRICS_PORT)], metrics))
+        selector = {"matchLabels": {LABEL_GRAPH: graph.name, LABEL_COMPONENT: "epp"}}
+        out.append(policy(epp_service_name(graph.name), selector, epp_rules))
+    return out
+
+
+def _pod_monitor(graph: DynamoGraph, owner: Owner, config: OperatorConfig) -> dict[str, Any]:
+    """Prometheus Operator's PodMonitor for every pod of the graph, by port name: engines serve
+    /metrics on `engine`, frontends (sidecar or standalone) on `http`, the EPP on `metrics`.
+    The job label is the component type; graph and service become target labels."""
+    return {
+        "apiVersion": MONITORING_API_VERSION,
+        "kind": "PodMonitor",
+        "metadata": _meta(
+            owner, graph.name, {**config.pod_monitor_labels, **graph_labels(graph.name)}
+        ),
+        "spec": {
+            "selector": {"matchLabels": {LABEL_GRAPH: graph.name, LABEL_MANAGED_BY: MANAGED_BY}},
+            "jobLabel": LABEL_COMPONENT,
+            "podTargetLabels": [LABEL_GRAPH, LABEL_SERVICE],
+            "podMetricsEndpoints": [
+                {"port": port, "path": "/metrics"} for port in ("engine", "http", "metrics")
+            ],
+        },
+    }
+
+
+def admin_token_secret_object(graph: DynamoGraph, owner: Owner, token: str) -> dict[str, Any]:
+    """The graph's admin-token Secret (protocol.launch.admin_token_secret) holding `token`. Not
+    among `desired_objects`: the operator only ever creates it (a random token, once), never
+    reads, compares or patches it, so it holds no right to read Secrets."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(owner, admin_token_secret(graph), graph_labels(graph.name)),
+        "type": "Opaque",
+        "stringData": {ADMIN_TOKEN_KEY: token},
+    }
+
+
 def desired_objects(
     graph: DynamoGraph, owner: Owner, config: OperatorConfig
 ) -> list[dict[str, Any]]:
@@ -773,13 +989,20 @@ def desired_objects(
             [{"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"}],
         )
     )
+    if config.network_policy:
+        objects += _network_policies(graph, owner, config)
     for name, spec in graph.spec.services.items():
         try:
             objects.append(_deployment(graph, owner, name, spec, config))
         except GraphError as exc:
             errors += exc.errors
+        if spec.component_type == ComponentType.EPP or spec.replicas > 1:
+            objects.append(_pod_disruption_budget(graph, owner, name, spec))
     if errors:
         raise GraphError(errors)
+    if config.pod_monitor:
+        objects.append(_pod_monitor(graph, owner, config))
+
     if epp_name is not None:
         objects.append(_inference_pool(graph, owner))
         if graph.spec.gateway.parent_ref is not None:

@@ -347,7 +347,11 @@ def up(s: Settings) -> None:
     for argv in kgateway_installs(s):
         run(argv)
     run(kubectl_apply(s, CRD_DIR))
-    run(helm_install(s, OPERATOR_RELEASE, CHART, OPERATOR_NAMESPACE, values=image_values(s.image)))
+    # The suite reads pods' /metrics through the API server's pod proxy, which connects from a
+    # node, not from a Prometheus namespace: the graphs' NetworkPolicies (kindnet enforces them)
+    # let the metrics ports take any source here.
+    values = {**image_values(s.image), "networkPolicy.metricsFrom[0].ipBlock.cidr": "0.0.0.0/0"}
+    run(helm_install(s, OPERATOR_RELEASE, CHART, OPERATOR_NAMESPACE, values=values))
     apply_objects(s, [namespace_manifest(s.namespace), gateway_manifest(s.namespace)])
     run(
         kubectl(

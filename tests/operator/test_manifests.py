@@ -71,8 +71,14 @@ def test_disagg_objects():
         ("Deployment", "disagg-prefill"),
         ("Deployment", "disagg-decode"),
         ("Deployment", "disagg-epp"),
+        ("NetworkPolicy", "disagg-engines"),
+        ("NetworkPolicy", "disagg-epp"),
+        ("PodDisruptionBudget", "disagg-epp"),
+        ("PodDisruptionBudget", "disagg-prefill"),  # 2 replicas
+        ("PodDisruptionBudget", "disagg-decode"),  # 2 replicas
         ("InferencePool", "disagg"),
         ("HTTPRoute", "disagg"),
+        ("PodMonitor", "disagg"),
     }
     for obj in objs.values():
         meta = obj["metadata"]
@@ -289,7 +295,7 @@ def all_examples():
 def test_builtin_objects_validate_strictly():
     checked = 0
     for obj in all_examples():
-        if obj["kind"] in ("InferencePool", "HTTPRoute"):
+        if obj["kind"] in ("InferencePool", "HTTPRoute", "PodMonitor"):
             continue
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
         checked += 1
