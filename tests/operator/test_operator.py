@@ -322,23 +322,6 @@ async def test_deleted_or_edited_deployment_is_repaired(cluster):
         await wait_for(reverted, "the hand edit to be reverted", within=20)
 
 
-async def test_timer_repairs_objects_nothing_watches(cluster):
-    """The operator watches Deployments only; the per-graph timer repairs the rest."""
-    with running_operator(resync=1.0):
-        await create_graph(cluster, disagg_graph())
-        await wait_ready(cluster)
-        old_uid = live(cluster, "v1/configmaps", "g-router")["metadata"]["uid"]
-        response = await cluster.delete(f"/api/v1/namespaces/{NAMESPACE}/configmaps/g-router")
-        assert response.status == 200
-
-        def recreated():
-            cm = live(cluster, "v1/configmaps", "g-router")
-            return cm if cm and cm["metadata"]["uid"] != old_uid else None
-
-        cm = await wait_for(recreated, "the router ConfigMap to come back", within=20)
-        assert "router.yaml" in cm["data"]
-
-
 async def test_invalid_spec_is_degraded_with_an_event(cluster):
     body = disagg_graph()
     # Valid for the CRD schema (extraPodSpec keeps unknown fields), not for a PodSpec.
@@ -403,33 +386,6 @@ async def test_missing_crd_and_foreign_object_are_reported(cluster):
             assert live(cluster, DEPLOYMENTS, name) is not None
         assert live(cluster, "v1/services", "g-frontend")["spec"]["selector"] == {"app": "other"}
         await wait_quiet(cluster, limit=15)
-
-
-async def test_deleting_the_graph_finishes_cleanly(cluster):
-    with running_operator():
-        await create_graph(cluster, disagg_graph())
-        await wait_ready(cluster)
-        assert live(cluster, GRAPHS, "g")["metadata"]["finalizers"]
-
-        response = await cluster.delete(f"{GRAPH_PATH}/g")
-        assert response.status == 200
-        await wait_for(
-            lambda: live(cluster, GRAPHS, "g") is None, "the graph to be deleted", within=20
-        )
-
-        # The emulator's garbage collector follows the ownerReferences, as Kubernetes' does. (A
-        # pass already under way when the graph went may still create an object; its owner is
-        # gone, so the collector removes it again, here as in a real cluster.)
-        def all_collected():
-            return all(
-                live(cluster, resource, name) is None
-                for resource, names in OWNED.items()
-                for name in names
-            )
-
-        # The operator goes quiet (no handler keeps acting on the deleted graph) with nothing left.
-        await wait_quiet(cluster)
-        assert all_collected()
 
 
 async def test_a_graph_deleted_while_its_timer_runs_a_pass_goes_promptly(cluster, caplog):
