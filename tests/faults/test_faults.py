@@ -27,7 +27,7 @@ from dynamograph.bench.soak import (
     wait_bookings_drained,
 )
 from dynamograph.local import procs
-from e2e.traffic import chat, chat_body, metric_sum, prompt_families, scrape
+from e2e.traffic import chat, chat_body, epp_ready_workers, metric_sum, prompt_families, scrape
 from e2e.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
@@ -116,6 +116,35 @@ async def test_kv_index_recovers_after_an_epp_restart(faults):
         followers = [await chat(session, base, chat_body(faults.model, p)) for p in prompts[1:]]
     assert [r.status for r in followers] == [200] * 3, [r.text for r in followers]
     assert [r.decode_worker for r in followers] == [first.decode_worker] * 3
+
+
+@on_the_stack
+async def test_the_graph_keeps_serving_while_a_worker_hangs(faults):
+    """A worker that hangs (SIGSTOP: its sockets accept, nothing answers) for longer than the
+    faults above holds the requests already on it, but the EPP notices (its scrapes fail) and
+    drops it, the graph keeps serving meanwhile, and it is taken back once it answers again."""
+    proc = faults.proc(TARGETS["worker"])
+    metrics = epp_metrics_url(faults.stack)
+    async with (
+        aiohttp.ClientSession() as session,
+        SteadyLoad(faults.base_url, faults.model, clients=6, timeout=60) as load,
+    ):
+
+        async def ready_workers_is(n: int) -> bool:
+            return sum(epp_ready_workers(await scrape(session, metrics)).values()) == n
+
+        await wait_for(lambda: ready_workers_is(3), "all three workers ready", within=60)
+        await load.wait_answered(5, within=60)
+        procs.signal_group(proc.pid, signal.SIGSTOP)
+        try:
+            await wait_for(
+                lambda: ready_workers_is(2), "the EPP to drop the hung worker", within=20
+            )
+            await load.wait_answered(30, within=20)
+        finally:
+            procs.signal_group(proc.pid, signal.SIGCONT)
+        await wait_for(lambda: ready_workers_is(3), "the worker taken back", within=60)
+    assert load.outcomes.counts[UNANSWERED] == 0, load.outcomes.examples
 
 
 def error_lines(log_dir) -> list[str]:
