@@ -33,6 +33,9 @@ COMMANDS = {
     "down": Command("dynamograph.local.down", "stop a graph started with `up --detach`"),
     "crds": Command("dynamograph.operator.crds", "write the CustomResourceDefinitions to crds/"),
     "bench": Command("dynamograph.bench.cli", "run a benchmark and print its table"),
+    "kv-curve-keys": Command(
+        "dynamograph.protocol.kv_curve", "write a key folder for the KV-event stream's CURVE option"
+    ),
 }
 
 

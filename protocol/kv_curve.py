@@ -14,7 +14,8 @@ holding the graph's client key. One key folder serves a whole graph, laid out as
 Workers read the two `server` files and the public `*.key` files; subscribers read `server.key`
 and `client.key_secret`. A subscriber without keys, or with another graph's, completes no
 handshake and receives nothing. The folder is `$DYNAMOGRAPH_KV_CURVE_DIR` or a component's
-`--kv-curve-dir`; `create_keys(folder)` (`dynamograph kv-curve-keys FOLDER`) makes one.
+`--kv-curve-dir`; `create_keys(folder)` (`dynamograph kv-curve-keys FOLDER`, this module's
+`add_arguments`/`run`) makes one.
 """
 
 import argparse
@@ -112,3 +113,14 @@ def add_kv_curve_argument(parser: argparse.ArgumentParser) -> None:
 def kv_curve_from_args(args: argparse.Namespace) -> CurveKeys | None:
     """The folder `--kv-curve-dir` names, checked; None when CURVE is off."""
     return CurveKeys.load(args.kv_curve_dir) if args.kv_curve_dir else None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("folder", help="where to write server.key[_secret] and client.key[_secret]")
+
+
+def run(args: argparse.Namespace) -> int:
+    """`dynamograph kv-curve-keys FOLDER`: a new key folder for one graph."""
+    folder = create_keys(args.folder)
+    print(f"KV-event CURVE keys written to {folder}: mount it on the workers and subscribers")
+    return 0
