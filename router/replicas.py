@@ -67,6 +67,7 @@ class ReplicaSettings:
     namespace: str = "default"
     pod_port: int = 9004
     pod_processes: int = 1
+    pod_api: Any = None  # a kubernetes_asyncio Configuration (None: in-cluster or KUBECONFIG)
 
 
 @dataclass
@@ -139,8 +140,9 @@ class ReplicaSync:
             loop.create_task(self._heartbeat()),
         ]
         if self.settings.pod_selector:
+            s = self.settings
             source = KubernetesSource(
-                self.settings.namespace, self.settings.pod_selector, target=peer_pod_target
+                s.namespace, s.pod_selector, s.pod_api, target=peer_pod_target
             )
             self._tasks.append(loop.create_task(source.run(self)))
         log.info("replica sync on %s, %d peer(s)", self.address, len(self._addresses))
