@@ -14,6 +14,7 @@ One mapping, so a graph behaves the same in both places (docs/contracts.md):
 from typing import Any
 
 from .graph import ComponentType, DynamoGraph, RouterMode, RouterSpec, ServiceSpec
+from .kv_curve import KV_CURVE_ENV
 from .router_config import dynamo_scorers
 
 # Contract ports (docs/contracts.md).
@@ -44,6 +45,27 @@ def admin_token_env(graph: DynamoGraph) -> dict[str, Any]:
     """The engine container's env entry for the admin token: from the graph's Secret."""
     ref = {"name": admin_token_secret(graph), "key": ADMIN_TOKEN_KEY}
     return {"name": ADMIN_TOKEN_ENV, "valueFrom": {"secretKeyRef": ref}}
+
+
+# The KV-event stream's CURVE option (protocol/kv_curve.py, off by default): a graph's key folder
+# is the Secret `<graph>-kv-curve` (the files `dynamograph kv-curve-keys` writes), mounted
+# read-only at KV_CURVE_DIR in every engine, EPP and kv-mode frontend container and named to
+# them by $DYNAMOGRAPH_KV_CURVE_DIR (docs/security.md).
+KV_CURVE_DIR = "/etc/dynamograph/kv-curve"
+KV_CURVE_VOLUME = "kv-curve"
+
+
+def kv_curve_secret(graph: DynamoGraph) -> str:
+    """The Secret (in the graph's namespace) that holds the graph's KV-event CURVE keys."""
+    return f"{graph.name}-kv-curve"
+
+
+def kv_curve_mount(graph: DynamoGraph) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(pod volume, container volumeMount, container env entry) that give a container the
+    graph's KV-event CURVE keys."""
+    volume = {"name": KV_CURVE_VOLUME, "secret": {"secretName": kv_curve_secret(graph)}}
+    mount = {"name": KV_CURVE_VOLUME, "mountPath": KV_CURVE_DIR, "readOnly": True}
+    return volume, mount, {"name": KV_CURVE_ENV, "value": KV_CURVE_DIR}
 
 
 _ROLES = {
