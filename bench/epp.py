@@ -264,9 +264,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-async def _start_epp(workers_file: Path, picker: str, count: int, processes: int = 1):
+async def _start_epp(
+    workers_file: Path, picker: str, count: int, processes: int = 1, extra: tuple[str, ...] = ()
+):
     """`dynamograph epp` (with `processes` > 1: that many, on one port, syncing bookings;
-    its metrics page merges theirs), once every process knows the fleet."""
+    its metrics page merges theirs; `extra`: more of its flags), once every process knows the
+    fleet."""
     grpc_port, health_port, metrics_port = _free_port(), _free_port(), _free_port()
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "dynamograph.cli", "epp",
@@ -274,7 +277,7 @@ async def _start_epp(workers_file: Path, picker: str, count: int, processes: int
         "--health-port", str(health_port), "--metrics-port", str(metrics_port),
         "--workers-file", str(workers_file), "--endpoint-picker", picker,
         "--scrape-interval", "1.0",
-        "--processes", str(processes), "--replica-port", str(_free_port()),
+        "--processes", str(processes), "--replica-port", str(_free_port()), *extra,
         stdin=asyncio.subprocess.DEVNULL,
     )  # fmt: skip
     deadline = time.monotonic() + 120
@@ -547,6 +550,88 @@ async def _measure_streaming(args, workers_file: Path, bodies: list[bytes]) -> d
     }
 
 
+async def _measure_through_envoy(args, workers_file: Path) -> list[dict] | None:
+    """EPP CPU per streamed token through a real Envoy (`local/envoy.py`'s config, the response
+    body mode set per row) in front of the fleet: streamed chats answered with one token and
+    with `--response-chunks` tokens, alternating in rounds; the difference per extra token is
+    what the response path costs the EPP (an engine may put several tokens in one chunk, so
+    this is per token, not per chunk). The EPP runs with `--kv-events off`: the answers' own
+    KV blocks would otherwise add their ingestion to the longer answers. None without an Envoy
+    binary."""
+    from dynamograph.local.envoy import (
+        EXT_PROC_FILTER,
+        EnvoyNotFound,
+        envoy_config,
+        find_envoy,
+        run_envoy,
+    )
+
+    try:
+        find_envoy()
+    except EnvoyNotFound:
+        return None
+    tokens, rounds = args.response_chunks, 4
+    per_round = max(8, args.load_requests // (4 * rounds))
+    proc, port, _ = await _start_epp(
+        workers_file, "random", args.workers, extra=("--kv-events", "off")
+    )
+    rows = []
+    try:
+        for mode in ("FULL_DUPLEX_STREAMED", "NONE"):
+            config = envoy_config(_free_port(), _free_port(), f"127.0.0.1:{port}")
+            manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+            for http_filter in manager["typed_config"]["http_filters"]:
+                if http_filter["name"] == EXT_PROC_FILTER:
+                    http_filter["typed_config"]["processing_mode"]["response_body_mode"] = mode
+            spent, events = {1: 0.0, tokens: 0.0}, {1: 0, tokens: 0}
+            async with run_envoy(config) as envoy, aiohttp.ClientSession() as http:
+
+                async def one(i: int, count: int) -> int:
+                    body = {
+                        "model": MODEL,
+                        "messages": [{"role": "user", "content": f"stream {i} please"}],
+                        "max_tokens": count,
+                        "ignore_eos": True,
+                        "stream": True,
+                    }
+                    url = envoy.url + "/v1/chat/completions"
+                    async with http.post(url, json=body) as response:
+                        text = await response.read()
+                        if response.status != 200:
+                            raise RuntimeError(f"HTTP {response.status}: {text[:200]!r}")
+                    return text.count(b"data: ")
+
+                await asyncio.gather(*(one(i, tokens) for i in range(args.concurrency)))
+                for n in range(2 * rounds):
+                    count = 1 if n % 2 == 0 else tokens
+                    queue = iter(range(n * per_round, (n + 1) * per_round))
+                    cpu0 = _cpu_seconds(proc.pid)
+
+                    async def client(queue=queue, count=count, events=events) -> None:
+                        for i in queue:
+                            events[count] += await one(i, count)
+
+                    await asyncio.gather(*(client() for _ in range(args.concurrency)))
+                    spent[count] += _cpu_seconds(proc.pid) - cpu0
+            requests = per_round * rounds
+            rows.append(
+                {
+                    "response_body_mode": mode,
+                    "cpu_ms_per_request_1_token": spent[1] / requests * 1e3,
+                    f"cpu_ms_per_request_{tokens}_tokens": spent[tokens] / requests * 1e3,
+                    "sse_events_per_response": events[tokens] / requests,
+                    "cpu_us_per_streamed_token": (spent[tokens] - spent[1])
+                    / requests
+                    / (tokens - 1)
+                    * 1e6,
+                }
+            )
+    finally:
+        proc.terminate()
+        await proc.wait()
+    return rows
+
+
 async def _measure_processes(args, workers_file: Path, bodies: list[bytes], n: int) -> dict:
     """Routed requests/s (wall) of `n` EPP processes on one port, kv mode, `--concurrency`
     streams each on a connection of its own (the kernel spreads connections, not streams)."""
@@ -616,6 +701,8 @@ async def _main(args) -> int:
                 if args.response_chunks > 1
                 else None
             )
+            if streaming is not None:
+                streaming["through_envoy"] = await _measure_through_envoy(args, workers_file)
             scaling = [
                 await _measure_processes(args, workers_file, bodies, int(n))
                 for n in args.processes.split(",")
@@ -667,6 +754,23 @@ async def _main(args) -> int:
                 for row in streaming["modes"]
             ],
         )
+        if streaming["through_envoy"] is not None:
+            print_table(
+                f"through a real Envoy (local/envoy.py's config), streamed chats of 1 and {n} "
+                "tokens: EPP CPU per streamed token, by response body mode",
+                ["response body", "ms/req, 1 token", f"ms/req, {n} tokens", "SSE events/resp",
+                 "µs per token"],
+                [
+                    [
+                        row["response_body_mode"],
+                        row["cpu_ms_per_request_1_token"],
+                        row[f"cpu_ms_per_request_{n}_tokens"],
+                        row["sse_events_per_response"],
+                        row["cpu_us_per_streamed_token"],
+                    ]
+                    for row in streaming["through_envoy"]
+                ],
+            )  # fmt: skip
     if scaling:
         print_table(
             f"EPP processes on one port (kv mode, {args.concurrency} connections; the client "
