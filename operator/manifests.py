@@ -47,6 +47,7 @@ from dynamograph.protocol.launch import (
     EPP_GRPC_PORT,
     EPP_HEALTH_PORT,
     EPP_METRICS_PORT,
+    EPP_REPLICA_PORT,
     HTTP_PORT,
     KV_EVENTS_PORT,
     admin_token_env,
@@ -315,6 +316,18 @@ def epp_args(
         args.append("--enforce-disagg")
     if drain_grace is not None:
         args += ["--drain-grace", str(drain_grace)]
+    # Active-active: every EPP pod (and process) books with the others' in-flight requests in
+    # view. On at any replica count, so scaling the EPP never changes its pod template.
+    args += [
+        "--processes",
+        str(router.processes),
+        "--replica-port",
+        str(EPP_REPLICA_PORT),
+        "--replica-selector",
+        f"{LABEL_GRAPH}={graph.name},{LABEL_COMPONENT}={ComponentType.EPP.value}",
+        "--replica-timeout",
+        f"{router.replica_timeout_seconds:g}",
+    ]
     return args + _tls_args(tls or EppTlsSpec())
 
 
@@ -525,6 +538,7 @@ def _epp_container(
             {"name": "grpc", "containerPort": EPP_GRPC_PORT, "protocol": "TCP"},
             {"name": "grpc-health", "containerPort": EPP_HEALTH_PORT, "protocol": "TCP"},
             {"name": "metrics", "containerPort": EPP_METRICS_PORT, "protocol": "TCP"},
+            {"name": "replica-sync", "containerPort": EPP_REPLICA_PORT, "protocol": "TCP"},
         ],
         env=_downward_env() + _user_env(spec),
         resources=_resources_or(spec, EPP_RESOURCES),
@@ -885,6 +899,11 @@ def _network_policies(
         epp_rules = [
             _rule([_tcp(EPP_GRPC_PORT), _tcp(EPP_HEALTH_PORT)], gateway or None),
         ]
+        # replica sync between the EPP pods: process i of a pod on EPP_REPLICA_PORT + i
+        processes = graph_router(graph).processes
+        epp_pods = _component_peer(graph, **{LABEL_COMPONENT: ComponentType.EPP.value})
+        replicas = _tcp(EPP_REPLICA_PORT, EPP_REPLICA_PORT + processes - 1)
+        epp_rules.append(_rule([replicas], [epp_pods]))
         if metrics:
             epp_rules.append(_rule([_tcp(EPP_METRICS_PORT)], metrics))
         selector = {"matchLabels": {LABEL_GRAPH: graph.name, LABEL_COMPONENT: "epp"}}
@@ -1002,7 +1021,6 @@ def desired_objects(
         raise GraphError(errors)
     if config.pod_monitor:
         objects.append(_pod_monitor(graph, owner, config))
-
     if epp_name is not None:
         objects.append(_inference_pool(graph, owner))
         if graph.spec.gateway.parent_ref is not None:

@@ -181,6 +181,7 @@ def test_epp_pod_service_and_config():
         "grpc": 9002,
         "grpc-health": 9003,
         "metrics": 9090,
+        "replica-sync": 9004,
     }
     assert main["readinessProbe"]["grpc"] == {"port": 9003, "service": "readiness"}
     assert main["livenessProbe"]["grpc"] == {"port": 9003, "service": "liveness"}
