@@ -27,6 +27,7 @@ from dynamograph.protocol.graph import GROUP, PLURAL, VERSION
 
 from .config import OperatorConfig
 from .controller import Operator, sync_graph, sync_owner_of
+from .crd_upgrade import upgrade_crd
 from .kube import ApiError, KubeApi, login
 from .manifests import LABEL_MANAGED_BY, MANAGED_BY, POOL_GROUP
 from .status import GATEWAY_GROUP
@@ -83,6 +84,8 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
     async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
         configure(settings)
         memo.operator = Operator(api=KubeApi(lambda: login(settings)), config=config)
+        # before any watch starts: graphs are read with the schema this operator was built for
+        await upgrade_crd(memo.operator.api)
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(memo: kopf.Memo, **_: Any) -> None:

@@ -44,6 +44,8 @@ RESOURCES: dict[tuple[str, str], str] = {
     ("inference.networking.k8s.io/v1", "InferencePool"): "inferencepools",
     ("gateway.networking.k8s.io/v1", "HTTPRoute"): "httproutes",
     (API_VERSION, KIND): PLURAL,
+    # cluster-scoped: the operator applies its own CRD on start (operator/crd_upgrade.py)
+    ("apiextensions.k8s.io/v1", "CustomResourceDefinition"): "customresourcedefinitions",
     # kopf's peering objects, read once at startup to say when one is missing.
     ("kopf.dev/v1", "ClusterKopfPeering"): "clusterkopfpeerings",
     ("kopf.dev/v1", "KopfPeering"): "kopfpeerings",
@@ -211,6 +213,15 @@ class KubeApi:
         if subresource:
             path += f"/{subresource}"
         return await self._request("PATCH", path, patch, "application/merge-patch+json")
+
+    async def apply(self, obj: dict[str, Any], field_manager: str) -> dict[str, Any]:
+        """Server-side apply of `obj` as `field_manager`, taking over fields others manage."""
+        meta = obj["metadata"]
+        path = f"{collection_path(obj['apiVersion'], obj['kind'], meta.get('namespace'))}/"
+        params = {"fieldManager": field_manager, "force": "true"}
+        return await self._request(
+            "PATCH", path + meta["name"], obj, "application/apply-patch+yaml", params
+        )
 
     async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
         path = f"{collection_path(api_version, kind, namespace)}/{name}"

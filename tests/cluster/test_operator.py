@@ -341,9 +341,11 @@ EXPECTED_UNUSED = {
 
 def granted_rules(cp) -> set[tuple[str, str, str]]:
     out = set()
-    for role in ("dynamograph", "dynamograph-discovery"):
+    for role in ("dynamograph", "dynamograph-discovery", "dynamograph-crd"):
         for rule in get(cp, "clusterrole", role)["rules"]:
-            assert not rule.get("resourceNames"), rule
+            # only the CRD role names an object: the operator's own CRD, which it applies
+            names = ["dynamographs.dynamograph.io"] if role == "dynamograph-crd" else None
+            assert rule.get("resourceNames") == names, rule
             for group in rule.get("apiGroups", []):
                 for res in rule.get("resources", []):
                     for verb in rule["verbs"]:

@@ -1,0 +1,84 @@
+"""The operator brings the DynamoGraph CRD up to date when it starts.
+
+Helm installs the chart's `crds/` on `helm install` and never touches them again: `helm upgrade`
+skips that folder, so a chart upgrade alone would run a new operator against the previous
+version's schema (new fields pruned or refused). Like Cilium's and Tigera's operators, this one
+applies the CRD it was built with (`crds.build_crd`) with server-side apply on start, before it
+watches anything, as field manager `dynamograph-operator` (forcing fields `helm install` set).
+
+The CRD records the operator version that applied it (annotation `dynamograph.io/operator-version`);
+an operator older than that leaves it alone, so a stale replica (or a rollback) never strips
+fields a newer one added. The chart grants `get` and `patch` on this one CRD only (`resourceNames`),
+not `create`: the CRD must exist (helm install) for the operator to have anything to reconcile.
+With the grant withheld (chart value `manageCRD: false`, for clusters whose CRDs are managed
+elsewhere) the operator says so and runs with the CRD as it is; no failure here stops it.
+"""
+
+import importlib.metadata
+import logging
+from typing import Any
+
+from packaging.version import InvalidVersion, Version
+
+from .crds import CRD_NAME, build_crd
+from .kube import ApiError, KubeApi
+
+log = logging.getLogger(__name__)
+
+FIELD_MANAGER = "dynamograph-operator"
+VERSION_ANNOTATION = "dynamograph.io/operator-version"
+CRD_API_VERSION = "apiextensions.k8s.io/v1"
+CRD_KIND = "CustomResourceDefinition"
+
+
+def operator_version() -> str:
+    return importlib.metadata.version("dynamograph")
+
+
+def newer_than(live: dict[str, Any] | None, ours: str) -> str | None:
+    """The version that applied the live CRD when it is newer than `ours`, else None."""
+    theirs = ((live or {}).get("metadata", {}).get("annotations") or {}).get(VERSION_ANNOTATION)
+    try:
+        return theirs if theirs and Version(theirs) > Version(ours) else None
+    except InvalidVersion:
+        return None  # not a version we wrote: ours replaces it
+
+
+def desired_crd(version: str) -> dict[str, Any]:
+    crd = build_crd()
+    crd["metadata"]["annotations"] = {VERSION_ANNOTATION: version}
+    return crd
+
+
+async def upgrade_crd(api: KubeApi, version: str | None = None) -> bool:
+    """Apply our CRD unless a newer operator's is there; True when it was applied."""
+    version = version or operator_version()
+    try:
+        live = await api.get(CRD_API_VERSION, CRD_KIND, None, CRD_NAME)
+        if live is None:
+            log.warning(
+                "CRD %s is not installed; install the chart (helm installs it) or apply "
+                "crds/%s.yaml",
+                CRD_NAME,
+                CRD_NAME,
+            )
+            return False
+        newer = newer_than(live, version)
+        if newer:
+            log.info(
+                "CRD %s was applied by operator %s, newer than %s: kept", CRD_NAME, newer, version
+            )
+            return False
+        await api.apply(desired_crd(version), FIELD_MANAGER)
+    except ApiError as exc:
+        if exc.status == 403:
+            log.info(
+                "not allowed to update CRD %s (chart value manageCRD: false?); running with "
+                "the CRD as installed",
+                CRD_NAME,
+            )
+        else:
+            log.warning("could not update CRD %s: %s; running with it as installed", CRD_NAME, exc)
+        return False
+    log.info("CRD %s applied (operator %s)", CRD_NAME, version)
+    return True
