@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from dynamograph.protocol.kv_curve import add_kv_curve_argument, kv_curve_from_args
+from dynamograph.protocol.launch import EPP_REPLICA_PORT
 from dynamograph.protocol.router_config import RouterConfig
 from dynamograph.router.discovery import add_discovery_arguments, source_from_args
 from dynamograph.router.replicas import ReplicaSettings
@@ -166,8 +167,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     replicas.add_argument(
         "--replica-port",
         type=int,
-        default=_env_int("DYNAMOGRAPH_EPP_REPLICA_PORT", 9004),
-        help="replica sync: process i publishes its bookings on this port + i (default 9004)",
+        default=_env_int("DYNAMOGRAPH_EPP_REPLICA_PORT", EPP_REPLICA_PORT),
+        help="replica sync: process i publishes its bookings on this port + i "
+        f"(default {EPP_REPLICA_PORT})",
     )
     replicas.add_argument(
         "--replica-peers",
