@@ -5,10 +5,18 @@ The prefill leg is the client's request with `max_tokens=1`, `stream=false` and
 answers with the `kv_transfer_params` the decode engine needs to pull it. The decode leg is the
 client's request unchanged (its stream flag and limits restored simply by starting again from
 the original body) plus those `kv_transfer_params`.
+
+The bootstrap path (SGLang's, as Dynamo's prefill router drives it), for a prefill engine that
+advertises `bootstrap_host`/`bootstrap_port` at /v1/engine: both legs carry a random
+`bootstrap_room`; the prefill leg runs in the background while the decode leg is sent at once
+with transfer parameters naming the bootstrap address, and the decode engine pulls the KV there
+once the prefill has it.
 """
 
+import random
 from typing import Any
 
+from dynamograph.protocol.engine import BOOTSTRAP_ROOM, EngineConfig, bootstrap_request_id
 from dynamograph.protocol.openai import OpenAIError
 
 KV_TRANSFER_PARAMS = "kv_transfer_params"
@@ -71,3 +79,26 @@ def decode_request(body: dict[str, Any], params: dict[str, Any]) -> dict[str, An
     leg = dict(body)
     leg[KV_TRANSFER_PARAMS] = params
     return leg
+
+
+def bootstrap_room() -> int:
+    """A fresh room number (a random u63, as SGLang's `bootstrap_room`)."""
+    return random.getrandbits(63)
+
+
+def bootstrap_params(prefill: EngineConfig, dp_rank: int, room: int) -> dict[str, Any] | None:
+    """The decode leg's `kv_transfer_params` on the bootstrap path: where and by what to pull
+    the prefill's KV before that prefill has answered; None when the prefill engine advertises
+    no bootstrap address."""
+    if prefill.bootstrap_host is None or prefill.bootstrap_port is None:
+        return None
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": f"{prefill.instance_id}_dp{dp_rank}",  # vLLM's name of the rank
+        "remote_request_id": bootstrap_request_id(room),
+        "remote_block_ids": None,
+        "remote_host": prefill.bootstrap_host,
+        "remote_port": prefill.bootstrap_port,
+        BOOTSTRAP_ROOM: room,
+    }

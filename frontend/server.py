@@ -23,7 +23,7 @@ from typing import Any
 
 import orjson
 
-from dynamograph.protocol.engine import Role, served_models
+from dynamograph.protocol.engine import BOOTSTRAP_ROOM, Role, served_models
 from dynamograph.protocol.http1 import Response
 from dynamograph.protocol.nvext import NvExt, NvExtError, SessionAction, parse_nvext
 from dynamograph.protocol.openai import (
@@ -38,7 +38,10 @@ from dynamograph.router.discovery import Discovery, WorkerRecord
 from . import nvext_out, speculative
 from .directory import WorkerDirectory
 from .handoff import (
+    KV_TRANSFER_PARAMS,
     HandoffError,
+    bootstrap_params,
+    bootstrap_room,
     decode_request,
     prefill_request,
     reject_client_transfer_params,
@@ -127,6 +130,16 @@ def _engine_fields(nvext: NvExt, body: dict[str, Any]) -> bool:
         body["priority"] = -hints.priority
         changed = True
     return changed
+
+
+def _bootstrap(route: Route) -> tuple[int, dict[str, Any]] | None:
+    """The bootstrap room and the decode leg's transfer parameters, when the route's prefill
+    engine advertises a bootstrap address (frontend/handoff.py); None otherwise."""
+    if route.prefill is None or route.prefill_target is None:
+        return None
+    room = bootstrap_room()
+    params = bootstrap_params(route.prefill.config, route.prefill_target.dp_rank or 0, room)
+    return (room, params) if params is not None else None
 
 
 def _speculates(nvext: NvExt | None) -> bool:
@@ -330,6 +343,7 @@ class Frontend:
         outcome = "ok"
         route: Route | None = None
         handed_off = False  # the booking is `_abandoned`'s to free
+        bootstrapping: asyncio.Future[dict[str, Any] | None] | None = None  # its prefill leg
         metrics.started()
         try:
             raw = await self._read_body(exchange)
@@ -353,7 +367,14 @@ class Frontend:
                 return
             trace.decode = route.decode_target
             payload = raw
-            if route.prefill is not None:
+            bootstrap = _bootstrap(route)
+            if bootstrap is not None:  # the prefill runs meanwhile; the decode pulls from it
+                disagg = "true"
+                room, pull_from = bootstrap
+                prefill = asyncio.ensure_future(self._prefill(exchange, route, body, trace, room))
+                bootstrapping = prefill
+                payload = orjson.dumps(decode_request(body, pull_from))
+            elif route.prefill is not None:
                 disagg = "true"
                 prefill = asyncio.ensure_future(self._prefill(exchange, route, body, trace))
                 try:
@@ -401,8 +422,31 @@ class Frontend:
             )
         finally:
             metrics.finished(mode, outcome, disagg, stream, trace.elapsed())
+            if bootstrapping is not None and not bootstrapping.done():
+                # the decode leg ended before its prefill (it failed, or the client left): the
+                # prefill runs on, the booking is freed after it
+                handed_off = self._after_prefill(bootstrapping, route)
+            elif bootstrapping is not None and not bootstrapping.cancelled():
+                bootstrapping.exception()  # a failed prefill leg was answered by the decode's
             if route is not None and route.booking is not None and not handed_off:
                 route.booking.free()
+
+    def _after_prefill(
+        self, prefill: "asyncio.Future[dict[str, Any] | None]", route: Route | None
+    ) -> bool:
+        """Free the booking once a bootstrap prefill leg that outlived its decode leg ends."""
+
+        async def wait() -> None:
+            try:
+                await prefill
+            except OpenAIError as exc:
+                log.warning("bootstrap prefill leg: %s", exc.message)
+            finally:
+                if route is not None and route.booking is not None:
+                    route.booking.free()
+
+        self._spawn(wait(), "bootstrap-prefill")
+        return True
 
     def _abandoned(
         self,
@@ -541,18 +585,27 @@ class Frontend:
             self.directory.mark_unreachable(record.instance_id)
 
     async def _prefill(
-        self, exchange: Exchange, route: Route, body: dict[str, Any], trace: nvext_out.Trace
+        self,
+        exchange: Exchange,
+        route: Route,
+        body: dict[str, Any],
+        trace: nvext_out.Trace,
+        room: int | None = None,
     ) -> dict[str, Any] | None:
-        """Run the prefill leg; its `kv_transfer_params`, or None to serve aggregated instead."""
+        """Run the prefill leg; its `kv_transfer_params`, or None to serve aggregated instead.
+        `room`: the bootstrap path's room number, which the prefill holds its KV under."""
         assert route.prefill is not None and route.prefill_target is not None
         record = route.prefill
         started = time.perf_counter()
         trace.prefill = route.prefill_target
+        leg = prefill_request(body)
+        if room is not None:
+            leg[KV_TRANSFER_PARAMS][BOOTSTRAP_ROOM] = room
         try:
             status, raw = await self._call(
                 record,
                 exchange.path,
-                orjson.dumps(prefill_request(body)),
+                orjson.dumps(leg),
                 EngineClient.headers(exchange.headers, route.prefill_target.dp_rank),
                 "prefill",
             )

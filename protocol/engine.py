@@ -44,6 +44,18 @@ class KvEventsEndpoint(BaseModel):
 DEFAULT_KV_BLOCK_SIZE = 16
 
 
+# The bootstrap path of disaggregation (SGLang's, which Dynamo's prefill router drives): a
+# prefill engine advertising `bootstrap_host`/`bootstrap_port` lets the decode leg start at once,
+# pulling the prefill's KV from that address by a room number both legs carry in
+# `kv_transfer_params`, under this request id, once the prefill has it.
+BOOTSTRAP_ROOM = "bootstrap_room"
+
+
+def bootstrap_request_id(room: int) -> str:
+    """The id a prefill holds a bootstrap room's KV under, and the decode leg pulls it by."""
+    return f"bootstrap-{room}"
+
+
 class EngineConfig(BaseModel):
     """Only `model` is required, as in Dynamo's EngineConfig (its other fields are optional
     there). An engine that leaves the rest out is still discovered: `served_model_name` is the

@@ -57,6 +57,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "`model`; the mock only records the path",
     )
     p.add_argument(
+        "--bootstrap",
+        action="store_true",
+        help="mock prefill: advertise a bootstrap address, so the decode leg starts at once and "
+        "pulls the KV when the prefill has it (SGLang's hand-off; vLLM's NIXL has none)",
+    )
+    p.add_argument(
         "--scheduling-policy",
         choices=("priority", "fcfs"),
         default="priority",
@@ -255,6 +261,7 @@ def mock_config(args: argparse.Namespace):
         lora_modules=list(args.lora_modules),
         max_loras=args.max_loras,
         scheduling_policy=args.scheduling_policy,
+        bootstrap=args.bootstrap,
         admin_token=args.admin_token,
         debug_endpoints=args.debug_endpoints,
         kv_curve=kv_curve_from_args(args),

@@ -9,14 +9,23 @@ answers with the parameters vLLM's NixlConnector returns: `do_remote_prefill: tr
 releases them on the prefill side), checks them against its own prompt, and charges a simulated
 transfer time instead of recomputing. Blocks whose decode never comes are freed after a timeout
 (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT, default 480 s).
+
+The bootstrap path (SGLang's; the engine advertises `bootstrap_host`/`bootstrap_port`): both legs
+carry a `bootstrap_room`, the prefill holds its blocks under that room's id
+(`protocol.engine.bootstrap_request_id`), and the decode leg, sent at once, pulls with `wait_s`:
+the pull waits for the prefill to finish instead of answering 404.
 """
 
+import asyncio
 import time
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
+from dynamograph.protocol.engine import BOOTSTRAP_ROOM, bootstrap_request_id
+
 PULL_PATH = "/v1/kv_transfer/pull"
 DEFAULT_TRANSFER_TIMEOUT = 480.0
+BOOTSTRAP_WAIT_S = 60.0  # how long a bootstrap pull waits for its prefill to finish
 
 
 class HandoffError(ValueError):
@@ -50,6 +59,13 @@ def validate_params(params: Any) -> dict[str, Any] | None:
         if not isinstance(params["remote_port"], int):
             raise HandoffError("kv_transfer_params.remote_port must be an integer")
     return params
+
+
+def hold_key(request_id: str, params: dict[str, Any] | None) -> str:
+    """What a prefill holds its blocks under: its bootstrap room's id when the request has one
+    (the decode leg pulls by it before the prefill answered), else its request id."""
+    room = params.get(BOOTSTRAP_ROOM) if params is not None else None
+    return bootstrap_request_id(room) if isinstance(room, int) else request_id
 
 
 def engine_id(instance_id: int, dp_rank: int) -> str:
@@ -92,11 +108,27 @@ class PendingTransfers:
     def __init__(self, timeout: float = DEFAULT_TRANSFER_TIMEOUT):
         self.timeout = timeout
         self._held: dict[str, HeldBlocks] = {}
+        self._awaited: dict[str, asyncio.Event] = {}  # bootstrap pulls waiting for their prefill
 
     def hold(self, request_id: str, blocks: list[int], hashes: list[int], num_tokens: int) -> None:
         self._held[request_id] = HeldBlocks(
             blocks, hashes, num_tokens, time.monotonic() + self.timeout
         )
+        arrived = self._awaited.pop(request_id, None)
+        if arrived is not None:
+            arrived.set()
+
+    async def wait(self, request_id: str, wait_s: float) -> bool:
+        """Whether blocks are held under `request_id` within `wait_s` seconds."""
+        if request_id in self._held:
+            return True
+        arrived = self._awaited.setdefault(request_id, asyncio.Event())
+        try:
+            await asyncio.wait_for(arrived.wait(), wait_s)
+        except TimeoutError:
+            if self._awaited.get(request_id) is arrived:
+                del self._awaited[request_id]
+        return request_id in self._held
 
     def take(self, request_id: str) -> HeldBlocks | None:
         return self._held.pop(request_id, None)

@@ -84,6 +84,10 @@ class MockConfig:
     # vLLM's --scheduling-policy: "priority" runs the lowest request `priority` first (then
     # arrival); "fcfs" (vLLM's default) refuses a non-zero priority, as vLLM does
     scheduling_policy: str = "priority"
+    # prefill: advertise a bootstrap address (its HTTP port), so frontends take the bootstrap
+    # path (SGLang's: the decode leg starts at once and its pull waits for the prefill); off,
+    # the hand-off is vLLM's (the decode leg after the prefill's answer)
+    bootstrap: bool = False
     # Bearer token of the admin endpoints (/v1/kv_transfer/pull, /reset_prefix_cache,
     # /debug/requests), shared by a graph's workers: a decode engine pulls with it.
     admin_token: str | None = field(default=None, repr=False)
@@ -209,6 +213,7 @@ class MockEngine(LLMEngine):
         ]
         for rank in self.ranks:
             rank.start()
+        bootstrap = cfg.bootstrap and cfg.role is Role.PREFILL
         self.engine_config = EngineConfig(
             model=cfg.model,
             served_model_name=cfg.served,
@@ -217,8 +222,8 @@ class MockEngine(LLMEngine):
             total_kv_blocks=cfg.num_gpu_blocks,
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
-            bootstrap_host=cfg.public_host if cfg.role is Role.PREFILL else None,
-            bootstrap_port=cfg.port if cfg.role is Role.PREFILL else None,
+            bootstrap_host=cfg.public_host if bootstrap else None,
+            bootstrap_port=cfg.port if bootstrap else None,
             instance_id=worker_id,
             name=cfg.name,
             role=cfg.role,

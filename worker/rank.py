@@ -32,7 +32,7 @@ from .engine import (
     Usage,
 )
 from .events import KvEventPublisher
-from .handoff import HeldBlocks, PendingTransfers
+from .handoff import HeldBlocks, PendingTransfers, hold_key
 from .kv_cache import KvCache
 from .metrics import RankGauges, WorkerMetrics
 from .sampler import OutputSampler, TokenStream
@@ -216,6 +216,12 @@ class EngineRank:
         """Abort this request (no-op once it finished)."""
         self._finish(state, FinishReason.CANCELLED, "request cancelled")
 
+    async def wait_transfer(self, request_id: str, wait_s: float) -> HeldBlocks | None:
+        """A bootstrap pull: the held prefill once it is held (within `wait_s` seconds)."""
+        if await self.transfers.wait(request_id, wait_s):
+            return self.take_transfer(request_id)
+        return None
+
     def take_transfer(self, request_id: str) -> HeldBlocks | None:
         """A decode engine pulls a held prefill: hand over the hashes and free the blocks."""
         held = self.transfers.take(request_id)
@@ -332,8 +338,9 @@ class EngineRank:
             # Keep the prompt's blocks for the decode engine's pull (vLLM's delay_free_blocks).
             full = seq.num_committed
             self.cache.release(blocks[full:])
-            self.transfers.hold(seq.request_id, blocks[:full], seq.hashes[:full], seq.prompt_len)
-            kv_params = self._handoff_params(self.rank, seq.request_id, blocks[:full])
+            key = hold_key(seq.request_id, state.request.kv_transfer_params)
+            self.transfers.hold(key, blocks[:full], seq.hashes[:full], seq.prompt_len)
+            kv_params = self._handoff_params(self.rank, key, blocks[:full])
         elif reason in (FinishReason.LENGTH, FinishReason.STOP) and state.session is not None:
             self._pin_session(state.session, blocks[: seq.num_committed])
             self.cache.release(blocks[seq.num_committed :])

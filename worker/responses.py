@@ -66,7 +66,9 @@ def build_request(
         dp_rank = nvext.dp_rank
     priority = body.get("priority", 0)
     if isinstance(priority, bool) or not isinstance(priority, int):
-        raise OpenAIError(400, f"'priority' must be an integer, got {priority!r:.40}", "priority")
+        raise OpenAIError(
+            400, f"'priority' must be an integer, got {priority!r:.40}", param="priority"
+        )
     if priority and not priority_scheduling:  # vLLM's refusal, in its words
         raise OpenAIError(
             400,

@@ -345,9 +345,15 @@ class WorkerServer:
             engine_id, request_id = body.get("remote_engine_id"), body.get("remote_request_id")
             if not isinstance(engine_id, str) or not isinstance(request_id, str):
                 raise OpenAIError(400, "pull needs remote_engine_id and remote_request_id strings")
+            wait_s = body.get("wait_s", 0)  # a bootstrap pull: wait for the prefill to finish
+            if isinstance(wait_s, bool) or not isinstance(wait_s, int | float) or wait_s < 0:
+                raise OpenAIError(400, "wait_s must be a number of seconds >= 0", param="wait_s")
         except OpenAIError as exc:
             return _error(exc)
-        held = self.engine.take_transfer(engine_id, request_id)
+        if wait_s:
+            held = await self.engine.wait_transfer(engine_id, request_id, wait_s)
+        else:
+            held = self.engine.take_transfer(engine_id, request_id)
         if held is None:
             return _error(OpenAIError(404, f"no held KV for request {request_id} on {engine_id} "
                                            "(never prefilled here, already pulled, or timed out)"))  # fmt: skip

@@ -73,9 +73,9 @@ def vllm_argv(args: argparse.Namespace) -> list[str]:
         "--tensor-parallel-size", str(args.tensor_parallel_size),
         "--pipeline-parallel-size", str(args.pipeline_parallel_size),
         "--seed", str(args.seed),
+        "--scheduling-policy", args.scheduling_policy,
         "--kv-events-config", json.dumps(kv_events_config(args), separators=(",", ":")),
         "--middleware", MIDDLEWARE,
-        "--scheduling-policy", args.scheduling_policy,
     ]  # fmt: skip
     if args.num_gpu_blocks is not None:
         argv += ["--num-gpu-blocks-override", str(args.num_gpu_blocks)]
@@ -115,8 +115,10 @@ def engine_document(
         "total_kv_blocks": args.num_gpu_blocks,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
-        "bootstrap_host": advertise if role is Role.PREFILL else None,
-        "bootstrap_port": args.port if role is Role.PREFILL else None,
+        # no bootstrap address: vLLM's NIXL hand-off needs the block ids of the prefill's
+        # answer, so its decode leg cannot start first (the bootstrap path is SGLang's)
+        "bootstrap_host": None,
+        "bootstrap_port": None,
         "instance_id": instance_id(name),
         "name": name,
         "role": role.value,

@@ -625,3 +625,39 @@ async def test_a_speculative_prefill_is_cancelled_when_the_next_turn_comes_first
         await wait_for(
             lambda: fe.routing.router.active.total_requests() == 0, what="every booking freed"
         )
+
+
+async def test_the_bootstrap_path_sends_the_decode_leg_before_the_prefill_ends(model):
+    """A prefill engine advertising a bootstrap address (SGLang's hand-off, which Dynamo's
+    prefill router drives): the prefill leg runs in the background while the decode leg is
+    sent at once; the decode engine pulls the KV from the bootstrap address once the prefill
+    has it, and the answer is the one the same prompt gets anywhere."""
+    async with (
+        mock_worker(role=Role.PREFILL, bootstrap=True, speedup=0.02) as prefill,  # slow
+        mock_worker(role=Role.DECODE) as decode,
+        run_frontend(None, [prefill, decode], mode=Mode.KV) as fe,
+    ):
+        assert prefill.config.bootstrap_port is not None
+        body = {"model": model, "prompt": PROMPT * 4, "max_tokens": 8, "ignore_eos": True}
+        answer = asyncio.create_task(post(fe, body))
+
+        async def decode_sent() -> bool:
+            return (await served(decode))["total"] == 1
+
+        await wait_for(decode_sent, what="the decode leg")
+        (computing,) = (await served(prefill))["recent"]
+        assert computing.get("finish_reason") is None  # the prefill has not answered yet
+        status, out, _ = await answer
+        assert status == 200, out
+        assert out["usage"]["completion_tokens"] == 8
+        (leg,) = (await served(decode))["recent"]
+        assert leg["kv_transfer"] and leg["finish_reason"] == "length"
+        assert (await served(prefill))["recent"][0]["finish_reason"] == "length"
+        # the decode engine pulled the prefill's KV: nothing is held for it any more
+        assert sum(len(rank.transfers) for rank in prefill.server.engine.ranks) == 0
+        await wait_for(
+            lambda: fe.routing.router.active.total_requests() == 0, what="the booking freed"
+        )
+    async with mock_worker() as single, run_frontend(single) as fe:  # the same prompt, whole
+        status, whole, _ = await post(fe, body, route(single))
+        assert whole["choices"][0]["text"] == out["choices"][0]["text"]

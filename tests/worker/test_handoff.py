@@ -105,7 +105,8 @@ async def test_http_handoff_and_orphan_timeout():
             p.url, "/v1/completions", {**leg1, "nvext": {"extra_fields": ["worker_id"]}}
         )
         assert nvext["nvext"]["worker_id"]["prefill_worker_id"] == p.config.instance_id
-        assert p.config.bootstrap_port == p.server.port
+        # vLLM's hand-off: no bootstrap address unless asked (`bootstrap`, SGLang's path)
+        assert p.config.bootstrap_port is None
 
 
 async def test_new_prefills_wait_for_held_blocks_to_be_pulled():

@@ -55,7 +55,8 @@ def test_document_from_the_flags_vllm_gets():
     )
     assert config.kv_events.endpoint == "tcp://10.1.2.3:5600"  # other pods reach it there
     assert config.kv_events.replay_endpoint == "tcp://10.1.2.3:5601"
-    assert (config.bootstrap_host, config.bootstrap_port) == ("10.1.2.3", 8100)
+    # vLLM's decode leg needs the prefill's answer (NIXL block ids): no bootstrap path
+    assert (config.bootstrap_host, config.bootstrap_port) == (None, None)
     assert config.lora_adapters == {1: "sql", 2: "chat"}  # vLLM's ids, in load order
 
     env = vllm_env(args, document, base={"POD_IP": "10.1.2.3"})
