@@ -22,9 +22,10 @@ nothing drifts, whatever order book / prefill-done / free / cancel arrive in.
 Each slot also has a *column*: its row in `sums`, a small int64 matrix (prefill, decode,
 requests per slot) kept equal to its `SlotLoad` on every change, so the scheduler reads every
 slot's load with one numpy index instead of one Python object per slot per request. `progress`,
-by the same column, is when the slot last showed progress (monotonic seconds): a booking making
-it busy, a first output, prefill progress, output tokens, or a KV event (`progressed`); the
-`stalled` filter leaves out busy slots that have shown none for a while.
+by the same column, is when the slot last showed progress (monotonic seconds): a first booking
+waiting for the engine, a first output, prefill progress, output tokens, or a KV event
+(`progressed`); the `stalled` filter leaves out slots with bookings waiting for the engine
+(UNANSWERED) that have shown none for a while.
 
 A `RequestGuard` owns the bookings of one routed request (a prefill slot and/or a decode slot).
 Every exit path frees: `free()`, the context manager, cancellation, and garbage collection (with
@@ -50,7 +51,9 @@ log = logging.getLogger(__name__)
 
 Slot = tuple[int, int]  # (worker_id, dp_rank)
 
-PREFILL, DECODE, REQUESTS = 0, 1, 2  # the columns of `ActiveRequests.sums`
+# the columns of `ActiveRequests.sums`; UNANSWERED: bookings whose prefill has not ended yet
+# (no first output, not all prompt blocks stored): what the `stalled` filter waits on
+PREFILL, DECODE, REQUESTS, UNANSWERED = 0, 1, 2, 3
 
 
 _NO_KEYS = np.zeros(0, np.uint64)
@@ -75,6 +78,7 @@ class SlotLoad:
     firsts: Counter[int] = field(default_factory=Counter)  # bookings' first keys: a quick test
     column: int = -1  # the slot's row of `ActiveRequests.sums` (-1: a copy, or idle)
     pending: PendingPrefills = field(default_factory=PendingPrefills)  # marks awaited (prefills)
+    unanswered: int = 0  # bookings whose prefill has not ended (`Booking.answered`)
 
     @property
     def decode_blocks(self) -> int:
@@ -93,6 +97,7 @@ class SlotLoad:
             self.requests,
             self.shared.copy(),
             Counter(self.firsts),
+            unanswered=self.unanswered,
         )
 
 
@@ -110,6 +115,7 @@ class Booking:
     generated_tokens: int = 0
     live: bool = True
     marks: tuple[Mark, ...] = ()  # the prefill's marks `load.pending` waits on (`prefills`)
+    answered: bool = False  # its prefill ended: the engine showed it took the request
 
     def current(self, loads: dict[Slot, "SlotLoad"]) -> "SlotLoad | None":
         """The sums to update, or None when the booking is freed or its slot was dropped."""
@@ -141,7 +147,7 @@ class ActiveRequests:
     _orphans: deque[Booking] = field(default_factory=deque)
     # (prefill, decode, requests) per slot column; a slot without live bookings has zeros
     sums: np.ndarray = field(
-        default_factory=lambda: np.zeros((64, 3), np.int64), compare=False, repr=False
+        default_factory=lambda: np.zeros((64, 4), np.int64), compare=False, repr=False
     )
     # when each slot column last showed progress (monotonic seconds; see the module docstring)
     progress: np.ndarray = field(
@@ -241,8 +247,9 @@ class ActiveRequests:
                 load.shared.reserve(keys.size)
                 kernels.count_up(keys, *load.shared.parts)
             load.firsts[int(keys[0])] += 1
-        if not load.requests:  # busy from now: its stall clock starts
+        if not load.unanswered:  # a request waits for the engine from now: the stall clock starts
             self.progress[load.column] = time.monotonic()
+        load.unanswered += 1
         load.requests += 1
         self._sync(load)
         if self.observer is not None:
@@ -264,6 +271,11 @@ class ActiveRequests:
             self.progress[load.column] = time.monotonic()
         changed = remaining != booking.prefill
         booking.prefill = remaining
+        if not remaining and not booking.answered:
+            booking.answered = True
+            if load is not None:
+                load.unanswered -= 1
+                self.sums[load.column, UNANSWERED] = load.unanswered
         if changed and booking.live and self.observer is not None:
             self.observer.changed(booking)
         if booking.marks:  # marks at or past this point are passed: stop waiting on them
@@ -352,13 +364,14 @@ class ActiveRequests:
         if load.requests == 1:  # the slot's last booking: its sums empty at once
             del self._loads[booking.slot]
             self.sums[load.column] = 0
-            load.prefill_blocks = load.private_blocks = load.requests = 0
+            load.prefill_blocks = load.private_blocks = load.requests = load.unanswered = 0
             load.shared.clear()
             load.firsts.clear()
             load.pending.clear()
             self._idle_loads[booking.slot] = load  # freed bookings of it are not `live`
             return
         load.requests -= 1
+        load.unanswered -= not booking.answered
         load.prefill_blocks -= booking.prefill
         load.private_blocks -= booking.private
         if marks:
@@ -378,6 +391,7 @@ class ActiveRequests:
         row[PREFILL] = load.prefill_blocks
         row[DECODE] = len(load.shared) + load.private_blocks
         row[REQUESTS] = load.requests
+        row[UNANSWERED] = load.unanswered
 
     def _private_load(self, booking: Booking) -> int:
         """Unshared prompt blocks, plus the output blocks.

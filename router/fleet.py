@@ -19,7 +19,7 @@ from numpy.typing import NDArray
 
 from dynamograph.protocol.engine import Role
 
-from .active import DECODE, PREFILL, REQUESTS, ActiveRequests
+from .active import DECODE, PREFILL, REQUESTS, UNANSWERED, ActiveRequests
 from .index import KvIndex
 
 Slot = tuple[int, int]
@@ -55,6 +55,7 @@ class Candidates:
     booked_prefill: NDArray[np.int64]  # blocks booked slots still have to prefill
     booked_decode: NDArray[np.int64]  # blocks booked requests hold (shared prompt blocks once)
     requests: NDArray[np.int64]  # booked requests
+    unanswered: NDArray[np.int64]  # booked requests whose prefill has not ended
     progress_at: NDArray[np.float64]  # when the slot last showed progress (ActiveRequests)
     overlap: NDArray[np.int64]  # prompt blocks cached on the slot (KV index)
     held: NDArray[np.int64] | None  # leading prompt blocks live requests here hold (None: nowhere)
@@ -161,6 +162,7 @@ class Fleet:
             booked_prefill=sums[:, PREFILL],
             booked_decode=sums[:, DECODE],
             requests=sums[:, REQUESTS],
+            unanswered=sums[:, UNANSWERED],
             progress_at=progress,
             overlap=overlap,
             held=held,

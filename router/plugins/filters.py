@@ -78,16 +78,18 @@ class StalledParameters(BaseModel):
     timeout_s: float = Field(
         default=3.0,
         gt=0,
-        description="a slot with requests in flight and no sign of progress for this long is "
-        "left out until it shows one",
+        description="a slot with a request waiting for the engine and no sign of progress for "
+        "this long is left out until it shows one",
     )
 
 
 @register
 class StalledFilter(Filter):
-    """Leaves out slots whose requests stall: requests in flight and no sign of progress from
-    the slot (a first output byte, prefill progress, output tokens, a KV event;
-    `ActiveRequests.progress`) for `timeout_s`. A hung engine or sidecar — one whose /metrics
+    """Leaves out slots whose requests stall: a request waiting for the engine (its prefill not
+    ended: no first output, not all its prompt blocks stored) and no sign of progress from the
+    slot (a first output byte, prefill progress, output tokens, a KV event;
+    `ActiveRequests.progress`) for `timeout_s` since. A slot busy only with answers under way
+    (a long stream) is not stalled, however quiet. A hung engine or sidecar — one whose /metrics
     still answers included — stops getting new requests within `timeout_s`, not after its
     requests time out or its scrapes fail; the slot is back as soon as it shows progress or its
     requests end. When every ready slot of the phase has stalled, none is left out (they may
@@ -99,7 +101,7 @@ class StalledFilter(Filter):
 
     def mask(self, ctx: Context, c: Candidates) -> np.ndarray | None:
         deadline = time.monotonic() - self.parameters.timeout_s
-        stalled = (c.requests > 0) & (c.progress_at < deadline)
+        stalled = (c.unanswered > 0) & (c.progress_at < deadline)
         if not stalled.any():
             return None
         fleet = c.fleet

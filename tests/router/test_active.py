@@ -96,9 +96,9 @@ def check_columns_and_held(active: ActiveRequests, guards: list[RequestGuard]) -
         load = loads.get(slot)
         row = tuple(active.sums[active.column(slot)].tolist())
         if load is None:
-            assert row == (0, 0, 0)
+            assert row == (0, 0, 0, 0)
             continue
-        assert row == (load.prefill_blocks, load.decode_blocks, load.requests)
+        assert row == (load.prefill_blocks, load.decode_blocks, load.requests, load.unanswered)
         held = keys.get(slot, set())
         for family in range(3):
             prompt = family_keys(family, 70)
