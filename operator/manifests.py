@@ -505,6 +505,17 @@ def _resources_or(spec: ServiceSpec, default: dict[str, Any]) -> dict[str, Any]:
     return copy.deepcopy(default)
 
 
+def epp_resources(processes: int) -> dict[str, Any]:
+    """The EPP's default resources: `EPP_RESOURCES` per process (each holds its own index,
+    tokenizers and router)."""
+    if processes == 1:
+        return copy.deepcopy(EPP_RESOURCES)
+    return {
+        "requests": {"cpu": f"{500 * processes}m", "memory": f"{512 * processes}Mi"},
+        "limits": {"memory": f"{2 * processes}Gi"},
+    }
+
+
 def epp_grace(spec: ServiceSpec, path: str) -> tuple[int, int, int]:
     """(terminationGracePeriodSeconds, preStop sleep, --drain-grace) of an EPP service: the
     budget is extraPodSpec's terminationGracePeriodSeconds or EPP_TERMINATION_GRACE_SECONDS."""
@@ -541,7 +552,7 @@ def _epp_container(
             {"name": "replica-sync", "containerPort": EPP_REPLICA_PORT, "protocol": "TCP"},
         ],
         env=_downward_env() + _user_env(spec),
-        resources=_resources_or(spec, EPP_RESOURCES),
+        resources=_resources_or(spec, epp_resources(graph_router(graph).processes)),
         volumeMounts=mounts,
         **({"lifecycle": lifecycle} if lifecycle else {}),
         # The EPP's gRPC health services: readiness (a serving worker is known, not draining)

@@ -59,6 +59,15 @@ def test_epp_pods_sync_with_each_other_on_their_own_ports():
     )
 
 
+def test_default_resources_grow_with_the_processes():
+    _, objs = build("disagg.yaml", epp_router(processes=4))
+    resources = container(objs["Deployment", "disagg-epp"], "epp")["resources"]
+    assert resources == {
+        "requests": {"cpu": "2000m", "memory": "2048Mi"},
+        "limits": {"memory": "8Gi"},
+    }
+
+
 def test_scaling_the_epp_keeps_its_pod_template():
     _, one = build("disagg.yaml", epp_router(replicas=1))
     _, three = build("disagg.yaml", epp_router(replicas=3))
