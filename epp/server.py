@@ -9,7 +9,9 @@
 - gRPC health on the health port: `liveness`, `readiness` (ready once a worker is known and the
   tokenizers the workers name are loaded) and
   `envoy.service.ext_proc.v3.ExternalProcessor`;
-- Prometheus metrics on the metrics port (`/metrics`).
+- Prometheus metrics on the metrics port (`/metrics`);
+- with `settings.replicas`, replica sync (`replicas.ReplicaSync`): the other EPP replicas'
+  in-flight bookings counted in this one's load, and this one's published to them.
 `drain()` (SIGTERM) turns readiness NOT_SERVING, lets streams in flight finish for `grace`
 seconds, then stops everything.
 """
