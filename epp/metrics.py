@@ -52,7 +52,8 @@ class _RouterCollector(Collector):
             ),
             "booked": GaugeMetricFamily(
                 PREFIX + "worker_booked_requests",
-                "requests the EPP routed to this slot that have not finished",
+                "requests routed to this slot that have not finished (with replica sync: by any "
+                "EPP replica)",
                 labels=["worker", "dp_rank"],
             ),
         }
