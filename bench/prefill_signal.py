@@ -2,9 +2,11 @@
 
 The EPP frees a request's prefill load when it learns the engine computed the prompt. Two
 signals, measured on the same requests: `first chunk` (the first response body chunk reaching
-the EPP: what it used when Envoy sent it the response body) and `kv event` (what it uses now
-that the response body is not sent: the picked worker's KV events storing the prompt's last full
-block; for a prompt with no uncached full block, the response headers). Lag = the EPP's mark
+the EPP: what it used when Envoy sent it the response body), `headers` (the response headers:
+what it used when the body was not sent; the mock engine sends them with its first token, vLLM
+before computing anything) and `kv event` (what it uses now that the response body is not sent:
+the picked worker's KV events storing the prompt's last full block; for a prompt with no
+uncached full block, the response headers). Lag = the EPP's mark
 minus the worker's first token (the engine's first output, `first_output` in the worker's
 request log), both wall clock in this one process.
 
@@ -187,7 +189,7 @@ async def _main(args: argparse.Namespace) -> int:
         marks = Marks(epp)
         try:
             for kind in KINDS:
-                lags: dict[str, list[float]] = {"first chunk": [], "kv event": []}
+                lags: dict[str, list[float]] = {"first chunk": [], "headers": [], "kv event": []}
                 for i in range(args.requests):
                     path, body = _request(kind, i, args)
                     rid = f"prefill-signal-{kind[:5]}-{i}-{time.time_ns()}"
@@ -206,6 +208,7 @@ async def _main(args: argparse.Namespace) -> int:
                     if new is None:
                         raise RuntimeError(f"{kind}: the KV events never ended the prefill")
                     lags["first chunk"].append(row["chunk"] - first)
+                    lags["headers"].append(row["headers"] - first)
                     lags["kv event"].append(new - first)
                 results[kind] = {signal: _stats(values) for signal, values in lags.items()}
                 results[kind]["kv_event_awaited"] = marks.rows[-1]["awaited"]
