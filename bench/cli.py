@@ -23,6 +23,13 @@ BENCHMARKS = {
         "dynamograph.bench.soak",
         "long run near capacity with worker kills: requests lost, bookings, RSS",
     ),
+    "speculative": Command(
+        "dynamograph.bench.speculative",
+        "speculative prefill: follow-up TTFT of multi-turn sessions with and without it",
+    ),
+    "priority": Command(
+        "dynamograph.bench.priority", "TTFT of high-priority requests under overload, with/without"
+    ),
     "all": Command("dynamograph.bench.all", "every benchmark above with a summary table"),
 }
 
