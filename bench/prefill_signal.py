@@ -234,4 +234,11 @@ async def _main(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dynamograph.local.envoy import EnvoyNotFound, find_envoy
+
+    try:
+        find_envoy()
+    except EnvoyNotFound as exc:
+        print(f"dynamograph bench prefill-signal needs Envoy: {exc}")
+        return 2
     return asyncio.run(_main(args))
