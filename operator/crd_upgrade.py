@@ -6,12 +6,16 @@ version's schema (new fields pruned or refused). Like Cilium's and Tigera's oper
 applies the CRD it was built with (`crds.build_crd`) with server-side apply on start, before it
 watches anything, as field manager `dynamograph-operator` (forcing fields `helm install` set).
 
-The CRD records the operator version that applied it (annotation `dynamograph.io/operator-version`);
-an operator older than that leaves it alone, so a stale replica (or a rollback) never strips
-fields a newer one added. The chart grants `get` and `patch` on this one CRD only (`resourceNames`),
-not `create`: the CRD must exist (helm install) for the operator to have anything to reconcile.
-With the grant withheld (chart value `manageCRD: false`, for clusters whose CRDs are managed
-elsewhere) the operator says so and runs with the CRD as it is; no failure here stops it.
+The CRD records the operator version that applied it (annotation
+`dynamograph.io/operator-version`); an operator older than that leaves it alone, so a stale
+replica (or a rollback) never strips fields a newer one added. Every replica does this when it
+starts, a paused standby (kopf peering) too: in a rolling update the new CRD is in place before
+the new pod leads.
+
+The chart grants `get` and `patch` on this one CRD only (`resourceNames`), not `create`: the
+CRD must exist (helm install) for the operator to have anything to reconcile. With the grant
+withheld (chart value `manageCRD: false`, for clusters whose CRDs are managed elsewhere) the
+operator says so and runs with the CRD as it is; no failure here stops it.
 """
 
 import importlib.metadata

@@ -44,12 +44,13 @@ def named(r) -> str:
 
 
 def graph_work(requests: list) -> list:
-    """The requests that do an operator's work (all but kopf's peering keep-alives and API
-    discovery), as "METHOD path [name of a created object]"."""
+    """The requests that do an operator's work (all but kopf's peering keep-alives, API
+    discovery and the CRD upgrade every replica makes when it starts, operator/crd_upgrade.py),
+    as "METHOD path [name of a created object]"."""
     return [
         named(r)
         for r in requests
-        if not r.url.path.startswith("/apis/kopf.dev/")
+        if not r.url.path.startswith(("/apis/kopf.dev/", "/apis/apiextensions.k8s.io/"))
         and (r.method != "GET" or "/namespaces/" in r.url.path or "dynamographs" in r.url.path)
     ]
 
