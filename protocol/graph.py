@@ -276,8 +276,9 @@ class ResourcesSpec(_Model):
         default=None,
         ge=0,
         le=64,
-        description="GPUs per pod (`nvidia.com/gpu`); for vllm engines it defaults to, and must "
-        "equal, dataParallelSize × tensorParallelSize × pipelineParallelSize; otherwise 0",
+        description="GPUs per pod (`nvidia.com/gpu`); for vllm engines it defaults to "
+        "dataParallelSize × tensorParallelSize × pipelineParallelSize and may only be that or 0 "
+        "(vLLM's CPU backend); otherwise 0",
     )
     cpu: Quantity | None = Field(default=None, description="CPU request and limit per container")
     memory: Quantity | None = Field(
@@ -786,9 +787,11 @@ class DynamoGraphSpec(_Model):
                     "self.backend != 'vllm' || self.services.all(k, "
                     f"!(self.services[k].componentType in ['worker', 'prefill', 'decode']) || "
                     "!has(self.services[k].resources) || !has(self.services[k].resources.gpu) "
+                    "|| self.services[k].resources.gpu == 0 "
                     f"|| self.services[k].resources.gpu == {_VLLM_GPUS_CEL})",
                     "services: a vllm engine pod uses dataParallelSize × tensorParallelSize × "
-                    "pipelineParallelSize GPUs; leave resources.gpu out or set it to that",
+                    "pipelineParallelSize GPUs; leave resources.gpu out, or set it to that or to "
+                    "0 (vLLM's CPU backend)",
                     ".services",
                 ),
                 _cel(
@@ -869,11 +872,12 @@ class DynamoGraphSpec(_Model):
                     )
         for name, spec in self.services_of(*ENGINE_TYPES).items():
             want = spec.devices
-            if self.backend == Backend.VLLM and spec.resources.gpu not in (None, want):
+            if self.backend == Backend.VLLM and spec.resources.gpu not in (None, 0, want):
                 raise ValueError(
                     f"spec.services.{name}.resources.gpu: a vllm engine pod uses "
                     f"dataParallelSize × tensorParallelSize × pipelineParallelSize = {want} "
-                    f"GPUs, not {spec.resources.gpu}; leave resources.gpu out or set it to {want}"
+                    f"GPUs, not {spec.resources.gpu}; leave resources.gpu out, or set it to "
+                    f"{want} or to 0 (vLLM's CPU backend)"
                 )
         if self.scale_target is not None and self.scale_target not in self.services:
             raise ValueError(

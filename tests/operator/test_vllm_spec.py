@@ -119,6 +119,13 @@ def test_gpus_per_pod_follow_the_parallel_sizes(sizes, gpus):
     assert engine_of(deployments(body)["llama70b-worker"]) == engine
 
 
+def test_no_gpu_is_vllms_cpu_backend():
+    body = example()
+    body["spec"]["services"]["worker"]["resources"]["gpu"] = 0
+    engine = engine_of(deployments(body)["llama70b-worker"])
+    assert "nvidia.com/gpu" not in engine["resources"]["limits"]
+
+
 def test_a_gpu_count_that_disagrees_with_the_parallel_sizes_is_refused():
     body = example()
     body["spec"]["services"]["worker"]["resources"]["gpu"] = 2
