@@ -288,7 +288,7 @@ OUTLIER_DETECTION = {
     "enforcing_consecutive_gateway_failure": 100,  # Envoy's default is 0: counted, not enforced
     "enforcing_consecutive_5xx": 0,  # an engine's 500 answers a request: the engine works
     "interval": "2s",
-    "base_ejection_time": "10s",
+    "base_ejection_time": "30s",  # Envoy's default
     "max_ejection_percent": 100,
 }
 
