@@ -21,7 +21,7 @@ import numpy as np
 import orjson
 
 from .report import add_output_argument, print_table, write_json
-from .speculative import MODEL, _fleet
+from .speculative import MODEL, fleet
 
 COLUMNS = ["priority hints", "class", "requests", "TTFT p50 s", "TTFT p90 s", "errors"]
 
@@ -60,7 +60,7 @@ async def _run(args, prompts: list[str], important: np.ndarray, hinted: bool) ->
     arrivals = np.cumsum(
         np.random.default_rng([args.seed, 1]).exponential(1 / args.rate, len(prompts))
     )
-    async with _fleet(args, disaggregated=False, router=router) as fe:
+    async with fleet(args.workers, False, seed=args.seed, router=router) as fe:
         url = fe.url + "/v1/completions"
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector) as http:
@@ -110,8 +110,6 @@ async def _bench(args) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> int:
-    # the fleet helper's settings of the speculative bench: plain 8B-class costs here
-    args.token_us, args.answer_tokens = 32.0, args.output_tokens
     runs = asyncio.run(_bench(args))
     rows = [
         [
@@ -127,5 +125,9 @@ def run(args: argparse.Namespace) -> int:
     ]
     print_table("priority under overload", COLUMNS, rows, width=100)
     settings = {k: v for k, v in vars(args).items() if isinstance(v, int | float | str)}
-    write_json(args.out, "priority", {"settings": settings, "runs": runs})
+    summary = {
+        "important TTFT p50 s (without, with hints)": [r["important"]["ttft_p50_s"] for r in runs],
+        "other TTFT p50 s (without, with hints)": [r["other"]["ttft_p50_s"] for r in runs],
+    }
+    write_json(args.out, "priority", {"settings": settings, "runs": runs, "summary": summary})
     return 0

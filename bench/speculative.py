@@ -49,9 +49,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 @contextlib.asynccontextmanager
-async def _fleet(args, disaggregated: bool, router: Any = None) -> AsyncIterator[Any]:
-    """Mock workers and a kv-mode frontend (with `router`, a RouterConfig, or the defaults)
-    discovering them, in this process."""
+async def fleet(
+    workers: int,
+    disaggregated: bool,
+    *,
+    seed: int,
+    token_us: float | None = None,
+    router: Any = None,
+) -> AsyncIterator[Any]:
+    """`workers` mock workers per role (`token_us` µs of compute per prompt token; None: the
+    cost model's default, an 8B model on one H100) and a
+    kv-mode frontend (with `router`, a RouterConfig, or the defaults) discovering them, in this
+    process; warmed up by one request."""
     from dynamograph.frontend.routing import Mode
     from dynamograph.frontend.server import Frontend, FrontendConfig
     from dynamograph.protocol.engine import Role
@@ -59,21 +68,21 @@ async def _fleet(args, disaggregated: bool, router: Any = None) -> AsyncIterator
     from dynamograph.worker.cost import CostModel
     from dynamograph.worker.testing import mock_worker
 
-    cost = CostModel(compute_per_token_s=args.token_us * 1e-6)
+    cost = CostModel() if token_us is None else CostModel(compute_per_token_s=token_us * 1e-6)
     roles = [Role.PREFILL, Role.DECODE] if disaggregated else [Role.AGGREGATED]
     async with contextlib.AsyncExitStack() as stack:
-        workers = [
+        running = [
             await stack.enter_async_context(
-                mock_worker(model=MODEL, role=role, speedup=1.0, cost=cost, seed=args.seed)
+                mock_worker(model=MODEL, role=role, speedup=1.0, cost=cost, seed=seed)
             )
             for role in roles
-            for _ in range(args.workers)
+            for _ in range(workers)
         ]
-        discovery = Discovery(StaticSource([parse_worker_flag(w.url) for w in workers]))
+        discovery = Discovery(StaticSource([parse_worker_flag(w.url) for w in running]))
         frontend = Frontend(FrontendConfig(mode=Mode.KV, router=router), discovery)
         await frontend.start()
         stack.push_async_callback(frontend.stop)
-        wanted = {w.config.instance_id for w in workers}
+        wanted = {w.config.instance_id for w in running}
         for _ in range(1200):  # discovery reads each worker's /v1/engine: well under a minute
             known = {r.instance_id for r in frontend.directory.records()}
             if frontend.directory.ready() and wanted <= known:
@@ -150,7 +159,7 @@ async def _session(args, builder, url: str, sid: int, speculative: bool) -> list
 
 
 async def _run(args, builder, disaggregated: bool, speculative: bool) -> dict:
-    async with _fleet(args, disaggregated) as fe:
+    async with fleet(args.workers, disaggregated, seed=args.seed, token_us=args.token_us) as fe:
         turns = await asyncio.gather(
             *(_session(args, builder, fe.url, sid, speculative) for sid in range(args.sessions))
         )
@@ -208,5 +217,10 @@ def run(args: argparse.Namespace) -> int:
         width=110,
     )
     settings = {k: v for k, v in vars(args).items() if isinstance(v, int | float | str)}
-    write_json(args.out, "speculative", {"settings": settings, "runs": rows})
+    p50 = {(r["fleet"], r["speculative"]): round(r["ttft_p50_ms"], 1) for r in rows}
+    summary = {
+        f"{fleet} follow-up TTFT p50 ms (without, with)": [p50[fleet, False], p50[fleet, True]]
+        for fleet in ("aggregated", "disaggregated")
+    }
+    write_json(args.out, "speculative", {"settings": settings, "runs": rows, "summary": summary})
     return 0
