@@ -74,6 +74,8 @@ class Supervisor:
                 self.stack.respawn(proc)
                 proc.restarts += 1
                 proc.state = STARTING
+                # An event of its own: the state file must name the new pid at once.
+                events.append(f"{_stamp()} {proc.spec.name} starting (restart {proc.restarts})")
         starting = [p for p in self.stack.running if p.state == STARTING]
         ready = await asyncio.gather(*(probe(session, p.spec.ready) for p in starting))
         for proc, ok in zip(starting, ready, strict=True):

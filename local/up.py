@@ -289,13 +289,18 @@ async def _watch(console: Console, stack: Stack, stop: asyncio.Event) -> int:
     live = console.is_terminal
     view = Live(console=console, refresh_per_second=2, transient=False) if live else None
 
+    next_view = 0.0
+
     async def each_round(new: list[str]) -> None:
+        nonlocal next_view
         if new:
             if not live:
                 for event in new:
                     print(event, flush=True)
             stack.save_state(supervisor=os.getpid())  # `up --status` shows it too
-        if view is not None:
+        # The view scrapes every engine: once a second is enough (the supervisor ticks faster).
+        if view is not None and (new or time.monotonic() >= next_view):
+            next_view = time.monotonic() + 1.0
             samples = await scrape(session, stack.running)
             view.update(
                 render(

@@ -83,18 +83,20 @@ async def faults(tmp_path_factory):
     root = tmp_path_factory.mktemp("faults")
     path = root / "faults.yaml"
     path.write_text(yaml.safe_dump(GRAPH))
-    pool = PortPool()
+    pool = PortPool()  # held while the graph is planned, so its ports differ from these
     ports = {link: pool.take() for link in ("envoy", "epp", "frontend", "worker")}
-    pool.release()
     epp_address: list[str] = []
 
     def envoy_config_via_proxy(**kw):
         epp_address.append(kw["epp_address"])
         return envoy_module.envoy_config(**{**kw, "epp_address": f"127.0.0.1:{ports['epp']}"})
 
-    stack = new_stack(
-        load_graph(path), root / "faults", SPEEDUP, envoy_config=envoy_config_via_proxy
-    )
+    try:
+        stack = new_stack(
+            load_graph(path), root / "faults", SPEEDUP, envoy_config=envoy_config_via_proxy
+        )
+    finally:
+        pool.release()
     engines = {p.name: p for p in stack.plan.engines()}
     sidecar0 = str(engines["faults-worker-0"].serving)
     engine1 = str(engines["faults-worker-1"].engine_url)

@@ -30,7 +30,8 @@ from dynamograph.local import procs
 from e2e.traffic import chat, chat_body, epp_ready_workers, metric_sum, prompt_families, scrape
 from e2e.waiting import wait_for
 
-pytestmark = pytest.mark.e2e
+# The first test also starts the graph; on a loaded 2-core machine that takes a while.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 on_the_stack = pytest.mark.asyncio(loop_scope="module")  # the module's stack and its loop
 
 # How long a pause or a partition lasts: long enough for requests to be caught in it, far

@@ -32,7 +32,8 @@ from .conftest import (
     require_envoy,
 )
 
-pytestmark = pytest.mark.e2e
+# A graph started, processes killed and restarted: minutes on a loaded 2-core machine.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 GRAPH = {
     "apiVersion": "dynamograph.io/v1alpha1",
