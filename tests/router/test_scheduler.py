@@ -14,6 +14,7 @@ from dynamograph.protocol.kv_events import AllBlocksCleared, BlockStored, EventB
 from dynamograph.protocol.nvext import NvExt, SessionControl
 from dynamograph.protocol.pins import RoutePins
 from dynamograph.protocol.router_config import PluginRef, RouterConfig, ScorerRef, dynamo_scorers
+from dynamograph.router.prefills import MAX_MARKS, prefill_marks
 from dynamograph.router.scheduler import (
     NoEligibleWorker,
     Overloaded,
@@ -117,6 +118,25 @@ def test_short_or_cached_prompts_are_not_left_to_kv_events():
     assert _pending_marks(router, (1, 0)) == 0
     short.guard.free()
     cached.guard.free()
+
+
+@pytest.mark.parametrize(
+    ("full", "cached", "blocks"), [(1, 0, 1), (1, 0, 2), (10, 3, 11), (1000, 0, 1001), (5, 5, 6)]
+)
+def test_prefill_marks(full, cached, blocks):
+    """The last full block's mark leaves nothing; the others, evenly spaced over the uncached
+    blocks, leave strictly less and less; never more than MAX_MARKS; none when all is cached."""
+    keys = np.arange(100, 100 + full, dtype=np.uint64)
+    marks = prefill_marks(keys, cached, blocks)
+    if full <= cached:
+        assert marks == ()
+        return
+    assert 1 <= len(marks) <= MAX_MARKS
+    assert marks[-1] == (int(keys[-1]), 0)
+    left = [remaining for _, remaining in marks]
+    assert left == sorted(left, reverse=True) and len(set(left)) == len(left)
+    assert all(int(keys[cached]) <= key for key, _ in marks)  # only uncached blocks
+    assert len(marks) == min(MAX_MARKS, full - cached)
 
 
 def test_a_long_prefill_is_watched_with_few_marks_and_shrinks_as_it_goes():
