@@ -20,6 +20,7 @@ from typing import Any
 from dynamograph.protocol.graph import (
     API_VERSION,
     KIND,
+    ComponentType,
     DynamoGraph,
     GraphError,
     ScaleStatus,
@@ -43,6 +44,8 @@ from .manifests import (
 )
 from .reconcile import Action, Conflict, Create, Delete, Patch, merge_patch, owned_by, plan
 from .status import (
+    GATEWAY_GROUP,
+    EndpointObservation,
     GatewayObservation,
     Problem,
     ServiceObservation,
@@ -76,6 +79,10 @@ _CRD_SOURCES = {
     "InferencePool": "the Gateway API Inference Extension CRDs (inference.networking.k8s.io)",
     "HTTPRoute": "the Gateway API CRDs (gateway.networking.k8s.io)",
 }
+
+# The Gateway a graph's HTTPRoute attaches to is read (never written): its address is the
+# graph's status.endpoint.
+GATEWAY_API_VERSION = f"{GATEWAY_GROUP}/v1"
 
 # Posts a Kubernetes Event about the graph: (graph body, reason, message).
 Announce = Callable[[dict[str, Any], str, str], None]
@@ -165,7 +172,7 @@ async def reconcile(api: KubeApi, body: dict[str, Any], config: OperatorConfig) 
         problems,
         generation=body["metadata"].get("generation"),
         previous=body.get("status"),
-        endpoint=frontend_endpoint(owner),
+        endpoint=await _observe_endpoint(api, graph, owner),
         now=_now(),
         gateway=_observe_gateway(graph, wants_route, owner, live),
     )
@@ -269,6 +276,37 @@ async def _apply(
         log.info("deleting %s %s/%s", kind, namespace, name)
         await api.delete(api_version, kind, namespace, name)
         live.pop(action.key, None)
+
+
+async def _observe_endpoint(
+    api: KubeApi, graph: DynamoGraph | None, owner: Owner
+) -> EndpointObservation | None:
+    """What the graph's client URL is made of (`status.endpoint_verdict`): the Gateway it
+    attaches to, as read now, or its frontend Service. None for an invalid spec."""
+    if graph is None:
+        return None
+    frontend = frontend_endpoint(owner)
+    routes = bool(graph.spec.services_of(ComponentType.FRONTEND))
+    parent = graph.spec.gateway.parent_ref
+    if parent is None:
+        return EndpointObservation(owner.namespace, frontend, routes)
+    gateway, error = None, None
+    if (parent.group, parent.kind) == (GATEWAY_GROUP, "Gateway"):
+        try:
+            gateway = await api.get(
+                GATEWAY_API_VERSION, "Gateway", parent.namespace or owner.namespace, parent.name
+            )
+        except ApiError as exc:  # e.g. RBAC: said in the condition, the pass goes on
+            error = str(exc)
+    return EndpointObservation(
+        owner.namespace,
+        frontend,
+        routes,
+        parent=parent.model_dump(by_alias=True, exclude_none=True),
+        hostnames=tuple(graph.spec.gateway.hostnames),
+        gateway=gateway,
+        error=error,
+    )
 
 
 def _observe_gateway(

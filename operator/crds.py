@@ -188,6 +188,12 @@ def _printer_columns() -> list[dict[str, Any]]:
         column("Ready", "integer", ".status.readyReplicas", description="ready pods"),
         column("Replicas", "integer", ".status.replicas", description="desired pods"),
         column("Backend", "string", ".spec.backend"),
+        column(
+            "Endpoint",
+            "string",
+            ".status.endpoint",
+            description="the OpenAI base URL a client can curl (empty: see EndpointAssigned)",
+        ),
         column("Model", "string", ".spec.model.name", priority=1),
         column(
             "Gateway",

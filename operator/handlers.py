@@ -7,6 +7,9 @@
 - any event of a managed HTTPRoute or InferencePool: the same, so the GatewayAccepted condition
   follows the gateway controller's status writes within seconds (the timer would take up to
   `resync_seconds`). kopf watches these kinds only where their CRDs are installed.
+- any event of a Gateway: reconcile every graph whose `gateway.parentRef` names it (an index
+  of the graphs by their Gateway), so `status.endpoint` follows the address the gateway
+  controller writes into the Gateway's status.
 
 No deletion handler: every object carries an ownerReference, so Kubernetes' garbage collector
 deletes them with the graph. (kopf adds its finalizer because timers need one; it removes it
@@ -18,6 +21,7 @@ would prune unknown status fields. `build_registry` makes a fresh registry per o
 timer period comes from the configuration and tests can run several operators in one process.
 """
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,6 +35,8 @@ from .crd_upgrade import upgrade_crd
 from .kube import ApiError, KubeApi, login
 from .manifests import LABEL_MANAGED_BY, MANAGED_BY, POOL_GROUP
 from .status import GATEWAY_GROUP
+
+log = logging.getLogger(__name__)
 
 ANNOTATION_PREFIX = "dynamograph.io"
 RETRY_SECONDS = 10
@@ -65,6 +71,16 @@ def configure(settings: kopf.OperatorSettings) -> None:
 def _announce(body: dict[str, Any], reason: str, message: str) -> None:
     # kopf.warn reads any mapping; its annotation names kopf's own Body class
     kopf.warn(body, reason=reason, message=message)  # type: ignore[arg-type]
+
+
+def gateway_of(body: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(namespace, name) of the Gateway a graph's HTTPRoute attaches to, None without one."""
+    ref = ((body.get("spec") or {}).get("gateway") or {}).get("parentRef") or {}
+    if not ref.get("name") or (ref.get("group") or GATEWAY_GROUP) != GATEWAY_GROUP:
+        return None
+    if (ref.get("kind") or "Gateway") != "Gateway":
+        return None
+    return ref.get("namespace") or body["metadata"]["namespace"], ref["name"]
 
 
 async def _sync(memo: kopf.Memo, body: Mapping[str, Any]) -> None:
@@ -123,5 +139,24 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         except ApiError as exc:
             # Event handlers are not retried; the graph's timer catches up.
             kopf.warn(body, reason="ReconcileFailed", message=str(exc))
+
+    @kopf.index(*resource, id="graphs_by_gateway", registry=registry)
+    def graphs_by_gateway(body: kopf.Body, **_: Any) -> dict[tuple[str, str], tuple[str, str]]:
+        gateway = gateway_of(body)
+        meta = body["metadata"]
+        return {} if gateway is None else {gateway: (meta["namespace"], meta["name"])}
+
+    @kopf.on.event(GATEWAY_GROUP, "v1", "gateways", registry=registry)
+    async def gateway_changed(body: kopf.Body, memo: kopf.Memo, **kwargs: Any) -> None:
+        index: kopf.Index[tuple[str, str], tuple[str, str]] = kwargs["graphs_by_gateway"]
+        key = (body["metadata"]["namespace"], body["metadata"]["name"])
+        for namespace, name in list(index.get(key, [])):
+            try:
+                await sync_graph(memo.operator, namespace, name, _announce, coalesce=True)
+            except ApiError as exc:
+                # Event handlers are not retried; the graph's timer catches up.
+                log.warning(
+                    "graph %s/%s, after Gateway %s/%s changed: %s", namespace, name, *key, exc
+                )
 
     return registry

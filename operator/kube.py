@@ -43,6 +43,8 @@ RESOURCES: dict[tuple[str, str], str] = {
     ("apps/v1", "Deployment"): "deployments",
     ("inference.networking.k8s.io/v1", "InferencePool"): "inferencepools",
     ("gateway.networking.k8s.io/v1", "HTTPRoute"): "httproutes",
+    # read only: a graph's status.endpoint is its Gateway's address
+    ("gateway.networking.k8s.io/v1", "Gateway"): "gateways",
     (API_VERSION, KIND): PLURAL,
     # cluster-scoped: the operator applies its own CRD on start (operator/crd_upgrade.py)
     ("apiextensions.k8s.io/v1", "CustomResourceDefinition"): "customresourcedefinitions",

@@ -20,8 +20,16 @@ gateway's reason and message when it refused either, Unknown while no controller
 status for the latest generation. It describes another controller's work, so it does not gate
 Ready, Available or state (a gateway that never writes InferencePool status would otherwise
 keep every graph from being Ready); a rejection is named in the Degraded message instead.
+
+`status.endpoint` is a URL only when one answers a plain request, and a sixth condition,
+EndpointAssigned, says where it came from or why there is none (`endpoint_verdict`): with a
+Gateway, the Gateway's own address, listener port and scheme (GatewayAddressPending until its
+controller has written `status.addresses`); without one, the frontend Service when a standalone
+frontend routes requests (the workers' sidecars alone refuse what no endpoint picker routed).
+Like GatewayAccepted, it gates nothing.
 """
 
+import ipaddress
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -146,6 +154,226 @@ def gateway_verdict(gateway: GatewayObservation) -> Verdict:
         if found:
             return Verdict(status, found[0].reason, "; ".join(v.message for v in found))
     return Verdict("True", "Accepted", "; ".join(v.message for v in verdicts))
+
+
+# ---- status.endpoint: the URL a client can curl ------------------------------------------
+
+ENDPOINT_ASSIGNED = "EndpointAssigned"
+# Listener protocols an HTTPRoute attaches to, and the URL scheme of each.
+_SCHEMES = {"HTTP": "http", "HTTPS": "https"}
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+# Gateway address types a URL can be made of (Gateway API core; others are implementation's).
+_URL_ADDRESS_TYPES = ("IPAddress", "Hostname")
+
+
+@dataclass(frozen=True)
+class EndpointObservation:
+    """What the graph's client URL is made of.
+
+    Without a gateway (`parent` None): the in-cluster URL of the graph's frontend Service and
+    whether a standalone frontend serves it (`frontend_routes`); otherwise the Service reaches
+    only the workers' direct-mode sidecars, which refuse a request the endpoint picker has not
+    routed. With one: the spec's parentRef, the HTTPRoute's hostnames, and the Gateway as read
+    (None: it does not exist) or why it could not be read (`error`)."""
+
+    namespace: str
+    frontend_url: str
+    frontend_routes: bool = False
+    parent: dict[str, Any] | None = None
+    hostnames: tuple[str, ...] = ()
+    gateway: dict[str, Any] | None = None
+    error: str | None = None
+
+
+def _host_matches(pattern: str, host: str) -> bool:
+    """Gateway API hostname matching: `*.example.com` matches `a.example.com` and
+    `a.b.example.com` (and wildcards under it), not `example.com`."""
+    if pattern == host:
+        return True
+    if pattern.startswith("*."):
+        suffix = pattern[1:]
+        return host.endswith(suffix) and len(host) > len(suffix)
+    return False
+
+
+def route_hostnames(listener: str | None, route: tuple[str, ...]) -> list[str] | None:
+    """The hostnames a request must carry to match the route on this listener: [] for any,
+    None when the route cannot attach to it (no hostname in common)."""
+    if not route:
+        return [listener] if listener else []
+    if not listener:
+        return list(route)
+    common = []
+    for host in route:
+        if _host_matches(listener, host):
+            common.append(host)
+        elif _host_matches(host, listener):
+            common.append(listener)
+    return list(dict.fromkeys(common)) or None
+
+
+def _admits_route(listener: dict[str, Any], gateway_ns: str, route_ns: str) -> bool:
+    """Whether the listener's allowedRoutes admit an HTTPRoute from `route_ns` (a namespace
+    selector cannot be judged here: the gateway's own verdict is GatewayAccepted)."""
+    allowed = listener.get("allowedRoutes") or {}
+    kinds = allowed.get("kinds")
+    if kinds and not any(
+        k.get("kind") == "HTTPRoute" and (k.get("group") or GATEWAY_GROUP) == GATEWAY_GROUP
+        for k in kinds
+    ):
+        return False
+    origin = (allowed.get("namespaces") or {}).get("from") or "Same"
+    return origin != "Same" or gateway_ns == route_ns
+
+
+def _listener_text(listener: dict[str, Any]) -> str:
+    return f"{listener.get('name')} ({listener.get('protocol')} {listener.get('port')})"
+
+
+def _url(scheme: str, host: str, port: Any) -> str:
+    try:
+        if ipaddress.ip_address(host).version == 6:
+            host = f"[{host}]"
+    except ValueError:
+        pass  # a hostname
+    if isinstance(port, int) and port != _DEFAULT_PORTS[scheme]:
+        return f"{scheme}://{host}:{port}"
+    return f"{scheme}://{host}"
+
+
+def _gateway_address(gateway: dict[str, Any]) -> str | None:
+    for address in (gateway.get("status") or {}).get("addresses") or []:
+        if (address.get("type") or "IPAddress") in _URL_ADDRESS_TYPES and address.get("value"):
+            return str(address["value"])
+    return None
+
+
+def _programmed(gateway: dict[str, Any]) -> str:
+    """What the Gateway's Programmed condition says, when it is not True (why no address)."""
+    for cond in (gateway.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == "Programmed" and cond.get("status") != "True":
+            detail = f": {cond['message']}" if cond.get("message") else ""
+            return (
+                f"; its Programmed condition is {cond.get('status')} ({cond.get('reason')}){detail}"
+            )
+    return ""
+
+
+def _direct_endpoint(obs: EndpointObservation) -> tuple[str | None, Verdict]:
+    if obs.frontend_routes:
+        return obs.frontend_url, Verdict(
+            "True",
+            "FrontendService",
+            f"{obs.frontend_url}: the graph's frontend Service, in the cluster; its frontends "
+            "pick a worker for every request",
+        )
+    return None, Verdict(
+        "False",
+        "NoRoutingFrontend",
+        f"no URL serves a plain request: {obs.frontend_url} reaches only the workers' frontend "
+        "sidecars, which serve requests the endpoint picker routed (any other gets 400 'Worker "
+        "ID required'); set gateway.parentRef to serve through a Gateway, or add a service "
+        "with componentType: frontend",
+    )
+
+
+def endpoint_verdict(obs: EndpointObservation) -> tuple[str | None, Verdict]:
+    """`status.endpoint` and the EndpointAssigned condition: a URL only when one answers.
+
+    With a Gateway: its first IP or hostname address from `status.addresses`, on the first HTTP
+    or HTTPS listener the graph's HTTPRoute can attach to (the parentRef's sectionName when set;
+    allowedRoutes and hostnames admit it), the listener's scheme and port, and as host the
+    first non-wildcard hostname the route matches on that listener when there is one (a request
+    must carry it: the URL says so, and the message names the address it must resolve to).
+    Until the Gateway has an address: no URL, reason GatewayAddressPending."""
+    if obs.parent is None:
+        return _direct_endpoint(obs)
+    group = obs.parent.get("group") or GATEWAY_GROUP
+    kind = obs.parent.get("kind") or "Gateway"
+    name = obs.parent.get("name")
+    gateway_ns = obs.parent.get("namespace") or obs.namespace
+    label = f"Gateway {gateway_ns}/{name}"
+    if (group, kind) != (GATEWAY_GROUP, "Gateway"):
+        return None, Verdict(
+            "Unknown",
+            "NotAGateway",
+            f"gateway.parentRef is a {kind} ({group}), not a Gateway: no address to report",
+        )
+    if obs.error is not None:
+        return None, Verdict(
+            "Unknown", "GatewayUnreadable", f"{label}: cannot read it: {obs.error}"
+        )
+    if obs.gateway is None:
+        return None, Verdict("False", "GatewayNotFound", f"{label} does not exist")
+    listeners = (obs.gateway.get("spec") or {}).get("listeners") or []
+    section = obs.parent.get("sectionName")
+    if section:
+        listeners = [item for item in listeners if item.get("name") == section]
+        if not listeners:
+            return None, Verdict(
+                "False", "ListenerNotFound", f"{label} has no listener named {section!r}"
+            )
+    choices = []
+    for listener in listeners:
+        if listener.get("protocol") not in _SCHEMES:
+            continue
+        if not _admits_route(listener, gateway_ns, obs.namespace):
+            continue
+        hosts = route_hostnames(listener.get("hostname"), obs.hostnames)
+        if hosts is not None:
+            choices.append((listener, hosts))
+    if not choices:
+        known = ", ".join(_listener_text(item) for item in listeners) or "none"
+        return None, Verdict(
+            "False",
+            "NoMatchingListener",
+            f"{label} has no HTTP or HTTPS listener the graph's HTTPRoute can attach to "
+            f"(hostnames {list(obs.hostnames) or 'any'}, namespace {obs.namespace}; "
+            f"listeners: {known})",
+        )
+    listener, hosts = choices[0]
+    scheme = _SCHEMES[listener["protocol"]]
+    port = listener.get("port")
+    concrete = [h for h in hosts if not h.startswith("*")]
+    address = _gateway_address(obs.gateway)
+    if address is None:
+        return None, Verdict(
+            "False",
+            "GatewayAddressPending",
+            f"{label} has no address yet (its status.addresses is empty){_programmed(obs.gateway)}",
+        )
+    where = f"{label}, listener {_listener_text(listener)}"
+    if hosts and not concrete:
+        return None, Verdict(
+            "False",
+            "WildcardHostname",
+            f"the route matches only the hostnames {hosts} on {where} at {address}: a URL needs "
+            "one name under them (set gateway.hostnames to it)",
+        )
+    if concrete:
+        url = _url(scheme, concrete[0], port)
+        resolve = f"{concrete[0]}:{port}:{address}"
+        return url, Verdict(
+            "True",
+            "GatewayAddress",
+            f"{url}: {where} at {address}; the route matches host {concrete[0]}, which must "
+            f"resolve to {address} (or: curl --resolve {resolve} {url}/v1/models)",
+        )
+    url = _url(scheme, address, port)
+    return url, Verdict("True", "GatewayAddress", f"{url}: the address of {where}")
+
+
+def _kept_endpoint(
+    previous: dict[str, Any] | None, previous_conditions: dict[str, dict[str, Any]]
+) -> tuple[str | None, Verdict | None]:
+    """The endpoint and its condition as the last pass wrote them (an invalid spec says
+    nothing new about where the graph's running objects answer)."""
+    before = previous_conditions.get(ENDPOINT_ASSIGNED)
+    verdict = None
+    if before and before.get("status") and _REASON.match(before.get("reason") or ""):
+        verdict = Verdict(before["status"], before["reason"], before.get("message") or "")
+    endpoint = (previous or {}).get("endpoint")
+    return (endpoint if isinstance(endpoint, str) else None), verdict
 
 
 @dataclass(frozen=True)
@@ -314,12 +542,16 @@ def graph_status(
     *,
     generation: int | None,
     previous: dict[str, Any] | None,
-    endpoint: str | None,
+    endpoint: EndpointObservation | str | None,
     now: str,
     gateway: GatewayObservation | None = None,
 ) -> DynamoGraphStatus:
     """The status for the observed services and problems; `previous` keeps transition times.
-    With `gateway`, a GatewayAccepted condition too (see the module's docstring)."""
+    With `gateway`, a GatewayAccepted condition too (see the module's docstring).
+
+    `endpoint`: what the client URL is made of (an EndpointAssigned condition says what came of
+    it, see `endpoint_verdict`), or a URL as it is, or None to keep the previous status's (the
+    spec is invalid: the running objects still answer where they did)."""
     per_service = {name: service_status(obs) for name, obs in services.items()}
     problems = [*problems, *failed_rollouts(services)]
     pending = pending_rollouts(services)
@@ -334,6 +566,15 @@ def graph_status(
     if accepted is not None:
         verdicts[GATEWAY_ACCEPTED] = accepted
     previous_conditions = _conditions_by_type(previous)
+    reach: Verdict | None
+    if isinstance(endpoint, EndpointObservation):
+        url, reach = endpoint_verdict(endpoint)
+    elif endpoint is None:
+        url, reach = _kept_endpoint(previous, previous_conditions)
+    else:
+        url, reach = endpoint, None
+    if reach is not None:
+        verdicts[ENDPOINT_ASSIGNED] = reach
     ready_pods = sum(s.ready_replicas for s in per_service.values())
     return DynamoGraphStatus(
         observed_generation=generation,
@@ -345,7 +586,7 @@ def graph_status(
         services=per_service,
         replicas=sum(s.replicas for s in per_service.values()),
         ready_replicas=ready_pods,
-        endpoint=endpoint,
+        endpoint=url,
     )
 
 

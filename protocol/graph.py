@@ -944,7 +944,9 @@ class ServiceStatus(_Model):
 
 
 class Condition(_Model):
-    type: Literal["Ready", "Available", "Progressing", "Degraded", "GatewayAccepted"]
+    type: Literal[
+        "Ready", "Available", "Progressing", "Degraded", "GatewayAccepted", "EndpointAssigned"
+    ]
     status: Literal["True", "False", "Unknown"]
     reason: str = Field(min_length=1, pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
     message: str = ""
@@ -970,7 +972,10 @@ class DynamoGraphStatus(_Model):
     replicas: int = Field(default=0, ge=0, description="desired pods over all services")
     ready_replicas: int = Field(default=0, ge=0, description="ready pods over all services")
     endpoint: str | None = Field(
-        default=None, description="in-cluster URL of the graph's OpenAI frontend"
+        default=None,
+        description="the OpenAI base URL a client can curl: the Gateway's address when the graph "
+        "attaches to one, else the standalone frontend's in-cluster Service; absent while there "
+        "is none (the EndpointAssigned condition says why)",
     )
     scale: ScaleStatus | None = Field(
         default=None, description="the scale target service, for the /scale subresource"

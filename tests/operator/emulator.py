@@ -187,6 +187,7 @@ class ClusterEmulator(kmock_lib.KubernetesEmulator):
 UPSTREAM_CRDS = {
     "InferencePool": "inference.networking.k8s.io_inferencepools.yaml",
     "HTTPRoute": "gateway.networking.k8s.io_httproutes.yaml",
+    "Gateway": "gateway.networking.k8s.io_gateways.yaml",
 }
 
 

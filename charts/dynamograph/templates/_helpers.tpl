@@ -73,6 +73,10 @@ Kubernetes only lets it grant (in each graph's discovery Role) what it holds its
 - apiGroups: [gateway.networking.k8s.io]
   resources: [httproutes]
   verbs: [get, list, watch, create, patch, delete]
+# Read only: a graph's status.endpoint is the address of the Gateway its HTTPRoute attaches to.
+- apiGroups: [gateway.networking.k8s.io]
+  resources: [gateways]
+  verbs: [get, list, watch]
 - apiGroups: ["", events.k8s.io]
   resources: [events]
   verbs: [create]
