@@ -348,7 +348,7 @@ async def soak(args: argparse.Namespace) -> dict:
         for name, (pid, rss) in before.items()
         if name in after and after[name][0] == pid
     }
-    worst = max(growth, key=growth.get) if growth else None
+    worst = max(growth, key=lambda name: growth[name]) if growth else None
     outcomes = load.outcomes
     summary = {
         "capacity (answered/s)": round(capacity, 2),
