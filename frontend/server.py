@@ -422,31 +422,15 @@ class Frontend:
             )
         finally:
             metrics.finished(mode, outcome, disagg, stream, trace.elapsed())
-            if bootstrapping is not None and not bootstrapping.done():
-                # the decode leg ended before its prefill (it failed, or the client left): the
-                # prefill runs on, the booking is freed after it
-                handed_off = self._after_prefill(bootstrapping, route)
+            if bootstrapping is not None and route is not None and not bootstrapping.done():
+                # the decode leg ended before its prefill could hand its KV over (it failed, or
+                # the client left): as for a client leaving during a prefill leg, the prefill
+                # runs on and a one-token decode leg then takes and frees its KV
+                handed_off = self._abandoned(bootstrapping, exchange, route, body)
             elif bootstrapping is not None and not bootstrapping.cancelled():
                 bootstrapping.exception()  # a failed prefill leg was answered by the decode's
             if route is not None and route.booking is not None and not handed_off:
                 route.booking.free()
-
-    def _after_prefill(
-        self, prefill: "asyncio.Future[dict[str, Any] | None]", route: Route | None
-    ) -> bool:
-        """Free the booking once a bootstrap prefill leg that outlived its decode leg ends."""
-
-        async def wait() -> None:
-            try:
-                await prefill
-            except OpenAIError as exc:
-                log.warning("bootstrap prefill leg: %s", exc.message)
-            finally:
-                if route is not None and route.booking is not None:
-                    route.booking.free()
-
-        self._spawn(wait(), "bootstrap-prefill")
-        return True
 
     def _abandoned(
         self,
@@ -455,10 +439,11 @@ class Frontend:
         route: Route,
         body: dict[str, Any],
     ) -> bool:
-        """The client left during the prefill leg: as Dynamo, let the prefill finish and still
-        send the decode leg — one token, not streamed — so the decode engine pulls the KV the
-        prefill holds for it (else held until vLLM's abort timeout, 480 s) and both free it;
-        then free the booking. True: the booking is this task's to free."""
+        """The client left during the prefill leg (or a bootstrap prefill outlived its decode
+        leg): as Dynamo, let the prefill finish and still send a decode leg — one token, not
+        streamed — so the decode engine pulls the KV the prefill holds for it (else held until
+        vLLM's abort timeout, 480 s) and both free it; then free the booking. True: the booking
+        is this task's to free."""
         headers = EngineClient.headers(exchange.headers, route.decode_target.dp_rank)
         path = exchange.path
 

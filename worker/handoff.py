@@ -126,6 +126,8 @@ class PendingTransfers:
         try:
             await asyncio.wait_for(arrived.wait(), wait_s)
         except TimeoutError:
+            pass
+        finally:  # timed out, or the pull went away (its decode was aborted): forget it
             if self._awaited.get(request_id) is arrived:
                 del self._awaited[request_id]
         return request_id in self._held

@@ -454,12 +454,14 @@ async def test_router_config_override_changes_the_routing_of_that_request_only(m
         assert status == 400 and "samples by no temperature" in out["error"]["message"]
 
 
-async def test_a_client_leaving_during_prefill_still_gets_its_decode_leg_sent(model):
-    """As Dynamo: a client that disconnects while the prefill runs does not abort it; the
-    decode leg is still routed, so the decode engine pulls (and frees) the KV the prefill holds
+@pytest.mark.parametrize("bootstrap", [False, True])
+async def test_a_client_leaving_during_prefill_still_gets_its_decode_leg_sent(model, bootstrap):
+    """As Dynamo: a client that disconnects while the prefill runs does not abort it; a decode
+    leg is still sent once it is done (on the bootstrap path: again, the first one having been
+    closed with the client), so the decode engine pulls (and frees) the KV the prefill holds
     for it; the booking is freed after that. Nothing is left on either engine."""
     async with (
-        mock_worker(role=Role.PREFILL, speedup=0.01) as prefill,
+        mock_worker(role=Role.PREFILL, speedup=0.01, bootstrap=bootstrap) as prefill,
         mock_worker(role=Role.DECODE) as decode,
         run_frontend(None, [prefill, decode], mode=Mode.KV) as fe,
     ):
@@ -476,12 +478,12 @@ async def test_a_client_leaving_during_prefill_still_gets_its_decode_leg_sent(mo
 
         async def decoded() -> bool:
             recent = (await served(decode))["recent"]
-            return len(recent) == 1 and recent[0].get("finish_reason") is not None
+            return len(recent) == 1 + bootstrap and recent[-1].get("finish_reason") is not None
 
         await wait_for(decoded, what="the decode leg to be sent and end", within=30)
         first = (await served(prefill))["recent"][0]
         assert first["finish_reason"] == "length"  # the prefill ran to its end
-        leg = (await served(decode))["recent"][0]
+        leg = (await served(decode))["recent"][-1]
         assert leg["kv_transfer"] and leg["finish_reason"] == "length"
         await wait_for(
             lambda: fe.routing.router.active.total_requests() == 0, what="the booking freed"
