@@ -32,6 +32,7 @@ class Policy:
     description: str
     router_config: dict = field(default_factory=dict)  # RouterConfig fields (kind "epp")
     foreign_policy: str | None = None  # --policy of a foreign router
+    epps: int = 1  # EPP replicas behind the gateway, sharing their bookings (kind "epp")
 
 
 POLICIES: dict[str, Policy] = {
@@ -53,6 +54,13 @@ POLICIES: dict[str, Policy] = {
             "epp",
             "EPP, KV cost from the engines' KV events (Dynamo's defaults: overlap weight 1)",
             {},
+        ),
+        Policy(
+            "kv-2epp",
+            "epp",
+            "2 EPP replicas (active-active, bookings shared), KV events, Dynamo's defaults",
+            {},
+            epps=2,
         ),
         Policy(
             "kv-w4",
@@ -133,34 +141,54 @@ async def _serve_foreign(
 async def _serve_epp(
     policy: Policy, workers: Sequence[Worker], ports: PortPool, logs: Path
 ) -> AsyncIterator[str]:
+    """The EPP (`policy.epps` of them, each a replica of the others: replica sync over
+    127.0.0.1) behind one Envoy that balances its ext_proc streams over them."""
     from dynamograph.local.envoy import envoy_config, run_envoy  # only our policies need Envoy
 
-    grpc_port, health_port, metrics_port = ports.take(), ports.take(), ports.take()
     listen_port, admin_port = ports.take(), ports.take()
     config = logs / f"{policy.name}-router.yaml"
     config.parent.mkdir(parents=True, exist_ok=True)
     config.write_text(yaml.safe_dump(policy.router_config))
-    argv = [
-        *DYNAMOGRAPH,
-        "epp",
-        "--host=127.0.0.1",
-        f"--grpc-port={grpc_port}",
-        f"--health-port={health_port}",
-        f"--metrics-port={metrics_port}",
-        "--discovery=static",
-        f"--config={config}",
-    ]
-    for w in workers:
-        argv += ["--worker", f"{w.url}=127.0.0.1:{w.port}"]
-    epp = Proc(f"{policy.name}-epp", argv, logs / f"{policy.name}-epp.log")
+    replica_ports = [ports.take() for _ in range(policy.epps)]
+    epps, grpc_ports, metrics_ports = [], [], []
+    for i in range(policy.epps):
+        grpc_port, health_port, metrics_port = ports.take(), ports.take(), ports.take()
+        argv = [
+            *DYNAMOGRAPH,
+            "epp",
+            "--host=127.0.0.1",
+            f"--grpc-port={grpc_port}",
+            f"--health-port={health_port}",
+            f"--metrics-port={metrics_port}",
+            "--discovery=static",
+            f"--config={config}",
+        ]
+        if policy.epps > 1:
+            peers = ",".join(f"127.0.0.1:{p}" for j, p in enumerate(replica_ports) if j != i)
+            argv += [f"--replica-port={replica_ports[i]}", f"--replica-peers={peers}"]
+        for w in workers:
+            argv += ["--worker", f"{w.url}=127.0.0.1:{w.port}"]
+        suffix = f"-{i}" if policy.epps > 1 else ""
+        epps.append(
+            Proc(f"{policy.name}-epp{suffix}", argv, logs / f"{policy.name}-epp{suffix}.log")
+        )
+        grpc_ports.append(grpc_port)
+        metrics_ports.append(metrics_port)
     ports.release()
-    epp.start()
+    for epp in epps:
+        epp.start()
     try:
-        await wait_http(epp, f"http://127.0.0.1:{metrics_port}/metrics", within_s=60)
-        gateway = envoy_config(listen_port, admin_port, f"127.0.0.1:{grpc_port}")
+        for epp, metrics_port in zip(epps, metrics_ports, strict=True):
+            await wait_http(epp, f"http://127.0.0.1:{metrics_port}/metrics", within_s=60)
+        gateway = envoy_config(
+            listen_port,
+            admin_port,
+            f"127.0.0.1:{grpc_ports[0]}",
+            epp_replicas=[f"127.0.0.1:{p}" for p in grpc_ports[1:]],
+        )
         async with run_envoy(gateway, workdir=logs / f"{policy.name}-envoy"):
             url = f"http://127.0.0.1:{listen_port}"
-            await wait_http(epp, url + "/v1/models", within_s=60)
+            await wait_http(epps[0], url + "/v1/models", within_s=60)
             yield url
     finally:
-        await asyncio.to_thread(stop_all, [epp])
+        await asyncio.to_thread(stop_all, epps)

@@ -118,6 +118,7 @@ def envoy_config(
     epp_ca: bytes | None = None,
     epp_sni: str | None = None,
     pool_endpoints: tuple[str, ...] | list[str] = (),
+    epp_replicas: tuple[str, ...] | list[str] = (),
 ) -> dict[str, Any]:
     """The bootstrap of a GAIE gateway in front of one InferencePool whose EPP is `epp_address`.
 
@@ -127,6 +128,9 @@ def envoy_config(
     it limits neither uploads nor streams here.
     `failure_mode_allow` is the InferencePool's FailOpen; `pool_endpoints` ("ip:port") are where
     FailOpen may send a request the EPP did not route (see the module docstring).
+    `epp_replicas` ("ip:port") are more EPPs (active-active replicas, docs/epp.md): the EPP
+    cluster balances ext_proc streams over them round-robin, as a gateway does over the EPP
+    Service's endpoints.
 
     Faults: `first_byte_timeout_s` is the route's per-try timeout, which Envoy counts until the
     response head (the first token of a streamed answer, through our sidecar; all of a
@@ -250,7 +254,11 @@ def envoy_config(
                         "endpoints": [
                             {
                                 "lb_endpoints": [
-                                    {"endpoint": {"address": _address(epp_host, epp_port)}}
+                                    {"endpoint": {"address": _address(epp_host, epp_port)}},
+                                    *(
+                                        {"endpoint": {"address": _address(*_split_host_port(a))}}
+                                        for a in epp_replicas
+                                    ),
                                 ]
                             }
                         ],

