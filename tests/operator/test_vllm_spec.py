@@ -271,3 +271,19 @@ def test_spec_replicas_is_refused_when_the_target_is_ambiguous():
     body["spec"]["scaleTarget"] = "nope"
     errors = refused(body)
     assert errors[0][0] == "spec.scaleTarget" and "'nope' is not a service" in errors[0][1]
+
+
+def test_status_scale_is_the_targets_deployment_and_selector():
+    from dynamograph.operator.controller import scale_status
+
+    body = yaml.safe_load((EXAMPLES / "disagg.yaml").read_text())
+    graph = load_graph(body)
+    live = {("apps/v1", "Deployment", "disagg-decode"): {"status": {"replicas": 3}}}
+    scale = scale_status(graph, "disagg", live)
+    assert scale is not None
+    assert (scale.service, scale.replicas) == ("decode", 3)
+    assert scale.selector == "dynamograph.io/graph=disagg,dynamograph.io/service=decode"
+    assert scale_status(graph, "disagg", {}).replicas == 0  # no Deployment yet
+    assert scale_status(None, "disagg", live) is None  # an invalid spec
+    body["spec"]["services"]["decode2"] = {"componentType": "decode"}
+    assert scale_status(load_graph(body), "disagg", live) is None  # no single target
