@@ -33,6 +33,7 @@ from dynamograph.protocol.graph import (
     RouterSpec,
     ServiceSpec,
 )
+from dynamograph.protocol.kv_curve import KV_CURVE_ENV, key_files
 from dynamograph.protocol.launch import (
     ADMIN_TOKEN_ENV,
     graph_router,
@@ -64,11 +65,14 @@ def plan_graph(
     envoy_config: EnvoyConfigFn,
     speedup: float | None = None,
     python: str = sys.executable,
+    kv_curve: bool = False,
 ) -> Plan:
     """Every process of `graph` on 127.0.0.1, in start order.
 
     `take_port(n)` returns the first of n consecutive free ports. `speedup` overrides every mock
-    engine's `engine.speedup` (tests and benchmarks run simulated time faster).
+    engine's `engine.speedup` (tests and benchmarks run simulated time faster). `kv_curve`
+    turns on the KV-event stream's CURVE option with a key folder new with the run
+    (`<run_dir>/kv-curve`, protocol.kv_curve), named to every engine and subscriber.
     """
     spec = graph.spec
     cli = (python, "-m", "dynamograph.cli")
@@ -79,6 +83,7 @@ def plan_graph(
     # One admin token for the graph's engines: decode engines pull KV from prefill engines
     # with it (protocol.launch.ADMIN_TOKEN_ENV); new with every `up`.
     admin_token = secrets.token_urlsafe(24)
+    curve_dir = run_dir / "kv-curve"
 
     for service_name, service in spec.services.items():
         kind = ComponentType(service.component_type)
@@ -151,7 +156,12 @@ def plan_graph(
             ports={"http": listen, "admin": admin},
         )
     )
+    if kv_curve:  # Envoy aside, every process may subscribe or publish
+        for process in processes:
+            if process.kind != "envoy":
+                process.env[KV_CURVE_ENV] = str(curve_dir)
     files = {
+        **({str(curve_dir / name): text for name, text in key_files().items()} if kv_curve else {}),
         str(config_path): json.dumps(config, indent=1),
         # The operator's ConfigMap content, so the EPP is set up as it would be in the cluster.
         str(run_dir / "router.yaml"): yaml.safe_dump(router_config(router)),

@@ -123,6 +123,7 @@ class Stack:
         """Create the run directory and write the plan's files (Envoy's config)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         for path, content in self.plan.files.items():
+            Path(path).parent.mkdir(parents=True, exist_ok=True)  # the KV-event key folder
             Path(path).write_text(content)
 
     async def start(self, ready_within: float = 120.0) -> None:

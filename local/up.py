@@ -73,6 +73,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="mock engines simulate time this many times faster (overrides engine.speedup)",
     )
     parser.add_argument(
+        "--kv-curve",
+        action="store_true",
+        help="secure the KV-event stream with ZMQ CURVE, keys new with the run (docs/security.md)",
+    )
+    parser.add_argument(
         "--state-dir",
         type=Path,
         default=None,
@@ -125,7 +130,9 @@ def run(args: argparse.Namespace) -> int:
         return _detach(console, err, path, run_dir, args)
 
     try:
-        stack = new_stack(graph, run_dir, args.speedup, fresh=args.ready_fd is None)
+        stack = new_stack(
+            graph, run_dir, args.speedup, fresh=args.ready_fd is None, kv_curve=args.kv_curve
+        )
     except FileNotFoundError as exc:  # no Envoy binary: the message says how to install it
         err.print(f"[red]{exc}[/red]")
         return 2
@@ -165,6 +172,7 @@ def _detach(
         *("--ready-fd", str(write), "--state-dir", str(run_dir.parent)),
         *("--timeout", str(args.timeout)),
         *(() if args.speedup is None else ("--speedup", str(args.speedup))),
+        *(("--kv-curve",) if args.kv_curve else ()),
     ]
     with log.open("wb") as out:
         child = subprocess.Popen(
@@ -205,7 +213,12 @@ def _clear(run_dir: Path) -> None:
 
 
 def new_stack(
-    graph, run_dir: Path, speedup: float | None, fresh: bool = True, envoy_config=None
+    graph,
+    run_dir: Path,
+    speedup: float | None,
+    fresh: bool = True,
+    envoy_config=None,
+    kv_curve: bool = False,
 ) -> Stack:
     """The planned (not started) stack of `graph`; `envoy_config` replaces Envoy's config
     builder (the fault suite puts a proxy between Envoy and the EPP)."""
@@ -226,6 +239,7 @@ def new_stack(
             envoy_binary=str(envoy),
             envoy_config=envoy_config or envoy_module.envoy_config,
             speedup=speedup,
+            kv_curve=kv_curve,
         )
     finally:
         pool.release()

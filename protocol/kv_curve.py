@@ -88,14 +88,31 @@ class CurveKeys:
         return auth
 
 
+def key_files() -> dict[str, str]:
+    """A new server and client key pair: file name → content, as `create_keys` writes them."""
+    files = {}
+    for name in (SERVER, CLIENT):
+        public, secret = zmq.curve_keypair()
+        lines = ["# ZeroMQ CURVE certificate (dynamograph kv-curve-keys)", "curve"]
+        files[f"{name}.key"] = "\n".join([*lines, f'    public-key = "{public.decode()}"', ""])
+        files[f"{name}.key_secret"] = "\n".join(
+            [
+                *lines,
+                f'    public-key = "{public.decode()}"',
+                f'    secret-key = "{secret.decode()}"',
+                "",
+            ]
+        )
+    return files
+
+
 def create_keys(folder: str | Path) -> Path:
     """Write a new server and client key pair into `folder` (created if need be)."""
     path = Path(folder)
     path.mkdir(parents=True, exist_ok=True)
-    for name in (SERVER, CLIENT):
-        zmq.auth.create_certificates(path, name)
-    for secret in path.glob("*.key_secret"):
-        secret.chmod(0o600)
+    for name, content in key_files().items():
+        (path / name).touch(mode=0o600 if name.endswith("_secret") else 0o644)
+        (path / name).write_text(content)
     return path
 
 

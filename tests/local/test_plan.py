@@ -12,6 +12,7 @@ from dynamograph.local.plan import plan_graph
 from dynamograph.local.spec import STAGE_ENGINES, STAGE_GATEWAY, STAGE_ROUTERS
 from dynamograph.local.up import DEFAULT_GRAPH, EXAMPLES
 from dynamograph.protocol.graph import load_graph
+from dynamograph.protocol.kv_curve import KV_CURVE_ENV
 from dynamograph.protocol.launch import ADMIN_TOKEN_ENV, admin_token_env
 from dynamograph.protocol.router_config import RouterConfig
 
@@ -312,3 +313,17 @@ def test_command_lines_parse_with_the_components_own_parsers(example):
         parser = argparse.ArgumentParser()
         module.add_arguments(parser)
         parser.parse_args(list(proc.argv[4:]))  # SystemExit (a failure) on any unknown flag
+
+
+def test_kv_curve_gives_every_process_but_envoy_the_runs_key_folder():
+    p = plan(DEFAULT_GRAPH, kv_curve=True)
+    folder = RUN / "kv-curve"
+    for process in p.processes:
+        expected = None if process.kind == "envoy" else str(folder)
+        assert process.env.get(KV_CURVE_ENV) == expected, process.name
+    keys = {Path(path).name for path in p.files if Path(path).parent == folder}
+    assert keys == {"server.key", "server.key_secret", "client.key", "client.key_secret"}
+    # off by default
+    p = plan(DEFAULT_GRAPH)
+    assert all(KV_CURVE_ENV not in process.env for process in p.processes)
+    assert not any("kv-curve" in path for path in p.files)
