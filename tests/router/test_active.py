@@ -81,6 +81,18 @@ def live_keys(active: ActiveRequests, guards: list[RequestGuard]) -> tuple[dict,
     return keys, private
 
 
+def live_unanswered(active: ActiveRequests, guards: list[RequestGuard]) -> dict:
+    """Per slot, the live bookings whose prefill has not ended (what the stalled filter
+    waits on), counted from the bookings themselves."""
+    counts: dict = {}
+    for guard in guards:
+        for booking in (guard._decode, guard._prefill):
+            live = booking is not None and booking.current(active._loads) is not None
+            if live and not booking.answered:
+                counts[booking.slot] = counts.get(booking.slot, 0) + 1
+    return counts
+
+
 def expected_decode(active: ActiveRequests, guards: list[RequestGuard]) -> dict:
     """Decode load per slot recomputed from the live bookings: distinct keys + private blocks."""
     keys, private = live_keys(active, guards)
@@ -92,6 +104,7 @@ def check_columns_and_held(active: ActiveRequests, guards: list[RequestGuard]) -
     of each family's prompt its live requests hold (counted key by key here)."""
     loads = active.loads()
     keys, _ = live_keys(active, guards)
+    unanswered = live_unanswered(active, guards)
     for slot in SLOTS:
         load = loads.get(slot)
         row = tuple(active.sums[active.column(slot)].tolist())
@@ -99,6 +112,7 @@ def check_columns_and_held(active: ActiveRequests, guards: list[RequestGuard]) -
             assert row == (0, 0, 0, 0)
             continue
         assert row == (load.prefill_blocks, load.decode_blocks, load.requests, load.unanswered)
+        assert load.unanswered == unanswered.get(slot, 0)
         held = keys.get(slot, set())
         for family in range(3):
             prompt = family_keys(family, 70)
