@@ -108,6 +108,30 @@ def test_scheduler_respects_max_num_seqs_and_preempts_when_full():
     assert sched.stats.preemptions == 1
 
 
+def test_the_priority_policy_admits_by_priority_and_preempts_the_least_important():
+    """vLLM's `--scheduling-policy priority`: waiting sequences by (priority, arrival), lower
+    first; the preemption victim is the running one last in that order, not the newest."""
+    cache = KvCache(num_blocks=6, block_size=BS)
+    sched = Scheduler(cache, max_num_seqs=3, max_num_batched_tokens=100, priority_policy=True)
+    a, b, c = seq("a", range(4), 8), seq("b", range(10, 14), 8), seq("c", range(20, 24), 8)
+    a.priority, b.priority, c.priority = 5, -1, 0
+    sched.add(a)
+    plan = sched.schedule(0.0)
+    for s in sched.complete(plan):
+        s.append(1)
+    sched.add(c)
+    sched.add(b)  # arrives last, goes first
+    assert list(sched.waiting) == [b, c]
+    for _ in range(10):  # all three grow; 3 blocks each do not fit in 6: one is preempted
+        plan = sched.schedule(0.0)
+        for s in sched.complete(plan):
+            s.append(1)
+        if plan.preempted:
+            break
+    # a, the least important, gives way (first-come order would take c, the newest)
+    assert plan.preempted == [a] and a.status is Status.WAITING and list(sched.waiting) == [a]
+
+
 def test_cost_model_shape():
     cost = CostModel()
     assert cost.step_time(0, 0, []) == 0.0
