@@ -80,7 +80,7 @@ async def fleet(
         ]
         discovery = Discovery(StaticSource([parse_worker_flag(w.url) for w in running]))
         frontend = Frontend(FrontendConfig(mode=Mode.KV, router=router), discovery)
-        await frontend.start()
+        url = await frontend.start()
         stack.push_async_callback(frontend.stop)
         wanted = {w.config.instance_id for w in running}
         for _ in range(1200):  # discovery reads each worker's /v1/engine: well under a minute
@@ -94,7 +94,7 @@ async def fleet(
         warm = {"model": MODEL, "prompt": "warm up", "max_tokens": 1}
         async with (
             aiohttp.ClientSession() as http,
-            http.post(frontend.url + "/v1/completions", json=warm) as r,
+            http.post(url + "/v1/completions", json=warm) as r,
         ):
             await r.read()
         yield frontend
