@@ -100,6 +100,40 @@ def _split_host_port(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+# FailClose's 503 says why, as an OpenAI error: Envoy's own reply when the EPP cannot be reached
+# or fails has no body. Matched by the reply's code details (`ext_proc_error_...`), so the EPP's
+# own ImmediateResponses, also local replies to Envoy, keep their bodies.
+_EPP_FAILURE_REPLY = {
+    "mappers": [
+        {
+            "filter": {
+                "extension_filter": {
+                    "name": "envoy.access_loggers.extension_filters.cel",
+                    "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter",
+                        "expression": "response.code_details.startsWith('ext_proc_error')",
+                    },
+                }
+            },
+            "headers_to_add": [{"header": {"key": "retry-after", "value": "1"}}],
+            "body_format_override": {
+                "content_type": "application/json",
+                "json_format": {
+                    "error": {
+                        "message": "the endpoint picker (EPP) is unreachable or failed, so no "
+                        "worker was picked; retry shortly, and if it persists check the EPP "
+                        "(Envoy: %RESPONSE_CODE_DETAILS%)",
+                        "type": "service_unavailable",
+                        "param": None,
+                        "code": "%RESPONSE_CODE%",
+                    }
+                },
+            },
+        }
+    ]
+}
+
+
 def envoy_config(
     listen_port: int,
     admin_port: int,
@@ -186,6 +220,7 @@ def envoy_config(
         "request_headers_timeout": f"{headers_timeout_s}s",
         "request_timeout": f"{request_timeout_s}s",
         "stream_idle_timeout": f"{stream_idle_timeout_s}s",
+        "local_reply_config": _EPP_FAILURE_REPLY,
         "route_config": {
             "name": "inference",
             "virtual_hosts": [

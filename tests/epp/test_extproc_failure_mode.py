@@ -5,6 +5,7 @@ client-chosen `x-gateway-destination-endpoint` (Envoy's admin port, any address 
 pool) receive anything."""
 
 import contextlib
+import json
 import time
 
 import aiohttp
@@ -95,6 +96,10 @@ async def test_fail_close_answers_503_at_once_and_reaches_nothing():
                     assert response.status == 503, (method, path, headers, text)
                     assert WORKER_HEADER not in response.headers
                     assert "canary" not in text
+                    # The gateway's own 503 says why, as an OpenAI error (local/envoy.py).
+                    error = json.loads(text)["error"]
+                    assert "endpoint picker" in error["message"], error
+                    assert response.headers["retry-after"] == "1"
                 assert time.monotonic() - started < 5
         assert hits == []
         assert worker.server.requests.total == 1  # only the request made while the EPP was up
