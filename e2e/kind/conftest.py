@@ -1,4 +1,4 @@
-"""Fixtures of the kind suite: the cluster (created once per session), the gateway URL.
+"""Fixtures of the kind suite: the cluster (created once per session), the gateways' URLs.
 
 The suite skips, naming what is missing, unless docker (with a reachable daemon), kind,
 kubectl and helm are all present, and it runs only on request (`DYNAMOGRAPH_E2E_KIND=1`, which
@@ -53,12 +53,21 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="session")
 def gateway_url(kind_cluster):
-    """`kubectl port-forward` to the Gateway's Service (kind has no LoadBalancer)."""
-    s = kind_cluster
+    """kgateway's Gateway, through `kubectl port-forward` (test_kind.py's scenarios)."""
+    if kindctl.KGATEWAY.name not in kind_cluster.gateways:
+        pytest.skip(f"kgateway is not selected (E2E_GATEWAYS={','.join(kind_cluster.gateways)})")
+    with port_forwarded(kind_cluster, kindctl.KGATEWAY) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def port_forwarded(s: kindctl.Settings, profile: kindctl.GatewayProfile):
+    """`kubectl port-forward` to the Service of a gateway's proxies (port 80, the listener's),
+    so the host reaches it however Docker networks it (on Linux its load-balancer address
+    would do; not on macOS)."""
     port = _free_port()
-    argv = kindctl.resolve(
-        kindctl.port_forward(s, s.namespace, kindctl.gateway_service(s), port, 80)
-    )
+    namespace, service = kindctl.gateway_service(s, profile)
+    argv = kindctl.resolve(kindctl.port_forward(s, namespace, service, port, 80))
     process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60

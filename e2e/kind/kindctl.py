@@ -7,11 +7,21 @@ CLI (`up`, `down`, `status`) call the same steps, so a laptop run and the test r
 Pinned versions (a combination published together by the GAIE getting-started guide and NVIDIA
 Dynamo's inference-gateway install script): kind v0.29.0 with node image kindest/node:v1.33.1,
 Gateway API v1.4.1 (standard channel), Gateway API Inference Extension v1.2.1 (InferencePool
-`inference.networking.k8s.io/v1`), kgateway v2.1.1 with `inferenceExtension.enabled=true` as the
-Envoy-based gateway. Override with the environment variables named in `Versions.from_env`.
+`inference.networking.k8s.io/v1`), and two gateways, each installed as its own docs say:
+- kgateway v2.1.1 (its CRD chart, then the controller with `inferenceExtension.enabled=true`);
+- Envoy Gateway v1.7.0 with Envoy AI Gateway v0.6.0 (the pair of AI Gateway's 0.6 docs; Envoy
+  Gateway 1.7 is built against Gateway API v1.4.1 and Kubernetes 1.32-1.35): Envoy Gateway's
+  chart with AI Gateway's values file and its InferencePool add-on (both from the AI Gateway
+  tag), then AI Gateway's CRD chart and controller chart. Its Gateways use a GatewayClass of
+  controller `gateway.envoyproxy.io/gatewayclass-controller`.
+A Gateway's address comes from a load balancer, which kind lacks: cloud-provider-kind v0.7.0
+runs beside the cluster (a container on the `kind` network) and gives every LoadBalancer Service
+an address, which the gateway controllers write into their Gateways' `status.addresses`. Override
+with the environment variables named in `Versions.from_env`; `E2E_GATEWAYS` picks the gateways.
 """
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -35,6 +45,8 @@ TOOLS = ("docker", "kind", "kubectl", "helm")
 GATEWAY_NAME = "inference-gateway"
 GATEWAY_LABEL = "gateway.networking.k8s.io/gateway-name"
 KGATEWAY_NAMESPACE = "kgateway-system"
+ENVOY_GATEWAY_NAMESPACE = "envoy-gateway-system"
+AI_GATEWAY_NAMESPACE = "envoy-ai-gateway-system"
 OPERATOR_NAMESPACE = "dynamograph-system"
 OPERATOR_RELEASE = "dynamograph"
 
@@ -45,6 +57,9 @@ class Versions:
     gateway_api: str = "v1.4.1"
     inference_extension: str = "v1.2.1"
     kgateway: str = "v2.1.1"
+    envoy_gateway: str = "v1.7.0"
+    envoy_ai_gateway: str = "v0.6.0"
+    cloud_provider_kind: str = "v0.7.0"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> "Versions":
@@ -53,8 +68,25 @@ class Versions:
             "gateway_api": env.get("E2E_GATEWAY_API_VERSION"),
             "inference_extension": env.get("E2E_GAIE_VERSION"),
             "kgateway": env.get("E2E_KGATEWAY_VERSION"),
+            "envoy_gateway": env.get("E2E_ENVOY_GATEWAY_VERSION"),
+            "envoy_ai_gateway": env.get("E2E_AI_GATEWAY_VERSION"),
+            "cloud_provider_kind": env.get("E2E_CLOUD_PROVIDER_KIND_VERSION"),
         }
         return replace(cls(), **{k: v for k, v in overrides.items() if v})
+
+    @property
+    def cloud_provider_kind_image(self) -> str:
+        return (
+            "registry.k8s.io/cloud-provider-kind/cloud-controller-manager:"
+            f"{self.cloud_provider_kind}"
+        )
+
+    def ai_gateway_file(self, path: str) -> str:
+        """A file of Envoy AI Gateway's repository at the pinned tag (its install values)."""
+        return (
+            "https://raw.githubusercontent.com/envoyproxy/ai-gateway/"
+            f"{self.envoy_ai_gateway}/{path}"
+        )
 
     @property
     def gateway_api_url(self) -> str:
@@ -72,12 +104,62 @@ class Versions:
 
 
 @dataclass(frozen=True)
+class GatewayProfile:
+    """One gateway implementation the suite installs: the Gateway the graphs attach to (in the
+    suite's namespace), its class, and where its controller puts the Service of its proxies."""
+
+    name: str  # what E2E_GATEWAYS and the tests' ids call it
+    gateway: str  # the Gateway object
+    gateway_class: str
+    service_namespace: str | None  # None: the Gateway's namespace
+    service_labels: tuple[str, ...]  # label keys, valued by the Gateway's name or namespace
+
+    def service_selector(self, namespace: str) -> str:
+        values = {
+            GATEWAY_LABEL: self.gateway,
+            "gateway.envoyproxy.io/owning-gateway-name": self.gateway,
+            "gateway.envoyproxy.io/owning-gateway-namespace": namespace,
+        }
+        return ",".join(f"{key}={values[key]}" for key in self.service_labels)
+
+
+KGATEWAY = GatewayProfile(
+    name="kgateway",
+    gateway=GATEWAY_NAME,
+    gateway_class="kgateway",
+    service_namespace=None,
+    service_labels=(GATEWAY_LABEL,),
+)
+ENVOY_GATEWAY = GatewayProfile(
+    name="envoy-gateway",
+    gateway="envoy-inference-gateway",
+    gateway_class="envoy-gateway",
+    service_namespace=ENVOY_GATEWAY_NAMESPACE,
+    service_labels=(
+        "gateway.envoyproxy.io/owning-gateway-name",
+        "gateway.envoyproxy.io/owning-gateway-namespace",
+    ),
+)
+GATEWAYS = {g.name: g for g in (KGATEWAY, ENVOY_GATEWAY)}
+
+
+def gateways_from(text: str) -> tuple[str, ...]:
+    """E2E_GATEWAYS: a comma-separated choice among GATEWAYS."""
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = sorted(set(names) - set(GATEWAYS))
+    if unknown or not names:
+        raise ValueError(f"E2E_GATEWAYS={text!r}: choose from {', '.join(GATEWAYS)}")
+    return names
+
+
+@dataclass(frozen=True)
 class Settings:
     cluster: str = "dynamograph-e2e"
     image: str = "dynamograph:e2e"
     namespace: str = "dynamograph-e2e"
     versions: Versions = Versions()
     keep: bool = False  # leave the cluster running after the tests
+    gateways: tuple[str, ...] = tuple(GATEWAYS)  # which gateways to install and test
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> "Settings":
@@ -87,11 +169,20 @@ class Settings:
             namespace=env.get("E2E_NAMESPACE", cls.namespace),
             versions=Versions.from_env(env),
             keep=env.get("E2E_KEEP_CLUSTER", "") == "1",
+            gateways=gateways_from(env.get("E2E_GATEWAYS") or ",".join(GATEWAYS)),
         )
 
     @property
     def context(self) -> str:
         return f"kind-{self.cluster}"
+
+    @property
+    def cloud_provider(self) -> str:
+        """The name of this cluster's cloud-provider-kind container."""
+        return f"{self.cluster}-cloud-provider"
+
+    def profiles(self) -> list[GatewayProfile]:
+        return [GATEWAYS[name] for name in self.gateways]
 
 
 # ---- finding tools -------------------------------------------------------------------------
@@ -186,6 +277,8 @@ def helm_install(
     *,
     version: str | None = None,
     values: Mapping[str, Any] | None = None,
+    values_files: Sequence[str] = (),
+    json_values: Mapping[str, Any] | None = None,
     wait: str = "5m",
 ) -> list[str]:
     args = [
@@ -194,9 +287,21 @@ def helm_install(
     ]  # fmt: skip
     if version:
         args += ["--version", version]
+    for path in values_files:
+        args += ["-f", path]
     for key, value in (values or {}).items():
         args += ["--set", f"{key}={_helm_value(value)}"]
+    for key, value in (json_values or {}).items():
+        args += ["--set-json", f"{key}={json.dumps(value, separators=(',', ':'))}"]
     return helm(s, *args)
+
+
+def gateway_from(s: Settings) -> list[dict[str, Any]]:
+    """The chart's networkPolicy.gatewayFrom: the namespaces where the selected gateways run
+    their proxies (kgateway: the Gateway's; Envoy Gateway: its own), which reach the EPP."""
+    namespaces = dict.fromkeys(p.service_namespace or s.namespace for p in s.profiles())
+    label = "kubernetes.io/metadata.name"
+    return [{"namespaceSelector": {"matchLabels": {label: ns}}} for ns in namespaces]
 
 
 def _helm_value(value: Any) -> str:
@@ -228,8 +333,6 @@ def get_json(s: Settings, kind: str, namespace: str | None, *names_or_flags: str
 
 
 def merge_patch(s: Settings, kind: str, namespace: str, name: str, patch: dict) -> list[str]:
-    import json
-
     return kubectl(
         s, "patch", kind, name, "-n", namespace, "--type", "merge", "-p", json.dumps(patch)
     )
@@ -261,14 +364,153 @@ def kgateway_installs(s: Settings) -> list[list[str]]:
     ]  # fmt: skip
 
 
+def envoy_gateway_installs(s: Settings) -> list[list[str]]:
+    """Envoy Gateway with Envoy AI Gateway's values and its InferencePool add-on (AI Gateway's
+    extension server turns an InferencePool backend into the ext_proc filter), then AI Gateway's
+    CRD chart and controller, in the order of AI Gateway's install guide. The Gateway API CRDs
+    are installed before: Helm leaves existing CRDs alone."""
+    v = s.versions
+    base = "oci://docker.io/envoyproxy/"
+    return [
+        helm_install(
+            s, "eg", base + "gateway-helm", ENVOY_GATEWAY_NAMESPACE, version=v.envoy_gateway,
+            values_files=(
+                v.ai_gateway_file("manifests/envoy-gateway-values.yaml"),
+                v.ai_gateway_file("examples/inference-pool/envoy-gateway-values-addon.yaml"),
+            ),
+        ),
+        helm_install(
+            s, "aieg-crd", base + "ai-gateway-crds-helm", AI_GATEWAY_NAMESPACE,
+            version=v.envoy_ai_gateway,
+        ),
+        helm_install(
+            s, "aieg", base + "ai-gateway-helm", AI_GATEWAY_NAMESPACE, version=v.envoy_ai_gateway,
+        ),
+    ]  # fmt: skip
+
+
+def gateway_installs(s: Settings, profile: GatewayProfile) -> list[list[str]]:
+    installs = {KGATEWAY.name: kgateway_installs, ENVOY_GATEWAY.name: envoy_gateway_installs}
+    return installs[profile.name](s)
+
+
+def docker(*args: str) -> list[str]:
+    return ["docker", *args]
+
+
+def cloud_provider_start(s: Settings) -> list[str]:
+    """cloud-provider-kind as its README runs it in a container: on the `kind` network, with
+    the Docker socket (it starts a load-balancer container per LoadBalancer Service)."""
+    return docker(
+        "run", "-d", "--name", s.cloud_provider, "--network", "kind",
+        "-v", "/var/run/docker.sock:/var/run/docker.sock", s.versions.cloud_provider_kind_image,
+    )  # fmt: skip
+
+
+def cloud_provider_state(s: Settings) -> list[str]:
+    return docker("ps", "-a", "--filter", f"name=^/{s.cloud_provider}$", "--format", "{{.State}}")
+
+
+def cloud_provider_remove(s: Settings) -> list[str]:
+    return docker("rm", "-f", s.cloud_provider)
+
+
+PROBE = """
+import json, sys, urllib.error, urllib.request
+url, model = sys.argv[1], sys.argv[2]
+headers = {"content-type": "application/json"}
+if len(sys.argv) > 3:
+    headers["host"] = sys.argv[3]
+body = {"model": model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 4,
+        "nvext": {"extra_fields": ["worker_id"]}}
+request = urllib.request.Request(url.rstrip("/") + "/v1/chat/completions",
+                                 data=json.dumps(body).encode(), headers=headers)
+try:
+    with urllib.request.urlopen(request, timeout=60) as response:
+        status, text = response.status, response.read().decode()
+except urllib.error.HTTPError as error:
+    status, text = error.code, error.read().decode()
+print(json.dumps({"status": status, "body": text}))
+"""
+
+
+def probe(s: Settings, pod: str, url: str, model: str, host: str | None = None) -> list[str]:
+    """A one-shot pod of the project image that sends one chat completion to `url` (with the
+    `Host` header `host`) from inside the cluster, as a client there would, and prints its
+    status and body as one JSON line."""
+    args = [url, model] + ([host] if host else [])
+    return kubectl(
+        s, "run", pod, "-n", s.namespace, "--rm", "-i", "--quiet", "--restart=Never",
+        f"--image={s.image}", "--image-pull-policy=Never", "--command", "--",
+        "python", "-c", PROBE, *args,
+    )  # fmt: skip
+
+
+def probe_result(stdout: str) -> dict[str, Any]:
+    """The probe's JSON line (kubectl may print more around it)."""
+    for line in reversed(stdout.strip().splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise CommandFailed(f"the probe printed no result: {stdout[-500:]!r}")
+
+
 # ---- manifests (pure) ----------------------------------------------------------------------
 
 
-def gateway_manifest(namespace: str, name: str = GATEWAY_NAME) -> dict[str, Any]:
+def gateway_manifest(
+    namespace: str, name: str = GATEWAY_NAME, gateway_class: str = "kgateway"
+) -> dict[str, Any]:
     doc = yaml.safe_load((MANIFESTS / "gateway.yaml").read_text())
     doc["metadata"]["name"] = name
     doc["metadata"]["namespace"] = namespace
+    doc["spec"]["gatewayClassName"] = gateway_class
     return doc
+
+
+def gateway_class_manifest(profile: GatewayProfile) -> dict[str, Any] | None:
+    """The GatewayClass of a profile's Gateways, where the gateway's install makes none
+    (kgateway's chart creates class `kgateway`; Envoy Gateway's leaves it to its user)."""
+    if profile.name != ENVOY_GATEWAY.name:
+        return None
+    doc = yaml.safe_load((MANIFESTS / "envoy-gatewayclass.yaml").read_text())
+    doc["metadata"]["name"] = profile.gateway_class
+    return doc
+
+
+def gateway_objects(s: Settings) -> list[dict[str, Any]]:
+    """The suite's namespace, then per selected gateway its GatewayClass (if ours) and Gateway."""
+    objects = [namespace_manifest(s.namespace)]
+    for profile in s.profiles():
+        gateway_class = gateway_class_manifest(profile)
+        if gateway_class is not None:
+            objects.append(gateway_class)
+        objects.append(gateway_manifest(s.namespace, profile.gateway, profile.gateway_class))
+    return objects
+
+
+def gateway_address(gateway: dict[str, Any]) -> str | None:
+    """The first address the gateway's controller wrote into the Gateway's status."""
+    for address in (gateway.get("status") or {}).get("addresses") or []:
+        if address.get("value"):
+            return str(address["value"])
+    return None
+
+
+def http_url(host: str, port: int = 80) -> str:
+    """The URL the operator reports for an HTTP listener (`status.endpoint`): IPv6 in brackets,
+    port 80 left out."""
+    host = f"[{host}]" if ":" in host else host
+    return f"http://{host}" if port == 80 else f"http://{host}:{port}"
+
+
+def printed_column(table: str, column: str) -> list[str]:
+    """One column of kubectl's table output, per row ("" where it is empty): kubectl aligns
+    the columns, so a value sits under its header."""
+    header, *rows = table.rstrip("\n").splitlines()
+    start = header.index(column)
+    rest = header[start + len(column) :]
+    end = start + len(column) + (len(rest) - len(rest.lstrip())) if rest.strip() else None
+    return [row[start:end].strip() for row in rows]
 
 
 def namespace_manifest(namespace: str) -> dict[str, Any]:
@@ -322,8 +564,6 @@ def run(
 
 
 def run_json(argv: Sequence[str]) -> dict[str, Any]:
-    import json
-
     return json.loads(run(argv).stdout)
 
 
@@ -336,54 +576,80 @@ def cluster_exists(s: Settings) -> bool:
     return s.cluster in run(kind_clusters()).stdout.split()
 
 
+def start_cloud_provider(s: Settings) -> None:
+    """cloud-provider-kind beside the cluster, unless it runs already (a stopped one is
+    started again)."""
+    state = run(cloud_provider_state(s)).stdout.strip()
+    if state == "running":
+        return
+    if state:
+        run(docker("start", s.cloud_provider))
+    else:
+        run(cloud_provider_start(s), timeout=600)
+
+
 def up(s: Settings) -> None:
     """Create (or reuse) the cluster and install everything the suite needs. Idempotent."""
     if not cluster_exists(s):
         run(kind_create(s, MANIFESTS / "kind-cluster.yaml"), timeout=600)
+    start_cloud_provider(s)
     run(docker_build(s), timeout=1800)
     run(kind_load(s), timeout=600)
     run(kubectl_apply(s, s.versions.gateway_api_url))
     run(kubectl_apply(s, s.versions.inference_extension_url))
-    for argv in kgateway_installs(s):
-        run(argv)
+    for profile in s.profiles():
+        for argv in gateway_installs(s, profile):
+            run(argv)
     run(kubectl_apply(s, CRD_DIR))
     # The suite reads pods' /metrics through the API server's pod proxy, which connects from a
     # node, not from a Prometheus namespace: the graphs' NetworkPolicies (kindnet enforces them)
     # let the metrics ports take any source here.
     values = {**image_values(s.image), "networkPolicy.metricsFrom[0].ipBlock.cidr": "0.0.0.0/0"}
-    run(helm_install(s, OPERATOR_RELEASE, CHART, OPERATOR_NAMESPACE, values=values))
-    apply_objects(s, [namespace_manifest(s.namespace), gateway_manifest(s.namespace)])
+    # The EPP takes the ext_proc connection from the proxies of every gateway tested.
+    nets = {"networkPolicy.gatewayFrom": gateway_from(s)}
     run(
-        kubectl(
-            s, "wait", "--for=condition=Programmed", f"gateway/{GATEWAY_NAME}",
-            "-n", s.namespace, "--timeout=300s",
+        helm_install(
+            s, OPERATOR_RELEASE, CHART, OPERATOR_NAMESPACE, values=values, json_values=nets
         )
-    )  # fmt: skip
+    )
+    apply_objects(s, gateway_objects(s))
+    for profile in s.profiles():
+        run(
+            kubectl(
+                s, "wait", "--for=condition=Programmed", f"gateway/{profile.gateway}",
+                "-n", s.namespace, "--timeout=300s",
+            )
+        )  # fmt: skip
 
 
 def down(s: Settings) -> None:
     run(kind_delete(s), check=False)
+    run(cloud_provider_remove(s), check=False)
 
 
-def gateway_service(s: Settings) -> str:
-    """The Service the gateway controller created for the Gateway: found by the GEP-1762 label,
-    else the Service named like the Gateway (kgateway's naming)."""
-    listing = run_json(
-        get_json(s, "services", s.namespace, "-l", f"{GATEWAY_LABEL}={GATEWAY_NAME}")
-    )
-    services = [svc["metadata"]["name"] for svc in items(listing)]
+def gateway_service(s: Settings, profile: GatewayProfile = KGATEWAY) -> tuple[str, str]:
+    """(namespace, name) of the Service the gateway controller created for the profile's
+    Gateway: found by the controller's labels (kgateway: GEP-1762's; Envoy Gateway: its
+    owning-gateway labels, in its own namespace), else the Service named like the Gateway
+    (kgateway's naming)."""
+    namespace = profile.service_namespace or s.namespace
+    selector = profile.service_selector(s.namespace)
+    services = [
+        svc["metadata"]["name"]
+        for svc in items(run_json(get_json(s, "services", namespace, "-l", selector)))
+    ]
     if not services:
         services = [
             svc["metadata"]["name"]
-            for svc in items(run_json(get_json(s, "services", s.namespace)))
-            if svc["metadata"]["name"] == GATEWAY_NAME
+            for svc in items(run_json(get_json(s, "services", namespace)))
+            if svc["metadata"]["name"] == profile.gateway
         ]
     if not services:
         raise CommandFailed(
-            f"no Service for Gateway {GATEWAY_NAME} in {s.namespace} (neither labelled "
-            f"{GATEWAY_LABEL}={GATEWAY_NAME} nor named so): is kgateway running?"
+            f"no Service for Gateway {profile.gateway} in {namespace} (neither labelled "
+            f"{selector} nor named so): is {profile.name} running?"
         )
-    return services[0]
+    return namespace, services[0]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -404,6 +670,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         down(s)
     else:
         print(run(kubectl(s, "get", "dg,deploy,pods,inferencepool,httproute,gateway", "-A")).stdout)
+        print("cloud-provider-kind:", run(cloud_provider_state(s)).stdout.strip() or "absent")
     return 0
 
 
