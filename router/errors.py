@@ -17,6 +17,13 @@ class NoEligibleWorker(RoutingError):
     status = 503
 
 
+class InvalidPin(RoutingError):
+    """A request pins a worker that cannot serve the phase it is pinned for (400): the request,
+    not the fleet, must change."""
+
+    status = 400
+
+
 class Overloaded(RoutingError):
     """Every eligible worker is busy (503, as Dynamo answers); retry after `retry_after_s`
     seconds."""

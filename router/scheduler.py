@@ -35,7 +35,7 @@ from dynamograph.protocol.pins import RoutePins
 from dynamograph.protocol.router_config import RouterConfig
 
 from .active import ActiveRequests, RequestGuard, Slot
-from .errors import NoEligibleWorker, Overloaded, RoutingError
+from .errors import InvalidPin, NoEligibleWorker, Overloaded, RoutingError
 from .fleet import Candidates, Fleet, WorkerState
 from .index import KvIndex, as_u64, chain_keys
 from .plugins.base import Context, Phase
@@ -467,6 +467,23 @@ class Router:
         state = self._workers.get(worker_id)
         if state is None:
             raise NoEligibleWorker(f"pinned {ctx.phase.value} worker {worker_id} is not registered")
+        # The role is the one constraint a pin cannot skip: a prefill leg sent to a worker that
+        # does not hand KV off (or a decode leg to a prefill worker) fails at the engine.
+        if (ctx.phase == Phase.PREFILL) != (state.role == Role.PREFILL):
+            wanted = (
+                "a prefill worker"
+                if ctx.phase == Phase.PREFILL
+                else "an aggregated or decode worker"
+            )
+            hint = (
+                ""
+                if c.fleet.has_prefill or ctx.phase != Phase.PREFILL
+                else "; this pool has no prefill workers: drop the prefill pin"
+            )
+            raise InvalidPin(
+                f"pinned {ctx.phase.value} worker {worker_id} is a {state.role.value} worker, "
+                f"not {wanted}{hint}"
+            )
         ranks = c.fleet.positions(worker_id, state.dp_size)
         if dp_rank is not None:
             try:
