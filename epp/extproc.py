@@ -34,7 +34,8 @@ Request path, BUFFERED: the headers are answered at once (spoofed headers remove
 sends the whole body in one message, and the pick rides on the body response (header mutation,
 clear_route_cache, `envoy.lb` metadata), the body unchanged. Envoy holds the headers until then.
 Refusals are ImmediateResponses with an OpenAI error body (400/404/405/413/429 + Retry-After/501/
-503).
+503). A query-only request (`query_instance_id` annotation) is answered the same way, with
+200 and the answer the frontend's kv mode gives (`Route.answer`): no upstream is called.
 Admission: at most `max_pending_picks` requests are between their headers and their pick (body
 arriving, prompt being tokenized off the event loop, waiting for the loop); past that a new one
 is refused at its headers with 429 and Retry-After (`Admission`).
@@ -123,6 +124,10 @@ class Route:
     worker_id: int | None = None
     prompt_tokens: int = 0
     predicted_cached_tokens: int = 0
+    # a query-only request (`query_instance_id` annotation): answered by the EPP itself with
+    # this body (`router.pipeline.query_answer`) and content type, no upstream called
+    answer: bytes | None = None
+    answer_type: str = "application/json"
 
 
 class EndpointPicker(Protocol):
@@ -198,6 +203,25 @@ def immediate_response(error: OpenAIError) -> pb.ProcessingResponse:
             headers=pb.HeaderMutation(set_headers=headers),
             body=error.json(),
             details=f"dynamograph_epp_{OUTCOME_BY_STATUS.get(error.status, 'error')}",
+        )
+    )
+
+
+def _answer_response(route: Route) -> pb.ProcessingResponse:
+    """The EPP's own 200 answer to a query-only request: Envoy sends it to the client and calls
+    no upstream."""
+    assert route.answer is not None
+    content_type = base_pb2.HeaderValue(key="content-type", raw_value=route.answer_type.encode())
+    return pb.ProcessingResponse(
+        immediate_response=pb.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=200),
+            headers=pb.HeaderMutation(
+                set_headers=[
+                    base_pb2.HeaderValueOption(header=content_type, append_action=_OVERWRITE)
+                ]
+            ),
+            body=route.answer,
+            details="dynamograph_epp_query_answered",
         )
     )
 
@@ -376,7 +400,8 @@ class Exchange:
             if kind == "request_body":
                 return await self._on_request_body(message.request_body)
             if kind == "request_trailers":
-                return [*await self._end_of_body(trailers=True), _REQUEST_TRAILERS_ACK]
+                answers = await self._end_of_body(trailers=True)
+                return answers if self.done else [*answers, _REQUEST_TRAILERS_ACK]
             if kind == "response_headers":
                 return self._on_response_headers(message.response_headers)
             if kind == "response_body":
@@ -487,10 +512,10 @@ class Exchange:
         if self._request_mode in BUFFERED_MODES:
             # Trailers and no body: the headers are answered already, so no pick can reach Envoy.
             raise OpenAIError(400, "a request body is required")
-        return [
-            await self._pick(body, on_body=False, body_length=len(body)),
-            *body_chunks(body, end_of_stream=not trailers),
-        ]
+        picked = await self._pick(body, on_body=False, body_length=len(body))
+        if self.done:  # answered by the EPP itself: the body goes nowhere
+            return [picked]
+        return [picked, *body_chunks(body, end_of_stream=not trailers)]
 
     async def _pick(
         self, body: bytes, *, on_body: bool, body_length: int | None = None
@@ -501,6 +526,10 @@ class Exchange:
         self._metrics.pick_seconds.observe(time.perf_counter() - start)
         self._leave()
         self._routed = True
+        if route.answer is not None:  # query-only: the answer is ours, nothing was booked
+            self.done = True
+            self._metrics.query_answered.inc()
+            return _answer_response(route)
         self.route = route
         self._metrics.routed.inc()
         if route.prompt_tokens:

@@ -15,6 +15,7 @@ PREFIX = "dynamograph_epp_"
 # Outcomes of a request on the request path (label `outcome` of requests_total).
 ROUTED = "routed"
 ROUTED_HEADER_ONLY = "routed_header_only"
+QUERY_ANSWERED = "query_answered"  # a query-only request (`query_instance_id`), answered by us
 OUTCOME_BY_STATUS = {
     400: "bad_request",
     404: "unknown_model",
@@ -159,6 +160,7 @@ class EppMetrics:
         # a dict lookup on every call.
         self.routed = self.requests.labels(ROUTED)
         self.routed_header_only = self.requests.labels(ROUTED_HEADER_ONLY)
+        self.query_answered = self.requests.labels(QUERY_ANSWERED)
         self._responses_by_class = {
             code: self.responses.labels(f"{code}xx") for code in range(1, 6)
         }

@@ -2,7 +2,8 @@
 
 - `KvEndpointPicker`: parse the OpenAI body and its `nvext`, route it through the router core's
   request pipeline (`router.pipeline.RequestPipeline`, the same one the frontend's kv mode
-  uses), and turn the decision into the destination endpoint and the routing headers.
+  uses), and turn the decision into the destination endpoint and the routing headers; a
+  query-only request (`query_instance_id` annotation) into the answer the EPP gives itself.
 - `RandomEndpointPicker`: a random ready endpoint without reading the body: GAIE's behaviour for
   header-only requests, and the pure-protocol floor of `dynamograph bench epp`.
 
@@ -19,7 +20,7 @@ from dynamograph.protocol.headers import routing_header_values
 from dynamograph.protocol.nvext import NvExtError, parse_nvext
 from dynamograph.protocol.openai import OpenAIError, parse_json_body
 from dynamograph.router.discovery import WorkerRecord
-from dynamograph.router.pipeline import RequestPipeline
+from dynamograph.router.pipeline import RequestPipeline, query_answer
 from dynamograph.router.scheduler import Router, WorkerState
 
 from .extproc import Route
@@ -124,6 +125,14 @@ class KvEndpointPicker:
             allowed_ids=self.view.allowed_ids(subset),
         )
         decision = routed.decision
+        if routed.token_ids is not None:  # query-only: answered here, as the kv mode answers
+            stream = request.get("stream") is True
+            return Route(
+                endpoint="",
+                headers={},
+                answer=query_answer(path, request, routed, stream=stream),
+                answer_type="text/event-stream" if stream else "application/json",
+            )
         decode, prefill = decision.decode, decision.prefill
         endpoint = self.view.endpoints.get(decode.worker_id)
         if endpoint is None:

@@ -14,14 +14,14 @@ import logging
 from typing import Any
 
 from dynamograph.protocol.kv_curve import CurveKeys
-from dynamograph.protocol.nvext import NvExt, NvExtResponse, WorkerIdInfo
+from dynamograph.protocol.nvext import NvExt
 from dynamograph.protocol.openai import OpenAIError
 from dynamograph.protocol.pins import RoutePins
 from dynamograph.protocol.router_config import RouterConfig
 from dynamograph.router.discovery import WorkerRecord
 from dynamograph.router.kv_events import KvEventIngest
 from dynamograph.router.load import LoadScraper
-from dynamograph.router.pipeline import RequestPipeline
+from dynamograph.router.pipeline import RequestPipeline, query_answer
 from dynamograph.router.scheduler import Router
 
 from .directory import WorkerDirectory
@@ -113,7 +113,6 @@ class KvMode:
             body,
             request_id=f"frontend-{next(self._ids)}",
             nvext=nvext,
-            answers_queries=True,
             # from the header-merged nvext when there is one: it also keeps a DP rank pinned
             # without its worker, which `Pins` (engines to call) cannot name
             pins=RoutePins.from_nvext(nvext)
@@ -140,16 +139,7 @@ class KvMode:
                 decision.guard.free()
             raise
         if routed.token_ids is not None:  # query-only: the workers' ids and the prompt's tokens
-            prefill_pick = decision.prefill
-            worker_id = WorkerIdInfo(
-                decode_worker_id=decision.decode.worker_id,
-                decode_dp_rank=decision.decode.dp_rank,
-                prefill_worker_id=prefill_pick.worker_id if prefill_pick else None,
-                prefill_dp_rank=prefill_pick.dp_rank if prefill_pick else None,
-            )
-            route.query_answer = NvExtResponse(
-                worker_id=worker_id, token_ids=routed.token_ids
-            ).model_dump()
+            route.query_answer = query_answer(path, body, routed, stream=body.get("stream") is True)
         return route
 
 

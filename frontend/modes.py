@@ -46,9 +46,9 @@ class Route:
     prefill: WorkerRecord | None = None
     prefill_target: Target | None = None
     booking: Booking | None = None
-    # a query-only request (`query_instance_id` annotation): the response nvext to answer with
-    # instead of calling an engine
-    query_answer: dict[str, Any] | None = None
+    # a query-only request (`query_instance_id` annotation): the response body to answer with
+    # instead of calling an engine (`router.pipeline.query_answer`)
+    query_answer: bytes | None = None
 
 
 class RoutingMode(Protocol):

@@ -363,7 +363,7 @@ class Frontend:
             stream = body.get("stream") is True
             route = await self.routing.pick(pins, nvext, exchange.path, body)
             if route.query_answer is not None:
-                await self._answer_query(exchange, body, route.query_answer, stream)
+                await self._answer_query(exchange, route.query_answer, stream)
                 return
             trace.decode = route.decode_target
             payload = raw
@@ -532,28 +532,10 @@ class Frontend:
         self._speculative[session_id] = self._spawn(prefill_next_turn(), "speculative-prefill")
 
     @staticmethod
-    async def _answer_query(
-        exchange: Exchange, body: dict[str, Any], answer: dict[str, Any], stream: bool
-    ) -> None:
+    async def _answer_query(exchange: Exchange, answer: bytes, stream: bool) -> None:
         """A query-only request (`query_instance_id` annotation, Dynamo's GAIE first stage):
-        the chosen workers and the prompt's token ids in `nvext`, no choices, nothing booked
-        and no engine called."""
-        chat = exchange.path == CHAT_COMPLETIONS
-        out: dict[str, Any] = {
-            "id": f"query-{time.time_ns():x}",
-            "object": ("chat.completion.chunk" if stream else "chat.completion")
-            if chat
-            else "text_completion",
-            "created": int(time.time()),
-            "model": body.get("model"),
-            "choices": [],
-            "nvext": answer,
-        }
-        if not stream:
-            await _send_json(exchange, out)
-            return
-        await exchange.start(200, list(_SSE_HEADERS))
-        await exchange.end(b"data: " + orjson.dumps(out) + b"\n\ndata: [DONE]\n\n")
+        its answer (`router.pipeline.query_answer`), nothing booked and no engine called."""
+        await exchange.respond(200, answer, list(_SSE_HEADERS if stream else _JSON_HEADERS))
 
     @staticmethod
     async def _fail(exchange: Exchange, exc: OpenAIError) -> None:

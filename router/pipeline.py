@@ -18,14 +18,17 @@ The catalog of models and tokenizers is fed by the same worker add/remove calls 
 
 import asyncio
 import functools
+import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from dynamograph.protocol.engine import EngineConfig, lora_for_model, served_models
 from dynamograph.protocol.hashing import block_hash_array
-from dynamograph.protocol.nvext import NvExt
+from dynamograph.protocol.nvext import NvExt, NvExtResponse, WorkerIdInfo
 from dynamograph.protocol.openai import CHAT_COMPLETIONS, OpenAIError, require_model
 from dynamograph.protocol.pins import RoutePins
 from dynamograph.protocol.tokenization import (
@@ -120,14 +123,12 @@ class RequestPipeline:
         nvext: NvExt | None = None,
         pins: RoutePins | None = None,
         allowed_ids: frozenset[int] | None = None,
-        answers_queries: bool = False,
     ) -> RouteRequest:
         """What the router needs to know about an OpenAI request (OpenAIError when it can't).
 
-        `answers_queries`: the caller answers query-only requests (`query_instance_id`
-        annotation) itself with `Routed.token_ids` and the decision, calling no engine; a caller
-        that cannot (the EPP: its answers are routes) leaves it False, and such a request is
-        then routed and booked like any other."""
+        A query-only request (`query_instance_id` annotation) is decided and not booked; the
+        caller answers it with `query_answer` (the prompt's token ids in `Routed.token_ids`),
+        calling no engine."""
         block_size = self.router.block_size
         if block_size is None:
             raise OpenAIError(503, "no workers are registered yet; they are still being discovered")
@@ -143,9 +144,7 @@ class RequestPipeline:
             isl_tokens += cut // _CHARS_PER_TOKEN
             tokens = tokens[: max(len(tokens) - 2 * block_size, 0)]
         hints = nvext.agent_hints if nvext is not None else None
-        query_only = (
-            answers_queries and nvext is not None and nvext.has_query_instance_id_annotation()
-        )
+        query_only = nvext is not None and nvext.has_query_instance_id_annotation()
         config = None
         if nvext is not None and nvext.router_config_override is not None:
             try:
@@ -175,7 +174,6 @@ class RequestPipeline:
         nvext: NvExt | None = None,
         pins: RoutePins | None = None,
         allowed_ids: frozenset[int] | None = None,
-        answers_queries: bool = False,
     ) -> Routed:
         """Route one request and book it (its `decision.guard` frees the booking). A prompt of
         more than `INLINE_CHARS` characters (or any
@@ -190,7 +188,6 @@ class RequestPipeline:
             nvext=nvext,
             pins=pins,
             allowed_ids=allowed_ids,
-            answers_queries=answers_queries,
         )
         if prompt_chars(path, body) <= INLINE_CHARS and self._tokenizers_loaded():
             request = prepare()
@@ -272,6 +269,38 @@ def prompt_chars(path: str, body: Mapping[str, Any]) -> int:
         )
     prompt = body.get("prompt")
     return len(prompt) if isinstance(prompt, str) else 0
+
+
+def query_answer(path: str, body: Mapping[str, Any], routed: Routed, *, stream: bool) -> bytes:
+    """The answer to a query-only request (`query_instance_id` annotation, Dynamo's GAIE first
+    stage), the same from the frontend's kv mode and the EPP: an OpenAI-shaped object with no
+    choices whose `nvext` holds the chosen workers and the prompt's token ids; streamed, that
+    object as one SSE event followed by `[DONE]`."""
+    decision = routed.decision
+    prefill = decision.prefill
+    nvext = NvExtResponse(
+        worker_id=WorkerIdInfo(
+            decode_worker_id=decision.decode.worker_id,
+            decode_dp_rank=decision.decode.dp_rank,
+            prefill_worker_id=prefill.worker_id if prefill else None,
+            prefill_dp_rank=prefill.dp_rank if prefill else None,
+        ),
+        token_ids=routed.token_ids,
+    )
+    chat = path == CHAT_COMPLETIONS
+    out: dict[str, Any] = {
+        "id": f"query-{time.time_ns():x}",
+        "object": ("chat.completion.chunk" if stream else "chat.completion")
+        if chat
+        else "text_completion",
+        "created": int(time.time()),
+        "model": body.get("model"),
+        "choices": [],
+        "nvext": nvext.model_dump(),
+    }
+    if not stream:
+        return orjson.dumps(out)
+    return b"data: " + orjson.dumps(out) + b"\n\ndata: [DONE]\n\n"
 
 
 def _busy_error(exc: Overloaded) -> OpenAIError:
