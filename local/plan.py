@@ -10,13 +10,16 @@ Mapping (the operator puts the same command lines into pod specs; docs/contracts
 - every `worker` (aggregated) and `decode` replica: an engine plus its frontend sidecar, whose
   port is the serving endpoint the EPP hands to Envoy;
 - every `prefill` replica: an engine only (frontends reach it by instance id);
-- one EPP in static discovery mode (`--worker ENGINE_URL[=FRONTEND]`), with the `epp` service's
-  router settings (defaults when the graph has none);
-- a real Envoy configured as a GAIE gateway in front of it: the OpenAI base URL.
+- the EPP in static discovery mode (`--worker ENGINE_URL[=FRONTEND]`), with the `epp` service's
+  router settings (defaults when the graph has none): one per `replicas` of the service, each of
+  `router.processes` processes, syncing their bookings when there are several;
+- a real Envoy configured as a GAIE gateway in front of it (balancing over the EPP replicas):
+  the OpenAI base URL.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import secrets
 import sys
@@ -112,9 +115,11 @@ def plan_graph(
     if not any(p.serving for p in engines):
         notes.append("no worker or decode replicas: Envoy has nothing to route to")
 
+    epp_count = 1
     for name, service in epp_services.items():
-        if service.replicas != 1:
-            notes.append(f"services.{name}: runs one EPP locally (replicas: {service.replicas})")
+        if service.replicas == 0:
+            notes.append(f"services.{name}: runs one EPP locally (replicas: 0)")
+        epp_count = max(service.replicas, 1)
     if not epp_services:
         notes.append("no epp service in the graph: running one with the default router settings")
     for name, service in spec.services_of(ComponentType.FRONTEND).items():
@@ -123,8 +128,10 @@ def plan_graph(
         urls = ", ".join(f"http://{HOST}:{p.ports['http']}/v1" for p in standalone)
         notes.append(f"services.{name}: standalone frontend, OpenAI base URL {urls}")
 
-    epp = _epp_process(graph.name, router, engines, take_port, cli, run_dir)
-    processes.append(epp)
+    epps = _epp_processes(graph.name, router, engines, take_port, cli, run_dir, epp_count)
+    processes.extend(epps)
+    # more than one: Envoy balances its ext_proc streams over them (active-active replicas)
+    replicas = [f"{HOST}:{e.ports['grpc']}" for e in epps[1:]]
 
     listen, admin = take_port(1), take_port(1)
     config_path = run_dir / "envoy.json"
@@ -135,9 +142,10 @@ def plan_graph(
     config = envoy_config(
         listen_port=listen,
         admin_port=admin,
-        epp_address=f"{HOST}:{epp.ports['grpc']}",
+        epp_address=f"{HOST}:{epps[0].ports['grpc']}",
         failure_mode_allow=fail_open,
         **pool,
+        **({"epp_replicas": replicas} if replicas else {}),
     )
     processes.append(
         ProcessSpec(
@@ -307,8 +315,45 @@ def _worker_arg(engine: ProcessSpec) -> str:
     return f"{engine.engine_url}={engine.serving}" if engine.serving else str(engine.engine_url)
 
 
-def _epp_process(
+def _epp_processes(
     graph: str,
+    router: RouterSpec,
+    engines: list[ProcessSpec],
+    take_port: Callable[[int], int],
+    cli: tuple[str, ...],
+    run_dir: Path,
+    count: int,
+) -> list[ProcessSpec]:
+    """The EPP, or `count` replicas of it (the epp service's `replicas`), each of
+    `router.processes` processes; with more than one process in all they share their bookings
+    (replica sync, docs/epp.md): replica i's process k publishes on its replica port + k."""
+    processes = router.processes
+    sync = count > 1 or processes > 1
+    replica_ports = [take_port(processes) for _ in range(count)] if sync else []
+    out = []
+    for i in range(count):
+        name = f"{graph}-epp" if count == 1 else f"{graph}-epp-{i}"
+        epp = _epp_process(name, router, engines, take_port, cli, run_dir)
+        if sync:
+            peers = [
+                f"{HOST}:{port + k}"
+                for j, port in enumerate(replica_ports)
+                if j != i
+                for k in range(processes)
+            ]
+            flags = ["--processes", str(processes), "--replica-port", str(replica_ports[i])]
+            flags += ["--replica-peers", ",".join(peers)] if peers else []
+            epp = dataclasses.replace(
+                epp,
+                argv=(*epp.argv, *flags),
+                ports={**epp.ports, "replica-sync": replica_ports[i]},
+            )
+        out.append(epp)
+    return out
+
+
+def _epp_process(
+    name: str,
     router: RouterSpec,
     engines: list[ProcessSpec],
     take_port: Callable[[int], int],
@@ -343,7 +388,7 @@ def _epp_process(
         argv.append("--enforce-disagg")
     argv += ["--config", str(run_dir / "router.yaml")]
     return ProcessSpec(
-        name=f"{graph}-epp",
+        name=name,
         kind="epp",
         argv=tuple(argv),
         stage=STAGE_ROUTERS,

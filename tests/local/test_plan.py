@@ -327,3 +327,28 @@ def test_kv_curve_gives_every_process_but_envoy_the_runs_key_folder():
     p = plan(DEFAULT_GRAPH)
     assert all(KV_CURVE_ENV not in process.env for process in p.processes)
     assert not any("kv-curve" in path for path in p.files)
+
+
+def test_epp_replicas_and_processes_run_active_active_behind_envoy():
+    p = plan(
+        graph_dict(
+            w={"componentType": "worker"},
+            epp={"componentType": "epp", "replicas": 2, "router": {"processes": 2}},
+        )
+    )
+    epps = [x for x in p.processes if x.kind == "epp"]
+    assert [e.name for e in epps] == ["t-epp-0", "t-epp-1"] and p.notes == []
+    first, second = (e.ports["replica-sync"] for e in epps)
+    assert arg(epps[0].argv, "--processes") == "2"
+    # each replica's two processes sync with the other replica's two
+    assert arg(epps[0].argv, "--replica-port") == str(first)
+    assert arg(epps[0].argv, "--replica-peers") == f"127.0.0.1:{second},127.0.0.1:{second + 1}"
+    assert arg(epps[1].argv, "--replica-peers") == f"127.0.0.1:{first},127.0.0.1:{first + 1}"
+    envoy = next(x for x in p.processes if x.kind == "envoy")
+    config = json.loads(p.files[arg(envoy.argv, "-c")])["envoy"]
+    assert config["epp_address"] == f"127.0.0.1:{epps[0].ports['grpc']}"
+    assert config["epp_replicas"] == [f"127.0.0.1:{epps[1].ports['grpc']}"]
+    for epp in epps:  # the flags parse as `dynamograph epp` reads them
+        parser = argparse.ArgumentParser()
+        importlib.import_module("dynamograph.epp.cli").add_arguments(parser)
+        parser.parse_args(list(epp.argv[4:]))
