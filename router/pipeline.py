@@ -41,7 +41,7 @@ from dynamograph.protocol.tokenization import (
 
 from .errors import Overloaded, RoutingError
 from .scheduler import Decision, Router, RouteRequest
-from .waiting import WaitQueue
+from .waiting import WaitQueue, shed
 
 _CHARS_PER_TOKEN = 4  # English prose with a BPE vocabulary; only estimates a cut prompt's length
 # Below this many characters of prompt (~1k tokens, ~0.1 ms to tokenize), the hop to the
@@ -174,8 +174,12 @@ class RequestPipeline:
         nvext: NvExt | None = None,
         pins: RoutePins | None = None,
         allowed_ids: frozenset[int] | None = None,
+        objective_priority: int = 0,
     ) -> Routed:
-        """Route one request and book it (its `decision.guard` frees the booking). A prompt of
+        """Route one request and book it (its `decision.guard` frees the booking).
+        `objective_priority`: the GAIE InferenceObjective priority of the request (the EPP
+        reads it; 0 when none): the queue's first order, and a negative one is sheddable — a
+        429 instead of the busy 503 or a wait (`router.waiting`). A prompt of
         more than `INLINE_CHARS` characters (or any
         prompt while a tokenizer is still loading) is tokenized and hashed on the pipeline's own
         thread (the tokenizers release the GIL, so the loop keeps serving other requests
@@ -201,7 +205,11 @@ class RequestPipeline:
                 self.preparing -= 1
         queue = self.queue
         if queue is None:
-            return self.schedule(request)
+            try:
+                return self._attempt(request)
+            except Overloaded as exc:
+                busy_now = shed(exc, objective_priority) if objective_priority < 0 else exc
+                raise _busy_error(busy_now) from None
         if queue.depth == 0:  # others waiting: a newcomer takes its place among them
             try:
                 return self._attempt(request)
@@ -211,7 +219,9 @@ class RequestPipeline:
             busy = Overloaded("every eligible worker is busy", self.router.config.retry_after_s)
         tier, jump = nvext.queue_order() if nvext is not None else (0, 0.0)
         try:
-            return await queue.wait(functools.partial(self._attempt, request), tier, busy, jump)
+            return await queue.wait(
+                functools.partial(self._attempt, request), tier, busy, jump, objective_priority
+            )
         except Overloaded as exc:
             raise _busy_error(exc) from None
 

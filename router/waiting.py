@@ -2,10 +2,14 @@
 
 When every worker is busy (the `busy` filter refuses the request: `Overloaded`) and
 `RouterConfig.queue_max_requests` > 0, a request waits here instead of getting the 503 at once.
-The order is Dynamo's newest: the highest tier first (`agent_hints.strict_priority`, none = 0),
+The order: the highest GAIE InferenceObjective priority first (the objective the request names;
+none = 0; GAIE's flow control always serves a higher priority first), then Dynamo's newest
+order within it: the highest tier (`agent_hints.strict_priority`, none = 0),
 then the earliest effective arrival, which is the arrival time moved earlier by the request's
 priority jump in seconds (`nvext.priority_jump`, else `agent_hints.priority` clamped at 0, else
-the deprecated `latency_sensitivity`: `NvExt.queue_order`). Only the head is tried, so a request
+the deprecated `latency_sensitivity`: `NvExt.queue_order`). A request of a negative objective
+priority is sheddable, as in GAIE: it never waits, and is refused at once (`Shed`, the caller's
+429) while every worker is busy or others wait. Only the head is tried, so a request
 never overtakes one ahead of it. It is tried again whenever a booking is freed
 (`ActiveRequests.on_free`) and at least every `RETRY_S` (scraped load changes too). A request
 that waits `queue_timeout_s` gets the busy 503 it would have had; a request finding the queue
@@ -35,15 +39,23 @@ R = TypeVar("R")  # what a successful attempt returns (the pipeline's `Routed`)
 # upper bounds of the wait-time histogram, seconds
 WAIT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # why a request left the queue without a worker (label `reason` of the refusals)
-REFUSALS = ("queue_full", "timed_out", "cancelled", "unroutable")
+REFUSALS = ("queue_full", "timed_out", "cancelled", "unroutable", "shed")
+
+
+class Shed(Overloaded):
+    """A sheddable request (negative objective priority) found every worker busy: refused
+    without waiting (429, as GAIE's saturation detector answers)."""
+
+    status = 429
 
 
 @dataclass(order=True)
 class _Entry(Generic[R]):
-    key: tuple[int, float, int]  # (-tier, arrival - jump, arrival order)
+    key: tuple[int, int, float, int]  # (-objective priority, -tier, arrival - jump, order)
     attempt: Callable[[], R] = field(compare=False)
     future: "asyncio.Future[R]" = field(compare=False)
     tier: int = field(compare=False, default=0)
+    priority: int = field(compare=False, default=0)
 
 
 class WaitQueue(Generic[R]):
@@ -74,6 +86,14 @@ class WaitQueue(Generic[R]):
                 depths[entry.tier] = depths.get(entry.tier, 0) + 1
         return depths
 
+    def depth_by_objective_priority(self) -> dict[int, int]:
+        """Requests waiting now, per InferenceObjective priority (none named = 0)."""
+        depths: dict[int, int] = {}
+        for entry in self._heap:
+            if not entry.future.done():
+                depths[entry.priority] = depths.get(entry.priority, 0) + 1
+        return depths
+
     @property
     def depth(self) -> int:
         return sum(1 for e in self._heap if not e.future.done())
@@ -84,11 +104,21 @@ class WaitQueue(Generic[R]):
             self._wake.set()
 
     async def wait(
-        self, attempt: Callable[[], R], tier: int, busy: Overloaded, jump_s: float = 0.0
+        self,
+        attempt: Callable[[], R],
+        tier: int,
+        busy: Overloaded,
+        jump_s: float = 0.0,
+        priority: int = 0,
     ) -> R:
-        """Queue a request the busy filter refused (`busy`) in its `tier`, its arrival moved
-        `jump_s` seconds earlier; its result once `attempt` succeeds. Raises `busy` when the
-        queue is full or the wait times out."""
+        """Queue a request the busy filter refused (`busy`) by its objective `priority` and
+        `tier`, its arrival moved `jump_s` seconds earlier; its result once `attempt` succeeds.
+        Raises `busy` when the queue is full or the wait times out, `Shed` at once for a
+        sheddable request (`priority` < 0)."""
+        if priority < 0:
+            self.outcomes["rejected"] += 1
+            self.refusals["shed"] += 1
+            raise shed(busy, priority)
         if self.depth >= self.max_requests:
             self.outcomes["rejected"] += 1
             self.refusals["queue_full"] += 1
@@ -99,8 +129,8 @@ class WaitQueue(Generic[R]):
         loop = asyncio.get_running_loop()
         future: asyncio.Future[R] = loop.create_future()
         started = loop.time()
-        key = (-tier, started - jump_s, next(self._arrivals))
-        entry: _Entry[R] = _Entry(key, attempt, future, tier)
+        key = (-priority, -tier, started - jump_s, next(self._arrivals))
+        entry: _Entry[R] = _Entry(key, attempt, future, tier, priority)
         heapq.heappush(self._heap, entry)
         if self._wake is None:
             self._wake = asyncio.Event()
@@ -163,6 +193,14 @@ class WaitQueue(Generic[R]):
             self._pump.cancel()
 
 
+def shed(busy: Overloaded, priority: int) -> Shed:
+    """The refusal of a sheddable request (objective `priority` < 0) that found `busy`."""
+    return Shed(
+        f"{busy.reason}; the request's InferenceObjective priority ({priority}) is sheddable",
+        busy.retry_after_s,
+    )
+
+
 class QueueCollector(Collector):
     """The queue's state and outcomes as Prometheus metrics (`prefix`: the frontend's
     `dynamograph_router_queue`, the EPP's `dynamograph_epp_queue`)."""
@@ -184,10 +222,18 @@ class QueueCollector(Collector):
         for tier, depth in sorted(queue.depth_by_tier().items()):
             tiers.add_metric([str(tier)], depth)
         yield tiers
+        objectives = GaugeMetricFamily(
+            f"{self.prefix}_depth_by_objective_priority",
+            "Requests waiting for a worker now, per InferenceObjective priority (none named: 0)",
+            labels=["priority"],
+        )
+        for priority, depth in sorted(queue.depth_by_objective_priority().items()):
+            objectives.add_metric([str(priority)], depth)
+        yield objectives
         requests = CounterMetricFamily(
             f"{self.prefix}_requests",
             "Requests that waited for a worker, by how the wait ended (dispatched, timed_out, "
-            "rejected: the queue was full)",
+            "rejected: the queue was full, or the request was sheddable)",
             labels=["outcome"],
         )
         for outcome, count in queue.outcomes.items():
@@ -197,7 +243,8 @@ class QueueCollector(Collector):
             f"{self.prefix}_refusals",
             "Requests that left the queue without a worker, by reason (queue_full, timed_out: "
             "both answered 503; cancelled: the client left; unroutable: no worker can take it "
-            "any more)",
+            "any more; shed: a sheddable request, negative InferenceObjective priority, "
+            "answered 429 without waiting)",
             labels=["reason"],
         )
         for reason, count in queue.refusals.items():

@@ -122,3 +122,62 @@ async def test_the_order_is_the_tier_then_the_arrival_moved_earlier_by_the_prior
     for r in routed:
         r.decision.guard.free()
     pipe.close()
+
+
+async def decide_for(pipe: RequestPipeline, rid: str, b: dict, objective_priority: int):
+    from dynamograph.protocol.nvext import parse_nvext
+
+    return await pipe.decide(
+        "/v1/completions",
+        b,
+        request_id=rid,
+        nvext=parse_nvext(b.get("nvext")),
+        objective_priority=objective_priority,
+    )
+
+
+async def test_the_objective_priority_comes_first_and_a_sheddable_request_is_refused_429():
+    """GAIE's InferenceObjective priority: a higher one is served first, before any tier or
+    jump; a negative one is sheddable — refused with 429 at once while workers are busy, never
+    queued, while the others wait."""
+    pipe = pipeline(queue_max_requests=5)
+    hog = await decide(pipe, "hog", body(LONG))
+    order: list[str] = []
+    arrivals = (
+        ("tier 3", jumped("tier hi", agent_hints={"strict_priority": 3}), 0),
+        ("objective 1", jumped("obj1 hi"), 1),
+        ("objective 5", jumped("obj5 hi"), 5),
+        ("objective 1, jump", jumped("obj1j hi", priority_jump=60.0), 1),
+    )
+    tasks = []
+    for name, b, priority in arrivals:
+        task = asyncio.create_task(decide_for(pipe, name, b, priority))
+        task.add_done_callback(lambda t, name=name: order.append(name))
+        tasks.append(task)
+        queued = len(tasks)
+        await wait_for(lambda queued=queued: pipe.queue.depth == queued, what=f"{name} queued")
+    assert pipe.queue.depth_by_objective_priority() == {0: 1, 1: 2, 5: 1}
+    with pytest.raises(OpenAIError) as refused:
+        await decide_for(pipe, "sheddable", jumped("shed hi"), -1)
+    assert refused.value.status == 429 and "sheddable" in refused.value.message
+    assert refused.value.retry_after_s == 1.0
+    assert pipe.queue.depth == 4 and pipe.queue.refusals["shed"] == 1
+    hog.decision.guard.free()
+    routed = await asyncio.gather(*tasks)
+    assert order == ["objective 5", "objective 1, jump", "objective 1", "tier 3"]
+    for r in routed:
+        r.decision.guard.free()
+    # with room, a sheddable request is routed like any other
+    free = await decide_for(pipe, "sheddable, room", jumped("room hi"), -1)
+    free.decision.guard.free()
+    pipe.close()
+
+
+async def test_without_a_queue_a_sheddable_request_gets_429_and_the_others_503():
+    pipe = pipeline()
+    hog = await decide(pipe, "hog", body(LONG))
+    for priority, status in ((-3, 429), (0, 503), (2, 503)):
+        with pytest.raises(OpenAIError) as busy:
+            await decide_for(pipe, f"p{priority}", body(f"next {priority}"), priority)
+        assert busy.value.status == status
+    hog.decision.guard.free()
