@@ -22,6 +22,7 @@ from dynamograph.router.discovery import add_discovery_arguments, source_from_ar
 from dynamograph.router.replicas import ReplicaSettings
 
 from .extproc import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PENDING_PICKS
+from .objectives import parse_objective_flag
 from .processes import CHILD_METRICS_HOST, child_metrics_port, process_index, run_processes
 from .server import Epp, EppSettings
 from .tls import TlsError, TlsSettings, load_key_pair
@@ -153,6 +154,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=float(os.environ.get("DYNAMOGRAPH_EPP_SCRAPE_INTERVAL", 0.5)),
         help="seconds between /metrics scrapes of each worker (default 0.5)",
     )
+    objectives = parser.add_argument_group(
+        "GAIE InferenceObjective priorities: the x-gateway-inference-objective header names one"
+    )
+    objectives.add_argument(
+        "--pool-name",
+        default=os.environ.get("DYNAMOGRAPH_EPP_POOL_NAME") or None,
+        help="the InferencePool this EPP serves: watch the InferenceObjectives whose "
+        "spec.poolRef names it (Kubernetes API; none: no watch)",
+    )
+    objectives.add_argument(
+        "--pool-namespace",
+        help="namespace of the pool and its objectives (default: --namespace)",
+    )
+    objectives.add_argument(
+        "--objective",
+        action="append",
+        default=[],
+        metavar="NAME=PRIORITY",
+        help="a static objective and its priority (repeat; runs without a cluster); a watched "
+        "objective of the same name wins",
+    )
     replicas = parser.add_argument_group(
         "active-active: processes and replicas sharing their bookings (docs/epp.md)"
     )
@@ -258,6 +280,9 @@ def settings_from_args(args: argparse.Namespace) -> EppSettings:
         freeze_heap=True,  # this process is the EPP's own
         replicas=replica_settings(args, index or 0),
         reuse_port=args.processes > 1,
+        objectives=dict(parse_objective_flag(o) for o in args.objective),
+        pool_name=args.pool_name,
+        pool_namespace=args.pool_namespace or args.namespace,
     )
 
 

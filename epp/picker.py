@@ -4,6 +4,8 @@
   request pipeline (`router.pipeline.RequestPipeline`, the same one the frontend's kv mode
   uses), and turn the decision into the destination endpoint and the routing headers; a
   query-only request (`query_instance_id` annotation) into the answer the EPP gives itself.
+  The InferenceObjective the request names (`x-gateway-inference-objective`) gives its
+  priority in the router queue (`objectives.ObjectiveTable`).
 - `RandomEndpointPicker`: a random ready endpoint without reading the body: GAIE's behaviour for
   header-only requests, and the pure-protocol floor of `dynamograph bench epp`.
 
@@ -16,7 +18,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from dynamograph.protocol.headers import routing_header_values
+from dynamograph.protocol.headers import INFERENCE_OBJECTIVE, routing_header_values
 from dynamograph.protocol.nvext import NvExtError, parse_nvext
 from dynamograph.protocol.openai import OpenAIError, parse_json_body
 from dynamograph.router.discovery import WorkerRecord
@@ -24,6 +26,7 @@ from dynamograph.router.pipeline import RequestPipeline, query_answer
 from dynamograph.router.scheduler import Router, WorkerState
 
 from .extproc import Route
+from .objectives import ObjectiveTable
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,9 +104,15 @@ class RandomEndpointPicker:
 class KvEndpointPicker:
     """KV-aware routing through the router core's request pipeline."""
 
-    def __init__(self, pipeline: RequestPipeline, view: EndpointView):
+    def __init__(
+        self,
+        pipeline: RequestPipeline,
+        view: EndpointView,
+        objectives: ObjectiveTable | None = None,
+    ):
         self.pipeline = pipeline
         self.view = view
+        self.objectives = objectives or ObjectiveTable()
         self._random = RandomEndpointPicker(view, pipeline.router)
 
     def pick_any(self, subset: frozenset[str] | None) -> Route:
@@ -123,6 +132,7 @@ class KvEndpointPicker:
             request_id=headers.get("x-request-id") or uuid.uuid4().hex,
             nvext=nvext,
             allowed_ids=self.view.allowed_ids(subset),
+            objective_priority=self.objectives.priority(headers.get(INFERENCE_OBJECTIVE)),
         )
         decision = routed.decision
         if routed.token_ids is not None:  # query-only: answered here, as the kv mode answers

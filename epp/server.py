@@ -10,6 +10,8 @@
   tokenizers the workers name are loaded) and
   `envoy.service.ext_proc.v3.ExternalProcessor`;
 - Prometheus metrics on the metrics port (`/metrics`);
+- with `settings.pool_name`, a watch of that InferencePool's InferenceObjectives
+  (`objectives`), whose priorities order the router queue;
 - with `settings.replicas`, replica sync (`replicas.ReplicaSync`): the other EPP replicas'
   in-flight bookings counted in this one's load, and this one's published to them.
 `drain()` (SIGTERM) turns readiness NOT_SERVING, lets streams in flight finish for `grace`
@@ -20,6 +22,7 @@ import asyncio
 import gc
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from aiohttp import web
@@ -35,10 +38,12 @@ from dynamograph.router.load import LoadScraper
 from dynamograph.router.pipeline import RequestPipeline
 from dynamograph.router.replicas import ReplicaCollector, ReplicaSettings, ReplicaSync
 from dynamograph.router.scheduler import Router
+from dynamograph.router.tasks import cancel_all
 from dynamograph.router.waiting import QueueCollector
 
 from .extproc import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PENDING_PICKS, SERVICE_NAME, ExtProcService
 from .metrics import PREFIX, EppMetrics
+from .objectives import ObjectiveTable, objective_watch
 from .picker import EndpointView, KvEndpointPicker, RandomEndpointPicker
 from .tls import CertificateSource, TlsSettings, server_credentials
 
@@ -78,6 +83,14 @@ class EppSettings:
     replicas: ReplicaSettings | None = None
     # Several EPP processes on the same ports (`--processes`): the kernel spreads connections
     reuse_port: bool = False
+    # GAIE InferenceObjective priorities (epp/objectives.py): a static name → priority mapping,
+    # and with `pool_name`, a watch of the objectives of that InferencePool in
+    # `pool_namespace` (`kube_api`: a kubernetes_asyncio Configuration; None: in-cluster or
+    # $KUBECONFIG)
+    objectives: dict[str, int] = field(default_factory=dict)
+    pool_name: str | None = None
+    pool_namespace: str = "default"
+    kube_api: Any = None
 
 
 class Epp:
@@ -88,6 +101,8 @@ class Epp:
         self.pipeline = RequestPipeline(self.router)
         self.discovery = Discovery(source)
         self.view = EndpointView()
+        self.objectives = ObjectiveTable(settings.objectives)
+        self._objective_watch: asyncio.Task | None = None
         self.load = LoadScraper(
             self.router,
             interval=settings.scrape_interval,
@@ -107,7 +122,7 @@ class Epp:
         self.picker = (
             RandomEndpointPicker(self.view, self.router)
             if settings.endpoint_picker == "random"
-            else KvEndpointPicker(self.pipeline, self.view)
+            else KvEndpointPicker(self.pipeline, self.view, self.objectives)
         )
         self.service = ExtProcService(
             self.picker,
@@ -249,6 +264,11 @@ class Epp:
         self.metrics_port = self._metrics_runner.addresses[0][1]  # port 0 → the bound one
         if self.replicas is not None:  # peers' bookings before our first request
             await self.replicas.start()
+        if s.pool_name:  # the pool's InferenceObjectives, as they change
+            watch = objective_watch(s.pool_namespace, s.pool_name, s.kube_api)
+            self._objective_watch = asyncio.get_running_loop().create_task(
+                watch.run(self.objectives), name="inferenceobjective-watch"
+            )
         self.discovery.add_listener(self._added, self._removed)
         await self.discovery.start()
         self._schedule_freeze(0.0)
@@ -283,6 +303,9 @@ class Epp:
             await self._grpc.stop(0)
             self._grpc = None
         await self.discovery.stop()
+        if self._objective_watch is not None:
+            await cancel_all([self._objective_watch])
+            self._objective_watch = None
         self.pipeline.close()
         await self.load.close()
         if self.kv is not None:

@@ -26,6 +26,9 @@ DESTINATION_ENDPOINT = "x-gateway-destination-endpoint"
 DESTINATION_SUBSET = "x-gateway-destination-endpoint-subset"
 DESTINATION_SERVED = "x-gateway-destination-endpoint-served"
 GATEWAY_PREFIX = "x-gateway-"
+# GAIE: the client names the request's InferenceObjective (its metadata.name) with this header;
+# the one `x-gateway-*` header a client sets
+INFERENCE_OBJECTIVE = "x-gateway-inference-objective"
 
 # vLLM's per-request data-parallel rank selector.
 VLLM_DP_RANK = "X-data-parallel-rank"
@@ -149,6 +152,9 @@ def routing_header_values(
 
 
 def is_spoofable(name: str) -> bool:
-    """Headers a client must never set itself: routing headers and every `x-gateway-*` header."""
+    """Headers a client must never set itself: routing headers and every `x-gateway-*` header
+    but the InferenceObjective's name, which GAIE has the client set."""
     lowered = name.lower()
-    return lowered in ALL_ROUTING_HEADERS or lowered.startswith(GATEWAY_PREFIX)
+    return lowered in ALL_ROUTING_HEADERS or (
+        lowered.startswith(GATEWAY_PREFIX) and lowered != INFERENCE_OBJECTIVE
+    )

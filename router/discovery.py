@@ -16,6 +16,9 @@ API:
 - `pod_target(pod: dict) -> WorkerTarget | None`: a Pod (API JSON) that is Ready, not
   terminating and has a container port named `engine`; serving endpoint from the port `http`.
 - `StaticSource(targets)`, `KubernetesSource(namespace, selector, configuration=None)`: sources.
+- `KubernetesWatch(namespace, lister, target, what=...)`: the list-and-watch loop of any
+  namespaced kind, feeding a `Sink` (the pod source is one; the EPP's InferenceObjectives
+  another).
 - `Discovery(source)`: `await start()`, `await stop()`, `records` (instance id → record),
   `get(instance_id)`, `endpoint_of(instance_id)`, `add_listener(on_added, on_removed)` (plain
   callables taking a WorkerRecord), `mark_unreachable(instance_id)` (drop it and re-fetch
@@ -29,10 +32,10 @@ import asyncio
 import logging
 import os
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import aiohttp
 import orjson
@@ -174,12 +177,22 @@ def selector_matches(selector: str, labels: dict[str, str]) -> bool:
 # ---- sources --------------------------------------------------------------------------------
 
 
-class TargetSink(Protocol):
-    def sync(self, targets: Iterable[WorkerTarget]) -> None: ...
+T = TypeVar("T")
+T_contra = TypeVar("T_contra", contravariant=True)
 
-    def upsert(self, target: WorkerTarget) -> None: ...
+
+class Sink(Protocol[T_contra]):
+    """What a watch feeds: the whole set after a list, then each change (`remove` by the
+    object's `namespace/name`)."""
+
+    def sync(self, targets: Iterable[T_contra]) -> None: ...
+
+    def upsert(self, target: T_contra) -> None: ...
 
     def remove(self, key: str) -> None: ...
+
+
+TargetSink = Sink[WorkerTarget]
 
 
 class StaticSource:
@@ -192,23 +205,38 @@ class StaticSource:
         sink.sync(self.targets)
 
 
-class KubernetesSource:
-    """Watch the graph's Pods: list, then watch from the list's resourceVersion, resume from the
-    last seen version when a watch ends, relist when the server answers 410 Gone."""
+Lister = Callable[[Any], Callable[..., Awaitable[Any]]]  # ApiClient → list_namespaced_X(ns, **kw)
+
+
+def _list_pods(api: Any) -> Callable[..., Awaitable[Any]]:
+    from kubernetes_asyncio import client
+
+    return client.CoreV1Api(api).list_namespaced_pod
+
+
+class KubernetesWatch(Generic[T]):
+    """Watch one kind of namespaced object with the Kubernetes client: list, then watch from
+    the list's resourceVersion, resume from the last seen version when a watch ends, relist when
+    the server answers 410 Gone. `target` says what an object stands for (None: nothing, and a
+    known one of its name is removed)."""
 
     def __init__(
         self,
         namespace: str,
+        lister: Lister,
+        target: Callable[[dict[str, Any]], T | None],
+        *,
+        what: str,
         selector: str = "",
         configuration: Any = None,
-        *,
         watch_timeout: int = 300,
         retry_interval: float = 1.0,
-        target: Callable[[dict[str, Any]], WorkerTarget | None] = pod_target,
     ):
         self.namespace = namespace
+        self.lister = lister
+        self.target = target
+        self.what = what  # for the logs: "pod", "inferenceobjective"
         self.selector = selector
-        self.target = target  # what a pod stands for (a worker; replica sync: a peer EPP)
         self.configuration = configuration
         self.watch_timeout = watch_timeout
         self.retry_interval = retry_interval
@@ -228,47 +256,49 @@ class KubernetesSource:
             )
         return configuration
 
-    def _target(self, pod: dict[str, Any]) -> WorkerTarget | None:
-        labels = (pod.get("metadata") or {}).get("labels") or {}
+    def _target(self, obj: dict[str, Any]) -> T | None:
+        labels = (obj.get("metadata") or {}).get("labels") or {}
         if self.selector and not selector_matches(self.selector, labels):
             return None
-        return self.target(pod)
+        return self.target(obj)
 
-    async def run(self, sink: TargetSink) -> None:
+    async def run(self, sink: Sink[T]) -> None:
         from kubernetes_asyncio import client
         from kubernetes_asyncio.client.exceptions import ApiException
 
         configuration = await self._configuration()
         async with client.ApiClient(configuration) as api:
-            v1 = client.CoreV1Api(api)
+            list_call = self.lister(api)
             version: str | None = None
             while True:
                 try:
                     if version is None:
-                        version = await self._list(v1, sink)
-                    version = await self._watch(v1, version, sink)
+                        version = await self._list(list_call, sink)
+                    version = await self._watch(list_call, version, sink)
                 except ApiException as exc:
                     if exc.status == 410:
-                        log.info("pod watch expired (410 Gone); relisting")
+                        log.info("%s watch expired (410 Gone); relisting", self.what)
                         version = None
                         continue
-                    log.warning("pod watch failed: %s %s; retrying", exc.status, exc.reason)
+                    log.warning(
+                        "%s watch failed: %s %s; retrying", self.what, exc.status, exc.reason
+                    )
                     await asyncio.sleep(self.retry_interval)
                 except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-                    log.warning("pod watch connection failed: %s; retrying", exc)
+                    log.warning("%s watch connection failed: %s; retrying", self.what, exc)
                     await asyncio.sleep(self.retry_interval)
 
-    async def _list(self, v1: Any, sink: TargetSink) -> str | None:
-        response = await v1.list_namespaced_pod(
+    async def _list(self, list_call: Any, sink: Sink[T]) -> str | None:
+        response = await list_call(
             self.namespace, label_selector=self.selector, _preload_content=False
         )
         body = orjson.loads(await response.read())
         self.relists += 1
-        targets = [t for pod in body.get("items") or [] if (t := self._target(pod))]
+        targets = [t for obj in body.get("items") or [] if (t := self._target(obj)) is not None]
         sink.sync(targets)
         return (body.get("metadata") or {}).get("resourceVersion")
 
-    async def _watch(self, v1: Any, version: str | None, sink: TargetSink) -> str | None:
+    async def _watch(self, list_call: Any, version: str | None, sink: Sink[T]) -> str | None:
         """One watch request, read line by line; returns the version to resume from.
 
         The watch is read raw (not through `kubernetes_asyncio.watch.Watch`): it spells query
@@ -286,26 +316,51 @@ class KubernetesSource:
         }
         if version:
             kwargs["resource_version"] = version
-        response = await v1.list_namespaced_pod(self.namespace, **kwargs)
+        response = await list_call(self.namespace, **kwargs)
         try:
             async for line in response.content:
                 if not line.strip():
                     continue
                 event = orjson.loads(line)
-                kind, pod = event.get("type"), event.get("object") or {}
+                kind, obj = event.get("type"), event.get("object") or {}
                 if kind == "ERROR":
-                    raise ApiException(status=pod.get("code"), reason=pod.get("reason"))
-                version = (pod.get("metadata") or {}).get("resourceVersion") or version
+                    raise ApiException(status=obj.get("code"), reason=obj.get("reason"))
+                version = (obj.get("metadata") or {}).get("resourceVersion") or version
                 if kind == "BOOKMARK":
                     continue
-                target = self._target(pod) if kind != "DELETED" else None
+                target = self._target(obj) if kind != "DELETED" else None
                 if target is None:
-                    sink.remove(pod_key(pod))
+                    sink.remove(pod_key(obj))
                 else:
                     sink.upsert(target)
         finally:
             response.release()
         return version
+
+
+class KubernetesSource(KubernetesWatch[WorkerTarget]):
+    """Watch the graph's Pods (`pod_target`: the workers; replica sync: the peer EPPs)."""
+
+    def __init__(
+        self,
+        namespace: str,
+        selector: str = "",
+        configuration: Any = None,
+        *,
+        watch_timeout: int = 300,
+        retry_interval: float = 1.0,
+        target: Callable[[dict[str, Any]], WorkerTarget | None] = pod_target,
+    ):
+        super().__init__(
+            namespace,
+            _list_pods,
+            target,
+            what="pod",
+            selector=selector,
+            configuration=configuration,
+            watch_timeout=watch_timeout,
+            retry_interval=retry_interval,
+        )
 
 
 # ---- the live worker set --------------------------------------------------------------------

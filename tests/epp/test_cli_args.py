@@ -114,3 +114,15 @@ def test_discovery_sources_from_flags(tmp_path):
     assert (k8s.namespace, k8s.selector) == ("ns", "a=b")
     with pytest.raises(ValueError, match="--worker"):
         source_from_args(_parse())
+
+
+def test_objective_flags_give_static_priorities_and_the_pool_to_watch():
+    settings = settings_from_args(
+        _parse("--objective", "chat=10", "--objective", "batch=-1", "--namespace", "ns1")
+    )
+    assert settings.objectives == {"chat": 10, "batch": -1}
+    assert settings.pool_name is None  # no pool: nothing is watched
+    settings = settings_from_args(_parse("--pool-name", "g1", "--namespace", "ns1"))
+    assert (settings.pool_name, settings.pool_namespace) == ("g1", "ns1")
+    with pytest.raises(ValueError, match="NAME=PRIORITY"):
+        settings_from_args(_parse("--objective", "chat=high"))

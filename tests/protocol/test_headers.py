@@ -135,6 +135,7 @@ def test_emitted_headers_round_trip():
         ("x-dynamo-dp-rank", True),
         ("x-gateway-destination-endpoint", True),
         ("x-gateway-anything", True),
+        ("X-Gateway-Inference-Objective", False),  # GAIE has the client name its objective
         ("content-type", False),
         ("x-request-id", False),
     ],
