@@ -1,7 +1,8 @@
 """Spec -> desired Kubernetes objects: pure functions, no I/O (docs/operator.md).
 
 For one DynamoGraph this builds, in creation order: the discovery ServiceAccount, Role and
-RoleBinding (pods get/list/watch, used by the EPP and by the frontends), the EPP's router
+RoleBinding (pods get/list/watch, used by the EPP and by the frontends; inferenceobjectives
+get/list/watch, used by the EPP), the EPP's router
 ConfigMap, the EPP and frontend Services, the NetworkPolicies of the engine and EPP pods, a
 Deployment per service with a PodDisruptionBudget for the EPP and every service of more than
 one replica, the InferencePool over the decode/aggregated worker pods, an HTTPRoute when the
@@ -79,6 +80,7 @@ ROUTER_CONFIG_FILE = "router.yaml"
 EPP_TLS_DIR = "/etc/dynamograph/epp-tls"
 EPP_TLS_VOLUME = "epp-tls"
 POOL_GROUP = "inference.networking.k8s.io"
+OBJECTIVE_GROUP = "inference.networking.x-k8s.io"  # GAIE's InferenceObjective (v1alpha2)
 MONITORING_API_VERSION = "monitoring.coreos.com/v1"
 
 # The EPP's rollout drains streams: on deletion its pod first keeps serving for the preStop
@@ -301,6 +303,9 @@ def epp_args(
         owner.namespace,
         "--selector",
         graph_selector(graph.name),
+        # the InferencePool it serves (named as the graph): its InferenceObjectives' priorities
+        "--pool-name",
+        graph.name,
         "--config",
         f"{ROUTER_CONFIG_DIR}/{ROUTER_CONFIG_FILE}",
         # The contract's flags repeat the config's core fields, so the pod's command line alone
@@ -725,7 +730,13 @@ def _rbac(graph: DynamoGraph, owner: Owner, labels: dict[str, str]) -> list[dict
             "kind": "Role",
             "metadata": _meta(owner, name, labels),
             "rules": [
-                {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+                {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+                # the EPP: the priorities of its pool's GAIE InferenceObjectives
+                {
+                    "apiGroups": [OBJECTIVE_GROUP],
+                    "resources": ["inferenceobjectives"],
+                    "verbs": ["get", "list", "watch"],
+                },
             ],
         },
         {

@@ -174,6 +174,7 @@ def test_epp_pod_service_and_config():
     assert args["--metrics-port"] == "9090"
     assert args["--discovery"] == "kubernetes" and args["--namespace"] == "serving"
     assert args["--selector"] == "dynamograph.io/graph=disagg"
+    assert args["--pool-name"] == "disagg"  # its InferencePool: the objectives it watches
     assert args["--config"] == "/etc/dynamograph/router/router.yaml"
     assert args["--overlap-weight"] == "1.0" and args["--temperature"] == "0.0"
     assert args["--kv-events"] == "on"
@@ -212,7 +213,12 @@ def test_epp_pod_service_and_config():
     }
     role = objs["Role", "disagg-discovery"]
     assert role["rules"] == [
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+        {
+            "apiGroups": ["inference.networking.x-k8s.io"],
+            "resources": ["inferenceobjectives"],
+            "verbs": ["get", "list", "watch"],
+        },
     ]
     binding = objs["RoleBinding", "disagg-discovery"]
     assert binding["subjects"] == [

@@ -70,6 +70,11 @@ Kubernetes only lets it grant (in each graph's discovery Role) what it holds its
 - apiGroups: [inference.networking.k8s.io]
   resources: [inferencepools]
   verbs: [get, list, watch, create, patch, delete]
+# Granted to each graph's EPP (its discovery Role): RBAC lets the operator grant only what it
+# holds. The EPP reads its pool's InferenceObjectives' priorities.
+- apiGroups: [inference.networking.x-k8s.io]
+  resources: [inferenceobjectives]
+  verbs: [get, list, watch]
 - apiGroups: [gateway.networking.k8s.io]
   resources: [httproutes]
   verbs: [get, list, watch, create, patch, delete]
