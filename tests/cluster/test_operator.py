@@ -300,6 +300,12 @@ EXPECTED_UNUSED = {
     ("", "pods", "get"): "held to grant it in g-discovery",
     ("", "pods", "list"): "held to grant it in g-discovery",
     ("", "pods", "watch"): "held to grant it in g-discovery",
+    **{
+        ("inference.networking.x-k8s.io", "inferenceobjectives", verb): (
+            "held to grant it in g-discovery (the EPP's objective watch)"
+        )
+        for verb in ("get", "list", "watch")
+    },
     # kopf's Events go to the core API; events.k8s.io is granted for kopf versions that use it.
     ("events.k8s.io", "events", "create"): "newer kopf posts through events.k8s.io",
     # kopf lists namespaces only when given namespace patterns (-n), not with -A.
