@@ -7,8 +7,10 @@ router when scraped (a collector), so the hot path only touches counters and one
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from dynamograph.protocol.tokenization import segment_caches
 
 PREFIX = "dynamograph_epp_"
 
@@ -77,10 +79,38 @@ class _RouterCollector(Collector):
             )
 
 
+class _SegmentCacheCollector(Collector):
+    """The tokenizers' segment caches (`protocol.tokenization.SegmentCache`), read at scrape
+    time: how much of the prompts' text was found tokenized already."""
+
+    def collect(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:
+        hits = CounterMetricFamily(
+            PREFIX + "tokenizer_segment_cache_hits",
+            "prompt segments (text between special tokens: a chat message) found tokenized",
+            labels=["tokenizer"],
+        )
+        misses = CounterMetricFamily(
+            PREFIX + "tokenizer_segment_cache_misses",
+            "prompt segments tokenized (not in the cache)",
+            labels=["tokenizer"],
+        )
+        size = GaugeMetricFamily(
+            PREFIX + "tokenizer_segment_cache_bytes",
+            "bytes the segment cache holds (texts and token ids)",
+            labels=["tokenizer"],
+        )
+        for identity, cache in segment_caches().items():
+            hits.add_metric([identity], cache.hits)
+            misses.add_metric([identity], cache.misses)
+            size.add_metric([identity], cache.bytes)
+        yield from (hits, misses, size)
+
+
 class EppMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        r.register(_SegmentCacheCollector())
         self.requests = Counter(
             PREFIX + "requests",
             "requests by outcome on the request path (routed, or the error answered)",

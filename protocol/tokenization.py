@@ -17,6 +17,7 @@ Token ids are returned as little-endian u32 numpy arrays: what block hashing con
 import json
 import logging
 import re
+import sys
 import threading
 import time
 import unicodedata
@@ -128,23 +129,25 @@ class _ChatTemplate:
 
 
 class SegmentCache:
-    """Token ids of the text between special tokens, LRU-bounded by cached characters.
+    """Token ids of the text between special tokens, LRU-bounded by the bytes it holds (each
+    segment's str and ids arrays).
 
     tiktoken encodes the text between two special tokens independently of its neighbours, so
     concatenating cached segments gives exactly the ids of encoding the whole text. Chat prompts
     repeat whole messages (system prompts, conversation history, agent scratchpads): with the
-    cache, a router tokenizes only what is new in a request.
+    cache, a router tokenizes only what is new in a request, and a conversation's follow-up
+    turn only its new messages. `hits` and `misses` count segments (the EPP exports them).
     """
 
     # Long segments are looked up by length and ends, then compared whole: hashing a 25 KB
     # system prompt (a new str each request) costs ~10x more than comparing it.
     KEY_ENDS = 64
 
-    def __init__(self, encode: Callable[[str], np.ndarray], max_chars: int = 32 << 20):
+    def __init__(self, encode: Callable[[str], np.ndarray], max_bytes: int = 64 << 20):
         self._encode = encode
-        self._data: OrderedDict[Any, tuple[str, np.ndarray]] = OrderedDict()
-        self._chars = 0
-        self.max_chars = max_chars
+        self._data: OrderedDict[Any, tuple[str, np.ndarray, int]] = OrderedDict()
+        self.bytes = 0
+        self.max_bytes = max_bytes
         self.hits = 0
         self.misses = 0
 
@@ -163,14 +166,14 @@ class SegmentCache:
             return entry[1]
         self.misses += 1
         ids = self._encode(segment)
-        if len(segment) <= self.max_chars // 4:
+        size = sys.getsizeof(segment) + ids.nbytes
+        if size <= self.max_bytes // 4:
             if entry is not None:  # same length and ends, other text: the newer one stays
-                self._chars -= len(self._data.pop(key)[0])
-            self._data[key] = (segment, ids)
-            self._chars += len(segment)
-            while self._chars > self.max_chars and self._data:
-                _, (old, _) = self._data.popitem(last=False)
-                self._chars -= len(old)
+                self.bytes -= self._data.pop(key)[2]
+            self._data[key] = (segment, ids, size)
+            self.bytes += size
+            while self.bytes > self.max_bytes and self._data:
+                self.bytes -= self._data.popitem(last=False)[1][2]
         return ids
 
     def __len__(self) -> int:
@@ -754,6 +757,13 @@ def get_tokenizer(spec: str = DEFAULT_TOKENIZER, *, fast: bool = False) -> Token
             while len(_loaded) > _LOADED_MAX:
                 _loaded.popitem(last=False)
     return tokenizer
+
+
+def segment_caches() -> dict[str, SegmentCache]:
+    """The segment cache of each loaded tokenizer that has one, by tokenizer identity."""
+    with _guard:
+        loaded = list(_loaded.values())
+    return {t.identity: t.segments for t in loaded if isinstance(t, QwenTokenizer)}
 
 
 def is_loaded(spec: str) -> bool:

@@ -3,13 +3,14 @@
 import asyncio
 
 import aiohttp
+import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dynamograph.protocol.headers import DESTINATION_ENDPOINT
 from e2e.waiting import wait_for
 
-from .conftest import chat_body, endpoint_of, set_headers
+from .conftest import MODEL, chat_body, endpoint_of, set_headers
 
 pytestmark = pytest.mark.integration
 
@@ -99,3 +100,29 @@ async def test_the_router_queue_is_visible_on_the_metrics_page():
             assert samples[("dynamograph_epp_queue_depth", ())] == 0
         finally:
             await client.close()
+
+
+async def test_a_follow_up_turn_tokenizes_only_its_new_messages(epp, client):
+    """The segment cache on the metrics page: a conversation's second turn finds its history
+    tokenized already (the first question, the newline after a message, the generation prompt)
+    and tokenizes only the answer and the new question."""
+    hits = "dynamograph_epp_tokenizer_segment_cache_hits_total"
+    misses = "dynamograph_epp_tokenizer_segment_cache_misses_total"
+    key = (("tokenizer", "qwen:qwen2.5-72b-instruct"),)
+    first = [{"role": "user", "content": "What is a KV cache? " * 30}]
+    follow = [
+        *first,
+        {"role": "assistant", "content": "A store of attention keys and values. " * 20},
+        {"role": "user", "content": "And prefix caching? " * 10},
+    ]
+    for messages in (first, follow):
+        before = await scrape(epp)
+        stream = client.stream()
+        body = orjson.dumps({"model": MODEL, "messages": messages})
+        answer, _, _ = await stream.request(body)
+        assert not answer.HasField("immediate_response")
+        await stream.finish_response()
+    after = await scrape(epp)
+    assert after[(misses, key)] - before.get((misses, key), 0) == 2
+    assert after[(hits, key)] - before.get((hits, key), 0) == 3
+    assert after[("dynamograph_epp_tokenizer_segment_cache_bytes", key)] > 0

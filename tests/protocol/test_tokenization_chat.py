@@ -1,6 +1,8 @@
 """`QwenTokenizer.encode_chat` (ChatML segments, no rendering) gives exactly the ids of
 encoding the Jinja-rendered ChatML text, and the segment cache's cheap keys never confuse texts."""
 
+import sys
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -57,6 +59,25 @@ def test_long_shared_system_prompt_comes_from_the_cache():
     assert tokenizer.segments.misses - misses <= 2  # "user\n2" and at most one of the others
 
 
+@pytest.mark.parametrize("spec", ["qwen", "qwen:qwen3.5-27b"])
+def test_a_conversation_tokenizes_only_its_new_messages_each_turn(spec):
+    """Turn after turn, the ids equal the whole rendered prompt's encoded without the cache
+    (fastokens or the reference on the full text), while only the turn's new messages (and the
+    first turn's segments) are tokenized: the history comes from the cache."""
+    tokenizer = get_tokenizer(spec, fast=True)
+    tokenizer.segments = SegmentCache(tokenizer._encode_ordinary)
+    messages = [{"role": "system", "content": "You answer in full sentences. " * 200}]
+    for turn in range(6):
+        messages.append({"role": "user", "content": f"Question {turn}: why é, 日本語? " * 90})
+        misses = tokenizer.segments.misses
+        got = request_tokens(tokenizer, "/v1/chat/completions", {"messages": messages})
+        whole = tokenizer.render_chat(messages, add_generation_prompt=True)
+        assert got.tolist() == tokenizer._ids(whole).tolist()
+        if turn:  # the new question (and the answer before it) only
+            assert tokenizer.segments.misses - misses == 2
+        messages.append({"role": "assistant", "content": f"Answer {turn}. " * 50})
+
+
 def test_template_errors_are_still_400():
     tokenizer = get_tokenizer("qwen")
     with pytest.raises(OpenAIError) as err:
@@ -73,14 +94,16 @@ def test_cache_keys_of_equal_length_and_ends_never_mix_texts():
         encoded.append(text)
         return np.asarray([len(encoded)], dtype="<u4")
 
-    cache = SegmentCache(encode, max_chars=10_000)
+    cache = SegmentCache(encode, max_bytes=40_000)
     ends = "e" * SegmentCache.KEY_ENDS
     a, b = ends + "A" * 50 + ends, ends + "B" * 50 + ends
     assert cache.get(a).tolist() == [1]
     assert cache.get(b).tolist() == [2]  # same length and ends, other text: encoded
     assert cache.get(b).tolist() == [2]
     assert cache.get(a).tolist() == [3]  # b replaced it
-    assert len(cache) == 1 and cache._chars == len(a)
-    for i in range(100):  # bounded by characters
+    assert len(cache) == 1 and cache.bytes == sys.getsizeof(a) + 4  # text and one u32 id
+    for i in range(100):  # bounded by bytes: the oldest go
         cache.get(f"{i:04d}" + "z" * 996)
-    assert cache._chars <= 10_000
+    assert cache.bytes <= 40_000 and 30 <= len(cache) < 40
+    assert cache.get("0099" + "z" * 996).tolist() == [103]  # the newest stayed
+    assert cache.get("0000" + "z" * 996).tolist() == [104]  # the oldest went
