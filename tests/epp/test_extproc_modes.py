@@ -7,6 +7,7 @@ response ends."""
 import asyncio
 
 import grpc
+import orjson
 import pytest
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -223,3 +224,32 @@ async def test_response_headers_leave_a_long_prefill_to_kv_events(epp, client, p
     assert guard.booked  # the response is under way until Envoy ends the stream
     await stream.call.done_writing()
     await wait_for(lambda: booked(epp) == 0, "the booking to be freed")
+
+
+@pytest.mark.parametrize("ending", ["buffered", "trailers"])
+async def test_a_query_only_request_is_answered_on_the_body_or_trailers(epp, client, ending):
+    """`query_instance_id` with a BUFFERED request body (the answer rides on the body response)
+    and with the body ended by trailers (no trailers ack after the answer): an
+    ImmediateResponse 200 with the query's answer, nothing booked."""
+    body = chat_body("what would you pick", nvext={"annotations": ["query_instance_id:"]})
+    stream = client.stream()
+    if ending == "buffered":
+        config = protocol_config(request_mode=Mode.BUFFERED)
+        await stream.send(request_headers(content_length=len(body), config=config))
+        assert (await stream.recv()).HasField("request_headers")
+        await stream.send(
+            pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))
+        )
+    else:
+        trailers = pb.ProcessingRequest(request_trailers=pb.HttpTrailers())
+        await stream.send(
+            request_headers(content_length=len(body)),
+            pb.ProcessingRequest(request_body=pb.HttpBody(body=body)),
+            trailers,
+        )
+    answer = (await stream.recv()).immediate_response
+    assert answer.status.code == 200
+    out = orjson.loads(answer.body)
+    assert out["choices"] == [] and out["nvext"]["token_ids"]
+    assert booked(epp) == 0
+    assert await stream.call.read() is grpc.aio.EOF  # the EPP ended the stream: nothing else
