@@ -231,6 +231,7 @@ class KubernetesWatch(Generic[T]):
         configuration: Any = None,
         watch_timeout: int = 300,
         retry_interval: float = 1.0,
+        missing_interval: float = 30.0,
     ):
         self.namespace = namespace
         self.lister = lister
@@ -240,6 +241,10 @@ class KubernetesWatch(Generic[T]):
         self.configuration = configuration
         self.watch_timeout = watch_timeout
         self.retry_interval = retry_interval
+        # a kind the API does not serve (404: an optional CRD not installed) is looked for
+        # again this often, said once in the log
+        self.missing_interval = missing_interval
+        self.missing = 0  # 404s answered so far
         self.relists = 0
 
     async def _configuration(self) -> Any:
@@ -280,6 +285,18 @@ class KubernetesWatch(Generic[T]):
                         log.info("%s watch expired (410 Gone); relisting", self.what)
                         version = None
                         continue
+                    if exc.status == 404:
+                        if not self.missing:
+                            log.warning(
+                                "the API does not serve %s objects (404: is its CRD "
+                                "installed?); looking again every %g s",
+                                self.what,
+                                self.missing_interval,
+                            )
+                        self.missing += 1
+                        version = None
+                        await asyncio.sleep(self.missing_interval)
+                        continue
                     log.warning(
                         "%s watch failed: %s %s; retrying", self.what, exc.status, exc.reason
                     )
@@ -292,6 +309,7 @@ class KubernetesWatch(Generic[T]):
         response = await list_call(
             self.namespace, label_selector=self.selector, _preload_content=False
         )
+        _raise_for_status(response)
         body = orjson.loads(await response.read())
         self.relists += 1
         targets = [t for obj in body.get("items") or [] if (t := self._target(obj)) is not None]
@@ -317,6 +335,7 @@ class KubernetesWatch(Generic[T]):
         if version:
             kwargs["resource_version"] = version
         response = await list_call(self.namespace, **kwargs)
+        _raise_for_status(response)
         try:
             async for line in response.content:
                 if not line.strip():
@@ -336,6 +355,16 @@ class KubernetesWatch(Generic[T]):
         finally:
             response.release()
         return version
+
+
+def _raise_for_status(response: Any) -> None:
+    """A refusal (403, 404, …) as the ApiException the client raises only when it reads the
+    body itself: unread (`_preload_content=False`), the answer would pass for an empty list."""
+    from kubernetes_asyncio.client.exceptions import ApiException
+
+    if response.status >= 400:
+        response.release()
+        raise ApiException(status=response.status, reason=response.reason)
 
 
 class KubernetesSource(KubernetesWatch[WorkerTarget]):
