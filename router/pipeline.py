@@ -45,9 +45,10 @@ from .scheduler import Decision, Router, RouteRequest
 from .waiting import WaitQueue, shed
 
 _CHARS_PER_TOKEN = 4  # English prose with a BPE vocabulary; only estimates a cut prompt's length
-# Below this many characters of prompt still to encode (~1k tokens, ~0.1 ms to tokenize), the
-# hop to the tokenizing thread and back costs more than tokenizing on the loop.
-INLINE_CHARS = 4096
+# Below this many characters of prompt still to encode (~4k tokens of English, ~0.1 ms of
+# fastokens BPE, the router's tokenizer), the hop to the tokenizing thread and back costs more
+# than tokenizing on the loop (`bench epp`, docs/epp.md "Cost per request").
+INLINE_CHARS = 16384
 
 
 @dataclass(slots=True)
@@ -231,6 +232,8 @@ class RequestPipeline:
         chars = prompt_chars(path, body)
         if chars <= INLINE_CHARS or path != CHAT_COMPLETIONS:
             return chars
+        if chars > self.router.config.max_prompt_chars:
+            return chars  # cut before tokenizing: not what the cache holds, nor worth a look
         model, messages = body.get("model"), body.get("messages")
         spec = self._tokenizer_by_model.get(model) if isinstance(model, str) else None
         if spec is None or not isinstance(messages, list):
