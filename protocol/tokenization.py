@@ -146,6 +146,7 @@ class SegmentCache:
     def __init__(self, encode: Callable[[str], np.ndarray], max_bytes: int = 64 << 20):
         self._encode = encode
         self._data: OrderedDict[Any, tuple[str, np.ndarray, int]] = OrderedDict()
+        self._lock = threading.Lock()
         self.bytes = 0
         self.max_bytes = max_bytes
         self.hits = 0
@@ -159,26 +160,34 @@ class SegmentCache:
 
     def get(self, segment: str) -> np.ndarray:
         key = self._key(segment)
-        entry = self._data.get(key)
-        if entry is not None and entry[0] == segment:
-            self.hits += 1
-            self._data.move_to_end(key)
-            return entry[1]
-        self.misses += 1
+        # The event loop (short prompts) and the tokenizing thread (long ones) share the cache:
+        # its bookkeeping is locked, the encoding is not.
+        with self._lock:
+            entry = self._data.get(key)
+            if entry is not None and entry[0] == segment:
+                self.hits += 1
+                self._data.move_to_end(key)
+                return entry[1]
+            self.misses += 1
         ids = self._encode(segment)
         size = sys.getsizeof(segment) + ids.nbytes
         if size <= self.max_bytes // 4:
-            if entry is not None:  # same length and ends, other text: the newer one stays
-                self.bytes -= self._data.pop(key)[2]
-            self._data[key] = (segment, ids, size)
-            self.bytes += size
-            while self.bytes > self.max_bytes and self._data:
-                self.bytes -= self._data.popitem(last=False)[1][2]
+            with self._lock:
+                # same length and ends (another text, or the same one the other thread just
+                # encoded): the newer entry stays
+                old = self._data.pop(key, None)
+                if old is not None:
+                    self.bytes -= old[2]
+                self._data[key] = (segment, ids, size)
+                self.bytes += size
+                while self.bytes > self.max_bytes and self._data:
+                    self.bytes -= self._data.popitem(last=False)[1][2]
         return ids
 
     def __contains__(self, segment: str) -> bool:
         """Whether `get(segment)` would find it (no encoding, no change to the LRU order)."""
-        entry = self._data.get(self._key(segment))
+        with self._lock:
+            entry = self._data.get(self._key(segment))
         return entry is not None and entry[0] == segment
 
     def __len__(self) -> int:

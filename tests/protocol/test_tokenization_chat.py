@@ -59,6 +59,38 @@ def test_long_shared_system_prompt_comes_from_the_cache():
     assert tokenizer.segments.misses - misses <= 2  # "user\n2" and at most one of the others
 
 
+def test_the_loop_and_the_tokenizing_thread_share_the_cache_safely():
+    """Two threads getting segments whose keys collide (same length and ends), evicting each
+    other's: every answer is its own text's ids and the byte count stays exact."""
+    import threading
+
+    ends = "e" * SegmentCache.KEY_ENDS
+    texts = [ends + f"{i:03d}" * (20 + i % 8) + ends for i in range(40)]  # 8 keys, 5 texts each
+    # room for 4 entries of ~250 bytes: the threads evict each other's too
+    cache = SegmentCache(lambda text: np.asarray([texts.index(text)], dtype="<u4"), 1200)
+    failures = []
+
+    def work(seed: int) -> None:
+        for n in range(3000):
+            i = (n * 7 + seed) % len(texts)
+            if cache.get(texts[i]).tolist() != [i]:
+                failures.append(i)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often: without the lock the count drifts
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not failures
+    assert cache.bytes == sum(size for _, _, size in cache._data.values()) <= 1200
+    assert cache.hits and cache.misses
+
+
 @pytest.mark.parametrize("spec", ["qwen", "qwen:qwen3.5-27b"])
 def test_a_conversation_tokenizes_only_its_new_messages_each_turn(spec):
     """Turn after turn, the ids equal the whole rendered prompt's encoded without the cache
