@@ -180,19 +180,29 @@ async def reconcile(api: KubeApi, body: dict[str, Any], config: OperatorConfig) 
     return Outcome(status_body(status), problems)
 
 
+# Graphs (by uid) whose admin-token Secret this process has seen created or existing: a pass
+# writes nothing when nothing changed (the resync timer runs every few seconds). Bounded by
+# the graphs one operator process meets; a restart checks each graph once again.
+_admin_tokens_ensured: set[str] = set()
+
+
 async def _ensure_admin_token(api: KubeApi, graph: DynamoGraph, owner: Owner) -> list[Problem]:
-    """Create the graph's admin-token Secret with a random token; a 409 means it exists (made
-    by an earlier pass, or beforehand by someone who chose the token), which is fine. Create is
-    the operator's only right on Secrets: it never reads one, and the token is never logged."""
+    """Create the graph's admin-token Secret with a random token, once per graph and operator
+    process; a 409 means it exists (made by an earlier pass, or beforehand by someone who chose
+    the token), which is fine. Create is the operator's only right on Secrets: it never reads
+    one, and the token is never logged."""
+    if owner.uid in _admin_tokens_ensured:
+        return []
     secret = admin_token_secret_object(graph, owner, secrets.token_urlsafe(32))
     name = secret["metadata"]["name"]
     try:
         await api.create(secret)
     except ApiError as exc:
-        if exc.status == 409:
-            return []
-        return [Problem("ApplyFailed", f"create Secret {name}: {exc}")]
-    log.info("created Secret %s/%s (the graph's admin token)", owner.namespace, name)
+        if exc.status != 409:
+            return [Problem("ApplyFailed", f"create Secret {name}: {exc}")]
+    else:
+        log.info("created Secret %s/%s (the graph's admin token)", owner.namespace, name)
+    _admin_tokens_ensured.add(owner.uid)
     return []
 
 

@@ -28,6 +28,7 @@ DEPLOYMENTS = Resource("apps", "v1", "deployments")
 PODS = Resource("", "v1", "pods")
 SERVICES = Resource("", "v1", "services")
 CONFIGMAPS = Resource("", "v1", "configmaps")
+SECRETS = Resource("", "v1", "secrets")
 INFERENCEPOOLS = Resource("inference.networking.k8s.io", "v1", "inferencepools")
 DYNAMOGRAPHS = Resource("dynamograph.io", "v1alpha1", "dynamographs")
 

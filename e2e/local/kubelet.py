@@ -35,7 +35,7 @@ from typing import Any, TextIO
 import aiohttp
 
 from . import pods as podlib
-from .kubeapi import CONFIGMAPS, DEPLOYMENTS, PODS, ApiError, KubeApi
+from .kubeapi import CONFIGMAPS, DEPLOYMENTS, PODS, SECRETS, ApiError, KubeApi
 
 log = logging.getLogger(__name__)
 
@@ -296,6 +296,11 @@ class ProcessKubelet:
         mounts = await self._volumes(namespace, spec, directory)
         refs = podlib.PodRefs(name, namespace, ip, uid, spec.get("serviceAccountName", "default"))
         base_env = self._base_env()
+        secret_values = {}
+        for secret_name in podlib.secret_names(spec):
+            secret = await self.api.get(SECRETS, namespace, secret_name)
+            if secret is not None:  # a missing one: container_env names the variable
+                secret_values[secret_name] = podlib.secret_values(secret)
         containers = []
         for c in spec.get("containers") or []:
             own_mounts = {
@@ -307,7 +312,7 @@ class ProcessKubelet:
                 Container(
                     name=c["name"],
                     argv=podlib.container_argv(c, ip, own_mounts),
-                    env=podlib.container_env(c, refs, base_env),
+                    env=podlib.container_env(c, refs, base_env, secret_values),
                     log_path=directory / f"{c['name']}.log",
                     probe=c.get("readinessProbe"),
                 )

@@ -8,6 +8,7 @@ and makes `dynamograph worker|frontend|epp` bind it explicitly. Mounted ConfigMa
 volumes become per-pod directories, and paths under a mount point are rewritten to them.
 """
 
+import base64
 import hashlib
 import re
 import sys
@@ -144,8 +145,32 @@ class PodRefs:
     service_account: str = "default"
 
 
-def container_env(container: dict[str, Any], refs: PodRefs, base: dict[str, str]) -> dict[str, str]:
-    """`base` plus the container's env: literal values and downward-API fieldRefs."""
+def secret_names(spec: dict[str, Any]) -> set[str]:
+    """The Secrets the pod's containers read env values from (secretKeyRef)."""
+    return {
+        var["valueFrom"]["secretKeyRef"]["name"]
+        for c in spec.get("containers") or []
+        for var in c.get("env") or []
+        if "secretKeyRef" in (var.get("valueFrom") or {})
+    }
+
+
+def secret_values(secret: dict[str, Any]) -> dict[str, str]:
+    """A Secret's keys and values: `data` (base64, what an API server stores) and `stringData`
+    (what a client writes; an emulator may keep it as written)."""
+    values = {k: base64.b64decode(v).decode() for k, v in (secret.get("data") or {}).items()}
+    values.update(secret.get("stringData") or {})
+    return values
+
+
+def container_env(
+    container: dict[str, Any],
+    refs: PodRefs,
+    base: dict[str, str],
+    secrets: dict[str, dict[str, str]] | None = None,
+) -> dict[str, str]:
+    """`base` plus the container's env: literal values, downward-API fieldRefs and
+    secretKeyRefs into `secrets` (name -> values, the pod's namespace's Secrets)."""
     fields = {
         "metadata.name": refs.name,
         "metadata.namespace": refs.namespace,
@@ -166,10 +191,20 @@ def container_env(container: dict[str, Any], refs: PodRefs, base: dict[str, str]
             env[var["name"]] = fields[path]
         elif "valueFrom" in var and "resourceFieldRef" in var["valueFrom"]:
             env[var["name"]] = "1"
+        elif "valueFrom" in var and "secretKeyRef" in var["valueFrom"]:
+            ref = var["valueFrom"]["secretKeyRef"]
+            value = (secrets or {}).get(ref["name"], {}).get(ref["key"])
+            if value is None:
+                if ref.get("optional"):
+                    continue
+                raise PodSpecError(
+                    f"env {var['name']}: key {ref['key']!r} of Secret {ref['name']!r} not found"
+                )
+            env[var["name"]] = value
         elif "valueFrom" in var:
             raise PodSpecError(
-                f"env {var['name']}: only literal values and fieldRef are supported by the "
-                f"process kubelet, got {sorted(var['valueFrom'])}"
+                f"env {var['name']}: only literal values, fieldRef and secretKeyRef are "
+                f"supported by the process kubelet, got {sorted(var['valueFrom'])}"
             )
         else:
             env[var["name"]] = ""

@@ -10,13 +10,13 @@ import pytest
 
 from dynamograph.local.procs import is_live
 from dynamograph.operator.config import OperatorConfig
-from dynamograph.operator.manifests import Owner, desired_objects
+from dynamograph.operator.manifests import Owner, admin_token_secret_object, desired_objects
 from dynamograph.protocol.graph import load_graph
 from dynamograph.protocol.identity import instance_id
 
 from ..graphs import load_example, renamed, with_engine, with_replicas, without_gpus
 from ..waiting import wait_for
-from .kubeapi import DEPLOYMENTS, PODS, write_kubeconfig
+from .kubeapi import DEPLOYMENTS, PODS, SECRETS, write_kubeconfig
 from .kubelet import ProcessKubelet
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -24,17 +24,22 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 NS = "kubelet-test"
 
 
-def worker_deployment(replicas: int) -> dict:
+def worker_objects(replicas: int) -> tuple[dict, dict]:
+    """The worker Deployment and the admin-token Secret its engines read (which the operator
+    creates beside its desired objects)."""
     manifest = renamed(load_example("agg"), "agg", NS)
     manifest = with_replicas(with_engine(without_gpus(manifest), speedup=50.0), "worker", replicas)
     graph = load_graph(manifest)
-    objects = desired_objects(graph, Owner("agg", NS, "graph-uid"), OperatorConfig(image="x:y"))
+    owner = Owner("agg", NS, "graph-uid")
+    objects = desired_objects(graph, owner, OperatorConfig(image="x:y"))
     deployment = next(
         o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == "agg-worker"
     )
-    # No graph object exists here: an owner reference to it would have the GC collect it.
-    del deployment["metadata"]["ownerReferences"]
-    return deployment
+    secret = admin_token_secret_object(graph, owner, "token")
+    # No graph object exists here: an owner reference to it would have the GC collect them.
+    for obj in (deployment, secret):
+        del obj["metadata"]["ownerReferences"]
+    return deployment, secret
 
 
 async def test_deployment_becomes_ready_loopback_pods_that_scale_and_go(api_server, tmp_path):
@@ -57,7 +62,9 @@ async def test_deployment_becomes_ready_loopback_pods_that_scale_and_go(api_serv
             settled = len(ready) == len(pods) == len(kubelet.pods) == n
             return (ready,) if settled else None
 
-        await api.create(DEPLOYMENTS, NS, worker_deployment(2))
+        deployment, secret = worker_objects(2)
+        await api.create(SECRETS, NS, secret)
+        await api.create(DEPLOYMENTS, NS, deployment)
         (pods,) = await wait_for(
             lambda: ready_pods(2), "2 ready pods", within=120, detail=kubelet.describe
         )

@@ -1,5 +1,6 @@
 """Unit tests of the cluster-in-a-box's pure parts: pod specs -> argv/env/files, gateway."""
 
+import base64
 import random
 
 import pytest
@@ -79,8 +80,17 @@ def test_env_resolves_the_downward_api():
     env = podlib.container_env(container, refs, {"BASE": "1"})
     assert env == {"BASE": "1", "POD_NAME": "p-1", "POD_IP": IP, "N": "3"}
     secret = {"env": [{"name": "S", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]}
-    with pytest.raises(podlib.PodSpecError, match="S: only literal values and fieldRef"):
+    assert podlib.secret_names({"containers": [secret]}) == {"s"}
+    stored = podlib.secret_values({"data": {"k": base64.b64encode(b"tok").decode()}})
+    assert podlib.container_env(secret, refs, {}, {"s": stored}) == {"S": "tok"}
+    assert podlib.secret_values({"stringData": {"k": "tok"}}) == {"k": "tok"}
+    with pytest.raises(podlib.PodSpecError, match="key 'k' of Secret 's' not found"):
         podlib.container_env(secret, refs, {})
+    secret["env"][0]["valueFrom"]["secretKeyRef"]["optional"] = True
+    assert podlib.container_env(secret, refs, {}) == {}
+    config_map = {"env": [{"name": "C", "valueFrom": {"configMapKeyRef": {"name": "c"}}}]}
+    with pytest.raises(podlib.PodSpecError, match="C: only literal values, fieldRef and secret"):
+        podlib.container_env(config_map, refs, {})
 
 
 def test_pod_manifest_and_status():

@@ -367,16 +367,25 @@ class Api:
 
 def test_the_operator_creates_a_random_token_once_and_lets_an_existing_one_be(caplog):
     graph = load_graph(graph_body())
+    controller._admin_tokens_ensured.clear()
     api = Api(201, 409)
     with caplog.at_level("DEBUG"):
         assert asyncio.run(controller._ensure_admin_token(api, graph, OWNER)) == []
+        # the next passes write nothing (the resync timer runs every few seconds)
+        assert asyncio.run(controller._ensure_admin_token(api, graph, OWNER)) == []
+        assert len(api.created) == 1
+        # a restarted operator tries once; the Secret exists (409): kept, fine
+        controller._admin_tokens_ensured.clear()
         assert asyncio.run(controller._ensure_admin_token(api, graph, OWNER)) == []
     first, second = (c["stringData"]["token"] for c in api.created)
     assert len(first) >= 40 and first != second  # random, 32 bytes
     assert first not in caplog.text and second not in caplog.text
+    controller._admin_tokens_ensured.clear()
     problems = asyncio.run(controller._ensure_admin_token(Api(403), graph, OWNER))
     assert [p.reason for p in problems] == ["ApplyFailed"]
     assert "Secret g-admin-token" in problems[0].message
+    # a refused create is tried again on the next pass
+    assert asyncio.run(controller._ensure_admin_token(Api(201), graph, OWNER)) == []
 
 
 # ---- configuration ---------------------------------------------------------------------
