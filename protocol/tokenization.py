@@ -72,6 +72,11 @@ class Tokenizer(Protocol):
         them."""
         ...
 
+    def uncached_chat_chars(self, messages: list[Any]) -> int:
+        """Characters of the messages' string contents `encode_chat` would have to encode
+        (those it holds ids for from earlier turns do not count)."""
+        ...
+
 
 def _template_environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -721,6 +726,14 @@ class HuggingFaceTokenizer(_FastSwitch):
 
     def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> np.ndarray:
         return self.encode(self.render_chat(messages, **kwargs))
+
+    def uncached_chat_chars(self, messages: list[Any]) -> int:
+        # no segment cache: every turn encodes the whole rendered prompt
+        return sum(
+            len(m["content"])
+            for m in messages
+            if isinstance(m, dict) and isinstance(m.get("content"), str)
+        )
 
     def render_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
         if self._chat is None:

@@ -32,7 +32,6 @@ from dynamograph.protocol.nvext import NvExt, NvExtResponse, WorkerIdInfo
 from dynamograph.protocol.openai import CHAT_COMPLETIONS, OpenAIError, require_model
 from dynamograph.protocol.pins import RoutePins
 from dynamograph.protocol.tokenization import (
-    QwenTokenizer,
     Tokenizer,
     get_tokenizer,
     is_loaded,
@@ -238,10 +237,8 @@ class RequestPipeline:
         spec = self._tokenizer_by_model.get(model) if isinstance(model, str) else None
         if spec is None or not isinstance(messages, list):
             return chars
-        tokenizer = get_tokenizer(spec)  # loaded (`_tokenizers_loaded`): a dict read
-        if isinstance(tokenizer, QwenTokenizer):
-            return tokenizer.uncached_chat_chars(messages)
-        return chars
+        # loaded (`_tokenizers_loaded`): a dict read
+        return get_tokenizer(spec).uncached_chat_chars(messages)
 
     def _tokenizers_loaded(self) -> bool:
         """Whether every published tokenizer is loaded: loading one takes seconds, which a
