@@ -2,7 +2,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup test lint up down soak e2e-kind control-plane cluster
+.PHONY: setup test lint up down soak e2e-kind control-plane cluster counterparts
 
 setup:
 	scripts/setup.sh
@@ -48,3 +48,10 @@ control-plane:
 
 cluster: control-plane
 	$(BIN)/python tests/cluster/controlplane.py --dir .local/cluster
+
+# The field's own Go components that benchmarks and interop tests run beside ours (issue 22):
+# llm-d-inference-sim, GAIE's reference EPP, llm-d's inference scheduler, pinned in
+# scripts/counterparts.versions and cached by version outside the clone. Bench-only: neither
+# `make setup` nor `make test` builds them (tests that need one skip, naming this target).
+counterparts:
+	scripts/build-counterparts.sh
