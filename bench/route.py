@@ -28,6 +28,7 @@ import orjson
 from dynamograph.local.procs import PortPool
 from dynamograph.protocol.tokenization import get_tokenizer
 
+from .frontend import _cpu_seconds
 from .report import add_output_argument, print_table, write_json
 from .route_client import completion_body, replay, warm_up
 from .route_fleet import (
@@ -39,9 +40,9 @@ from .route_fleet import (
     wait_http,
     worker_procs,
 )
-from .route_metrics import PolicyMetrics, summarize
+from .route_metrics import OK, PolicyMetrics, summarize
 from .route_plots import write_plots
-from .route_routers import DEFAULT_POLICIES, POLICIES, serve
+from .route_routers import DEFAULT_POLICIES, POLICIES, serve, unavailable
 from .trace import (
     DEFAULT_TRACE,
     PromptSynthesizer,
@@ -154,7 +155,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=list(POLICIES),
         default=DEFAULT_POLICIES,
         metavar="POLICY",
-        help=f"policies to compare, in order (default: all: {' '.join(DEFAULT_POLICIES)})",
+        help=f"policies to compare, in order (default: {' '.join(DEFAULT_POLICIES)}; also "
+        "gaie-epp and llmd-epp, the field's EPPs: make counterparts, make control-plane)",
     )
     parser.add_argument(
         "--quick",
@@ -217,12 +219,15 @@ def resolve(args: argparse.Namespace) -> Setup:
 
 async def _run_policy(name, workers, offsets, bodies, args, logs):
     """One policy on the running fleet, its caches reset first, the router warmed up (not
-    counted); counters are deltas from after the warm-up."""
+    counted); counters are deltas from after the warm-up. A foreign EPP routes to twins of
+    the fleet at pod IPs (bench/route_foreign_epp.py): those are reset and scraped instead."""
     await reset_caches(workers)
     ports = PortPool()
-    async with serve(POLICIES[name], workers, ports, logs / name) as url:
+    async with serve(POLICIES[name], workers, ports, logs / name, model=args.model) as routed:
+        url, workers = routed.url, routed.workers
         await warm_up(url, args.model)
         before = await scrape_workers(workers)
+        cpu_before = sum(_cpu_seconds(pid) for pid in routed.pids)
         print(f"  {name}: replaying {len(offsets)} requests via {url} ...", flush=True)
         results, wall = await replay(
             url,
@@ -231,7 +236,9 @@ async def _run_policy(name, workers, offsets, bodies, args, logs):
             max_in_flight=args.max_in_flight,
             timeout_s=args.timeout,
         )
+        cpu = sum(_cpu_seconds(pid) for pid in routed.pids) - cpu_before
         after = await scrape_workers(workers)
+    _write_router_cpu(logs / name / "router_cpu.json", name, cpu, wall, results)
     delta = {w: after[w].minus(before[w]) for w in after}
     queries = sum(s.prefix_queries for s in delta.values())
     hits = sum(s.prefix_hits for s in delta.values())
@@ -375,6 +382,29 @@ def _report(args, setup, spec, requests, reuse, metrics, all_results) -> None:
         print(f"wrote {path}")
 
 
+def _write_router_cpu(path: Path, name: str, cpu_s: float, wall_s: float, results) -> None:
+    """The router processes' CPU time over the replay (the EPPs, not Envoy; background work such
+    as metric scrapes included), per request answered 200: printed and kept beside the logs."""
+    routed = sum(1 for r in results if r.status == OK)
+    per_request_ms = cpu_s / routed * 1e3 if routed else None
+    print(
+        f"  {name}: router CPU {cpu_s:.1f} s over {wall_s:.0f} s wall"
+        + (f", {per_request_ms:.2f} ms per routed request" if per_request_ms else ""),
+        flush=True,
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(
+        orjson.dumps(
+            {
+                "cpu_s": cpu_s,
+                "wall_s": wall_s,
+                "routed": routed,
+                "cpu_ms_per_request": per_request_ms,
+            }
+        )
+    )
+
+
 def _write_requests(path: Path, results) -> None:
     """Every request's outcome, for digging into a run (not part of the summary)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -395,6 +425,14 @@ def run(args: argparse.Namespace) -> int:
         sweep = route_sweep.parse_sweep(getattr(args, "sweep", None))
     except ValueError as exc:
         print(f"bench route: {exc}")
+        return 2
+    for name in list(args.policies):
+        reason = unavailable(POLICIES[name])
+        if reason:
+            print(f"bench route: skipping {name}: {reason}", flush=True)
+            args.policies.remove(name)
+    if not args.policies:
+        print("bench route: no policy can run")
         return 2
     if sweep is None and getattr(args, "workload", "mooncake") == "multiturn":
         sweep = [args.rate or 4.0]  # one rate: the sweep's table, JSON and plot

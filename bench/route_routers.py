@@ -4,7 +4,8 @@ Ours run as in production: the EPP (`dynamograph epp`, static discovery, a route
 selects the policy) behind a real Envoy configured as a GAIE gateway, so every one of our
 policies pays the same Envoy + ext_proc hop and differs only in the decision. The foreign
 anchors are the routers people pick instead, started from their PyPI wheels on 127.0.0.1 with
-the Hugging Face hub unreachable.
+the Hugging Face hub unreachable, and the field's own EPPs (GAIE's reference EPP, llm-d's
+scheduler) behind the same Envoy, with a control plane to watch (bench/route_foreign_epp.py).
 """
 
 from __future__ import annotations
@@ -28,11 +29,22 @@ from .route_fleet import DYNAMOGRAPH, OFFLINE_ENV, LaunchError, Proc, Worker, st
 @dataclass(frozen=True)
 class Policy:
     name: str
-    kind: str  # "epp" | "sglang-router" | "vllm-router"
+    kind: str  # "epp" | "sglang-router" | "vllm-router" | "foreign-epp"
     description: str
     router_config: dict = field(default_factory=dict)  # RouterConfig fields (kind "epp")
     foreign_policy: str | None = None  # --policy of a foreign router
     epps: int = 1  # EPP replicas behind the gateway, sharing their bookings (kind "epp")
+    counterpart: str | None = None  # bench/counterparts.py name of a foreign EPP's binary
+
+
+@dataclass(frozen=True)
+class Routed:
+    """A started router: where to send requests, the workers it routes to (the fleet, or the
+    fleet's twins at pod IPs for a foreign EPP), and its own processes (for their CPU time)."""
+
+    url: str
+    workers: Sequence[Worker]
+    pids: Sequence[int]
 
 
 POLICIES: dict[str, Policy] = {
@@ -80,9 +92,22 @@ POLICIES: dict[str, Policy] = {
             "vllm-router 0.1.17 --policy cache_aware",
             foreign_policy="cache_aware",
         ),
+        Policy(
+            "gaie-epp",
+            "foreign-epp",
+            "GAIE reference EPP v1.5.0, default scorers (queue 2, KV-cache use 2, prefix 3)",
+            counterpart="gaie-epp",
+        ),
+        Policy(
+            "llmd-epp",
+            "foreign-epp",
+            "llm-d inference scheduler, its shipped epp-config.yaml (decode filter, prefix 2)",
+            counterpart="llmd-epp",
+        ),
     ]
 }
-DEFAULT_POLICIES = list(POLICIES)
+# The foreign EPPs each need a Kubernetes control plane and a Go build: asked for by name only.
+DEFAULT_POLICIES = [name for name, p in POLICIES.items() if p.kind != "foreign-epp"]
 
 
 def foreign_binary(name: str) -> str:
@@ -95,23 +120,39 @@ def foreign_binary(name: str) -> str:
     return found
 
 
+def unavailable(policy: Policy) -> str | None:
+    """Why `policy` cannot run on this machine (a counterpart not built), else None."""
+    if policy.kind != "foreign-epp":
+        return None
+    from .route_foreign_epp import unavailable as counterpart_unavailable
+
+    assert policy.counterpart is not None
+    return counterpart_unavailable(policy.counterpart)
+
+
 @contextlib.asynccontextmanager
 async def serve(
-    policy: Policy, workers: Sequence[Worker], ports: PortPool, logs: Path
-) -> AsyncIterator[str]:
-    """Start the router for `policy` in front of `workers`; yield its base URL; stop it."""
+    policy: Policy, workers: Sequence[Worker], ports: PortPool, logs: Path, *, model: str
+) -> AsyncIterator[Routed]:
+    """Start the router for `policy` in front of `workers`; yield it (`Routed`); stop it."""
+    ctx: contextlib.AbstractAsyncContextManager[Routed]
     if policy.kind == "epp":
         ctx = _serve_epp(policy, workers, ports, logs)
+    elif policy.kind == "foreign-epp":
+        from .route_foreign_epp import serve_foreign_epp  # its control plane loads by path
+
+        assert policy.counterpart is not None
+        ctx = serve_foreign_epp(policy.name, policy.counterpart, workers, ports, logs, model=model)
     else:
         ctx = _serve_foreign(policy, workers, ports, logs)
-    async with ctx as url:
-        yield url
+    async with ctx as routed:
+        yield routed
 
 
 @contextlib.asynccontextmanager
 async def _serve_foreign(
     policy: Policy, workers: Sequence[Worker], ports: PortPool, logs: Path
-) -> AsyncIterator[str]:
+) -> AsyncIterator[Routed]:
     port, metrics = ports.take(), ports.take()
     argv = [foreign_binary(policy.kind)]
     if policy.kind == "sglang-router":
@@ -132,7 +173,8 @@ async def _serve_foreign(
     try:
         url = f"http://127.0.0.1:{port}"
         await wait_http(proc, url + "/v1/models", within_s=90)
-        yield url
+        assert proc.popen is not None
+        yield Routed(url, workers, [proc.popen.pid])
     finally:
         await asyncio.to_thread(stop_all, [proc])
 
@@ -140,7 +182,7 @@ async def _serve_foreign(
 @contextlib.asynccontextmanager
 async def _serve_epp(
     policy: Policy, workers: Sequence[Worker], ports: PortPool, logs: Path
-) -> AsyncIterator[str]:
+) -> AsyncIterator[Routed]:
     """The EPP (`policy.epps` of them, each a replica of the others: replica sync over
     127.0.0.1) behind one Envoy that balances its ext_proc streams over them."""
     from dynamograph.local.envoy import envoy_config, run_envoy  # only our policies need Envoy
@@ -189,6 +231,6 @@ async def _serve_epp(
         async with run_envoy(gateway, workdir=logs / f"{policy.name}-envoy"):
             url = f"http://127.0.0.1:{listen_port}"
             await wait_http(epps[0], url + "/v1/models", within_s=60)
-            yield url
+            yield Routed(url, workers, [e.popen.pid for e in epps if e.popen is not None])
     finally:
         await asyncio.to_thread(stop_all, epps)

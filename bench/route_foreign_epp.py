@@ -1,0 +1,290 @@
+"""The field's own endpoint pickers as `bench route` policies: GAIE's reference EPP and llm-d's
+inference scheduler, each behind the same real Envoy our EPP policies use.
+
+Neither EPP has a static list of endpoints: both watch a Kubernetes API server for the pods
+they may pick. So a policy here starts, in order:
+
+1. the repo's control plane (tests/cluster/controlplane.py: etcd, kube-apiserver, kwok with pod
+   IPs from 127.1.0.0/16, loaded by path: it is a self-contained script, not a package);
+2. one Pod per worker of the benchmark's fleet, on a kwok Node, which kwok makes Running and
+   Ready with its own 127.1.x.y address;
+3. a twin of each fleet worker (the same command, the same seed and name) bound at its Pod's
+   IP on one shared target port, since a pool has one target port for every pod and the fleet's
+   workers share 127.0.0.1 on a port each; Linux routes all of 127/8 to lo;
+4. the EPP in its standalone mode (`--endpoint-selector app=... --endpoint-target-ports P`, the
+   deployment of an EPP with a proxy beside it and no Gateway, so no InferencePool CRD is
+   needed), plain-text gRPC, KUBECONFIG pointing at the control plane;
+5. Envoy from local/envoy.py's gateway config with the settings the gateways generate for a
+   foreign EPP (COUNTERPARTS.md): request and response bodies FULL_DUPLEX_STREAMED (ours sets the
+   response body to NONE, which only our EPP is written for), headers and trailers SEND.
+
+`serve_foreign_epp(policy_name, counterpart, workers, ports, logs)` yields the gateway's URL, the
+twin workers (what the benchmark must reset and scrape) and the EPP's pid (its CPU time).
+`unavailable(counterpart)` says why a policy cannot run here (a binary not built), or None.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import aiohttp
+
+from dynamograph.local.procs import PortPool
+
+from . import counterparts
+from .route_client import completion_body
+from .route_fleet import LaunchError, Proc, Worker, stop_all, wait_http
+from .route_routers import Routed
+
+CONTROL_PLANE_SCRIPT = counterparts.REPO / "tests" / "cluster" / "controlplane.py"
+NAMESPACE = "default"
+# llm-d's scheduler without a --config-file runs GAIE's default plugins; the configuration its
+# own repository ships for a pool without prefill/decode split is this file of the module (read
+# from Go's module cache, where the build left it).
+LLMD_CONFIG = Path("deploy") / "config" / "epp-config.yaml"
+
+
+@dataclass
+class PodWorker(Worker):
+    """A fleet worker's twin, listening at its Pod's IP."""
+
+    host: str = "127.0.0.1"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def _control_plane() -> ModuleType:
+    """tests/cluster/controlplane.py as a module (registered first: its dataclasses look their
+    module up in sys.modules)."""
+    name = "dynamograph_bench_controlplane"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, CONTROL_PLANE_SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _module_dir(counterpart: str) -> Path:
+    """Where Go's module cache holds the counterpart's module source (its shipped configs)."""
+    pinned = counterparts.versions()
+    prefix = counterparts.PREFIXES[counterpart]
+    module, version = pinned[f"{prefix}_MODULE"], pinned[f"{prefix}_VERSION"]
+    cache = os.environ.get("GOMODCACHE") or os.path.join(
+        os.environ.get("GOPATH") or os.path.expanduser("~/go"), "pkg", "mod"
+    )
+    # The module cache escapes capitals as !lower (module.EscapePath).
+    escaped = "".join(f"!{c.lower()}" if c.isupper() else c for c in module)
+    return Path(cache) / f"{escaped}@{version}"
+
+
+def unavailable(counterpart: str) -> str | None:
+    """Why the policy of `counterpart` ("gaie-epp", "llmd-epp") cannot run here, else None."""
+    if counterparts.binary(counterpart) is None:
+        return f"{counterpart} is not built for its pinned version (make counterparts)"
+    try:
+        _control_plane().find_binaries()
+    except Exception as exc:  # controlplane.Missing: the script is loaded by path, not imported
+        return f"{exc} (make control-plane)"
+    if counterpart == "llmd-epp" and not (_module_dir(counterpart) / LLMD_CONFIG).is_file():
+        return f"llm-d's {LLMD_CONFIG} is not in Go's module cache ({_module_dir(counterpart)})"
+    return None
+
+
+def _pod(name: str, app: str, node: str, port: int) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": NAMESPACE,
+            # llm-d's decode filter keeps pods of role decode (or without the label)
+            "labels": {"app": app, "llm-d.ai/role": "decode"},
+        },
+        "spec": {
+            "nodeName": node,  # a kwok Node: kwok runs the pod's lifecycle, no scheduler needed
+            "containers": [
+                {
+                    "name": "engine",
+                    "image": "dynamograph-mock-worker",
+                    "ports": [{"containerPort": port, "name": "http"}],
+                }
+            ],
+        },
+    }
+
+
+def _ready_ips(cp, app: str, count: int) -> dict[str, str] | None:
+    pods = cp.get_json("pods", "-n", NAMESPACE, "-l", f"app={app}")["items"]
+    ips = {}
+    for pod in pods:
+        status = pod.get("status", {})
+        ready = any(
+            c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions", [])
+        )
+        if ready and status.get("podIP"):
+            ips[pod["metadata"]["name"]] = status["podIP"]
+    return ips if len(ips) == count else None
+
+
+def _twin(worker: Worker, host: str, port: int, events: int, logs: Path) -> PodWorker:
+    """The fleet worker's command, bound at `host:port` with its KV events on `events`."""
+    moved = {
+        "--host": host,
+        "--port": str(port),
+        "--kv-events-port": str(events),
+        "--kv-replay-port": str(events + 1),
+    }
+    argv = []
+    for arg in worker.proc.argv:
+        key = arg.split("=", 1)[0]
+        argv.append(f"{key}={moved[key]}" if key in moved else arg)
+    proc = Proc(f"{worker.name}-pod", argv, logs / f"{worker.name}.log")
+    return PodWorker(worker.name, port, events, proc, host=host)
+
+
+def _epp_argv(
+    counterpart: str, binary: Path, app: str, target_port: int, grpc: int, health: int, metrics: int
+) -> list[str]:
+    argv = [
+        str(binary),
+        f"--grpc-port={grpc}",
+        f"--grpc-health-port={health}",
+        f"--metrics-port={metrics}",
+        f"--endpoint-selector=app={app}",
+        f"--endpoint-target-ports={target_port}",
+        f"--pool-namespace={NAMESPACE}",
+        "--secure-serving=false",  # plain-text gRPC: Envoy's EPP cluster speaks h2c
+        "--metrics-endpoint-auth=false",
+        "--tracing=false",
+    ]
+    if counterpart == "llmd-epp":
+        argv.append(f"--config-file={_module_dir(counterpart) / LLMD_CONFIG}")
+    return argv
+
+
+def gateway_config(listen_port: int, admin_port: int, epp_address: str) -> dict:
+    """Our gateway config with the body modes every gateway generates for an InferencePool's
+    EPP: request and response FULL_DUPLEX_STREAMED (ours sends no response body to our EPP)."""
+    from dynamograph.local.envoy import EXT_PROC_FILTER, envoy_config
+
+    config = envoy_config(listen_port, admin_port, epp_address)
+    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    for http_filter in manager["typed_config"]["http_filters"]:
+        if http_filter["name"] == EXT_PROC_FILTER:
+            mode = http_filter["typed_config"]["processing_mode"]
+            mode["response_body_mode"] = "FULL_DUPLEX_STREAMED"
+            assert mode["request_body_mode"] == "FULL_DUPLEX_STREAMED"
+            assert mode["request_trailer_mode"] == mode["response_trailer_mode"] == "SEND"
+    return config
+
+
+async def _wait_routed(epp: Proc, url: str, model: str, count: int, within_s: float) -> None:
+    """Until `count` completions in a row answer 200 through the gateway: the EPP has listed
+    the pods and scraped their metrics (before that it answers 503 or 429)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    body = completion_body(model, "Ready?", 1)
+    ok, last = 0, ""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+        while ok < count:
+            if not epp.alive():
+                raise epp.failure("exited before it routed a request")
+            if loop.time() > deadline:
+                raise epp.failure(f"routed no request within {within_s:.0f} s (last: {last})")
+            try:
+                async with session.post(
+                    url + "/v1/completions", data=body, headers={"content-type": "application/json"}
+                ) as resp:
+                    last = f"{resp.status} {(await resp.text())[:200]}"
+                    ok = ok + 1 if resp.status == 200 else 0
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                ok, last = 0, repr(exc)
+            if ok < count:
+                await asyncio.sleep(0.3)
+
+
+@contextlib.asynccontextmanager
+async def serve_foreign_epp(
+    policy_name: str,
+    counterpart: str,
+    workers: Sequence[Worker],
+    ports: PortPool,
+    logs: Path,
+    *,
+    model: str,
+) -> AsyncIterator[Routed]:
+    """The counterpart's EPP routing to twins of `workers` behind a real Envoy (module
+    docstring); everything it started is stopped on exit."""
+    from dynamograph.local.envoy import run_envoy
+
+    reason = unavailable(counterpart)
+    if reason:
+        raise LaunchError(f"{policy_name}: {reason}")
+    binary = counterparts.binary(counterpart)
+    assert binary is not None
+    cplane = _control_plane()
+    cp = cplane.ControlPlane((logs / "control-plane").resolve(), nodes=1)
+    await asyncio.to_thread(cp.start)
+    twins: list[PodWorker] = []
+    epp: Proc | None = None
+    try:
+        app = f"bench-{policy_name}"
+        # one port that is free at every pod IP: a port free on 127.0.0.1 has no wildcard
+        # listener, and nothing else binds 127.1.x.y
+        target_port = ports.take()
+        for w in workers:
+            cp.kubectl_apply(_pod(w.name, app, "kwok-node-0", target_port))
+        ips = await _poll(lambda: _ready_ips(cp, app, len(workers)), 60, "kwok made no pod ready")
+        for w in workers:
+            twins.append(_twin(w, ips[w.name], target_port, ports.take(2), logs / "fleet"))
+        grpc, health, metrics = ports.take(), ports.take(), ports.take()
+        listen, admin = ports.take(), ports.take()
+        ports.release()
+        for t in twins:
+            t.proc.start()
+        await asyncio.gather(*(wait_http(t.proc, t.url + "/health", within_s=120) for t in twins))
+        epp = Proc(
+            f"{policy_name}-epp",
+            _epp_argv(counterpart, binary, app, target_port, grpc, health, metrics),
+            logs / f"{policy_name}-epp.log",
+            {"KUBECONFIG": str(cp.kubeconfig)},
+        ).start()
+        await wait_http(epp, f"http://127.0.0.1:{metrics}/metrics", within_s=60)
+        gateway = gateway_config(listen, admin, f"127.0.0.1:{grpc}")
+        async with run_envoy(gateway, workdir=logs / f"{policy_name}-envoy"):
+            url = f"http://127.0.0.1:{listen}"
+            await _wait_routed(epp, url, model, count=len(twins), within_s=90)
+            assert epp.popen is not None
+            yield Routed(url, twins, [epp.popen.pid])
+    finally:
+        await asyncio.to_thread(stop_all, [*([epp] if epp else []), *(t.proc for t in twins)])
+        await asyncio.to_thread(cp.stop)
+
+
+async def _poll(check, within_s: float, what: str):
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while True:
+        try:
+            found = await asyncio.to_thread(check)
+        except subprocess.SubprocessError:
+            found = None
+        if found:
+            return found
+        if loop.time() > deadline:
+            raise LaunchError(f"{what} within {within_s:.0f} s")
+        await asyncio.sleep(0.3)
