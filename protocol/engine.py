@@ -29,7 +29,11 @@ class Role(StrEnum):
 
 
 class KvEventsEndpoint(BaseModel):
-    """vLLM ZMQ publisher: PUB `endpoint` with `topic`, ROUTER `replay_endpoint` for missed batches."""
+    """vLLM ZMQ publisher: PUB `endpoint` with `topic`, ROUTER `replay_endpoint` for missed batches.
+
+    `bind`: the engine's PUB *connects* to `endpoint` and the router binds its SUB there (llm-d's
+    layout, and llm-d-inference-sim's only one); every worker naming the same endpoint shares the
+    router's one socket there and is told apart by its `topic` (llm-d: `kv@<pod IP>@<model>`)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -38,6 +42,9 @@ class KvEventsEndpoint(BaseModel):
         default=None, description="ZMQ address of the ROUTER socket that replays buffered batches"
     )
     topic: str = ""
+    bind: bool = Field(
+        default=False, description="the router binds `endpoint` and the engine connects to it"
+    )
 
 
 # vLLM's default KV block size: the size an engine that does not say is assumed to use

@@ -23,8 +23,14 @@ API:
   `get(instance_id)`, `endpoint_of(instance_id)`, `add_listener(on_added, on_removed)` (plain
   callables taking a WorkerRecord), `mark_unreachable(instance_id)` (drop it and re-fetch
   `/v1/engine` until it answers again), `await wait_for(predicate, within)`.
+- `EngineTemplate.load(path)`: what workers that serve no `/v1/engine` are (unmodified vLLM
+  pods, llm-d-inference-sim): EngineConfig fields from YAML whose KV-event addresses and topic
+  are templates of the worker's `{host}` and `{port}`; `Discovery` uses it
+  for every worker whose `/v1/engine` answers 404 (ours keep describing themselves); a source
+  carries it (`StaticSource(..., fallback=)`, `KubernetesSource(..., fallback=)`).
 - `add_discovery_arguments(parser)` and `source_from_args(args)`: the shared command-line flags
-  (`--discovery`, `--worker`, `--workers-file`, `--namespace`, `--selector`).
+  (`--discovery`, `--worker`, `--workers-file`, `--namespace`, `--selector`,
+  `--engine-config`); `engine_template_from_args(args)`.
 """
 
 import argparse
@@ -36,6 +42,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
+from urllib.parse import urlsplit
 
 import aiohttp
 import orjson
@@ -135,19 +142,23 @@ def pod_key(pod: dict[str, Any]) -> str:
 
 
 def pod_target(pod: dict[str, Any]) -> WorkerTarget | None:
-    """The worker a Pod stands for, or None when it must not receive traffic (yet)."""
+    """The worker a Pod stands for, or None when it must not receive traffic (yet). The engine
+    is at the port named `engine`; a pod with only an `http` port (an engine we did not launch:
+    vLLM, llm-d-inference-sim) is asked there, and described by `--engine-config` when it has no
+    `/v1/engine`."""
     meta = pod.get("metadata") or {}
     if meta.get("deletionTimestamp") or not _pod_ready(pod):
         return None
     ip = (pod.get("status") or {}).get("podIP")
     ports = _named_ports(pod)
-    if not ip or ENGINE_PORT_NAME not in ports:
+    engine = ports.get(ENGINE_PORT_NAME) or ports.get(SERVING_PORT_NAME)
+    if not ip or not engine:
         return None
     host = f"[{ip}]" if ":" in ip else ip
     serving = ports.get(SERVING_PORT_NAME)
     return WorkerTarget(
         key=pod_key(pod),
-        engine_url=f"http://{host}:{ports[ENGINE_PORT_NAME]}",
+        engine_url=f"http://{host}:{engine}",
         serving_endpoint=f"{host}:{serving}" if serving else None,
     )
 
@@ -196,10 +207,14 @@ TargetSink = Sink[WorkerTarget]
 
 
 class StaticSource:
-    """A fixed list of workers (flags or a workers file): `dynamograph up` and tests."""
+    """A fixed list of workers (flags or a workers file): `dynamograph up` and tests. A source's
+    `fallback` describes the workers it finds that serve no `/v1/engine` (`EngineTemplate`)."""
 
-    def __init__(self, targets: Iterable[WorkerTarget]):
+    def __init__(
+        self, targets: Iterable[WorkerTarget], *, fallback: "EngineTemplate | None" = None
+    ):
         self.targets = list(targets)
+        self.fallback = fallback
 
     async def run(self, sink: TargetSink) -> None:
         sink.sync(self.targets)
@@ -379,7 +394,9 @@ class KubernetesSource(KubernetesWatch[WorkerTarget]):
         watch_timeout: int = 300,
         retry_interval: float = 1.0,
         target: Callable[[dict[str, Any]], WorkerTarget | None] = pod_target,
+        fallback: "EngineTemplate | None" = None,
     ):
+        self.fallback = fallback  # as StaticSource's
         super().__init__(
             namespace,
             _list_pods,
@@ -395,19 +412,95 @@ class KubernetesSource(KubernetesWatch[WorkerTarget]):
 # ---- the live worker set --------------------------------------------------------------------
 
 
+# Per-worker fields a shared engine document must not fix (each worker's come from its name).
+_PER_WORKER_FIELDS = ("name", "instance_id")
+# KvEventsEndpoint fields that are templates of the worker's address.
+_TEMPLATED_FIELDS = ("endpoint", "replay_endpoint", "topic")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineTemplate:
+    """The engine document of workers that serve none (`--engine-config FILE`): EngineConfig
+    fields (model, kv_cache_block_size, tokenizer, kv_events, ...) shared by those workers, where
+    `kv_events.endpoint`, `replay_endpoint` and `topic` may name the worker's `{host}` and
+    `{port}` (of its engine URL), e.g. `tcp://{host}:5557`, or for llm-d-inference-sim
+    `endpoint: tcp://*:5557, bind: true, topic: kv@{host}@MODEL`. Each worker is named as an
+    engine that does not name itself is (pod name, or host:port), so `name` and `instance_id`
+    may not be given."""
+
+    fields: dict[str, Any]
+    source: str = "--engine-config"
+
+    @classmethod
+    def load(cls, path: str | Path) -> "EngineTemplate":
+        try:
+            raw = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError) as exc:
+            raise ValueError(f"--engine-config {path}: {exc}") from None
+        template = cls.from_fields(raw, source=str(path))
+        template.config_for("http://127.0.0.1:1", "check")  # say what is wrong now, not later
+        return template
+
+    @classmethod
+    def from_fields(cls, raw: Any, source: str = "--engine-config") -> "EngineTemplate":
+        if not isinstance(raw, dict):
+            raise ValueError(f"{source}: expected a mapping of EngineConfig fields")
+        fixed = [f for f in _PER_WORKER_FIELDS if f in raw]
+        if fixed:
+            raise ValueError(
+                f"{source}: {', '.join(fixed)} would be the same for every worker; leave them out "
+                "(each worker is named by its pod, or host:port)"
+            )
+        return cls(dict(raw), source)
+
+    def config_for(self, engine_url: str, name: str) -> EngineConfig:
+        data = dict(self.fields)
+        events = data.get("kv_events")
+        if isinstance(events, dict):
+            where = urlsplit(engine_url)
+            host = where.netloc.rpartition(":")[0] if where.port else where.netloc
+            values = {"host": host, "port": where.port or ""}
+            try:
+                data["kv_events"] = {
+                    k: v.format_map(values) if k in _TEMPLATED_FIELDS and isinstance(v, str) else v
+                    for k, v in events.items()
+                }
+            except (KeyError, ValueError, IndexError) as exc:
+                raise ValueError(
+                    f"{self.source}: kv_events templates may name {{host}} and {{port}} only "
+                    f"({exc!r})"
+                ) from None
+        return EngineConfig.model_validate(data, context={"name": name})
+
+
 async def fetch_engine_config(
     session: aiohttp.ClientSession,
     engine_url: str,
     fetch_timeout: float = 2.0,
     name: str | None = None,
+    fallback: EngineTemplate | None = None,
 ) -> EngineConfig:
+    """The worker's `/v1/engine`; with `fallback`, a worker answering 404 there (an engine that
+    does not serve our document) is what the fallback says."""
+    # an engine that does not name itself is named by where it was found: the pod's name,
+    # or host:port (EngineConfig fills its other missing fields itself)
+    name = engine_url.rstrip("/").rpartition("/")[2] if name is None else name
     async with session.get(
         engine_url + ENGINE_PATH, timeout=aiohttp.ClientTimeout(total=fetch_timeout)
     ) as response:
+        if response.status == 404 and fallback is not None:
+            log.info(
+                "engine %s serves no %s; described by %s", engine_url, ENGINE_PATH, fallback.source
+            )
+            return fallback.config_for(engine_url, name)
+        if response.status == 404:
+            log.warning(
+                "engine %s serves no %s (404): not one of ours; describe such engines with "
+                "--engine-config",
+                engine_url,
+                ENGINE_PATH,
+            )
         response.raise_for_status()
-        # an engine that does not name itself is named by where it was found: the pod's name,
-        # or host:port (EngineConfig fills its other missing fields itself)
-        name = engine_url.rstrip("/").rpartition("/")[2] if name is None else name
         config = EngineConfig.model_validate_json(await response.read(), context={"name": name})
         if "kv_cache_block_size" not in config.model_fields_set:
             log.warning(
@@ -548,6 +641,7 @@ class Discovery:
                     target.engine_url,
                     self.fetch_timeout,
                     name=target.key.rpartition("/")[2] if target.key != target.engine_url else None,
+                    fallback=self.source.fallback,
                 )
                 break
             except (aiohttp.ClientError, TimeoutError, ValidationError, ValueError) as exc:
@@ -639,14 +733,28 @@ def add_discovery_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("DYNAMOGRAPH_SELECTOR", ""),
         help="label selector of the graph's worker pods, e.g. dynamograph.io/graph=g1",
     )
+    group.add_argument(
+        "--engine-config",
+        metavar="FILE",
+        default=os.environ.get("DYNAMOGRAPH_ENGINE_CONFIG") or None,
+        help="YAML of EngineConfig fields (model, kv_cache_block_size, tokenizer, kv_events, "
+        "...) describing workers whose /v1/engine answers 404 (engines we did not launch: vLLM, "
+        "llm-d-inference-sim); kv_events addresses and topic may name the worker's {host} and "
+        "{port}. Workers that serve /v1/engine keep their own (default: $DYNAMOGRAPH_ENGINE_CONFIG)",
+    )
 
 
 def source_from_args(args: argparse.Namespace) -> StaticSource | KubernetesSource:
+    fallback = engine_template_from_args(args)
     if args.discovery == "kubernetes":
-        return KubernetesSource(args.namespace, args.selector)
+        return KubernetesSource(args.namespace, args.selector, fallback=fallback)
     targets = [parse_worker_flag(w) for w in args.worker]
     if args.workers_file:
         targets += load_workers_file(args.workers_file)
     if not targets:
         raise ValueError("static discovery needs --worker ENGINE_URL[=HOST:PORT] or --workers-file")
-    return StaticSource(targets)
+    return StaticSource(targets, fallback=fallback)
+
+
+def engine_template_from_args(args: argparse.Namespace) -> EngineTemplate | None:
+    return EngineTemplate.load(args.engine_config) if args.engine_config else None

@@ -13,6 +13,14 @@ seq, payload]`… `[b"", -1, b""]`):
 A worker that goes away (discovery) has its subscribers cancelled; the router drops its state.
 With `curve` (protocol.kv_curve) both sockets are CURVE clients that trust only the graph's
 workers; a failed handshake is logged (the keys are wrong on one side) and nothing is received.
+
+Engines whose publisher connects instead (`KvEventsEndpoint.bind`: llm-d-inference-sim, llm-d's
+vLLM deployments) send to a SUB the router binds (`BoundEndpoint`): one per endpoint, shared by
+every worker naming it, each worker's frames told apart by their exact topic (llm-d:
+`kv@<pod IP>@<model>`). The same per-worker `RankSubscriber.handle` applies them; there is no
+connect event to catch up on, and no disconnect to report (a bound socket cannot say which
+peer left), so only the replay endpoint, when an engine has one, fills gaps. A bound endpoint
+stays bound until the ingest closes (a worker that comes back reconnects to it).
 """
 
 import asyncio
@@ -296,6 +304,55 @@ class RankSubscriber:
             dealer.close(linger=0)
 
 
+class BoundEndpoint:
+    """A SUB socket bound at one endpoint that engines connect their publishers to, feeding the
+    subscriber (worker, rank) whose topic a frame carries; a subscriber with the empty topic
+    takes the frames no other one claims."""
+
+    def __init__(self, context: zmq.asyncio.Context, endpoint: str):
+        self.endpoint = endpoint
+        self.subscribers: dict[bytes, RankSubscriber] = {}
+        self.socket = context.socket(zmq.SUB)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)
+        self.socket.bind(endpoint)
+        self.task = asyncio.create_task(self._run(), name=f"kv-events bound {endpoint}")
+
+    def add(self, subscriber: RankSubscriber) -> None:
+        topic = subscriber.topic.encode()
+        current = self.subscribers.get(topic)
+        if current is not None and current.worker_id != subscriber.worker_id:
+            raise ValueError(
+                f"KV event topic {subscriber.topic!r} at {self.endpoint} is already worker "
+                f"{current.worker_id}'s; give each worker its own topic (e.g. kv@{{host}}@model)"
+            )
+        self.subscribers[topic] = subscriber
+        self.socket.setsockopt(zmq.SUBSCRIBE, topic)
+
+    def remove(self, subscriber: RankSubscriber) -> None:
+        topic = subscriber.topic.encode()
+        if self.subscribers.get(topic) is subscriber:
+            del self.subscribers[topic]
+            self.socket.setsockopt(zmq.UNSUBSCRIBE, topic)
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                frames = await self.socket.recv_multipart()
+                if len(frames) < 3:
+                    log.warning("KV event frame with %d parts at %s", len(frames), self.endpoint)
+                    continue
+                subscriber = self.subscribers.get(frames[0]) or self.subscribers.get(b"")
+                if subscriber is not None:  # else a topic only prefix-matching a subscription
+                    await subscriber.handle(decode_seq(frames[1]), frames[2])
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("KV events bound at %s failed", self.endpoint)
+        finally:
+            self.socket.close(linger=0)
+
+
 class KvEventIngest:
     """Subscribers for every worker discovery reports; `add`/`remove` are discovery listeners."""
 
@@ -316,11 +373,20 @@ class KvEventIngest:
         self.context = zmq.asyncio.Context()
         self.subscribers: dict[int, list[RankSubscriber]] = {}
         self._tasks: dict[int, list[asyncio.Task[None]]] = {}
+        self.bound: dict[str, BoundEndpoint] = {}  # endpoint → the SUB bound there
 
     def add(self, record: WorkerRecord) -> None:
         events = record.config.kv_events
         if events is None:
             log.info("worker %s publishes no KV events; routing it on load only", record.name)
+            return
+        if events.bind and self.curve is not None:
+            # our CURVE keys make the router a client; a bound SUB would have to be the server
+            log.error(
+                "worker %s: KV events on a bound endpoint cannot use CURVE; routing it on load "
+                "only",
+                record.name,
+            )
             return
         self.remove(record)
         subs = [
@@ -340,6 +406,19 @@ class KvEventIngest:
             for rank in range(record.config.data_parallel_size)
         ]
         self.subscribers[record.instance_id] = subs
+        if events.bind:
+            for sub in subs:
+                try:
+                    bound = self.bound.get(sub.endpoint)
+                    if bound is None:
+                        bound = BoundEndpoint(self.context, sub.endpoint)
+                        self.bound[sub.endpoint] = bound
+                    bound.add(sub)
+                except (ValueError, zmq.ZMQError) as exc:  # a shared topic; a port in use
+                    log.error("worker %s: %s; routing it on load only", record.name, exc)
+                    self.remove(record)
+                    return
+            return
         self._tasks[record.instance_id] = [
             asyncio.create_task(self._run(s), name=f"kv-events {record.name}/{s.dp_rank}")
             for s in subs
@@ -354,13 +433,17 @@ class KvEventIngest:
             log.exception("KV event subscriber for worker %s failed", subscriber.worker_id)
 
     def remove(self, record: WorkerRecord) -> None:
-        self.subscribers.pop(record.instance_id, None)
+        for sub in self.subscribers.pop(record.instance_id, []):
+            if (bound := self.bound.get(sub.endpoint)) is not None:
+                bound.remove(sub)
         for task in self._tasks.pop(record.instance_id, []):
             task.cancel()
 
     async def close(self) -> None:
         tasks = [t for ts in self._tasks.values() for t in ts]
+        tasks += [b.task for b in self.bound.values()]
         self._tasks.clear()
         self.subscribers.clear()
+        self.bound.clear()
         await cancel_all(tasks)
         self.context.term()
