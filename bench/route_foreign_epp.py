@@ -18,8 +18,9 @@ they may pick. So a policy here starts, in order:
    foreign EPP (COUNTERPARTS.md): request and response bodies FULL_DUPLEX_STREAMED (ours sets the
    response body to NONE, which only our EPP is written for), headers and trailers SEND.
 
-`serve_foreign_epp(policy_name, counterpart, workers, ports, logs)` yields the gateway's URL, the
-twin workers (what the benchmark must reset and scrape) and the EPP's pid (its CPU time).
+`serve_foreign_epp(policy_name, counterpart, workers, ports, logs, model=...)` yields a `Routed`:
+the gateway's URL, the twin workers (what the benchmark must reset and scrape), the EPP's pid
+(its CPU time) and its metrics page. It never starts `workers` themselves, only their twins.
 `unavailable(counterpart)` says why a policy cannot run here (a binary not built), or None.
 """
 
@@ -269,7 +270,7 @@ async def serve_foreign_epp(
             url = f"http://127.0.0.1:{listen}"
             await _wait_routed(epp, url, model, count=len(twins), within_s=90)
             assert epp.popen is not None
-            yield Routed(url, twins, [epp.popen.pid])
+            yield Routed(url, twins, [epp.popen.pid], f"http://127.0.0.1:{metrics}/metrics")
     finally:
         await asyncio.to_thread(stop_all, [*([epp] if epp else []), *(t.proc for t in twins)])
         await asyncio.to_thread(cp.stop)

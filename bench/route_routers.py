@@ -45,6 +45,7 @@ class Routed:
     url: str
     workers: Sequence[Worker]
     pids: Sequence[int]
+    metrics_url: str | None = None  # a foreign EPP's Prometheus page (its picks per pod)
 
 
 POLICIES: dict[str, Policy] = {
