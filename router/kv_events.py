@@ -349,8 +349,12 @@ class BoundEndpoint:
             raise
         except Exception:
             log.exception("KV events bound at %s failed", self.endpoint)
-        finally:
-            self.socket.close(linger=0)
+
+    async def close(self) -> None:
+        # the socket is closed here, not by the task: a task cancelled before it first ran
+        # would never close it (and the context's term() would wait for it forever)
+        await cancel_all([self.task])
+        self.socket.close(linger=0)
 
 
 class KvEventIngest:
@@ -441,9 +445,11 @@ class KvEventIngest:
 
     async def close(self) -> None:
         tasks = [t for ts in self._tasks.values() for t in ts]
-        tasks += [b.task for b in self.bound.values()]
+        bound = list(self.bound.values())
         self._tasks.clear()
         self.subscribers.clear()
         self.bound.clear()
         await cancel_all(tasks)
+        for endpoint in bound:
+            await endpoint.close()
         self.context.term()
