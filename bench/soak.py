@@ -11,8 +11,12 @@ every `--kill-every` seconds (round-robin; the supervisor restarts it). At the e
   SSE error event ending the stream) are counted but not lost: the client was told.
 - **leaked bookings** (target 0): the EPP's `dynamograph_epp_worker_booked_requests`, summed,
   once the load has stopped (polled, bounded).
-- **RSS growth** (target < 5 %) of each process that ran the whole soak (not restarted), from
-  the end of a warm-up at the soak's rate (a fifth of the run, at most 60 s) to the end.
+- **RSS growth** (target < 5 %) of each process that ran through the judged window (not
+  restarted), from `--settle` × the run (default half) to the end. A leak grows with the
+  requests served, all run long; the bounded caches a process fills early (the EPP's tokenizer
+  segment cache, 64 MB; its KV index, capped by the workers' KV blocks) stop growing. The whole
+  curve (every `--sample-s`) is in the JSON, with the EPP's segment-cache bytes and Envoy's
+  live heap (`server.memory_allocated`) beside the RSS, so a reader sees what filled and when.
 
 It prints a table and writes `soak.json`. `make soak` is the 10-minute run.
 
@@ -247,6 +251,10 @@ def rss_bytes(pid: int) -> int | None:
     return None
 
 
+SEGMENT_CACHE_BYTES = "dynamograph_epp_tokenizer_segment_cache_bytes"
+ENVOY_MEMORY = ("server.memory_allocated", "server.memory_heap_size")
+
+
 def rss_of(running: list[Running]) -> dict[str, tuple[int, int]]:
     """name -> (pid, RSS in bytes) of every live process."""
     out = {}
@@ -255,6 +263,80 @@ def rss_of(running: list[Running]) -> dict[str, tuple[int, int]]:
         if rss is not None:
             out[proc.spec.name] = (proc.pid, rss)
     return out
+
+
+@dataclass
+class MemorySample:
+    t: float  # seconds since the soak's load started
+    rss: dict[str, tuple[int, int]]  # name -> (pid, bytes)
+    epp_segment_cache_bytes: float | None
+    envoy: dict[str, int]  # ENVOY_MEMORY stats
+
+
+async def sample_memory(
+    session: aiohttp.ClientSession, stack: Stack, started: float
+) -> MemorySample:
+    """Every process's RSS, and what the EPP and Envoy say their memory holds."""
+    segment: float | None = None
+    envoy: dict[str, int] = {}
+    timeout = aiohttp.ClientTimeout(total=5)
+    with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
+        async with session.get(epp_metrics_url(stack), timeout=timeout) as r:
+            text = await r.text()
+        segment = sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == SEGMENT_CACHE_BYTES
+        )
+    gateway = next((p for p in stack.running if p.spec.kind == "envoy"), None)
+    if gateway is not None:
+        with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
+            url = f"http://127.0.0.1:{gateway.spec.ports['admin']}/stats?filter=^server\\.memory"
+            async with session.get(url, timeout=timeout) as r:
+                for line in (await r.text()).splitlines():
+                    name, _, value = line.partition(": ")
+                    if name in ENVOY_MEMORY:
+                        envoy[name] = int(value)
+    return MemorySample(time.monotonic() - started, rss_of(stack.running), segment, envoy)
+
+
+async def _sample_every(
+    session: aiohttp.ClientSession,
+    stack: Stack,
+    every: float,
+    started: float,
+    curve: list[MemorySample],
+) -> None:
+    while True:
+        curve.append(await sample_memory(session, stack, started))
+        await asyncio.sleep(every)
+
+
+def rss_growth(first: MemorySample, last: MemorySample) -> dict[str, float]:
+    """Growth of each process that is the same process (pid) at both samples."""
+    return {
+        name: last.rss[name][1] / rss - 1
+        for name, (pid, rss) in first.rss.items()
+        if name in last.rss and last.rss[name][0] == pid
+    }
+
+
+def curve_json(curve: list[MemorySample]) -> list[dict]:
+    return [
+        {
+            "t": round(m.t, 1),
+            "rss_mb": {name: round(rss / 2**20, 1) for name, (_, rss) in m.rss.items()},
+            "pid": {name: pid for name, (pid, _) in m.rss.items()},
+            "epp_segment_cache_mb": (
+                None
+                if m.epp_segment_cache_bytes is None
+                else round(m.epp_segment_cache_bytes / 2**20, 1)
+            ),
+            "envoy_mb": {k: round(v / 2**20, 1) for k, v in m.envoy.items()},
+        }
+        for m in curve
+    ]
 
 
 # ---- the benchmark ----------------------------------------------------------------------------
@@ -284,6 +366,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=16, help="clients while measuring")
     parser.add_argument("--speedup", type=float, default=None, help="mock engines' speedup")
     parser.add_argument("--timeout", type=float, default=30.0, help="each request's bound (s)")
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=0.5,
+        help="RSS growth is judged from this fraction of the run to its end (default 0.5)",
+    )
+    parser.add_argument(
+        "--sample-s", type=float, default=10.0, help="seconds between memory samples"
+    )
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -326,28 +417,29 @@ async def soak(args: argparse.Namespace) -> dict:
         rate = max(capacity * args.load, 0.1)
         engines = [p for p in stack.running if p.spec.kind == "engine"]
         kills: list[str] = []
+        curve: list[MemorySample] = []
+        started = time.monotonic()
         async with SteadyLoad(base_url, model, rate=rate, timeout=args.timeout) as load:
             killing = asyncio.create_task(_kill_round_robin(engines, args.kill_every, kills))
+            sampling = asyncio.create_task(
+                _sample_every(session, stack, args.sample_s, started, curve)
+            )
             try:
-                # RSS baseline once the soak's own rate has warmed every process up (Envoy's
-                # connection buffers grow with the first burst of concurrency).
-                warm_up = min(60.0, args.duration / 5)
-                await asyncio.sleep(warm_up)
-                before = rss_of(stack.running)
-                await asyncio.sleep(args.duration - warm_up)
+                settle_at = args.duration * args.settle
+                await asyncio.sleep(settle_at)
+                settled = await sample_memory(session, stack, started)
+                await asyncio.sleep(args.duration - settle_at)
+                end = await sample_memory(session, stack, started)
             finally:
                 killing.cancel()
+                sampling.cancel()
         leaked = await wait_bookings_drained(session, stack, 30)
-        after = rss_of(stack.running)
         restarts = {p.spec.name: p.restarts for p in stack.running if p.restarts}
         given_up = [p.spec.name for p in stack.running if p.state == "given-up"]
         events = list(supervisor.events)
-    # Only processes that ran the whole soak (same pid) say anything about leaks.
-    growth = {
-        name: after[name][1] / rss - 1
-        for name, (pid, rss) in before.items()
-        if name in after and after[name][0] == pid
-    }
+    # Only processes that ran through the window (same pid) say anything about leaks.
+    growth = rss_growth(settled, end)
+    whole_run = rss_growth(curve[0], end) if curve else {}
     worst = max(growth, key=lambda name: growth[name]) if growth else None
     outcomes = load.outcomes
     summary = {
@@ -361,7 +453,13 @@ async def soak(args: argparse.Namespace) -> dict:
         "requests lost (target 0)": outcomes.lost,
         "worker kills": len(kills),
         "leaked bookings (target 0)": leaked,
-        "max RSS growth (target < 5 %)": f"{growth[worst]:.1%} ({worst})" if worst else "-",
+        f"max RSS growth from {settled.t:.0f} s (target < 5 %)": (
+            f"{growth[worst]:.1%} ({worst})" if worst else "-"
+        ),
+        "RSS growth over the whole run": ", ".join(
+            f"{name} {g:+.1%}" for name, g in sorted(whole_run.items())
+        )
+        or "-",
     }
     passed = (
         outcomes.lost == 0
@@ -376,6 +474,8 @@ async def soak(args: argparse.Namespace) -> dict:
         "outcomes": dict(outcomes.counts),
         "examples": outcomes.examples,
         "rss_growth": growth,
+        "rss_growth_whole_run": whole_run,
+        "memory_curve": curve_json([*curve, end]),
         "restarts": restarts,
         "killed": kills,
         "given_up": given_up,

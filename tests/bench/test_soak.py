@@ -15,9 +15,11 @@ from dynamograph.bench.soak import (
     REFUSED,
     STREAM_ERROR,
     UNANSWERED,
+    MemorySample,
     SteadyLoad,
     booked_requests,
     classify,
+    rss_growth,
 )
 
 pytestmark = pytest.mark.integration
@@ -110,3 +112,9 @@ def test_booked_requests_sums_every_slot():
         'dynamograph_epp_worker_running_requests{worker="b",dp_rank="0"} 7\n'
     )
     assert booked_requests(text) == 3
+
+
+def test_rss_growth_judges_only_processes_that_lived_through_the_window():
+    first = MemorySample(0.0, {"epp": (10, 100), "worker": (11, 100)}, None, {})
+    last = MemorySample(9.0, {"epp": (10, 104), "worker": (12, 50)}, None, {})
+    assert rss_growth(first, last) == {"epp": pytest.approx(0.04)}  # the restarted one is not
