@@ -29,7 +29,7 @@ from .route_fleet import DYNAMOGRAPH, OFFLINE_ENV, LaunchError, Proc, Worker, st
 @dataclass(frozen=True)
 class Policy:
     name: str
-    kind: str  # "epp" | "sglang-router" | "vllm-router" | "foreign-epp"
+    kind: str  # "epp" | "sglang-router" | "vllm-router" | "foreign-epp" | "dynamo"
     description: str
     router_config: dict = field(default_factory=dict)  # RouterConfig fields (kind "epp")
     foreign_policy: str | None = None  # --policy of a foreign router
@@ -105,10 +105,17 @@ POLICIES: dict[str, Policy] = {
             "llm-d inference scheduler, its shipped epp-config.yaml (decode filter, prefix 2)",
             counterpart="llmd-epp",
         ),
+        Policy(
+            "dynamo-kv",
+            "dynamo",
+            "Dynamo 1.6.1 frontend, KV router with its defaults, KV events relayed by a Dynamo "
+            "worker per mock (bench/route_dynamo.py)",
+        ),
     ]
 }
-# The foreign EPPs each need a Kubernetes control plane and a Go build: asked for by name only.
-DEFAULT_POLICIES = [name for name, p in POLICIES.items() if p.kind != "foreign-epp"]
+# The foreign EPPs each need a Kubernetes control plane and a Go build, Dynamo its own venv
+# (scripts/setup-dynamo.sh): asked for by name only.
+DEFAULT_POLICIES = [name for name, p in POLICIES.items() if p.kind not in ("foreign-epp", "dynamo")]
 
 
 def foreign_binary(name: str) -> str:
@@ -123,6 +130,10 @@ def foreign_binary(name: str) -> str:
 
 def unavailable(policy: Policy) -> str | None:
     """Why `policy` cannot run on this machine (a counterpart not built), else None."""
+    if policy.kind == "dynamo":
+        from .route_dynamo import unavailable as dynamo_unavailable
+
+        return dynamo_unavailable()
     if policy.kind != "foreign-epp":
         return None
     from .route_foreign_epp import unavailable as counterpart_unavailable
@@ -144,6 +155,10 @@ async def serve(
 
         assert policy.counterpart is not None
         ctx = serve_foreign_epp(policy.name, policy.counterpart, workers, ports, logs, model=model)
+    elif policy.kind == "dynamo":
+        from .route_dynamo import serve as serve_dynamo  # runs Dynamo from its own venv
+
+        ctx = serve_dynamo(workers, ports, logs, model=model)
     else:
         ctx = _serve_foreign(policy, workers, ports, logs)
     async with ctx as routed:
