@@ -79,6 +79,8 @@ build() {
     start=$(date +%s)
     mkdir -p "$ROOT"
     work=$(mktemp -d "$ROOT/.build-$name.XXXXXX")
+    # shellcheck disable=SC2064  # expand $work now: the trap outlives this function's locals
+    trap "rm -rf '$work'" EXIT  # an interrupted build leaves nothing behind
     log "$name: cold build of $pkg@$ver (Go $(go env GOVERSION))"
     # Built inside the downloaded module, as its own main module (its go.mod and go.sum, read
     # only), not with `go install pkg@version`: that also lists the module's versions to look
