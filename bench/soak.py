@@ -307,9 +307,22 @@ async def _sample_every(
     every: float,
     started: float,
     curve: list[MemorySample],
+    outcomes: Outcomes,
+    duration: float,
 ) -> None:
+    """Sample memory every `every` s; about once a minute, a progress line."""
+    shown = 0.0
     while True:
-        curve.append(await sample_memory(session, stack, started))
+        sample = await sample_memory(session, stack, started)
+        curve.append(sample)
+        if sample.t - shown >= 60 or not shown:
+            shown = sample.t or 1e-9
+            mb = {n: rss // 2**20 for n, (_, rss) in sample.rss.items() if "worker" not in n}
+            print(
+                f"soak: {sample.t:.0f}/{duration:.0f} s, {outcomes.total} requests, "
+                f"{outcomes.lost} lost, RSS MB {mb}",
+                flush=True,
+            )
         await asyncio.sleep(every)
 
 
@@ -422,7 +435,9 @@ async def soak(args: argparse.Namespace) -> dict:
         async with SteadyLoad(base_url, model, rate=rate, timeout=args.timeout) as load:
             killing = asyncio.create_task(_kill_round_robin(engines, args.kill_every, kills))
             sampling = asyncio.create_task(
-                _sample_every(session, stack, args.sample_s, started, curve)
+                _sample_every(
+                    session, stack, args.sample_s, started, curve, load.outcomes, args.duration
+                )
             )
             try:
                 settle_at = args.duration * args.settle
