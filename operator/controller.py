@@ -1,7 +1,8 @@
 """One reconcile pass for one graph: read, decide (pure modules), write. The I/O glue.
 
 `sync_graph` is what every kopf handler calls: it validates the graph, builds the desired objects
-(`manifests`), makes sure the graph's admin-token Secret exists, lists what the graph owns,
+(`manifests`), makes sure the graph's created-once Secrets exist (its admin token; with
+`spec.kvEvents.curve`, its KV-event CURVE keys), lists what the graph owns,
 applies the plan (`reconcile`), computes the status
 (`status`), patches it when it changed and posts an Event when the graph newly becomes Degraded
 or its gateway newly rejects it.
@@ -26,6 +27,7 @@ from dynamograph.protocol.graph import (
     ScaleStatus,
     load_graph,
 )
+from dynamograph.protocol.kv_curve import key_files
 from dynamograph.protocol.launch import HTTP_PORT
 
 from .config import OperatorConfig
@@ -40,6 +42,7 @@ from .manifests import (
     deployment_name,
     desired_objects,
     frontend_service_name,
+    kv_curve_secret_object,
     object_key,
 )
 from .reconcile import Action, Conflict, Create, Delete, Patch, merge_patch, owned_by, plan
@@ -58,7 +61,7 @@ from .status import (
 log = logging.getLogger(__name__)
 
 # Every kind a graph may own, in creation order; the last three come from CRDs that may be absent.
-# (Its admin-token Secret is not listed: the operator only creates it, see _ensure_admin_token.)
+# (Its Secrets are not listed: the operator only creates them, see _ensure_created_once.)
 MANAGED_KINDS: list[tuple[str, str]] = [
     ("v1", "ServiceAccount"),
     ("rbac.authorization.k8s.io/v1", "Role"),
@@ -163,6 +166,8 @@ async def reconcile(api: KubeApi, body: dict[str, Any], config: OperatorConfig) 
     if desired is not None:
         assert graph is not None  # objects come from a graph that loaded
         problems += await _ensure_admin_token(api, graph, owner)
+        if graph.spec.kv_events.curve:
+            problems += await _ensure_kv_curve_keys(api, graph, owner)
         problems += missing_crd_problems(desired, missing)
         wants_route = any(o["kind"] == "HTTPRoute" for o in desired)
         servable = [o for o in desired if o["kind"] not in missing]
@@ -180,20 +185,28 @@ async def reconcile(api: KubeApi, body: dict[str, Any], config: OperatorConfig) 
     return Outcome(status_body(status), problems)
 
 
-# Graphs (by uid) whose admin-token Secret this process has seen created or existing: a pass
-# writes nothing when nothing changed (the resync timer runs every few seconds). Bounded by
-# the graphs one operator process meets; a restart checks each graph once again.
+# Graphs (by uid) whose admin-token / KV-event CURVE Secret this process has seen created or
+# existing: a pass writes nothing when nothing changed (the resync timer runs every few
+# seconds). Bounded by the graphs one operator process meets; a restart checks each graph once
+# again.
 _admin_tokens_ensured: set[str] = set()
+_kv_curve_keys_ensured: set[str] = set()
 
 
-async def _ensure_admin_token(api: KubeApi, graph: DynamoGraph, owner: Owner) -> list[Problem]:
-    """Create the graph's admin-token Secret with a random token, once per graph and operator
-    process; a 409 means it exists (made by an earlier pass, or beforehand by someone who chose
-    the token), which is fine. Create is the operator's only right on Secrets: it never reads
-    one, and the token is never logged."""
-    if owner.uid in _admin_tokens_ensured:
+async def _ensure_created_once(
+    api: KubeApi,
+    owner: Owner,
+    ensured: set[str],
+    make: Callable[[], dict[str, Any]],
+    what: str,
+) -> list[Problem]:
+    """Create the Secret `make()` builds (new random content), once per graph and operator
+    process, `ensured` remembering the graphs done; a 409 means it exists (made by an earlier
+    pass, or beforehand by someone who chose its content), which is fine. Create is the
+    operator's only right on Secrets: it never reads one, and the content is never logged."""
+    if owner.uid in ensured:
         return []
-    secret = admin_token_secret_object(graph, owner, secrets.token_urlsafe(32))
+    secret = make()
     name = secret["metadata"]["name"]
     try:
         await api.create(secret)
@@ -201,9 +214,32 @@ async def _ensure_admin_token(api: KubeApi, graph: DynamoGraph, owner: Owner) ->
         if exc.status != 409:
             return [Problem("ApplyFailed", f"create Secret {name}: {exc}")]
     else:
-        log.info("created Secret %s/%s (the graph's admin token)", owner.namespace, name)
-    _admin_tokens_ensured.add(owner.uid)
+        log.info("created Secret %s/%s (%s)", owner.namespace, name, what)
+    ensured.add(owner.uid)
     return []
+
+
+async def _ensure_admin_token(api: KubeApi, graph: DynamoGraph, owner: Owner) -> list[Problem]:
+    """The graph's admin-token Secret, with a random token (32 bytes)."""
+    return await _ensure_created_once(
+        api,
+        owner,
+        _admin_tokens_ensured,
+        lambda: admin_token_secret_object(graph, owner, secrets.token_urlsafe(32)),
+        "the graph's admin token",
+    )
+
+
+async def _ensure_kv_curve_keys(api: KubeApi, graph: DynamoGraph, owner: Owner) -> list[Problem]:
+    """The graph's KV-event CURVE Secret, with a new server and client key pair (the files
+    `dynamograph kv-curve-keys` writes)."""
+    return await _ensure_created_once(
+        api,
+        owner,
+        _kv_curve_keys_ensured,
+        lambda: kv_curve_secret_object(graph, owner, key_files()),
+        "the graph's KV-event CURVE keys",
+    )
 
 
 async def _list_owned(api: KubeApi, owner: Owner) -> tuple[list[dict[str, Any]], set[str]]:

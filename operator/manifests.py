@@ -7,7 +7,9 @@ ConfigMap, the EPP and frontend Services, the NetworkPolicies of the engine and 
 Deployment per service with a PodDisruptionBudget for the EPP and every service of more than
 one replica, the InferencePool over the decode/aggregated worker pods, an HTTPRoute when the
 gateway names a parentRef, and a PodMonitor (applied only where its CRD is served). Apart from
-them, `admin_token_secret_object` is the Secret the engines read their admin token from. Every
+them, the operator creates once (never reads or patches) the Secrets `admin_token_secret_object`
+(the engines' admin token) and, with `spec.kvEvents.curve`, `kv_curve_secret_object` (the
+KV-event stream's CURVE keys, mounted into every engine, the EPP and kv-mode frontends). Every
 object carries the graph's labels and a controller ownerReference, so deleting the graph
 deletes them.
 
@@ -39,6 +41,7 @@ from dynamograph.protocol.graph import (
     EppTlsMode,
     EppTlsSpec,
     GraphError,
+    RouterMode,
     RouterSpec,
     ServiceSpec,
 )
@@ -54,6 +57,8 @@ from dynamograph.protocol.launch import (
     admin_token_env,
     admin_token_secret,
     graph_router,
+    kv_curve_mount,
+    kv_curve_secret,
     kv_replay_port,
     router_config,
     uses_kv_events,
@@ -246,6 +251,24 @@ def epp_tls(graph: DynamoGraph) -> EppTlsSpec:
     return EppTlsSpec()
 
 
+def _standalone_mode(spec: ServiceSpec) -> str:
+    """A standalone frontend's routing mode: its router's, else kv."""
+    return str(spec.router.mode) if spec.router is not None else "kv"
+
+
+def _kv_curve_parts(
+    graph: DynamoGraph, opens_kv_sockets: bool
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """(pod volumes, container volumeMounts, container env) giving a container the graph's
+    KV-event CURVE keys: one of each for a container that opens KV-event sockets (an engine
+    publishes, the EPP and a kv-mode standalone frontend subscribe) when `spec.kvEvents.curve`
+    is on, else none."""
+    if not (opens_kv_sockets and graph.spec.kv_events.curve):
+        return [], [], []
+    volume, mount, env = kv_curve_mount(graph)
+    return [volume], [mount], [env]
+
+
 # ---- containers --------------------------------------------------------------------------
 
 
@@ -388,7 +411,7 @@ def _shared_memory(graph: DynamoGraph, spec: ServiceSpec) -> str | None:
 
 
 def _engine_volumes(graph: DynamoGraph, spec: ServiceSpec) -> list[dict[str, Any]]:
-    """An engine pod's /dev/shm (in memory) and model cache volumes."""
+    """An engine pod's /dev/shm (in memory), model cache and KV-event CURVE key volumes."""
     volumes = []
     shm = _shared_memory(graph, spec)
     if shm is not None:
@@ -403,7 +426,7 @@ def _engine_volumes(graph: DynamoGraph, spec: ServiceSpec) -> list[dict[str, Any
     elif cache is not None:
         host = {"path": cache.host_path, "type": "DirectoryOrCreate"}
         volumes.append({"name": MODEL_CACHE_VOLUME, "hostPath": host})
-    return volumes
+    return volumes + _kv_curve_parts(graph, True)[0]
 
 
 def _engine_mounts(graph: DynamoGraph, spec: ServiceSpec) -> list[dict[str, Any]]:
@@ -414,7 +437,7 @@ def _engine_mounts(graph: DynamoGraph, spec: ServiceSpec) -> list[dict[str, Any]
     if cache is not None:
         mount: dict[str, Any] = {"name": MODEL_CACHE_VOLUME, "mountPath": MODEL_CACHE_DIR}
         mounts.append({**mount, "readOnly": True} if cache.read_only else mount)
-    return mounts
+    return mounts + _kv_curve_parts(graph, True)[1]
 
 
 def _placement(spec: ServiceSpec) -> dict[str, Any]:
@@ -445,7 +468,7 @@ def _engine_container(
     resources = {k: v for k, v in (("requests", requests), ("limits", limits)) if v}
     # Model loading takes minutes on vLLM; the startup probe holds liveness off until then.
     startup_failures = -(-graph.spec.startup_seconds(spec) // STARTUP_PROBE_PERIOD)
-    env = [*_downward_env(), admin_token_env(graph)]
+    env = [*_downward_env(), admin_token_env(graph), *_kv_curve_parts(graph, True)[2]]
     if graph.spec.model.cache is not None:
         env.append({"name": "HF_HOME", "value": MODEL_CACHE_DIR})
     fields: dict[str, Any] = {}
@@ -479,14 +502,18 @@ def _frontend_container(
     *,
     sidecar: bool,
 ) -> dict[str, Any]:
+    fields: dict[str, Any] = {}
     if sidecar:
         mode = "direct"  # the EPP already chose; the sidecar follows the routing headers
         resources: dict[str, Any] = copy.deepcopy(SIDECAR_RESOURCES)
         env = _downward_env()
     else:
-        mode = str(spec.router.mode) if spec.router is not None else "kv"
+        mode = _standalone_mode(spec)
         resources = _resources_or(spec, FRONTEND_RESOURCES)
-        env = _downward_env() + _user_env(spec)
+        _, mounts, curve_env = _kv_curve_parts(graph, mode == RouterMode.KV)
+        env = _downward_env() + curve_env + _user_env(spec)
+        if mounts:
+            fields["volumeMounts"] = mounts
     return _container(
         "frontend",
         image,
@@ -495,6 +522,7 @@ def _frontend_container(
         ports=[{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
         env=env,
         resources=resources,
+        **fields,
         # /health waits for the engine (or for discovered workers); /live only for the process,
         # so a slow model load does not restart the frontend.
         readinessProbe=_http_probe("http", 5, 3),
@@ -545,6 +573,7 @@ def _epp_container(
     mounts = [{"name": "router-config", "mountPath": ROUTER_CONFIG_DIR, "readOnly": True}]
     if tls.mode == EppTlsMode.SECRET:
         mounts.append({"name": EPP_TLS_VOLUME, "mountPath": EPP_TLS_DIR, "readOnly": True})
+    _, curve_mounts, curve_env = _kv_curve_parts(graph, True)
     return _container(
         "epp",
         image,
@@ -556,9 +585,9 @@ def _epp_container(
             {"name": "metrics", "containerPort": EPP_METRICS_PORT, "protocol": "TCP"},
             {"name": "replica-sync", "containerPort": EPP_REPLICA_PORT, "protocol": "TCP"},
         ],
-        env=_downward_env() + _user_env(spec),
+        env=_downward_env() + curve_env + _user_env(spec),
         resources=_resources_or(spec, epp_resources(graph_router(graph).processes)),
-        volumeMounts=mounts,
+        volumeMounts=mounts + curve_mounts,
         **({"lifecycle": lifecycle} if lifecycle else {}),
         # The EPP's gRPC health services: readiness (a serving worker is known, not draining)
         # and liveness (the process runs).
@@ -655,8 +684,10 @@ def _deployment(
         if tls.mode == EppTlsMode.SECRET:
             # No subPath mounts: the kubelet only updates whole Secret volumes on rotation.
             volumes.append({"name": EPP_TLS_VOLUME, "secret": {"secretName": tls.secret_name}})
+        volumes += _kv_curve_parts(graph, True)[0]
     else:  # standalone frontend
         containers = [_frontend_container(graph, owner, spec, image, config, sidecar=False)]
+        volumes += _kv_curve_parts(graph, _standalone_mode(spec) == RouterMode.KV)[0]
         annotations["prometheus.io/port"] = str(HTTP_PORT)
     pod_spec: dict[str, Any] = {
         "serviceAccountName": discovery_name(graph.name),
@@ -954,17 +985,34 @@ def _pod_monitor(graph: DynamoGraph, owner: Owner, config: OperatorConfig) -> di
     }
 
 
-def admin_token_secret_object(graph: DynamoGraph, owner: Owner, token: str) -> dict[str, Any]:
-    """The graph's admin-token Secret (protocol.launch.admin_token_secret) holding `token`. Not
-    among `desired_objects`: the operator only ever creates it (a random token, once), never
-    reads, compares or patches it, so it holds no right to read Secrets."""
+def _created_once_secret(
+    graph: DynamoGraph, owner: Owner, name: str, data: dict[str, str]
+) -> dict[str, Any]:
+    """A Secret of the graph holding `data`. Such Secrets are not among `desired_objects`: the
+    operator only ever creates them (new random content, once), never reads, compares or
+    patches them, so it holds no right to read Secrets and their content stays out of the
+    plan and the last-applied annotations."""
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": _meta(owner, admin_token_secret(graph), graph_labels(graph.name)),
+        "metadata": _meta(owner, name, graph_labels(graph.name)),
         "type": "Opaque",
-        "stringData": {ADMIN_TOKEN_KEY: token},
+        "stringData": data,
     }
+
+
+def admin_token_secret_object(graph: DynamoGraph, owner: Owner, token: str) -> dict[str, Any]:
+    """The graph's admin-token Secret (protocol.launch.admin_token_secret) holding `token`."""
+    return _created_once_secret(graph, owner, admin_token_secret(graph), {ADMIN_TOKEN_KEY: token})
+
+
+def kv_curve_secret_object(
+    graph: DynamoGraph, owner: Owner, files: dict[str, str]
+) -> dict[str, Any]:
+    """The graph's KV-event CURVE Secret (protocol.launch.kv_curve_secret): the key folder's
+    `files` (file name -> content, as protocol.kv_curve.key_files makes them), one key each, so
+    the mounted volume is the folder `dynamograph kv-curve-keys` writes."""
+    return _created_once_secret(graph, owner, kv_curve_secret(graph), files)
 
 
 def desired_objects(

@@ -733,6 +733,19 @@ class GatewaySpec(_Model):
     )
 
 
+class KvEventsSpec(_Model):
+    """How the engines' KV-event and replay sockets are secured (docs/security.md)."""
+
+    curve: bool = Field(
+        default=False,
+        description="ZMQ CURVE on the KV-event and replay sockets: encrypted, and only the "
+        "graph's EPP and kv-mode frontends (holding its client key) may subscribe; the operator "
+        "creates the Secret `<graph>-kv-curve` with the graph's keys once and mounts it into "
+        "them and every engine. For clusters that do not enforce NetworkPolicy; mock backend "
+        "only (vLLM's KV-event publisher has no CURVE option)",
+    )
+
+
 def _services_with(kinds: str) -> str:
     return f"self.services.exists(k, self.services[k].componentType in [{kinds}])"
 
@@ -746,6 +759,13 @@ _VLLM_GPUS_CEL = " * ".join(
     _service_field(f, 1) for f in ("dataParallelSize", "tensorParallelSize", "pipelineParallelSize")
 )
 _SCALABLE = "'worker', 'decode'"
+# vLLM's KV-event publisher (its own ZMQ sockets) has no CURVE option; `dynamograph worker
+# --engine vllm` refuses --kv-curve-dir, so the graph refuses the field before any pod fails.
+_VLLM_CURVE = (
+    "kvEvents.curve: vLLM's KV-event publisher has no CURVE option; with backend vllm leave "
+    "kvEvents.curve off and keep other pods away from the event ports with NetworkPolicy "
+    "(the chart's networkPolicy.enabled; docs/security.md)"
+)
 
 
 class DynamoGraphSpec(_Model):
@@ -795,6 +815,12 @@ class DynamoGraphSpec(_Model):
                     ".services",
                 ),
                 _cel(
+                    "self.backend != 'vllm' || !has(self.kvEvents) || !has(self.kvEvents.curve) "
+                    "|| !self.kvEvents.curve",
+                    _VLLM_CURVE,
+                    ".kvEvents",
+                ),
+                _cel(
                     "!has(self.scaleTarget) || self.scaleTarget in self.services",
                     "scaleTarget: must name a service of the graph",
                     ".scaleTarget",
@@ -819,6 +845,11 @@ class DynamoGraphSpec(_Model):
         description="service name -> service; each becomes a Deployment `<graph>-<name>`",
     )
     gateway: GatewaySpec = Field(default_factory=GatewaySpec)
+    kv_events: KvEventsSpec = Field(
+        default_factory=KvEventsSpec,
+        description="security of the engines' KV-event stream (off: plaintext, kept to the "
+        "graph's pods by NetworkPolicy)",
+    )
     replicas: int | None = Field(
         default=None,
         ge=0,
@@ -879,6 +910,8 @@ class DynamoGraphSpec(_Model):
                     f"GPUs, not {spec.resources.gpu}; leave resources.gpu out, or set it to "
                     f"{want} or to 0 (vLLM's CPU backend)"
                 )
+        if self.backend == Backend.VLLM and self.kv_events.curve:
+            raise ValueError(_VLLM_CURVE)
         if self.scale_target is not None and self.scale_target not in self.services:
             raise ValueError(
                 f"scaleTarget: {self.scale_target!r} is not a service of the graph "
