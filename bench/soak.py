@@ -12,7 +12,11 @@ every `--kill-every` seconds (round-robin; the supervisor restarts it). At the e
 - **leaked bookings** (target 0): the EPP's `dynamograph_epp_worker_booked_requests`, summed,
   once the load has stopped (polled, bounded).
 - **RSS growth** (target < 5 %) of each process that ran through the judged window (not
-  restarted), from `--settle` × the run (default half) to the end. A leak grows with the
+  restarted), from `--settle` × the run (default half) to the end, both read with nothing in
+  flight (the load pauses at the settle point until its requests have ended and the EPP's
+  bookings drained, plus 10 s for allocators to give back; the end is read likewise after the
+  load stopped), so memory that scales with the requests in flight is not counted as growth
+  and what is left is what the processes kept. A leak grows with the
   requests served, all run long; the bounded caches a process fills early (the EPP's tokenizer
   segment cache, 64 MB; its KV index, capped by the workers' KV blocks) stop growing. The whole
   curve (every `--sample-s`) is in the JSON, with the EPP's segment-cache bytes and Envoy's
@@ -136,6 +140,9 @@ class SteadyLoad:
         self.rng = random.Random(seed)
         self.outcomes = Outcomes()
         self._stop = asyncio.Event()
+        self._go = asyncio.Event()  # cleared while paused
+        self._go.set()
+        self._requests: set[asyncio.Task] = set()  # in flight
         self._tasks: set[asyncio.Task] = set()
         self._session: aiohttp.ClientSession | None = None
 
@@ -158,16 +165,36 @@ class SteadyLoad:
 
     async def _closed_loop(self) -> None:
         while not self._stop.is_set():
-            await self.one()
+            await self._go.wait()
+            await self._request()
 
     async def _open_loop(self) -> None:
         assert self.rate
         next_at = time.monotonic()
         while not self._stop.is_set():
-            self._spawn(self.one())
+            if not self._go.is_set():
+                await self._go.wait()
+                next_at = time.monotonic()
+            self._request()
             next_at += self.rng.expovariate(self.rate)  # Poisson arrivals
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), max(0.0, next_at - time.monotonic()))
+
+    def _request(self) -> asyncio.Task:
+        task = asyncio.create_task(self.one())
+        self._requests.add(task)
+        task.add_done_callback(self._requests.discard)
+        return task
+
+    async def pause(self) -> None:
+        """Send nothing more until `resume()`; return once every request in flight has ended
+        (each is bounded by `timeout`, so this is too)."""
+        self._go.clear()
+        if self._requests:
+            await asyncio.wait(set(self._requests), timeout=self.timeout + 10)
+
+    def resume(self) -> None:
+        self._go.set()
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
@@ -186,12 +213,13 @@ class SteadyLoad:
 
     async def __aexit__(self, *exc) -> None:
         self._stop.set()
+        self._go.set()  # a paused loop sees the stop
         try:
             # Every request is bounded by `timeout`: this wait is too.
-            if self._tasks:
-                await asyncio.wait(set(self._tasks), timeout=self.timeout + 10)
+            if self._tasks or self._requests:
+                await asyncio.wait(self._tasks | self._requests, timeout=self.timeout + 10)
         finally:
-            for task in list(self._tasks):
+            for task in [*self._tasks, *self._requests]:
                 task.cancel()
             assert self._session is not None
             await self._session.close()
@@ -299,6 +327,20 @@ async def sample_memory(
                     if name in ENVOY_MEMORY:
                         envoy[name] = int(value)
     return MemorySample(time.monotonic() - started, rss_of(stack.running), segment, envoy)
+
+
+RELEASE_S = 10.0  # Envoy gives free heap back at 8 MiB/s (local/envoy.py)
+
+
+async def quiescent_sample(
+    session: aiohttp.ClientSession, stack: Stack, started: float
+) -> MemorySample:
+    """Memory with nothing in flight: the load paused or stopped, bookings drained (bounded)
+    and `RELEASE_S` for allocators to give back what the requests in flight held. Memory
+    that scales with the requests in flight (Envoy's buffers) is then not mistaken for growth."""
+    await wait_bookings_drained(session, stack, 30)
+    await asyncio.sleep(RELEASE_S)
+    return await sample_memory(session, stack, started)
 
 
 async def _sample_every(
@@ -442,13 +484,15 @@ async def soak(args: argparse.Namespace) -> dict:
             try:
                 settle_at = args.duration * args.settle
                 await asyncio.sleep(settle_at)
-                settled = await sample_memory(session, stack, started)
+                await load.pause()
+                settled = await quiescent_sample(session, stack, started)
+                load.resume()
                 await asyncio.sleep(args.duration - settle_at)
-                end = await sample_memory(session, stack, started)
             finally:
                 killing.cancel()
                 sampling.cancel()
         leaked = await wait_bookings_drained(session, stack, 30)
+        end = await quiescent_sample(session, stack, started)
         restarts = {p.spec.name: p.restarts for p in stack.running if p.restarts}
         given_up = [p.spec.name for p in stack.running if p.state == "given-up"]
         events = list(supervisor.events)

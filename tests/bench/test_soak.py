@@ -104,6 +104,19 @@ async def test_steady_load_counts_outcomes_and_stops_within_its_bound(server):
     assert load.outcomes.lost == load.outcomes.total
 
 
+@pytest.mark.parametrize("shape", [{"rate": 50}, {"clients": 3}])
+async def test_paused_load_has_nothing_in_flight_and_sends_nothing_until_resumed(server, shape):
+    async with SteadyLoad(f"{server}/ok", "m", timeout=1.0, **shape) as load:
+        await load.wait_answered(3, within=10)
+        await load.pause()
+        paused_at = load.outcomes.total
+        await asyncio.sleep(0.3)
+        assert load.outcomes.total == paused_at  # everything sent had ended; nothing new
+        load.resume()
+        await load.wait_answered(3, within=10)
+    assert load.outcomes.lost == 0
+
+
 def test_booked_requests_sums_every_slot():
     text = (
         "# TYPE dynamograph_epp_worker_booked_requests gauge\n"
