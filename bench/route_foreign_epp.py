@@ -11,9 +11,11 @@ they may pick. So a policy here starts, in order:
 3. a twin of each fleet worker (the same command, the same seed and name) bound at its Pod's
    IP on one shared target port, since a pool has one target port for every pod and the fleet's
    workers share 127.0.0.1 on a port each; Linux routes all of 127/8 to lo;
-4. the EPP in its standalone mode (`--endpoint-selector app=... --endpoint-target-ports P`, the
-   deployment of an EPP with a proxy beside it and no Gateway, so no InferencePool CRD is
-   needed), plain-text gRPC, KUBECONFIG pointing at the control plane;
+4. GAIE's CRDs from Go's module cache (config/crd/bases of the pinned GAIE module) and an
+   InferencePool selecting those pods, then the EPP watching it (`--pool-name`), plain-text
+   gRPC, KUBECONFIG pointing at the control plane. (The standalone mode, `--endpoint-selector`
+   without a pool, does not start in GAIE v1.5.0: its flag check forbids --pool-name beside the
+   selector, and its datastore setup then refuses the empty pool name.)
 5. Envoy from local/envoy.py's gateway config with the settings the gateways generate for a
    foreign EPP (COUNTERPARTS.md): request and response bodies FULL_DUPLEX_STREAMED (ours sets the
    response body to NONE, which only our EPP is written for), headers and trailers SEND.
@@ -52,6 +54,9 @@ NAMESPACE = "default"
 # own repository ships for a pool without prefill/decode split is this file of the module (read
 # from Go's module cache, where the build left it).
 LLMD_CONFIG = Path("deploy") / "config" / "epp-config.yaml"
+# InferencePool (inference.networking.k8s.io/v1) and the x-k8s.io kinds the EPP also watches
+# (InferenceObjective, InferenceModelRewrite), from the pinned GAIE module; both EPPs use them.
+CRDS = Path("config") / "crd" / "bases"
 
 
 @dataclass
@@ -102,7 +107,23 @@ def unavailable(counterpart: str) -> str | None:
         return f"{exc} (make control-plane)"
     if counterpart == "llmd-epp" and not (_module_dir(counterpart) / LLMD_CONFIG).is_file():
         return f"llm-d's {LLMD_CONFIG} is not in Go's module cache ({_module_dir(counterpart)})"
+    if not list((_module_dir("gaie-epp") / CRDS).glob("*.yaml")):
+        return f"GAIE's CRDs are not in Go's module cache ({_module_dir('gaie-epp') / CRDS})"
     return None
+
+
+def _pool(name: str, port: int) -> dict:
+    return {
+        "apiVersion": "inference.networking.k8s.io/v1",
+        "kind": "InferencePool",
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "spec": {
+            "selector": {"matchLabels": {"app": name}},
+            "targetPorts": [{"number": port}],
+            # a gateway would route ext_proc to this Service; here Envoy is told the address
+            "endpointPickerRef": {"name": f"{name}-epp", "port": {"number": 9002}},
+        },
+    }
 
 
 def _pod(name: str, app: str, node: str, port: int) -> dict:
@@ -158,15 +179,14 @@ def _twin(worker: Worker, host: str, port: int, events: int, logs: Path) -> PodW
 
 
 def _epp_argv(
-    counterpart: str, binary: Path, app: str, target_port: int, grpc: int, health: int, metrics: int
+    counterpart: str, binary: Path, pool: str, grpc: int, health: int, metrics: int
 ) -> list[str]:
     argv = [
         str(binary),
         f"--grpc-port={grpc}",
         f"--grpc-health-port={health}",
         f"--metrics-port={metrics}",
-        f"--endpoint-selector=app={app}",
-        f"--endpoint-target-ports={target_port}",
+        f"--pool-name={pool}",
         f"--pool-namespace={NAMESPACE}",
         "--secure-serving=false",  # plain-text gRPC: Envoy's EPP cluster speaks h2c
         "--metrics-endpoint-auth=false",
@@ -247,6 +267,15 @@ async def serve_foreign_epp(
         # one port that is free at every pod IP: a port free on 127.0.0.1 has no wildcard
         # listener, and nothing else binds 127.1.x.y
         target_port = ports.take()
+        crds = sorted((_module_dir("gaie-epp") / CRDS).glob("*.yaml"))
+        await asyncio.to_thread(
+            cp.kubectl, "apply", "--server-side", *(f"--filename={c}" for c in crds)
+        )
+        await asyncio.to_thread(
+            cp.kubectl, "wait", "--for=condition=Established", "--timeout=60s",
+            *(f"--filename={c}" for c in crds),
+        )  # fmt: skip
+        cp.kubectl_apply(_pool(app, target_port))
         for w in workers:
             cp.kubectl_apply(_pod(w.name, app, "kwok-node-0", target_port))
         ips = await _poll(lambda: _ready_ips(cp, app, len(workers)), 60, "kwok made no pod ready")
@@ -260,7 +289,7 @@ async def serve_foreign_epp(
         await asyncio.gather(*(wait_http(t.proc, t.url + "/health", within_s=120) for t in twins))
         epp = Proc(
             f"{policy_name}-epp",
-            _epp_argv(counterpart, binary, app, target_port, grpc, health, metrics),
+            _epp_argv(counterpart, binary, app, grpc, health, metrics),
             logs / f"{policy_name}-epp.log",
             {"KUBECONFIG": str(cp.kubeconfig)},
         ).start()
