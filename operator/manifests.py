@@ -257,7 +257,7 @@ def _standalone_mode(spec: ServiceSpec) -> str:
 
 
 def _kv_curve_parts(
-    graph: DynamoGraph, opens_kv_sockets: bool
+    graph: DynamoGraph, *, opens_kv_sockets: bool
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
     """(pod volumes, container volumeMounts, container env) giving a container the graph's
     KV-event CURVE keys: one of each for a container that opens KV-event sockets (an engine
@@ -426,7 +426,7 @@ def _engine_volumes(graph: DynamoGraph, spec: ServiceSpec) -> list[dict[str, Any
     elif cache is not None:
         host = {"path": cache.host_path, "type": "DirectoryOrCreate"}
         volumes.append({"name": MODEL_CACHE_VOLUME, "hostPath": host})
-    return volumes + _kv_curve_parts(graph, True)[0]
+    return volumes + _kv_curve_parts(graph, opens_kv_sockets=True)[0]
 
 
 def _engine_mounts(graph: DynamoGraph, spec: ServiceSpec) -> list[dict[str, Any]]:
@@ -437,7 +437,7 @@ def _engine_mounts(graph: DynamoGraph, spec: ServiceSpec) -> list[dict[str, Any]
     if cache is not None:
         mount: dict[str, Any] = {"name": MODEL_CACHE_VOLUME, "mountPath": MODEL_CACHE_DIR}
         mounts.append({**mount, "readOnly": True} if cache.read_only else mount)
-    return mounts + _kv_curve_parts(graph, True)[1]
+    return mounts + _kv_curve_parts(graph, opens_kv_sockets=True)[1]
 
 
 def _placement(spec: ServiceSpec) -> dict[str, Any]:
@@ -468,7 +468,11 @@ def _engine_container(
     resources = {k: v for k, v in (("requests", requests), ("limits", limits)) if v}
     # Model loading takes minutes on vLLM; the startup probe holds liveness off until then.
     startup_failures = -(-graph.spec.startup_seconds(spec) // STARTUP_PROBE_PERIOD)
-    env = [*_downward_env(), admin_token_env(graph), *_kv_curve_parts(graph, True)[2]]
+    env = [
+        *_downward_env(),
+        admin_token_env(graph),
+        *_kv_curve_parts(graph, opens_kv_sockets=True)[2],
+    ]
     if graph.spec.model.cache is not None:
         env.append({"name": "HF_HOME", "value": MODEL_CACHE_DIR})
     fields: dict[str, Any] = {}
@@ -510,7 +514,7 @@ def _frontend_container(
     else:
         mode = _standalone_mode(spec)
         resources = _resources_or(spec, FRONTEND_RESOURCES)
-        _, mounts, curve_env = _kv_curve_parts(graph, mode == RouterMode.KV)
+        _, mounts, curve_env = _kv_curve_parts(graph, opens_kv_sockets=mode == RouterMode.KV)
         env = _downward_env() + curve_env + _user_env(spec)
         if mounts:
             fields["volumeMounts"] = mounts
@@ -573,7 +577,7 @@ def _epp_container(
     mounts = [{"name": "router-config", "mountPath": ROUTER_CONFIG_DIR, "readOnly": True}]
     if tls.mode == EppTlsMode.SECRET:
         mounts.append({"name": EPP_TLS_VOLUME, "mountPath": EPP_TLS_DIR, "readOnly": True})
-    _, curve_mounts, curve_env = _kv_curve_parts(graph, True)
+    _, curve_mounts, curve_env = _kv_curve_parts(graph, opens_kv_sockets=True)
     return _container(
         "epp",
         image,
@@ -684,10 +688,11 @@ def _deployment(
         if tls.mode == EppTlsMode.SECRET:
             # No subPath mounts: the kubelet only updates whole Secret volumes on rotation.
             volumes.append({"name": EPP_TLS_VOLUME, "secret": {"secretName": tls.secret_name}})
-        volumes += _kv_curve_parts(graph, True)[0]
+        volumes += _kv_curve_parts(graph, opens_kv_sockets=True)[0]
     else:  # standalone frontend
         containers = [_frontend_container(graph, owner, spec, image, config, sidecar=False)]
-        volumes += _kv_curve_parts(graph, _standalone_mode(spec) == RouterMode.KV)[0]
+        subscribes = _standalone_mode(spec) == RouterMode.KV
+        volumes += _kv_curve_parts(graph, opens_kv_sockets=subscribes)[0]
         annotations["prometheus.io/port"] = str(HTTP_PORT)
     pod_spec: dict[str, Any] = {
         "serviceAccountName": discovery_name(graph.name),
