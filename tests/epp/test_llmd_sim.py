@@ -35,7 +35,6 @@ pytestmark = pytest.mark.integration
 MODEL = "Qwen/Qwen3-0.6B"
 BLOCK = 16
 HOSTS = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
-WORKER_HEADER = "x-dynamograph-worker-id"
 PREFIX = list(range(1000, 1000 + 40 * BLOCK))  # 640 tokens: 40 blocks the simulator stores
 
 
@@ -121,7 +120,10 @@ async def fleet(tmp_path):
             StaticSource(targets, fallback=EngineTemplate.load(document)),
         )
         await epp.start()
-        ids = {instance_id(f"{h}:{p}") for h, p in zip(HOSTS, ports, strict=True)}
+        sims = {
+            instance_id(f"{h}:{p}"): f"http://{h}:{p}" for h, p in zip(HOSTS, ports, strict=True)
+        }
+        ids = set(sims)
         await wait_for(
             lambda: ids <= set(epp.router.workers()), "the EPP to know every simulator", within=30
         )
@@ -134,18 +136,42 @@ async def fleet(tmp_path):
         ]
         ext_proc["typed_config"]["processing_mode"]["response_body_mode"] = "FULL_DUPLEX_STREAMED"
         async with run_envoy(config) as envoy, aiohttp.ClientSession() as http:
-            yield envoy, http, epp, picks, procs
+            yield envoy, http, epp, sims, picks, procs
     finally:
         if epp is not None:
             await epp.stop()
         stop_all(procs)
 
 
-async def _complete(http, envoy, prompt: list[int]) -> tuple[int, dict]:
+async def _served(http, sims: dict[int, str]) -> dict[int, float]:
+    """Requests each simulator says it finished (its own `vllm:request_success_total`)."""
+    counts = {}
+    for wid, url in sims.items():
+        async with http.get(url + "/metrics") as response:
+            text = await response.text()
+        counts[wid] = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("vllm:request_success_total{")
+        )
+    return counts
+
+
+async def _complete(http, envoy, sims: dict[int, str], prompt: list[int]) -> tuple[int, dict]:
+    """Send through Envoy; returns the simulator that served it (by its own count) and the
+    response."""
+    before = await _served(http, sims)
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
     async with http.post(envoy.url + "/v1/completions", json=body) as response:
         assert response.status == 200, (await response.read())[:300]
-        return int(response.headers[WORKER_HEADER]), await response.json()
+        payload = await response.json()
+
+    async def grown():  # the simulator counts a request a moment after answering it
+        after = await _served(http, sims)
+        return [w for w in sims if after[w] > before[w]]
+
+    (served,) = await wait_for(grown, "a simulator to count the request", within=10)
+    return served, payload
 
 
 def _cached(payload: dict) -> int:
@@ -160,9 +186,10 @@ def _held_by(epp, tokens: list[int]) -> dict[int, int]:
 
 
 async def test_precise_routing_from_the_simulators_own_events(fleet):
-    envoy, http, epp, picks, procs = fleet
+    envoy, http, epp, sims, picks, procs = fleet
     first = PREFIX + list(range(50_000, 50_000 + BLOCK))
-    holder, payload = await _complete(http, envoy, first)
+    holder, payload = await _complete(http, envoy, sims, first)
+    served = [holder]
     assert payload["choices"] and _cached(payload) == 0  # a cold cache
     # The simulator's events (its topic, its block hashes, its token ids) fill our index.
     await wait_for(
@@ -175,16 +202,18 @@ async def test_precise_routing_from_the_simulators_own_events(fleet):
     for i in range(6):
         # unrelated prompts spread; the shared prefix keeps going to its holder, whose own
         # cache then has it
-        _, payload = await _complete(
-            http, envoy, list(range(100_000 * (i + 1), 100_000 * (i + 1) + 30 * BLOCK))
+        other, payload = await _complete(
+            http, envoy, sims, list(range(100_000 * (i + 1), 100_000 * (i + 1) + 30 * BLOCK))
         )
         assert _cached(payload) == 0
         again, payload = await _complete(
-            http, envoy, PREFIX + list(range(60_000 + i * 100, 60_000 + i * 100 + BLOCK))
+            http, envoy, sims, PREFIX + list(range(60_000 + i * 100, 60_000 + i * 100 + BLOCK))
         )
+        served += [other, again]
         assert again == holder
-        assert _cached(payload) >= len(PREFIX)
-    assert len(set(picks)) > 1
+        assert _cached(payload) >= len(PREFIX)  # the simulator's own cache had the prefix
+    assert served == picks  # Envoy delivered every request where the EPP sent it
+    assert len(set(served[1::2])) > 1  # the unrelated prompts did not all go to one place
     assert epp.metrics.predicted_cached_tokens._value.get() >= 6 * len(PREFIX)
     assert epp.metrics.reported_cached_tokens._value.get() >= 6 * len(PREFIX)
     await wait_for(lambda: epp.router.active.total_requests() == 0, "every booking to be freed")
