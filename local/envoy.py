@@ -50,7 +50,6 @@ BUNDLED_ENVOY = REPO_ROOT / ".local" / "envoy" / "envoy" / "_bin" / "envoy"
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
 POOL_CLUSTER = "inference_pool"
 EPP_CLUSTER = "endpoint_picker"
-RELEASE_BYTES_PER_S = 8 << 20
 STRIP_FILTER = "strip_client_routing_headers"
 LB_NAMESPACE = "envoy.lb"
 # Headers only the gateway and the EPP may set: removed from the client's request before any
@@ -254,13 +253,6 @@ def envoy_config(
     }
     return {
         "admin": {"address": _address(host, admin_port)},
-        # tcmalloc keeps what a burst freed (a worker failure's retries and buffered bodies) and
-        # RSS stays at the high-water mark; releasing free pages in the background lets RSS
-        # follow the live heap, so growth means memory in use.
-        "memory_allocator_manager": {
-            "bytes_to_release": str(RELEASE_BYTES_PER_S),
-            "memory_release_interval": "1s",
-        },
         "static_resources": {
             "listeners": [
                 {

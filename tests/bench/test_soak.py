@@ -19,6 +19,7 @@ from dynamograph.bench.soak import (
     SteadyLoad,
     booked_requests,
     classify,
+    memory_growth,
     rss_growth,
 )
 
@@ -131,3 +132,17 @@ def test_rss_growth_judges_only_processes_that_lived_through_the_window():
     first = MemorySample(0.0, {"epp": (10, 100), "worker": (11, 100)}, None, {})
     last = MemorySample(9.0, {"epp": (10, 104), "worker": (12, 50)}, None, {})
     assert rss_growth(first, last) == {"epp": pytest.approx(0.04)}  # the restarted one is not
+
+
+def test_envoy_is_judged_by_its_live_heap_and_the_rest_by_rss():
+    heap = "server.memory_allocated"
+    first = MemorySample(0.0, {"envoy": (1, 100), "epp": (2, 100)}, None, {heap: 10})
+    last = MemorySample(9.0, {"envoy": (1, 150), "epp": (2, 103)}, None, {heap: 10})
+    assert memory_growth(first, last, "envoy") == {
+        "envoy": pytest.approx(0.0),  # tcmalloc kept a burst's pages: RSS up, heap flat
+        "epp": pytest.approx(0.03),
+    }
+    # without Envoy's heap (admin unreachable) its RSS is what is left to judge
+    assert memory_growth(first, MemorySample(9.0, last.rss, None, {}), "envoy")[
+        "envoy"
+    ] == pytest.approx(0.5)
