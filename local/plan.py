@@ -73,11 +73,13 @@ def plan_graph(
     """Every process of `graph` on 127.0.0.1, in start order.
 
     `take_port(n)` returns the first of n consecutive free ports. `speedup` overrides every mock
-    engine's `engine.speedup` (tests and benchmarks run simulated time faster). `kv_curve`
-    turns on the KV-event stream's CURVE option with a key folder new with the run
-    (`<run_dir>/kv-curve`, protocol.kv_curve), named to every engine and subscriber.
+    engine's `engine.speedup` (tests and benchmarks run simulated time faster). `kv_curve` (or
+    the graph's `spec.kvEvents.curve`, as the operator reads it) turns on the KV-event stream's
+    CURVE option with a key folder new with the run (`<run_dir>/kv-curve`, protocol.kv_curve),
+    named to every engine and subscriber.
     """
     spec = graph.spec
+    kv_curve = kv_curve or spec.kv_events.curve
     cli = (python, "-m", "dynamograph.cli")
     notes: list[str] = []
     processes: list[ProcessSpec] = []

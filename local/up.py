@@ -75,7 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-curve",
         action="store_true",
-        help="secure the KV-event stream with ZMQ CURVE, keys new with the run (docs/security.md)",
+        help="secure the KV-event stream with ZMQ CURVE, keys new with the run, as the graph's "
+        "spec.kvEvents.curve does (docs/security.md)",
     )
     parser.add_argument(
         "--state-dir",

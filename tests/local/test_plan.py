@@ -327,6 +327,11 @@ def test_kv_curve_gives_every_process_but_envoy_the_runs_key_folder():
     p = plan(DEFAULT_GRAPH)
     assert all(KV_CURVE_ENV not in process.env for process in p.processes)
     assert not any("kv-curve" in path for path in p.files)
+    # the graph's own spec.kvEvents.curve turns it on as --kv-curve does
+    spec = graph_dict(w={"componentType": "worker"}, epp={"componentType": "epp"})
+    spec["spec"]["kvEvents"] = {"curve": True}
+    p = plan(spec)
+    assert {x.env.get(KV_CURVE_ENV) for x in p.processes if x.kind != "envoy"} == {str(folder)}
 
 
 def test_epp_replicas_and_processes_run_active_active_behind_envoy():
