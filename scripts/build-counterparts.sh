@@ -85,10 +85,11 @@ build() {
     # Built inside the downloaded module, as its own main module (its go.mod and go.sum, read
     # only), not with `go install pkg@version`: that also lists the module's versions to look
     # for a deprecation, and the proxy here refuses version lists (403). GOTOOLCHAIN=local:
-    # build with the installed Go, never download another toolchain.
+    # build with the installed Go, never download another toolchain. GOWORK=off: GAIE's module
+    # ships a go.work naming a ./conformance module that its zip does not hold.
     dir=$(cd "$work" && GOTOOLCHAIN=local go mod download -json "$mod@$ver" |
         sed -n 's/^[[:space:]]*"Dir": "\(.*\)",\{0,1\}$/\1/p')
-    if [ -z "$dir" ] || ! (cd "$dir" && CGO_ENABLED=0 GOTOOLCHAIN=local GOFLAGS="-buildvcs=false -mod=readonly" \
+    if [ -z "$dir" ] || ! (cd "$dir" && CGO_ENABLED=0 GOTOOLCHAIN=local GOWORK=off GOFLAGS="-buildvcs=false -mod=readonly" \
         nice -n "${BUILD_NICE:-10}" go build -trimpath -ldflags "-s -w" -o "$work/bin/" "$pkg"); then
         rm -rf "$work"
         log "$name: build of $pkg@$ver failed" >&2
