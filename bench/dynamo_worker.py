@@ -82,29 +82,35 @@ class MockForwarder:
         return body
 
     async def generate(self, request: dict[str, Any], context: Any = None):
-        """Stream the mock's answer: each text chunk as its token ids as it arrives (Dynamo's
-        frontend times the first token), then the finish reason with the mock's usage."""
+        """Stream the mock's answer: the text that has arrived as its token ids (Dynamo's
+        frontend times the first token), then the finish reason with the mock's usage. What
+        arrived together goes out together: a backlogged worker sends fewer, larger frames."""
         assert self.session is not None
         finish, usage, nvext, produced = None, None, None, 0
         async with self.session.post(self.url, json=self.body(request)) as resp:
             if resp.status != 200:
                 raise RuntimeError(f"mock answered {resp.status}: {(await resp.text())[:300]}")
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
-                    continue
-                event = json.loads(line[5:])
-                if event.get("error"):
-                    raise RuntimeError(f"mock error: {str(event['error'])[:300]}")
-                nvext = event.get("nvext") or nvext
-                usage = event.get("usage") or usage
-                for choice in event.get("choices") or []:
-                    finish = choice.get("finish_reason") or finish
-                    text = choice.get("text")
-                    if text:
-                        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
-                        produced += len(ids)
-                        yield {"token_ids": ids}
+            pending = b""
+            async for data in resp.content.iter_any():
+                *events, pending = (pending + data).split(b"\n\n")
+                texts = []
+                for raw in events:
+                    line = raw.strip()
+                    if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+                        continue
+                    event = json.loads(line[5:])
+                    if event.get("error"):
+                        raise RuntimeError(f"mock error: {str(event['error'])[:300]}")
+                    nvext = event.get("nvext") or nvext
+                    usage = event.get("usage") or usage
+                    for choice in event.get("choices") or []:
+                        finish = choice.get("finish_reason") or finish
+                        texts.append(choice.get("text") or "")
+                text = "".join(texts)
+                if text:
+                    ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+                    produced += len(ids)
+                    yield {"token_ids": ids}
         usage = usage or {}
         if produced != usage.get("completion_tokens", produced):
             log.warning("re-encoded %d ids for %s generated tokens", produced, usage)
