@@ -28,7 +28,7 @@ down:
 
 # The long mode of the fault suite (tests/faults is the quick one, in `make test`): 10 minutes
 # at 80% of measured capacity, a worker SIGKILLed every minute; prints requests lost, leaked
-# bookings and RSS growth, writes results/soak.json, exits 1 when a target is missed.
+# bookings and memory growth (RSS; Envoy's live heap), writes results/soak.json, exits 1 when a target is missed.
 soak:
 	$(BIN)/dynamograph bench soak --duration 600
 
