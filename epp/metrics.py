@@ -13,6 +13,9 @@ from prometheus_client.registry import Collector
 from dynamograph.protocol.tokenization import segment_caches
 
 PREFIX = "dynamograph_epp_"
+# Usage is read from response bodies: a gateway whose ext_proc response body mode is NONE (the
+# config we generate) sends the EPP none, and these stay 0; the workers' own metrics have it.
+FROM_RESPONSES = " (only where the gateway sends response bodies to the EPP)"
 
 # Outcomes of a request on the request path (label `outcome` of requests_total).
 ROUTED = "routed"
@@ -139,23 +142,24 @@ class EppMetrics:
         )
         self.reported_cached_tokens = Counter(
             PREFIX + "reported_cached_tokens",
-            "usage.prompt_tokens_details.cached_tokens reported by workers",
+            "usage.prompt_tokens_details.cached_tokens reported by workers" + FROM_RESPONSES,
             registry=r,
         )
         self.reported_prompt_tokens = Counter(
             PREFIX + "reported_prompt_tokens",
-            "usage.prompt_tokens of responses that reported cached tokens",
+            "usage.prompt_tokens of responses that reported cached tokens" + FROM_RESPONSES,
             registry=r,
         )
         self.cached_prediction_error = Histogram(
             PREFIX + "cached_tokens_prediction_error",
-            "reported minus predicted cached tokens per request (0 = the index was right)",
+            "reported minus predicted cached tokens per request (0 = the index was right)"
+            + FROM_RESPONSES,
             buckets=(-4096, -1024, -256, -64, -16, -1, 0, 16, 64, 256, 1024, 4096),
             registry=r,
         )
         self.reuse_captured = Gauge(
             PREFIX + "reuse_captured_ratio",
-            "reported cached tokens / reported prompt tokens since start",
+            "reported cached tokens / reported prompt tokens since start" + FROM_RESPONSES,
             registry=r,
         )
         self.served_mismatch = Counter(
