@@ -440,7 +440,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--settle",
         type=float,
         default=0.5,
-        help="RSS growth is judged from this fraction of the run to its end (default 0.5)",
+        help="memory growth is judged from this fraction of the run to its end (default 0.5)",
     )
     parser.add_argument(
         "--sample-s", type=float, default=10.0, help="seconds between memory samples"
