@@ -13,8 +13,9 @@ API:
   worker's `protocol.engine.EngineConfig` (with its LoRA adapters, `lora_adapters`, which the
   router core registers through `Router.add_engine` and the picker maps `model` names with).
 - `parse_worker_flag("http://h:8001=h:9001") -> WorkerTarget`, `load_workers_file(path)`.
-- `pod_target(pod: dict) -> WorkerTarget | None`: a Pod (API JSON) that is Ready, not
-  terminating and has a container port named `engine`; serving endpoint from the port `http`.
+- `pod_target(pod: dict, foreign=False) -> WorkerTarget | None`: a Pod (API JSON) that is
+  Ready, not terminating and has a container port named `engine` (`foreign`: or only `http`);
+  serving endpoint from the port `http`.
 - `StaticSource(targets)`, `KubernetesSource(namespace, selector, configuration=None)`: sources.
 - `KubernetesWatch(namespace, lister, target, what=...)`: the list-and-watch loop of any
   namespaced kind, feeding a `Sink` (the pod source is one; the EPP's InferenceObjectives
@@ -35,6 +36,7 @@ API:
 
 import argparse
 import asyncio
+import functools
 import logging
 import os
 import random
@@ -141,17 +143,18 @@ def pod_key(pod: dict[str, Any]) -> str:
     return f"{meta.get('namespace', '')}/{meta.get('name', '')}"
 
 
-def pod_target(pod: dict[str, Any]) -> WorkerTarget | None:
+def pod_target(pod: dict[str, Any], *, foreign: bool = False) -> WorkerTarget | None:
     """The worker a Pod stands for, or None when it must not receive traffic (yet). The engine
-    is at the port named `engine`; a pod with only an `http` port (an engine we did not launch:
-    vLLM, llm-d-inference-sim) is asked there, and described by `--engine-config` when it has no
-    `/v1/engine`."""
+    is at the port named `engine`. With `foreign` (discovery given `--engine-config`), a pod
+    with only an `http` port (an engine we did not launch: vLLM, llm-d-inference-sim) is asked
+    there too; not by default, since a graph's selector also matches its frontends, which
+    serve `http` and are no engines."""
     meta = pod.get("metadata") or {}
     if meta.get("deletionTimestamp") or not _pod_ready(pod):
         return None
     ip = (pod.get("status") or {}).get("podIP")
     ports = _named_ports(pod)
-    engine = ports.get(ENGINE_PORT_NAME) or ports.get(SERVING_PORT_NAME)
+    engine = ports.get(ENGINE_PORT_NAME) or (ports.get(SERVING_PORT_NAME) if foreign else None)
     if not ip or not engine:
         return None
     host = f"[{ip}]" if ":" in ip else ip
@@ -747,7 +750,8 @@ def add_discovery_arguments(parser: argparse.ArgumentParser) -> None:
 def source_from_args(args: argparse.Namespace) -> StaticSource | KubernetesSource:
     fallback = engine_template_from_args(args)
     if args.discovery == "kubernetes":
-        return KubernetesSource(args.namespace, args.selector, fallback=fallback)
+        target = functools.partial(pod_target, foreign=True) if fallback else pod_target
+        return KubernetesSource(args.namespace, args.selector, target=target, fallback=fallback)
     targets = [parse_worker_flag(w) for w in args.worker]
     if args.workers_file:
         targets += load_workers_file(args.workers_file)

@@ -92,13 +92,21 @@ def test_flag_reaches_the_source(tmp_path):
     assert plain.fallback is None
 
 
-def test_a_pod_with_only_a_serving_port_is_asked_there():
+def test_a_pod_with_only_a_serving_port_is_a_worker_only_with_an_engine_document(tmp_path):
     pod = {
         "metadata": {"name": "sim-0", "namespace": "ns"},
         "spec": {"containers": [{"ports": [{"name": "http", "containerPort": 8000}]}]},
         "status": {"podIP": "10.0.0.7", "conditions": [{"type": "Ready", "status": "True"}]},
     }
-    target = pod_target(pod)
+    # by default it is no worker: a graph's frontends serve `http` and match its selector too
+    assert pod_target(pod) is None
+    path = tmp_path / "engine.yaml"
+    path.write_text(SIM_DOC)
+    parser = argparse.ArgumentParser()
+    add_discovery_arguments(parser)
+    args = ["--discovery", "kubernetes", "--selector", "app=sim", "--engine-config", str(path)]
+    source = source_from_args(parser.parse_args(args))
+    target = source.target(pod)
     assert target is not None
     assert (target.engine_url, target.serving_endpoint) == ("http://10.0.0.7:8000", "10.0.0.7:8000")
 
