@@ -16,7 +16,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dynamograph.bench.route_client import completion_body, send_one
-from dynamograph.bench.route_dynamo import serve, unavailable
 from dynamograph.bench.route_fleet import (
     WorkerSpec,
     scrape_workers,
@@ -25,6 +24,7 @@ from dynamograph.bench.route_fleet import (
     worker_procs,
 )
 from dynamograph.bench.route_metrics import OK, RequestResult
+from dynamograph.bench.route_routers import POLICIES, serve, unavailable
 from dynamograph.local.procs import PortPool
 
 pytestmark = pytest.mark.integration
@@ -72,7 +72,8 @@ async def _send(session, url: str, prompt: str, index: int) -> RequestResult:
 
 @pytest.mark.timeout(150)
 async def test_dynamo_kv_routes_repeated_prefixes_to_their_holder(tmp_path):
-    reason = unavailable()
+    policy = POLICIES["dynamo-kv"]
+    reason = unavailable(policy)
     if reason:
         pytest.skip(reason)
     spec = WorkerSpec(num_gpu_blocks=2048, speedup=100.0)
@@ -84,7 +85,7 @@ async def test_dynamo_kv_routes_repeated_prefixes_to_their_holder(tmp_path):
             w.proc.start()
         await asyncio.gather(*(wait_http(w.proc, w.url + "/health") for w in workers))
         async with (
-            serve(workers, PortPool(), tmp_path, model=spec.model) as routed,
+            serve(policy, workers, PortPool(), tmp_path, model=spec.model) as routed,
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session,
         ):
             assert routed.pids  # the frontend, whose CPU bench route measures
