@@ -118,6 +118,7 @@ def model_dir(tokenizer: str, context_length: int, root: Path = MODEL_CACHE) -> 
     return folder
 
 
+@contextlib.asynccontextmanager
 async def serve(
     workers: Sequence[Worker], ports: PortPool, logs: Path, *, model: str
 ) -> AsyncIterator[Routed]:
