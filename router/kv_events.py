@@ -121,7 +121,7 @@ class RankSubscriber:
         # Batches are read through a plain (blocking-API) shadow of the socket: zmq.asyncio
         # wraps even a NOBLOCK read in a future and an event registration, ~3x the read itself,
         # and engines publish a batch per engine step.
-        plain = zmq.Socket.shadow(sub.underlying)
+        plain: zmq.Socket[bytes] = zmq.Socket.shadow(sub.underlying)
         poller = zmq.asyncio.Poller()
         poller.register(sub, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
@@ -149,7 +149,7 @@ class RankSubscriber:
             monitor.close(linger=0)
             sub.close(linger=0)
 
-    async def _drain(self, plain: zmq.Socket) -> None:
+    async def _drain(self, plain: zmq.Socket[bytes]) -> None:
         """Every batch queued (up to `DRAIN_MAX`) in one wake-up: behind under load, the
         subscriber then catches up in few loop turns instead of one turn a batch."""
         for _ in range(DRAIN_MAX):
