@@ -157,9 +157,12 @@ async def test_discovery_records_come_from_the_pods_engine(kmock, api):
         discovery = Discovery(KubernetesSource(NS, SELECTOR, configuration, watch_timeout=5))
         added, removed = [], []
         discovery.add_listener(added.append, removed.append)
+        # The pod exists before discovery lists: kmock answers 404 for a kind it holds no
+        # object of (a real API server always serves pods), which discovery takes for a CRD
+        # not installed yet and looks for again only after 30 s.
+        await v1.create_namespaced_pod(NS, _pod("w-0", ready=True, engine=engine_port))
         await discovery.start()
         try:
-            await v1.create_namespaced_pod(NS, _pod("w-0", ready=True, engine=engine_port))
             await wait_for(lambda: added, "an addition", within=10, interval=0.01)
             record = added[0]
             assert record.instance_id == worker.config.instance_id
