@@ -1,4 +1,4 @@
-"""Replica sync: active-active EPPs share their in-flight bookings and sticky sessions over ZMQ.
+"""Replica sync: active-active EPPs share their in-flight bookings over ZMQ.
 
 Every EPP process (a replica) routes on its own and ingests KV events itself; what it cannot
 see on its own is the load the *other* replicas booked on each worker. `ReplicaSync` closes
@@ -19,24 +19,12 @@ timeout for lost peers):
   converges;
 - a heartbeat every `heartbeat_s`; a peer silent for `timeout_s` has its bookings freed (the
   `dropped` counter): a lost replica's requests stop counting, the survivor's own bookings
-  are untouched. A peer that restarts under the same name replaces its old self at once;
-- sticky sessions (`sessions.StickySessions`, when given): a local bind, move, refresh or close
-  of a session goes out as that session's state at the end of the turn (one entry per session
-  per turn: a streamed chat's refreshes cost nothing extra). A binding names slots (instance
-  id, dp rank), the same on every replica, and travels with its TTL and the seconds it has
-  left: each receiver sets its own expiry from its own clock (pods' clocks differ). Applied
-  last-writer-wins by the binding's Lamport stamp (`sessions` module doc). Snapshots carry
-  every live binding and close this replica knows (its own and its peers': a late joiner
-  learns a lost replica's sessions from any survivor). A peer's timeout does not drop the
-  bindings it made: they are the users' sessions, not that replica's load, and expire by TTL.
+  are untouched. A peer that restarts under the same name replaces its old self at once.
 
 Wire format, one msgpack frame: `[sender id, name, seq, kind, body]` with kind `e` (events:
 `["b", bid, worker, rank, prompt_blocks, prefill, keys (uint64 LE bytes), osl, generated]`,
-`["p", bid, prefill, generated]`, `["f", bid]`, and for sessions
-`["sb", session id, stamp counter, stamp origin, worker, rank, prefill worker, prefill rank,
-ttl, seconds left, engine backed]` (prefill worker and rank nil when not disaggregated), `["su",
-session id, stamp counter, stamp origin, seconds the close is remembered]`), `s` (snapshot: a
-list of `b`, `sb` and `su` entries) or `h` (heartbeat). The router core stays single-threaded: everything runs on the event loop the
+`["p", bid, prefill, generated]`, `["f", bid]`), `s` (snapshot: a list of `b` entries) or `h`
+(heartbeat). The router core stays single-threaded: everything runs on the event loop the
 router's requests run on.
 """
 
@@ -59,7 +47,6 @@ from prometheus_client.registry import Collector
 
 from .active import ActiveRequests, Booking
 from .discovery import KubernetesSource, WorkerTarget, pod_key
-from .sessions import Binding, StickySessions, Tombstone
 from .tasks import cancel_all
 
 log = logging.getLogger(__name__)
@@ -100,11 +87,9 @@ class ReplicaSync:
         active: ActiveRequests,
         settings: ReplicaSettings,
         *,
-        sessions: StickySessions | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.active = active
-        self.sessions = sessions
         self.settings = settings
         self.id = int.from_bytes(os.urandom(8), "little") >> 1
         self.name = settings.name  # set at start (the default names the bound address)
@@ -116,7 +101,6 @@ class ReplicaSync:
         self._next_bid = 0
         self._local: dict[int, tuple[int, Booking]] = {}  # id(booking) → (bid, booking)
         self._touched: dict[int, tuple[int, Booking, bool]] = {}  # id → (bid, booking, new)
-        self._touched_sessions: dict[str, None] = {}  # session ids changed this turn, in order
         self._flush_scheduled = False
         self._peers: dict[int, _Peer] = {}
         self._addresses: set[str] = set()
@@ -149,8 +133,6 @@ class ReplicaSync:
         self._pub, self._sub = pub, sub
         self._update_peers()
         self.active.observer = self
-        if self.sessions is not None:
-            self.sessions.listener = self
         loop = asyncio.get_running_loop()
         self._tasks = [
             loop.create_task(self._receive()),
@@ -168,8 +150,6 @@ class ReplicaSync:
     async def close(self) -> None:
         if self.active.observer is self:
             self.active.observer = None
-        if self.sessions is not None and self.sessions.listener is self:
-            self.sessions.listener = None
         await cancel_all(self._tasks)
         self._tasks = []
         for sock in (self._pub, self._sub):
@@ -242,23 +222,14 @@ class ReplicaSync:
         key = id(booking)
         previous = self._touched.get(key)
         self._touched[key] = (bid, booking, new or (previous is not None and previous[2]))
-        self._schedule_flush()
-
-    # -- SessionListener: local session changes out --------------------------------------
-    def session_changed(self, session_id: str) -> None:
-        self._touched_sessions[session_id] = None
-        self._schedule_flush()
-
-    def _schedule_flush(self) -> None:
         if not self._flush_scheduled and self._pub is not None:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
 
     def _flush(self) -> None:
-        """One message with the turn's changes, each booking and session in its state now."""
+        """One message with the turn's changes, each booking in its state now."""
         self._flush_scheduled = False
         touched, self._touched = self._touched, {}
-        sessions, self._touched_sessions = self._touched_sessions, {}
         events: list[list[Any]] = []
         for bid, booking, new in touched.values():
             if not booking.live:
@@ -268,11 +239,6 @@ class ReplicaSync:
                 events.append(_entry(bid, booking))
             else:
                 events.append(["p", bid, booking.prefill, booking.generated_tokens])
-        if self.sessions is not None:
-            for sid in sessions:
-                entry = self._session_entry(self.sessions, sid)
-                if entry is not None:  # None: evicted or expired within the turn
-                    events.append(entry)
         if events:
             self._send("e", events)
 
@@ -287,12 +253,7 @@ class ReplicaSync:
 
     def _send_snapshot(self) -> None:
         self._flush()  # what changed this turn is in the snapshot anyway
-        entries = [_entry(bid, b) for bid, b in self._local.values() if b.live]
-        if self.sessions is not None:
-            now = self.sessions.now()
-            entries += [_binding_entry(s, b, now) for s, b in self.sessions.live()]
-            entries += [_close_entry(s, t, now) for s, t in self.sessions.tombstones()]
-        self._send("s", entries)
+        self._send("s", [_entry(bid, b) for bid, b in self._local.values() if b.live])
         self.snapshots_sent += 1
 
     # -- tasks ---------------------------------------------------------------------------
@@ -363,33 +324,10 @@ class ReplicaSync:
         self._last_resubscribe = now
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
 
-    def _session_entry(self, sessions: StickySessions, session_id: str) -> list[Any] | None:
-        """A session's state now: its binding, its close, or nothing to say."""
-        now = sessions.now()
-        binding = sessions.entry(session_id)
-        if binding is not None:
-            return _binding_entry(session_id, binding, now)
-        tomb = sessions.tombstone(session_id)
-        return None if tomb is None else _close_entry(session_id, tomb, now)
-
-    def _apply_session(self, entry: list[Any]) -> None:
-        """A peer's binding or close (sessions are not the peer's: nothing tracks who sent)."""
-        if self.sessions is None:
-            return
-        if entry[0] == "sb":
-            _, sid, counter, origin, worker, rank, p_worker, p_rank, ttl, left, engine = entry
-            prefill = None if p_worker is None else (p_worker, p_rank)
-            self.sessions.apply(sid, (worker, rank), prefill, ttl, left, engine, (counter, origin))
-        else:
-            _, sid, counter, origin, left = entry
-            self.sessions.apply_close(sid, (counter, origin), left)
-
     def _apply_events(self, peer: _Peer, events: list[list[Any]]) -> None:
         for event in events:
             tag = event[0]
-            if tag in ("sb", "su"):
-                self._apply_session(event)
-            elif tag == "b":
+            if tag == "b":
                 self._book(peer, event)
             elif tag == "p":
                 booking = peer.bookings.get(event[1])
@@ -403,9 +341,6 @@ class ReplicaSync:
     def _apply_snapshot(self, peer: _Peer, entries: list[list[Any]]) -> None:
         seen = set()
         for entry in entries:
-            if entry[0] != "b":
-                self._apply_session(entry)
-                continue
             bid = entry[1]
             seen.add(bid)
             booking = peer.bookings.get(bid)
@@ -485,31 +420,6 @@ def _entry(bid: int, booking: Booking) -> list[Any]:
         booking.expected_output_tokens,
         booking.generated_tokens,
     ]
-
-
-def _binding_entry(session_id: str, binding: Binding, now: float) -> list[Any]:
-    worker, rank = binding.decode
-    p_worker, p_rank = binding.prefill or (None, None)
-    counter, origin = binding.stamp
-    left = binding.expires_at - now
-    return [
-        "sb",
-        session_id,
-        counter,
-        origin,
-        worker,
-        rank,
-        p_worker,
-        p_rank,
-        binding.ttl_s,
-        left,
-        binding.engine_backed,
-    ]
-
-
-def _close_entry(session_id: str, tomb: Tombstone, now: float) -> list[Any]:
-    counter, origin = tomb.stamp
-    return ["su", session_id, counter, origin, tomb.expires_at - now]
 
 
 def peer_pod_target(pod: dict[str, Any]) -> WorkerTarget | None:

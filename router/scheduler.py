@@ -534,12 +534,10 @@ class Router:
             self.sessions.unbind(sid)
         elif binding is not None:  # a turn (or a repeated open/bind) of a bound session
             self.sessions.refresh(sid, now)
-            if moved:  # through the table, so that replica sync hears of the new slots
-                self.sessions.move(
-                    sid,
-                    decode if Phase.DECODE in moved else binding.decode,
-                    prefill if Phase.PREFILL in moved else binding.prefill,
-                )
+            if Phase.PREFILL in moved:
+                binding.prefill = prefill
+            if Phase.DECODE in moved:
+                binding.decode = decode
         elif action == SessionAction.BIND:
             self.sessions.bind(session, decode, prefill, now)
         elif action == SessionAction.OPEN:
