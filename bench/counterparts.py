@@ -23,14 +23,19 @@ VERSIONS_FILE = REPO / "scripts" / "counterparts.versions"
 PREFIXES = {"sim": "SIM", "gaie-epp": "GAIE_EPP", "llmd-epp": "LLMD_EPP"}
 
 
-def versions() -> dict[str, str]:
+def read_versions(path: Path) -> dict[str, str]:
+    """A pinned-versions file's KEY=VALUE lines (scripts/*.versions, which bash sources too)."""
     out = {}
-    for line in VERSIONS_FILE.read_text().splitlines():
+    for line in path.read_text().splitlines():
         line = line.strip()
         if line and not line.startswith("#") and "=" in line:
             key, value = line.split("=", 1)
             out[key.strip()] = value.strip()
     return out
+
+
+def versions() -> dict[str, str]:
+    return read_versions(VERSIONS_FILE)
 
 
 def cache_root() -> Path:

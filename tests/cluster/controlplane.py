@@ -40,6 +40,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dynamograph.bench.counterparts import read_versions
+
 REPO = Path(__file__).resolve().parents[2]
 VERSIONS_FILE = REPO / "scripts" / "control-plane.versions"
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
@@ -60,13 +62,7 @@ class Missing(RuntimeError):
 
 
 def versions() -> dict[str, str]:
-    out = {}
-    for line in VERSIONS_FILE.read_text().splitlines():
-        line = line.strip()
-        if line and not line.startswith("#") and "=" in line:
-            key, value = line.split("=", 1)
-            out[key.strip()] = value.strip()
-    return out
+    return read_versions(VERSIONS_FILE)
 
 
 def cache_dir() -> Path:
