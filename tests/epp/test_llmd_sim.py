@@ -12,6 +12,9 @@ are by both sides, so the blocks the simulator reports are exactly the ones the 
 """
 
 import asyncio
+import os
+import subprocess
+import sys
 
 import aiohttp
 import pytest
@@ -185,7 +188,43 @@ def _held_by(epp, tokens: list[int]) -> dict[int, int]:
     return {w: n for (w, _), n in epp.router.index.find_matches(hashes).items()}
 
 
-async def test_precise_routing_from_the_simulators_own_events(fleet):
+# Set in the interpreter that runs the scenario (see the test below).
+FRESH_INTERPRETER = "DYNAMOGRAPH_LLMD_SIM_SCENARIO"
+
+
+def test_precise_routing_from_the_simulators_own_events():
+    """The scenario below, in a fresh interpreter. Late in a long pytest session (after
+    tests/bench/test_all.py and test_route_smoke.py, for one) the in-process EPP's bound SUB
+    stops receiving the simulators' batches although all three stay connected to it and its
+    topics are subscribed; alone, or in a fresh process, it passes every time. The process
+    state behind it is not found yet (not the environment, not uvloop alone)."""
+    if binary("sim") is None:
+        pytest.skip("llm-d-inference-sim is not built: run `make counterparts`")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            f"{__file__}::test_scenario",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+        ],
+        env={**os.environ, FRESH_INTERPRETER: "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+    assert "1 passed" in result.stdout, result.stdout[-2000:]
+
+
+async def test_scenario(fleet):
+    """Precise routing from the simulators' own events (run by the test above)."""
+    if not os.environ.get(FRESH_INTERPRETER):
+        pytest.skip(
+            "run in a fresh interpreter by test_precise_routing_from_the_simulators_own_events"
+        )
     envoy, http, epp, sims, picks, procs = fleet
     first = PREFIX + list(range(50_000, 50_000 + BLOCK))
     holder, payload = await _complete(http, envoy, sims, first)

@@ -2,6 +2,7 @@
 again; one whose every restart fails is given up after a bounded number of tries, reported, and
 routing continues on the rest; Ctrl-C then stops everything."""
 
+import collections
 import json
 import os
 import queue
@@ -127,10 +128,17 @@ def test_killed_worker_comes_back_and_one_that_keeps_failing_is_given_up(tmp_pat
         row = status_row(path, tmp_path, name)
         assert "running" in row and "killed by signal 9" in row and " 1 " in row, row
         client = chat_client(base_url)
+        epp = next(p for p in state["processes"] if p["spec"]["kind"] == "epp")
+        epp_metrics = f"http://127.0.0.1:{epp['spec']['ports']['metrics']}/metrics"
+        seen: list[int] = []
         wait_for_sync(
-            lambda: served_by(client, 0) == ids[name],
+            lambda: seen.append(served_by(client, 0)) or seen[-1] == ids[name],
             f"a request served by the restarted {name}",
             interval=0.2,
+            detail=lambda: (
+                f"served by {collections.Counter(seen)} (ids {ids}); the EPP routes among "
+                f"{epp_workers(get(epp_metrics))} workers; supervisor said: {up.seen[-8:]}"
+            ),
         )
         restarted = read_state(tmp_path, "three")
         entry = next(p for p in restarted["processes"] if p["spec"]["name"] == name)
@@ -155,8 +163,6 @@ def test_killed_worker_comes_back_and_one_that_keeps_failing_is_given_up(tmp_pat
         assert [x["level"] for x in mine] == ["warning"] * 4 + ["error"], mine
         assert [x["delay_s"] for x in mine[:4]] == [0.5, 1, 2, 4]
 
-        epp = next(p for p in state["processes"] if p["spec"]["kind"] == "epp")
-        epp_metrics = f"http://127.0.0.1:{epp['spec']['ports']['metrics']}/metrics"
         wait_for_sync(
             lambda: epp_workers(get(epp_metrics)) == 2,
             "the EPP to drop the given-up worker",
