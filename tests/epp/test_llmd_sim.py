@@ -19,6 +19,7 @@ import sys
 import aiohttp
 import pytest
 import yaml
+import zmq
 
 from dynamograph.bench.counterparts import binary
 from dynamograph.bench.route_fleet import OFFLINE_ENV, Proc, stop_all, wait_http
@@ -182,6 +183,19 @@ def _cached(payload: dict) -> int:
     return ((payload.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens", 0)
 
 
+def _bound_state(epp) -> dict:
+    """Per bound endpoint: its reader task's state, whether ZMQ holds a batch it has not read,
+    and the batches each topic's subscriber applied (why an index stays empty)."""
+    return {
+        endpoint: {
+            "reader": "running" if not bound.task.done() else repr(bound.task),
+            "unread": bool(bound.socket.get(zmq.EVENTS) & zmq.POLLIN),
+            "applied": {topic.decode(): s.applied for topic, s in bound.subscribers.items()},
+        }
+        for endpoint, bound in epp.kv.bound.items()
+    }
+
+
 def _held_by(epp, tokens: list[int]) -> dict[int, int]:
     """Leading blocks of `tokens` the EPP's index holds, per worker."""
     hashes = block_hashes(tokens, BLOCK)
@@ -235,7 +249,10 @@ async def test_scenario(fleet):
         lambda: _held_by(epp, first).get(holder, 0) == len(first) // BLOCK,
         "the EPP's index to hold the first prompt's blocks on the simulator that served it",
         within=30,
-        detail=lambda: f"index: {_held_by(epp, first)}; logs: {[p.log_tail(5) for p in procs]}",
+        detail=lambda: (
+            f"index: {_held_by(epp, first)}; bound SUBs: {_bound_state(epp)}; "
+            f"logs: {[p.log_tail(5) for p in procs]}"
+        ),
     )
     assert set(_held_by(epp, first)) == {holder}
     for i in range(6):
