@@ -137,7 +137,8 @@ def test_killed_worker_comes_back_and_one_that_keeps_failing_is_given_up(tmp_pat
             interval=0.2,
             detail=lambda: (
                 f"served by {collections.Counter(seen)} (ids {ids}); the EPP routes among "
-                f"{epp_workers(get(epp_metrics))} workers; supervisor said: {up.seen[-8:]}"
+                f"{epp_workers(get(epp_metrics))} workers; supervisor said: {up.seen[-8:]}; "
+                f"Envoy's outlier stats: {outlier_stats(state)}"
             ),
         )
         restarted = read_state(tmp_path, "three")
@@ -224,6 +225,15 @@ def test_detached_graph_restarts_a_killed_epp_and_envoy(tmp_path):
     # Gone (a zombie at most: its parent, the `up --detach` command, exited long ago).
     assert not procs.is_live(supervisor["pid"])
     assert_all_gone(state)
+
+
+def outlier_stats(state: dict) -> list[str]:
+    """Envoy's outlier-detection counters and ejected hosts (why a worker gets no traffic)."""
+    envoy = next(p for p in state["processes"] if p["spec"]["kind"] == "envoy")
+    admin = f"http://127.0.0.1:{envoy['spec']['ports']['admin']}"
+    stats = [x for x in get(admin + "/stats").splitlines() if "outlier_detection.ejections" in x]
+    ejected = [x for x in get(admin + "/clusters").splitlines() if "failed_outlier_check" in x]
+    return [x for x in stats if not x.endswith(": 0")] + ejected
 
 
 def epp_workers(metrics_text: str) -> int:
