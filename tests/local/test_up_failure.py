@@ -131,8 +131,13 @@ def test_killed_worker_comes_back_and_one_that_keeps_failing_is_given_up(tmp_pat
         epp = next(p for p in state["processes"] if p["spec"]["kind"] == "epp")
         epp_metrics = f"http://127.0.0.1:{epp['spec']['ports']['metrics']}/metrics"
         seen: list[int] = []
+
+        def served_by_restarted() -> bool:
+            seen.append(served_by(client, 0))
+            return seen[-1] == ids[name]
+
         wait_for_sync(
-            lambda: seen.append(served_by(client, 0)) or seen[-1] == ids[name],
+            served_by_restarted,
             f"a request served by the restarted {name}",
             interval=0.2,
             detail=lambda: (
