@@ -11,6 +11,7 @@ import socket
 import subprocess
 import threading
 import time
+import uuid
 
 import openai
 import pytest
@@ -89,11 +90,12 @@ def chat_client(base_url: str) -> openai.OpenAI:
 
 
 def served_by(client: openai.OpenAI, i: int) -> int:
-    """One chat through Envoy; the instance id of the engine that served it. Different prefixes,
-    so KV routing has no reason to stick to one worker."""
+    """One chat through Envoy; the instance id of the engine that served it. The prompt differs
+    from its first KV block on (a random id first: a timestamp first would share that block
+    for seconds), so no worker holds any of it and KV routing spreads the requests."""
     reply = client.chat.completions.create(
         model="qwen",
-        messages=[{"role": "user", "content": f"request {i} {time.time()} " * 20}],
+        messages=[{"role": "user", "content": f"{uuid.uuid4().hex} request {i} " * 20}],
         max_tokens=4,
         extra_body={"nvext": {"extra_fields": ["worker_id"]}},
     )
