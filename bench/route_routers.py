@@ -21,7 +21,7 @@ from pathlib import Path
 import yaml
 
 from dynamograph.local.procs import PortPool
-from dynamograph.protocol.router_config import dynamo_scorers
+from dynamograph.protocol.router_config import dynamo_scorers, ttft_scorers
 
 from .route_fleet import DYNAMOGRAPH, OFFLINE_ENV, LaunchError, Proc, Worker, stop_all, wait_http
 
@@ -65,14 +65,15 @@ POLICIES: dict[str, Policy] = {
         Policy(
             "kv",
             "epp",
-            "EPP, KV cost from the engines' KV events (Dynamo's defaults: overlap weight 1)",
-            {},
+            "EPP, KV cost from the engines' KV events, Dynamo's (overlap weight 1: a block to "
+            "prefill weighs as much as an active block)",
+            {"scorers": [s.model_dump() for s in dynamo_scorers()]},
         ),
         Policy(
             "kv-2epp",
             "epp",
-            "2 EPP replicas (active-active, bookings shared), KV events, Dynamo's defaults",
-            {},
+            "2 EPP replicas (active-active, bookings shared), KV events, Dynamo's cost",
+            {"scorers": [s.model_dump() for s in dynamo_scorers()]},
             epps=2,
         ),
         Policy(
@@ -80,6 +81,13 @@ POLICIES: dict[str, Policy] = {
             "epp",
             "EPP, KV events, overlap weight 4 (prefill blocks count 4x against active blocks)",
             {"scorers": [s.model_dump() for s in dynamo_scorers(overlap_weight=4.0)]},
+        ),
+        Policy(
+            "kv-ttft",
+            "epp",
+            "EPP, KV events, our default cost: the TTFT estimate in blocks to prefill (queued "
+            "prefill + uncached blocks, active blocks at 0.0025 each, blocks over free KV)",
+            {"scorers": [s.model_dump() for s in ttft_scorers()]},
         ),
         Policy(
             "sglang-cache-aware",

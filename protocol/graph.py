@@ -368,7 +368,11 @@ class RouterSpec(_Model):
 
     mode: RouterMode = RouterMode.KV
     overlap_weight: float = Field(
-        default=1.0, ge=0, description="weight of prefill-token cost against KV overlap"
+        default=1.0,
+        ge=0,
+        description="weight of the prefill term (uncached prompt blocks plus prefill blocks "
+        "queued on the worker) in the routing cost, whose other terms are in blocks to prefill "
+        "too (docs/router.md)",
     )
     temperature: float = Field(
         default=0.0, ge=0, description="softmax sampling temperature; 0 picks the best worker"

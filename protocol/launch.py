@@ -15,7 +15,7 @@ from typing import Any
 
 from .graph import ComponentType, DynamoGraph, RouterMode, RouterSpec, ServiceSpec
 from .kv_curve import KV_CURVE_ENV
-from .router_config import dynamo_scorers
+from .router_config import ttft_scorers
 
 # Contract ports (docs/contracts.md).
 HTTP_PORT = 8080  # frontend; the InferencePool targetPort
@@ -153,7 +153,7 @@ def router_config(router: RouterSpec) -> dict[str, Any]:
     """
     config: dict[str, Any] = {
         "picker": {"type": "kv" if router.mode == RouterMode.APPROX else str(router.mode)},
-        "scorers": [ref.model_dump() for ref in dynamo_scorers(router.overlap_weight)],
+        "scorers": [ref.model_dump() for ref in ttft_scorers(router.overlap_weight)],
         "temperature": router.temperature,
         "use_kv_events": uses_kv_events(router),
         "enforce_disagg": router.enforce_disagg,

@@ -33,7 +33,8 @@ def test_flags_override_the_config_file(tmp_path):
     settings = settings_from_args(args)
     assert [(s.type, s.weight) for s in settings.router.scorers] == [
         ("kv-overlap", 2.5),
-        ("load", 1.0),
+        ("load", 0.0025),
+        ("kv-overflow", 1.0),
     ]
     assert settings.router.temperature == 0
     assert settings.router.busy_threshold == 0.9

@@ -245,11 +245,16 @@ async def test_token_data_counts_only_with_backend_instance_id(model):
 
 async def test_expected_output_length_is_booked_load(model):
     """agent_hints.osl: a running request's expected output counts in its worker's booked load
-    (Dynamo), so a prompt cached there still goes elsewhere when that output is large."""
+    (Dynamo), so under Dynamo's cost a prompt cached there still goes elsewhere when that output
+    is large (the default TTFT cost weighs an active block at what it costs a prefill: there
+    the prompt would stay)."""
+    from dynamograph.protocol.router_config import RouterConfig, dynamo_scorers
+
+    dynamo = RouterConfig(scorers=dynamo_scorers())
     async with (
         mock_worker(speedup=1.0) as a,
         mock_worker() as b,
-        run_frontend(None, [a, b], mode=Mode.KV) as fe,
+        run_frontend(None, [a, b], mode=Mode.KV, router=dynamo) as fe,
     ):
         assert (await post(fe, {"model": model, "prompt": PROMPT, "max_tokens": 1}, route(a)))[
             0

@@ -195,7 +195,8 @@ def test_epp_pod_service_and_config():
         "picker": {"type": "kv"},
         "scorers": [
             {"type": "kv-overlap", "parameters": {}, "weight": 1.0},
-            {"type": "load", "parameters": {}, "weight": 1.0},
+            {"type": "load", "parameters": {}, "weight": 0.0025},
+            {"type": "kv-overflow", "parameters": {}, "weight": 1.0},
         ],
         "temperature": 0.0,
         "use_kv_events": True,

@@ -40,6 +40,9 @@ def tokens(n: int, start: int = 0) -> list[int]:
 
 
 def make_router(workers=(1, 2, 3), clock=None, **config) -> Router:
+    """A router with Dynamo's cost unless `scorers` are given: these tests check the cost's
+    arithmetic in its terms (the default TTFT cost: test_ttft_cost.py)."""
+    config.setdefault("scorers", dynamo_scorers())
     router = Router(RouterConfig(seed=7, **config), clock=clock or Clock())
     for w in workers:
         router.add_worker(w, block_size=BS, total_blocks=1000)

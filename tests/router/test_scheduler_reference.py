@@ -348,6 +348,11 @@ def test_debug_log_names_the_choice_and_the_cheapest_others(caplog):
     assert decision.decode.worker_id == 2
     (record,) = [r for r in caplog.records if "pick" in r.getMessage()]
     message = record.getMessage()
-    assert message.startswith("aggregated pick (2, 0) of 6 blocks: overlap=6 kv-overlap=0 load=6")
-    assert "cost=6 requests=0; next: (1, 0) overlap=0 kv-overlap=6 load=6 cost=12" in message
+    assert message.startswith(
+        "aggregated pick (2, 0) of 6 blocks: overlap=6 kv-overlap=0 load=6 kv-overflow=0"
+    )
+    assert (
+        "cost=0.015 requests=0; next: (1, 0) overlap=0 kv-overlap=6 load=6 kv-overflow=0 "
+        "cost=6.015" in message
+    )
     assert "(3, 0) overlap=0" in message

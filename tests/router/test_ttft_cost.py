@@ -1,0 +1,77 @@
+"""The TTFT cost (`ttft_scorers`): a worker is priced by what it would cost this request's
+time to first token, in blocks to prefill. A follow-up stays with its history however many
+other conversations decode there; queued prefill work, and KV blocks that would not fit, still
+send it elsewhere."""
+
+import pytest
+
+from dynamograph.protocol.hashing import block_hash_array
+from dynamograph.protocol.kv_events import BlockStored, EventBatch
+from dynamograph.protocol.router_config import RouterConfig, ScorerRef, dynamo_scorers, ttft_scorers
+from dynamograph.router.scheduler import Router, RouteRequest
+
+pytestmark = pytest.mark.unit
+
+BS = 16
+TOTAL = 1000
+PROMPT = list(range(40 * BS))  # a follow-up turn of 40 blocks
+HISTORY = 36  # of which the conversation so far, cached on worker 1
+
+
+def router_with(scorers: list[ScorerRef]) -> Router:
+    router = Router(RouterConfig(scorers=scorers, seed=1))
+    for wid in (1, 2):
+        router.add_worker(wid, block_size=BS, total_blocks=TOTAL)
+    tokens = PROMPT[: HISTORY * BS]
+    engine = [1000 + i for i in range(HISTORY)]
+    batch = EventBatch(0.0, [BlockStored(engine, None, tokens, BS, None)])
+    assert router.apply_kv_batch(1, 0, batch) is None
+    return router
+
+
+def route(router: Router) -> int:
+    request = RouteRequest("r", block_hash_array(PROMPT, BS), len(PROMPT), query_only=True)
+    return router.schedule(request).decode.worker_id
+
+
+def test_a_follow_up_stays_with_its_history_beside_other_conversations_decoding():
+    # worker 1 holds the history and 300 blocks of other conversations' decodes; 2 is idle
+    for scorers, expected in ((ttft_scorers(), 1), (dynamo_scorers(), 2)):
+        router = router_with(scorers)
+        for _ in range(3):
+            router.active.book((1, 0), prompt_blocks=100, prefill_blocks=0)
+        # TTFT: 4 uncached blocks + 300 · 0.0025 against 40 to prefill on worker 2; Dynamo's
+        # cost weighs each active block as one to prefill: 4 + 340 against 40 + 40
+        assert route(router) == expected
+
+
+def test_queued_prefill_work_sends_it_to_an_idle_worker():
+    router = router_with(ttft_scorers())
+    assert route(router) == 1
+    # 50 blocks still to prefill on worker 1: 50 + 4 > 40 to prefill from scratch on worker 2
+    router.active.book((1, 0), prompt_blocks=50, prefill_blocks=50)
+    assert route(router) == 2
+
+
+def test_a_worker_whose_kv_blocks_are_nearly_all_in_use_is_avoided():
+    router = router_with(ttft_scorers())
+    # worker 1's KV is 98 % in use (scraped): the 40 blocks would not fit
+    router.update_load(1, 0, kv_usage=0.98)
+    assert route(router) == 2
+    # while they fit, the history wins however full the worker is
+    router.update_load(1, 0, kv_usage=0.95)
+    assert route(router) == 1
+
+
+def test_the_overflow_counts_a_whole_sequence_of_the_worker():
+    router = router_with(ttft_scorers())
+    for _ in range(2):  # 2 sequences of 490 blocks: 980 in use, 40 more are 20 over 1000
+        router.active.book((1, 0), prompt_blocks=490, prefill_blocks=0)
+    request = RouteRequest("r", block_hash_array(PROMPT, BS), len(PROMPT), query_only=True)
+    assert router.schedule(request).decode.worker_id == 2
+    # worker 2 full too (scraped, no requests of ours: one sequence of 1000 blocks): the
+    # request goes where the engine frees the fewest blocks for it, worker 1's 490
+    router.update_load(2, 0, kv_usage=1.0)
+    decision = router.schedule(request).decode
+    assert decision.worker_id == 1
+    assert decision.cost == pytest.approx(4 + 0.0025 * (980 + 40) + (20 + 490))
