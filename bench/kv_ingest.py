@@ -1,0 +1,217 @@
+"""KV-event ingestion, as the EPP runs it: `router.kv_events.KvEventIngest` in a process of its
+own (uvloop, like the EPP), one SUB per worker, fed by PUB sockets in this process.
+
+Engines publish a batch per engine step and rank. The stream here is shaped like the one
+captured from `bench route --workload multiturn` (4 workers, rate 8): each batch stores 1–63
+blocks (mean 32) of 16 unique tokens continuing the worker's chain, and once a worker holds
+its cache's worth, removes its oldest blocks as it stores, as an engine evicts. Measured:
+- paced: `rate` batches/s spread over the workers for `seconds`: the ingest process's CPU
+  per batch and the lag from a batch's timestamp to its application (p50/p99);
+- flat out: `burst` batches sent at once: how many batches (and blocks) per second one
+  process applies (wall, first to last applied) and its CPU per batch meanwhile.
+Both for the ticker's interval as shipped (`INGEST_INTERVAL_S`: rounds at most every 20 ms
+while batches keep coming) and 0 (a round per loop turn: every batch read as it arrives, the
+way a per-socket reader would), in the same run.
+"""
+
+import asyncio
+import contextlib
+import multiprocessing
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+import zmq
+
+from dynamograph.protocol.engine import EngineConfig, KvEventsEndpoint
+from dynamograph.protocol.kv_events import (
+    BlockRemoved,
+    BlockStored,
+    EngineHash,
+    EventBatch,
+    encode_batch,
+)
+from dynamograph.protocol.kv_events import encode_seq as _seq
+from dynamograph.router.discovery import WorkerRecord
+from dynamograph.router.kv_events import INGEST_INTERVAL_S, KvEventIngest
+from dynamograph.router.scheduler import GapInfo, Router
+from dynamograph.worker.testing import free_port
+
+BLOCK_SIZE = 16
+CACHE_BLOCKS = 4000  # per worker: past it, every batch also evicts
+
+
+class _TimedRouter(Router):
+    """Notes when each batch is applied, against the timestamp its publisher gave it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lags: list[float] = []
+        self.first_at = self.last_at = 0.0
+        self.expected = 0
+        self.all_applied = asyncio.Event()  # `expected` batches applied (no polling: no wake-ups)
+
+    def apply_kv_batch(self, worker_id: int, seq: int, batch: EventBatch) -> GapInfo | None:
+        now = time.time()
+        if not self.lags:
+            self.first_at = now
+        self.last_at = now
+        self.lags.append(now - batch.ts)
+        if len(self.lags) >= self.expected:
+            self.all_applied.set()
+        return super().apply_kv_batch(worker_id, seq, batch)
+
+
+def _ingest_main(endpoints: list[str], interval_s: float, conn: Connection) -> None:
+    import uvloop
+
+    uvloop.install()
+    asyncio.run(_ingest(endpoints, interval_s, conn))
+
+
+async def _ingest(endpoints: list[str], interval_s: float, conn: Connection) -> None:
+    router = _TimedRouter()
+    ingest = KvEventIngest(router, interval_s=interval_s)
+    for wid, endpoint in enumerate(endpoints, 1):
+        router.add_worker(wid, block_size=BLOCK_SIZE, total_blocks=1 << 20)
+        config = EngineConfig(
+            model="m", served_model_name="m", tokenizer="qwen", name=f"w{wid}", instance_id=wid,
+            kv_cache_block_size=BLOCK_SIZE, kv_events=KvEventsEndpoint(endpoint=endpoint),
+        )  # fmt: skip
+        ingest.add(WorkerRecord(f"w{wid}", wid, f"http://127.0.0.1:{wid}", None, config))
+    loop = asyncio.get_running_loop()
+    try:
+        while True:
+            command = await loop.run_in_executor(None, conn.recv)
+            if command == "stop":
+                return
+            expected, within = command.split()  # the next phase's batches, the wait for them
+            router.expected = int(expected)
+            router.lags.clear()
+            router.all_applied.clear()
+            conn.send("ready")
+            cpu = time.process_time()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(router.all_applied.wait(), float(within))
+            conn.send(
+                {
+                    "cpu_s": time.process_time() - cpu,
+                    "applied": len(router.lags),
+                    "span_s": router.last_at - router.first_at,
+                    "lags": router.lags[:],
+                }
+            )
+    finally:
+        await ingest.close()
+
+
+class _Stream:
+    """One worker's batches: its chain of blocks, its oldest blocks evicted once full."""
+
+    def __init__(self, rng: np.random.Generator, worker: int) -> None:
+        self.rng = rng
+        self.next_hash = worker << 40
+        self.held: list[EngineHash] = []
+        self.seq = 0
+
+    def frame(self) -> list[bytes]:
+        n = int(self.rng.integers(1, 64))
+        hashes: list[EngineHash] = list(range(self.next_hash, self.next_hash + n))
+        parent = self.held[-1] if self.held else None
+        tokens = self.rng.integers(0, 150_000, n * BLOCK_SIZE).tolist()
+        self.next_hash += n
+        events: list[Any] = [BlockStored(hashes, parent, tokens, BLOCK_SIZE)]
+        self.held.extend(hashes)
+        if len(self.held) > CACHE_BLOCKS:
+            evicted, self.held = self.held[:n], self.held[n:]
+            events.append(BlockRemoved(evicted))
+        self.seq += 1
+        return [b"", _seq(self.seq), encode_batch(EventBatch(time.time(), events, 0))]
+
+
+def _run_phase(
+    conn: Connection, pubs: list[zmq.Socket[bytes]], streams: list[_Stream], frames: list[int],
+    rate: float | None, within: float = 60.0,
+) -> dict[str, Any]:  # fmt: skip
+    """Send the batches (worker per batch in `frames`), paced at `rate`/s (each encoded as it is
+    sent, with its timestamp) or flat out (all encoded first: the publisher must not be what
+    limits the rate)."""
+    conn.send(f"{len(frames)} {within}")
+    assert conn.recv() == "ready"
+    if rate is None:
+        encoded = [(worker, streams[worker].frame()) for worker in frames]
+        for worker, frame in encoded:
+            pubs[worker].send_multipart(frame)
+    else:
+        start = time.monotonic()
+        for i, worker in enumerate(frames):
+            delay = start + i / rate - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            pubs[worker].send_multipart(streams[worker].frame())
+    result: dict[str, Any] = conn.recv()
+    return result
+
+
+def measure(
+    interval_s: float, *, workers: int, rate: float, seconds: float, burst: int, seed: int
+) -> dict[str, Any]:
+    """Paced and flat-out phases against one ingest process using `interval_s`."""
+    rng = np.random.default_rng(seed)
+    context = zmq.Context()
+    pubs, endpoints = [], []
+    for _ in range(workers):
+        pub = context.socket(zmq.PUB)
+        pub.setsockopt(zmq.SNDHWM, 0)
+        pub.setsockopt(zmq.LINGER, 0)
+        endpoint = f"tcp://127.0.0.1:{free_port()}"
+        pub.bind(endpoint)
+        pubs.append(pub)
+        endpoints.append(endpoint)
+    streams = [_Stream(rng, w) for w in range(workers)]
+    spawn = multiprocessing.get_context("spawn")
+    parent, child = spawn.Pipe()
+    process = spawn.Process(target=_ingest_main, args=(endpoints, interval_s, child), daemon=True)
+    process.start()
+    try:
+        # subscriptions reach the PUBs a while after the SUBs connect: a batch to every worker
+        # until all arrive
+        warm = list(range(workers))
+        for _ in range(100):
+            if _run_phase(parent, pubs, streams, warm, None, within=0.2)["applied"] == workers:
+                break
+        paced_frames = [int(w) for w in rng.integers(0, workers, int(rate * seconds))]
+        paced = _run_phase(parent, pubs, streams, paced_frames, rate)
+        burst_frames = [i % workers for i in range(burst)]
+        flat = _run_phase(parent, pubs, streams, burst_frames, None)
+        parent.send("stop")
+    finally:
+        process.join(30)
+        if process.is_alive():
+            process.kill()
+        context.destroy(linger=0)
+    lags = np.array(paced["lags"]) * 1e3
+    blocks_per_batch = 32.0  # the mean of 1..63
+    return {
+        "interval_ms": interval_s * 1e3,
+        "paced_batches_per_s": rate,
+        "paced_applied": paced["applied"],
+        "cpu_us_per_batch": paced["cpu_s"] / max(paced["applied"], 1) * 1e6,
+        "lag_p50_ms": float(np.percentile(lags, 50)) if lags.size else None,
+        "lag_p99_ms": float(np.percentile(lags, 99)) if lags.size else None,
+        "burst_applied": flat["applied"],
+        "burst_cpu_us_per_batch": flat["cpu_s"] / max(flat["applied"], 1) * 1e6,
+        "max_batches_per_s": flat["applied"] / flat["span_s"] if flat["span_s"] else None,
+        "max_blocks_per_s": flat["applied"] * blocks_per_batch / flat["span_s"]
+        if flat["span_s"]
+        else None,
+    }
+
+
+def run(*, workers: int, rate: float, seconds: float, burst: int, seed: int) -> list[dict]:
+    """One row per interval: per-batch reading (0) first, then the shipped interval."""
+    return [
+        measure(interval, workers=workers, rate=rate, seconds=seconds, burst=burst, seed=seed)
+        for interval in (0.0, INGEST_INTERVAL_S)
+    ]
