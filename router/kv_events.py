@@ -128,14 +128,25 @@ class Ticker:
         self._disarm()  # the rounds take over until the sockets are quiet
         self._signal.set()
 
+    def _queued(self) -> bool:
+        """Whether any socket holds a message. Every socket is asked (not just until one
+        says yes): asking re-arms its descriptor, which otherwise stays readable from a
+        message already read (and would wake us for nothing)."""
+        queued = False
+        for socket in list(self._sockets):
+            try:
+                queued |= readable(socket)
+            except zmq.ZMQError as exc:  # closed without `unwatch`: a reader's bug, not ours
+                log.warning("KV-event socket left the ticker: %s", exc)
+                self._sockets.discard(socket)
+        return queued
+
     def _arm(self) -> None:
-        # Asking each socket for its events first re-arms its descriptor, which otherwise
-        # stays readable from a message already read (and would wake us for nothing).
-        queued = [readable(socket) for socket in self._sockets]
+        queued = self._queued()
         for socket in self._sockets:
             self._loop.add_reader(socket.FD, self._changed)
         self._armed = True
-        if any(queued):
+        if queued:
             self._changed()
 
     def _disarm(self) -> None:
@@ -153,8 +164,7 @@ class Ticker:
                 current, self._round = self._round, asyncio.Event()
                 current.set()
                 await asyncio.sleep(self.interval_s)
-                # every socket asked (not `any`): asking re-arms its descriptor
-                if not any([readable(socket) for socket in self._sockets]):
+                if not self._queued():
                     break
 
     async def close(self) -> None:
