@@ -29,6 +29,7 @@ Target: ≤ 1.0 ms EPP CPU per routed request (kv mode, all in) on each workload
 EPP CPU per response chunk is measured apart (`--response-chunks`) in both response modes: with
 the response body sent FULL_DUPLEX_STREAMED each chunk is an ext_proc round trip; with body NONE
 and trailers SEND (what we generate) Envoy sends no chunk at all (target ≤ 10 µs per chunk).
+KV-event ingestion is measured apart too (`bench.kv_ingest`: CPU per batch, lag, flat-out rate).
 """
 
 import argparse
