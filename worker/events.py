@@ -138,6 +138,8 @@ def bind_publishers(
                         curve.serve(sock)
                     if sock_type == zmq.PUB:  # vLLM's publisher queues as many for a slow router
                         sock.setsockopt(zmq.SNDHWM, PUB_QUEUE)
+                    else:  # a ROUTER drops what exceeds its queue: a whole replay must fit
+                        sock.setsockopt(zmq.SNDHWM, buffer_steps + 1)
                     sockets.append(sock)
                     if rank == 0 and base == 0:
                         port = sock.bind_to_random_port(bind_address(host, 0).rsplit(":", 1)[0])

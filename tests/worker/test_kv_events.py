@@ -11,6 +11,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from dynamograph.protocol.kv_events import BlockStored
+from dynamograph.worker.events import bind_publishers
 from dynamograph.worker.testing import mock_worker
 from e2e.waiting import wait_for
 
@@ -29,12 +31,14 @@ def decode(frames):
     return int.from_bytes(seq, "big"), events, dp_rank
 
 
-async def replay(ctx, endpoint, start):
+async def replay(ctx, endpoint, start, pause=0.0):
+    """Batches from `start` on; `pause` seconds pass before the first is read."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
     try:
         await sock.send_multipart([b"", start.to_bytes(8, "big")])
+        await asyncio.sleep(pause)
         out = []
         while True:
             empty, seq, payload = await asyncio.wait_for(sock.recv_multipart(), 10)
@@ -206,3 +210,21 @@ async def test_map_layout_of_vllm_028():
         )
         assert set(stored["block_hashes"]) <= set(w.engine.ranks[0].cache.cached)
     ctx.term()
+
+
+async def test_a_replay_of_the_whole_buffer_arrives_whole_to_a_slow_reader():
+    """A ROUTER drops what exceeds its send queue (ZMQ's default: 1,000 messages): a replay of
+    thousands of batches to a reader that is busy for a moment (a router catching up) must
+    still arrive whole, or the reader sees a hole and clears what it knows."""
+    ctx = zmq.asyncio.Context()
+    (publisher,), _, replay_port = bind_publishers(ctx, "127.0.0.1", 0, 0, 1)
+    batches = 8_000  # ~34 MB: more than the loopback socket buffers hold
+    try:
+        tokens = list(range(1000, 1000 + 63 * BLOCK))
+        for i in range(batches):
+            publisher.publish([BlockStored([i], None, tokens, BLOCK)])
+        history = await replay(ctx, f"tcp://127.0.0.1:{replay_port}", 0, pause=1.0)
+        assert [seq for seq, _, _ in history] == list(range(batches))
+    finally:
+        await publisher.close()
+        ctx.destroy(linger=0)
