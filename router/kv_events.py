@@ -56,6 +56,7 @@ _POLLIN = int(zmq.POLLIN)
 RECEIVE_QUEUE = 100_000  # batches a SUB socket holds for us (vLLM's publisher sends up to as many)
 DRAIN_MAX = 1024  # batches handled per wake-up before other tasks get the loop
 INGEST_INTERVAL_S = 0.02  # KV-event sockets are read at most this often (`Ticker`)
+REPLAY_PIECES = 8  # asks after a replay that came with holes (each must bring the missing one)
 REPLAY_ATTEMPTS = 3  # replay timeouts 1 s, 2 s, 4 s (the default) before the slot is cleared
 _HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
@@ -387,13 +388,43 @@ class RankSubscriber:
     async def fetch_replay(
         self, start_seq: int, wait_s: float | None = None
     ) -> tuple[list[tuple[int, EventBatch]], bool]:
-        """Batches from `start_seq` on, as the worker's replay socket has them buffered, and
-        whether the replay ended properly (False: timed out or no replay socket)."""
+        """Batches from `start_seq` on, as the worker's replay socket has them buffered, in an
+        unbroken run, and whether the replay ended properly (False: timed out, no replay socket,
+        or a hole it could not fill).
+
+        An engine's replay ROUTER drops what exceeds its send queue (vLLM's: ZMQ's default of
+        1,000 batches) while we read, so a long replay can arrive with holes: what follows a
+        hole is asked again from the first missing batch, as long as that brings it."""
+        frames, complete = await self._fetch_once(start_seq, wait_s)
+        for _ in range(REPLAY_PIECES):
+            hole = next(
+                (i for i in range(1, len(frames)) if frames[i][0] != frames[i - 1][0] + 1), None
+            )
+            if hole is None:
+                return frames, complete
+            missing = frames[hole - 1][0] + 1
+            log.info(
+                "replay of worker %s rank %s from %d came with a hole at %d; asking again",
+                self.worker_id,
+                self.dp_rank,
+                start_seq,
+                missing,
+            )
+            more, complete = await self._fetch_once(missing, wait_s)
+            if not more or more[0][0] != missing:
+                return frames[:hole], False  # no longer buffered
+            frames = frames[:hole] + more
+        return frames, False
+
+    async def _fetch_once(
+        self, start_seq: int, wait_s: float | None
+    ) -> tuple[list[tuple[int, EventBatch]], bool]:
         if not self.replay_endpoint:
             return [], False
         self.replays += 1
         dealer = self.context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)  # take a whole replay as it comes
         if self.curve is not None:
             self.curve.subscribe(dealer)
         dealer.connect(self.replay_endpoint)
@@ -406,10 +437,11 @@ class RankSubscriber:
                     log.debug("replay from %s timed out", self.replay_endpoint)
                     return frames, False
                 parts = await dealer.recv_multipart()
-                if len(parts) < 3 or parts[1] == END_SEQ:
+                # [b"", seq, payload]; newer vLLM puts its topic before the seq
+                if len(parts) < 3 or parts[-2] == END_SEQ:
                     return frames, True
-                seq = decode_seq(parts[1])
-                batch = self._decode(seq, parts[2])
+                seq = decode_seq(parts[-2])
+                batch = self._decode(seq, parts[-1])
                 if batch is not None:
                     frames.append((seq, batch))
         finally:
