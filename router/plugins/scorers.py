@@ -63,7 +63,7 @@ class KvOverflowScorer(Scorer):
 
     def score(self, ctx: Context, c: Candidates) -> np.ndarray:
         total = c.fleet.total_blocks
-        used = np.maximum(c.fleet.kv_usage * total, c.booked_decode)
+        used = c.usage() * total
         over = used + new_blocks(ctx, c) - total
         sequence = used / np.maximum(c.requests, 1)
         return np.where(over > 0, over + sequence, 0.0)

@@ -19,7 +19,6 @@ import sys
 import aiohttp
 import pytest
 import yaml
-import zmq
 
 from dynamograph.bench.counterparts import binary
 from dynamograph.bench.route_fleet import OFFLINE_ENV, Proc, stop_all, wait_http
@@ -29,6 +28,7 @@ from dynamograph.protocol.hashing import block_hashes
 from dynamograph.protocol.identity import instance_id
 from dynamograph.protocol.router_config import RouterConfig
 from dynamograph.router.discovery import EngineTemplate, StaticSource, parse_worker_flag
+from dynamograph.router.kv_events import readable
 from dynamograph.worker.testing import free_port
 from e2e.waiting import wait_for
 
@@ -189,7 +189,7 @@ def _bound_state(epp) -> dict:
     return {
         endpoint: {
             "reader": "running" if not bound.task.done() else repr(bound.task),
-            "unread": bool(bound.socket.get(zmq.EVENTS) & zmq.POLLIN),
+            "unread": readable(bound.socket),
             "applied": {topic.decode(): s.applied for topic, s in bound.subscribers.items()},
         }
         for endpoint, bound in epp.kv.bound.items()
