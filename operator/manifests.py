@@ -3,7 +3,7 @@
 For one DynamoGraph this builds, in creation order: the discovery ServiceAccount, Role and
 RoleBinding (pods get/list/watch, used by the EPP and by the frontends; inferenceobjectives
 get/list/watch, used by the EPP), the EPP's router
-ConfigMap, the EPP and frontend Services, the NetworkPolicies of the engine and EPP pods, a
+ConfigMap (and, with `spec.engineConfig`, its engine-document ConfigMap), the EPP and frontend Services, the NetworkPolicies of the engine and EPP pods, a
 Deployment per service with a PodDisruptionBudget for the EPP and every service of more than
 one replica, the InferencePool over the decode/aggregated worker pods, an HTTPRoute when the
 gateway names a parentRef, and a PodMonitor (applied only where its CRD is served). Apart from
@@ -22,6 +22,7 @@ raise `GraphError` naming the field.
 
 import copy
 import functools
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +48,9 @@ from dynamograph.protocol.graph import (
 )
 from dynamograph.protocol.launch import (
     ADMIN_TOKEN_KEY,
+    ENGINE_CONFIG_DIR,
+    ENGINE_CONFIG_FILE,
+    ENGINE_CONFIG_VOLUME,
     ENGINE_PORT,
     EPP_GRPC_PORT,
     EPP_HEALTH_PORT,
@@ -56,6 +60,9 @@ from dynamograph.protocol.launch import (
     KV_EVENTS_PORT,
     admin_token_env,
     admin_token_secret,
+    engine_config_args,
+    engine_config_file,
+    engine_config_name,
     graph_router,
     kv_curve_mount,
     kv_curve_secret,
@@ -80,6 +87,9 @@ MANAGED_BY = "dynamograph-operator"
 
 ROUTER_CONFIG_DIR = "/etc/dynamograph/router"
 ROUTER_CONFIG_FILE = "router.yaml"
+# On the EPP's pod template with `spec.engineConfig`: the engine document's SHA-256, so that a
+# changed document rolls the EPP (it reads the file once, at start).
+ENGINE_CONFIG_CHECKSUM = "dynamograph.io/engine-config-sha256"
 # Where the EPP's TLS Secret is mounted (GAIE's chart mounts its certificate the same way:
 # a folder with tls.crt and tls.key given to --cert-path).
 EPP_TLS_DIR = "/etc/dynamograph/epp-tls"
@@ -176,6 +186,16 @@ def service_labels(graph: str, service: str, kind: str) -> dict[str, str]:
 def graph_selector(graph: str) -> str:
     """The label selector discovery watches: every pod of the graph (EPP pods have no engine port)."""
     return f"{LABEL_GRAPH}={graph}"
+
+
+def epp_selector(graph: DynamoGraph) -> str:
+    """The pods the EPP discovers: the graph's; with `engineConfig` not its standalone
+    frontends, since the EPP then also takes a pod with only an `http` port for an engine we
+    did not launch, and a frontend serves `http` but is no engine."""
+    selector = graph_selector(graph.name)
+    if graph.spec.engine_config is None:
+        return selector
+    return f"{selector},{LABEL_COMPONENT}!={ComponentType.FRONTEND.value}"
 
 
 # ---- building blocks ---------------------------------------------------------------------
@@ -325,7 +345,7 @@ def epp_args(
         "--namespace",
         owner.namespace,
         "--selector",
-        graph_selector(graph.name),
+        epp_selector(graph),
         # the InferencePool it serves (named as the graph): its InferenceObjectives' priorities
         "--pool-name",
         graph.name,
@@ -342,6 +362,8 @@ def epp_args(
     ]
     if router.enforce_disagg:
         args.append("--enforce-disagg")
+    if graph.spec.engine_config is not None:
+        args += engine_config_args()
     if drain_grace is not None:
         args += ["--drain-grace", str(drain_grace)]
     # Active-active: every EPP pod (and process) books with the others' in-flight requests in
@@ -575,6 +597,10 @@ def _epp_container(
     lifecycle = {"preStop": {"sleep": {"seconds": sleep}}} if sleep else {}
     tls = epp_tls(graph)
     mounts = [{"name": "router-config", "mountPath": ROUTER_CONFIG_DIR, "readOnly": True}]
+    if graph.spec.engine_config is not None:
+        mounts.append(
+            {"name": ENGINE_CONFIG_VOLUME, "mountPath": ENGINE_CONFIG_DIR, "readOnly": True}
+        )
     if tls.mode == EppTlsMode.SECRET:
         mounts.append({"name": EPP_TLS_VOLUME, "mountPath": EPP_TLS_DIR, "readOnly": True})
     _, curve_mounts, curve_env = _kv_curve_parts(graph, opens_kv_sockets=True)
@@ -684,6 +710,12 @@ def _deployment(
         volumes.append(
             {"name": "router-config", "configMap": {"name": router_config_name(graph.name)}}
         )
+        engine_document = engine_config_file(graph)
+        if engine_document is not None:
+            source = {"name": engine_config_name(graph)}
+            volumes.append({"name": ENGINE_CONFIG_VOLUME, "configMap": source})
+            digest = hashlib.sha256(engine_document.encode()).hexdigest()
+            annotations[ENGINE_CONFIG_CHECKSUM] = digest
         tls = epp_tls(graph)
         if tls.mode == EppTlsMode.SECRET:
             # No subPath mounts: the kubelet only updates whole Secret volumes on rotation.
@@ -1045,6 +1077,16 @@ def desired_objects(
                 "data": {ROUTER_CONFIG_FILE: yaml.safe_dump(router_config(router), sort_keys=True)},
             }
         )
+        engine_document = engine_config_file(graph)
+        if engine_document is not None:
+            objects.append(
+                {
+                    "apiVersion": "v1",
+                    "kind": "ConfigMap",
+                    "metadata": _meta(owner, engine_config_name(graph), epp_labels),
+                    "data": {ENGINE_CONFIG_FILE: engine_document},
+                }
+            )
         objects.append(
             _service(
                 owner,

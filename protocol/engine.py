@@ -8,13 +8,24 @@ size silently turns KV routing into load-only routing.
 `served_models(configs)` is the one rule for what a request's `model` means (the worker, the
 EPP and the frontend's kv mode all use it): a served model name is the base model, an adapter
 name is that LoRA adapter, anything else is unknown (404, `lora_for_model`).
+
+`EngineTemplate` is the document of engines that serve none (unmodified vLLM,
+llm-d-inference-sim): EngineConfig fields shared by those workers, from the EPP's or frontend's
+`--engine-config FILE` or a graph's `spec.engineConfig`; `EngineTemplateFields` is that
+document's schema (every field optional), which the graph's CRD schema is generated from.
 """
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, model_validator
+from pydantic.config import JsonDict
+from pydantic.fields import FieldInfo
 
 from .identity import instance_id as instance_id_of
 from .openai import OpenAIError
@@ -143,3 +154,98 @@ def lora_for_model(model: str, models: Mapping[str, str | None]) -> str | None:
         raise OpenAIError(
             404, f"The model `{model}` does not exist here; served: {served}", param="model"
         ) from None
+
+
+# ---- the engine document of workers that serve none ------------------------------------------
+
+# Per-worker fields a shared engine document must not fix (each worker's come from its name).
+PER_WORKER_FIELDS = ("name", "instance_id")
+PER_WORKER_MESSAGE = (
+    "would be the same for every worker; leave them out (each worker is named by its pod, "
+    "or host:port)"
+)
+# KvEventsEndpoint fields that are templates of the worker's address.
+_TEMPLATED_FIELDS = ("endpoint", "replay_endpoint", "topic")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineTemplate:
+    """The engine document of workers that serve none (`--engine-config FILE`, a graph's
+    `spec.engineConfig`): EngineConfig fields (model, kv_cache_block_size, tokenizer, kv_events,
+    ...) shared by those workers, where `kv_events.endpoint`, `replay_endpoint` and `topic` may
+    name the worker's `{host}` and `{port}` (of its engine URL), e.g. `tcp://{host}:5557`, or for
+    llm-d-inference-sim `endpoint: tcp://*:5557, bind: true, topic: kv@{host}@MODEL`. Each worker
+    is named as an engine that does not name itself is (pod name, or host:port), so `name` and
+    `instance_id` may not be given."""
+
+    fields: dict[str, Any]
+    source: str = "--engine-config"
+
+    @classmethod
+    def load(cls, path: str | Path) -> "EngineTemplate":
+        try:
+            raw = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError) as exc:
+            raise ValueError(f"--engine-config {path}: {exc}") from None
+        return cls.checked(raw, source=str(path))
+
+    @classmethod
+    def checked(cls, raw: Any, source: str = "--engine-config") -> "EngineTemplate":
+        """`from_fields`, then the document made for a worker: say what is wrong now, not when
+        the first worker is found (ValueError; pydantic's ValidationError is one)."""
+        template = cls.from_fields(raw, source)
+        template.config_for("http://127.0.0.1:1", "check")
+        return template
+
+    @classmethod
+    def from_fields(cls, raw: Any, source: str = "--engine-config") -> "EngineTemplate":
+        if not isinstance(raw, dict):
+            raise ValueError(f"{source}: expected a mapping of EngineConfig fields")
+        fixed = [f for f in PER_WORKER_FIELDS if f in raw]
+        if fixed:
+            raise ValueError(f"{source}: {', '.join(fixed)} {PER_WORKER_MESSAGE}")
+        return cls(dict(raw), source)
+
+    def config_for(self, engine_url: str, name: str) -> EngineConfig:
+        data = dict(self.fields)
+        events = data.get("kv_events")
+        if isinstance(events, dict):
+            where = urlsplit(engine_url)
+            host = where.netloc.rpartition(":")[0] if where.port else where.netloc
+            values = {"host": host, "port": where.port or ""}
+            try:
+                data["kv_events"] = {
+                    k: v.format_map(values) if k in _TEMPLATED_FIELDS and isinstance(v, str) else v
+                    for k, v in events.items()
+                }
+            except (KeyError, ValueError, IndexError) as exc:
+                raise ValueError(
+                    f"{self.source}: kv_events templates may name {{host}} and {{port}} only "
+                    f"({exc!r})"
+                ) from None
+        return EngineConfig.model_validate(data, context={"name": name})
+
+
+def _template_fields_model() -> type[BaseModel]:
+    """EngineConfig's fields, every one optional, as a model: the schema of an engine document
+    in a DynamoGraph (`spec.engineConfig`, whose CRD schema is generated from it), so the
+    apiserver checks the document's types and bounds as EngineConfig does. The per-worker
+    fields are kept (a string or an integer) only so that a CEL rule can refuse them by name."""
+    fields: dict[str, Any] = {}
+    for name, info in EngineConfig.model_fields.items():
+        if name in PER_WORKER_FIELDS:
+            loose: JsonDict = {"x-kubernetes-int-or-string": True}  # a name, an instance id
+            fields[name] = (Any, Field(default=None, json_schema_extra=loose))
+            continue
+        optional = FieldInfo.merge_field_infos(info, default=None, default_factory=None)
+        fields[name] = (info.annotation | None, optional)  # type: ignore[operator]
+    rule: JsonDict = {
+        "rule": " && ".join(f"!has(self.{name})" for name in PER_WORKER_FIELDS),
+        "message": f"{', '.join(PER_WORKER_FIELDS)} {PER_WORKER_MESSAGE}",
+    }
+    config = ConfigDict(extra="forbid", json_schema_extra={"x-kubernetes-validations": [rule]})
+    return create_model("EngineTemplateFields", __config__=config, **fields)
+
+
+# The fields of an engine document (EngineTemplate's `fields`), every one optional.
+EngineTemplateFields = _template_fields_model()

@@ -32,6 +32,8 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
+from .engine import EngineTemplate, EngineTemplateFields
+
 GROUP: Final = "dynamograph.io"
 VERSION: Final = "v1alpha1"
 API_VERSION: Final = "dynamograph.io/v1alpha1"  # GROUP/VERSION, spelled out for its Literal type
@@ -869,6 +871,15 @@ class DynamoGraphSpec(_Model):
         description="the service `replicas` and the /scale subresource scale; default: the "
         "graph's only worker or decode service",
     )
+    engine_config: EngineTemplateFields | None = Field(  # type: ignore[valid-type]
+        default=None,
+        description="the engine document of workers that serve no /v1/engine (engines we did "
+        "not launch: unmodified vLLM, llm-d-inference-sim): EngineConfig fields under their own "
+        "snake_case names (model, kv_cache_block_size, tokenizer, kv_events, ...), as the EPP's "
+        "--engine-config file (docs/epp.md, engines we did not launch); model, "
+        "served_model_name, kv_cache_block_size and tokenizer default to the graph's. The "
+        "operator writes it into the ConfigMap `<graph>-engine-config` and gives it to the EPP",
+    )
 
     @field_validator("services")
     @classmethod
@@ -921,6 +932,14 @@ class DynamoGraphSpec(_Model):
                 f"scaleTarget: {self.scale_target!r} is not a service of the graph "
                 f"(services: {', '.join(self.services)})"
             )
+        if self.engine_config is not None:
+            try:
+                EngineTemplate.checked(self.engine_document(), source="engineConfig")
+            except ValidationError as exc:  # what EngineConfig refuses in the merged document
+                first = exc.errors()[0]
+                raise ValueError(
+                    f"engineConfig.{error_path(tuple(first['loc']))}: {first['msg']}"
+                ) from None
         target = self.scale_target_service
         if self.replicas is not None:
             if target is None:
@@ -930,6 +949,21 @@ class DynamoGraphSpec(_Model):
                 )
             self.services[target].replicas = self.replicas
         return self
+
+    def engine_document(self) -> dict[str, Any] | None:
+        """`engineConfig` as the EPP's `--engine-config` document: the fields given, over the
+        graph's model, served model name, KV block size and tokenizer. None without it."""
+        if self.engine_config is None:
+            return None
+        document: dict[str, Any] = {
+            "model": self.model.name,
+            "served_model_name": self.served_model_name,
+            "kv_cache_block_size": self.kv_block_size,
+        }
+        if self.model.tokenizer is not None:
+            document["tokenizer"] = self.model.tokenizer
+        given = self.engine_config.model_dump(mode="json", exclude_unset=True)
+        return {**document, **given}
 
     @property
     def scale_target_service(self) -> str | None:
@@ -1086,7 +1120,7 @@ def validation_errors(exc: ValidationError, prefix: str = "") -> list[tuple[str,
         path = error_path(tuple(err["loc"]))
         message = err["msg"].removeprefix("Value error, ")
         head, sep, rest = message.partition(": ")
-        if sep and re.match(r"^[A-Za-z][A-Za-z0-9.]*$", head) and err["type"] == "value_error":
+        if sep and re.match(r"^[A-Za-z][A-Za-z0-9_.]*$", head) and err["type"] == "value_error":
             if head.startswith("spec."):
                 path, message = head, rest
             else:

@@ -8,10 +8,14 @@ One mapping, so a graph behaves the same in both places (docs/contracts.md):
 - `worker_args`: the `dynamograph worker` command line of an engine service;
 - `graph_router`: the routing policy of a graph (its epp service's `router`, else defaults);
 - `router_config`: the router's `--config` file (a RouterConfig) from that policy, and
-  `uses_kv_events`: whether the policy indexes the engines' KV events.
+  `uses_kv_events`: whether the policy indexes the engines' KV events;
+- `engine_config_file`: the EPP's `--engine-config` file (the graph's `spec.engineConfig`), where
+  it is mounted and the flag that names it (`engine_config_args`).
 """
 
 from typing import Any
+
+import yaml
 
 from .graph import ComponentType, DynamoGraph, RouterMode, RouterSpec, ServiceSpec
 from .kv_curve import KV_CURVE_ENV
@@ -162,3 +166,27 @@ def router_config(router: RouterSpec) -> dict[str, Any]:
         config["busy_threshold"] = router.busy_threshold
     config.update(router.config)
     return config
+
+
+# A graph's `spec.engineConfig` (engines that serve no /v1/engine, docs/epp.md): the operator
+# writes it into the ConfigMap `<graph>-engine-config` under ENGINE_CONFIG_FILE, mounts that
+# read-only at ENGINE_CONFIG_DIR in the EPP container and names the file with --engine-config.
+ENGINE_CONFIG_DIR = "/etc/dynamograph/engine"
+ENGINE_CONFIG_FILE = "engine.yaml"
+ENGINE_CONFIG_VOLUME = "engine-config"
+
+
+def engine_config_name(graph: DynamoGraph) -> str:
+    """The ConfigMap (in the graph's namespace) holding the graph's engine document."""
+    return f"{graph.name}-engine-config"
+
+
+def engine_config_file(graph: DynamoGraph) -> str | None:
+    """The EPP's `--engine-config` file, YAML; None when the graph has no `engineConfig`."""
+    document = graph.spec.engine_document()
+    return None if document is None else yaml.safe_dump(document, sort_keys=True)
+
+
+def engine_config_args(path: str = f"{ENGINE_CONFIG_DIR}/{ENGINE_CONFIG_FILE}") -> list[str]:
+    """The EPP's (or a frontend's) flag naming the engine document at `path`."""
+    return ["--engine-config", path]

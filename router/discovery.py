@@ -24,9 +24,10 @@ API:
   `get(instance_id)`, `endpoint_of(instance_id)`, `add_listener(on_added, on_removed)` (plain
   callables taking a WorkerRecord), `mark_unreachable(instance_id)` (drop it and re-fetch
   `/v1/engine` until it answers again), `await wait_for(predicate, within)`.
-- `EngineTemplate.load(path)`: what workers that serve no `/v1/engine` are (unmodified vLLM
-  pods, llm-d-inference-sim): EngineConfig fields from YAML whose KV-event addresses and topic
-  are templates of the worker's `{host}` and `{port}`; `Discovery` uses it
+- `EngineTemplate.load(path)` (protocol.engine, re-exported here): what workers that serve no
+  `/v1/engine` are (unmodified vLLM pods, llm-d-inference-sim): EngineConfig fields from YAML
+  whose KV-event addresses and topic are templates of the worker's `{host}` and `{port}`;
+  `Discovery` uses it
   for every worker whose `/v1/engine` answers 404 (ours keep describing themselves); a source
   carries it (`StaticSource(..., fallback=)`, `KubernetesSource(..., fallback=)`).
 - `add_discovery_arguments(parser)` and `source_from_args(args)`: the shared command-line flags
@@ -44,14 +45,13 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
-from urllib.parse import urlsplit
 
 import aiohttp
 import orjson
 import yaml
 from pydantic import ValidationError
 
-from dynamograph.protocol.engine import ENGINE_PATH, EngineConfig
+from dynamograph.protocol.engine import ENGINE_PATH, EngineConfig, EngineTemplate
 
 from .tasks import cancel_all
 
@@ -213,9 +213,7 @@ class StaticSource:
     """A fixed list of workers (flags or a workers file): `dynamograph up` and tests. A source's
     `fallback` describes the workers it finds that serve no `/v1/engine` (`EngineTemplate`)."""
 
-    def __init__(
-        self, targets: Iterable[WorkerTarget], *, fallback: "EngineTemplate | None" = None
-    ):
+    def __init__(self, targets: Iterable[WorkerTarget], *, fallback: EngineTemplate | None = None):
         self.targets = list(targets)
         self.fallback = fallback
 
@@ -397,7 +395,7 @@ class KubernetesSource(KubernetesWatch[WorkerTarget]):
         watch_timeout: int = 300,
         retry_interval: float = 1.0,
         target: Callable[[dict[str, Any]], WorkerTarget | None] = pod_target,
-        fallback: "EngineTemplate | None" = None,
+        fallback: EngineTemplate | None = None,
     ):
         self.fallback = fallback  # as StaticSource's
         super().__init__(
@@ -413,67 +411,6 @@ class KubernetesSource(KubernetesWatch[WorkerTarget]):
 
 
 # ---- the live worker set --------------------------------------------------------------------
-
-
-# Per-worker fields a shared engine document must not fix (each worker's come from its name).
-_PER_WORKER_FIELDS = ("name", "instance_id")
-# KvEventsEndpoint fields that are templates of the worker's address.
-_TEMPLATED_FIELDS = ("endpoint", "replay_endpoint", "topic")
-
-
-@dataclass(frozen=True, slots=True)
-class EngineTemplate:
-    """The engine document of workers that serve none (`--engine-config FILE`): EngineConfig
-    fields (model, kv_cache_block_size, tokenizer, kv_events, ...) shared by those workers, where
-    `kv_events.endpoint`, `replay_endpoint` and `topic` may name the worker's `{host}` and
-    `{port}` (of its engine URL), e.g. `tcp://{host}:5557`, or for llm-d-inference-sim
-    `endpoint: tcp://*:5557, bind: true, topic: kv@{host}@MODEL`. Each worker is named as an
-    engine that does not name itself is (pod name, or host:port), so `name` and `instance_id`
-    may not be given."""
-
-    fields: dict[str, Any]
-    source: str = "--engine-config"
-
-    @classmethod
-    def load(cls, path: str | Path) -> "EngineTemplate":
-        try:
-            raw = yaml.safe_load(Path(path).read_text())
-        except (OSError, yaml.YAMLError) as exc:
-            raise ValueError(f"--engine-config {path}: {exc}") from None
-        template = cls.from_fields(raw, source=str(path))
-        template.config_for("http://127.0.0.1:1", "check")  # say what is wrong now, not later
-        return template
-
-    @classmethod
-    def from_fields(cls, raw: Any, source: str = "--engine-config") -> "EngineTemplate":
-        if not isinstance(raw, dict):
-            raise ValueError(f"{source}: expected a mapping of EngineConfig fields")
-        fixed = [f for f in _PER_WORKER_FIELDS if f in raw]
-        if fixed:
-            raise ValueError(
-                f"{source}: {', '.join(fixed)} would be the same for every worker; leave them out "
-                "(each worker is named by its pod, or host:port)"
-            )
-        return cls(dict(raw), source)
-
-    def config_for(self, engine_url: str, name: str) -> EngineConfig:
-        data = dict(self.fields)
-        events = data.get("kv_events")
-        if isinstance(events, dict):
-            where = urlsplit(engine_url)
-            host = where.netloc.rpartition(":")[0] if where.port else where.netloc
-            values = {"host": host, "port": where.port or ""}
-            try:
-                data["kv_events"] = {
-                    k: v.format_map(values) if k in _TEMPLATED_FIELDS and isinstance(v, str) else v
-                    for k, v in events.items()
-                }
-            except (KeyError, ValueError, IndexError) as exc:
-                raise ValueError(
-                    f"{self.source}: kv_events templates may name {{host}} and {{port}} only "
-                    f"({exc!r})"
-                ) from None
-        return EngineConfig.model_validate(data, context={"name": name})
 
 
 async def fetch_engine_config(
