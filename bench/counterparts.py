@@ -4,7 +4,7 @@ The same rule as that script (its header documents it): the versions pinned in
 scripts/counterparts.versions, each component in
 `${DYNAMOGRAPH_COUNTERPARTS_CACHE:-${XDG_CACHE_HOME:-~/.cache}/dynamograph/counterparts}/
 <name>-<version>/bin/<binary>`, built only when its VERSIONS stamp (written last) names the pinned
-`package@version`. Names: "sim" (llm-d-inference-sim), "gaie-epp" (GAIE's reference EPP),
+`package@version` and the pinned replaces, if any (`package@version replace old=new@v,...`). Names: "sim" (llm-d-inference-sim), "gaie-epp" (GAIE's reference EPP),
 "llmd-epp" (llm-d's inference scheduler). `make counterparts` builds all three.
 
 - `versions() -> dict[str, str]`: the versions file's KEY=VALUE pairs.
@@ -60,6 +60,8 @@ def binary(name: str) -> Path | None:
         stamp = (home / "VERSIONS").read_text().strip()
     except OSError:
         return None
-    if stamp != f"{package}@{version}" or not os.access(path, os.X_OK):
+    replace = pinned.get(f"{prefix}_REPLACE", "")
+    expected = f"{package}@{version}" + (f" replace {replace}" if replace else "")
+    if stamp != expected or not os.access(path, os.X_OK):
         return None
     return path

@@ -19,7 +19,12 @@
 # in its own directory, because both EPPs are named `epp`:
 #   ${DYNAMOGRAPH_COUNTERPARTS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/dynamograph/counterparts}/
 #       <name>-<version>/bin/<binary>      and   <name>-<version>/VERSIONS (written last)
-# A warm machine (stamp equal to the pinned package@version, binary executable) skips the build.
+# A warm machine (stamp equal to the pinned package@version, followed by its replaces if any,
+# binary executable) skips the build; a changed replace rebuilds.
+# A component without replaces is built inside its downloaded module (its own go.mod and go.sum);
+# one with <NAME>_REPLACE (old=new@version, comma-separated) in a wrapper module made for the
+# build: it requires module@version, carries the replaces (a replace only counts in the main
+# module), imports the package from a tools.go, `go mod tidy -e`, then builds the package.
 # Go's module and build caches (GOMODCACHE, GOCACHE) are Go's defaults. All three are pure Go
 # (CGO_ENABLED=0). Needs Go >= 1.25 and the Go module proxy (or a warm GOMODCACHE); a cold build
 # of the simulator takes minutes on two cores, each EPP (Kubernetes client, controller-runtime)
@@ -34,6 +39,15 @@ ALL=(sim gaie-epp llmd-epp)
 
 log() { echo "build-counterparts: $*"; }
 
+# name -> its replaces, "old=new@version" comma-separated, or nothing (from the versions file)
+replaces() {
+    case "$1" in
+    sim) echo "${SIM_REPLACE:-}" ;;
+    gaie-epp) echo "${GAIE_EPP_REPLACE:-}" ;;
+    llmd-epp) echo "${LLMD_EPP_REPLACE:-}" ;;
+    esac
+}
+
 # name -> "module package version" (from the versions file)
 spec() {
     case "$1" in
@@ -46,7 +60,12 @@ spec() {
 
 dest() { local mod pkg ver; read -r mod pkg ver <<<"$(spec "$1")"; echo "$ROOT/$1-$ver"; }
 path() { local mod pkg ver; read -r mod pkg ver <<<"$(spec "$1")"; echo "$(dest "$1")/bin/${pkg##*/}"; }
-stamp() { local mod pkg ver; read -r mod pkg ver <<<"$(spec "$1")"; echo "$pkg@$ver"; }
+stamp() {
+    local mod pkg ver rep
+    read -r mod pkg ver <<<"$(spec "$1")"
+    rep=$(replaces "$1")
+    echo "$pkg@$ver${rep:+ replace $rep}"
+}
 
 warm() {
     local d
@@ -68,9 +87,47 @@ if [ "${1:-}" = "--print" ]; then
     exit "$status"
 fi
 
+# Go with the settings every build here uses. GOTOOLCHAIN=local: the installed Go, never a
+# downloaded toolchain. GOWORK=off: GAIE's module ships a go.work naming a ./conformance module
+# that its zip does not hold.
+gocmd() { CGO_ENABLED=0 GOTOOLCHAIN=local GOWORK=off nice -n "${BUILD_NICE:-10}" go "$@"; }
+
+# Build $pkg of $mod@$ver inside the downloaded module, as its own main module (its go.mod and
+# go.sum, read only), not with `go install pkg@version`: that also lists the module's versions to
+# look for a deprecation, and the proxy here refuses version lists (403).
+build_in_module() {
+    local mod=$1 pkg=$2 ver=$3 work=$4 dir
+    dir=$(cd "$work" && gocmd mod download -json "$mod@$ver" |
+        sed -n 's/^[[:space:]]*"Dir": "\(.*\)",\{0,1\}$/\1/p')
+    [ -n "$dir" ] && (cd "$dir" && GOFLAGS="-buildvcs=false -mod=readonly" \
+        gocmd build -trimpath -ldflags "-s -w" -o "$work/bin/" "$pkg")
+}
+
+# Build $pkg in a wrapper module requiring $mod@$ver with the replaces $rep: for a module whose
+# own requirements the proxy refuses (llm-d's scheduler v0.7.1 requires llm-d-kv-cache v0.7.1:
+# 403). `go mod tidy -e` resolves the rest of the graph around the replaces and goes on past
+# what it cannot resolve (the build then fails if the package needed it).
+build_in_wrapper() {
+    local mod=$1 pkg=$2 ver=$3 work=$4 rep=$5 r
+    mkdir -p "$work/wrap"
+    # chained with &&: set -e is off in a function called on the left of ||
+    (
+        cd "$work/wrap" &&
+            gocmd mod init dynamograph.local/counterpart-wrapper 2>/dev/null &&
+            gocmd mod edit -require="$mod@$ver" &&
+            for r in ${rep//,/ }; do gocmd mod edit -replace="$r" || exit 1; done &&
+            # a main package cannot be imported: the tag keeps it out of the build; tidy reads it
+            printf '//go:build tools\n\npackage tools\n\nimport _ "%s"\n' "$pkg" >tools.go &&
+            GOFLAGS=-mod=mod gocmd mod tidy -e &&
+            GOFLAGS="-buildvcs=false -mod=readonly" gocmd build -trimpath -ldflags "-s -w" \
+                -o "$work/bin/" "$pkg"
+    )
+}
+
 build() {
-    local name=$1 mod pkg ver d work dir start
+    local name=$1 mod pkg ver rep d work start
     read -r mod pkg ver <<<"$(spec "$name")"
+    rep=$(replaces "$name")
     d=$(dest "$name")
     if warm "$name"; then
         log "$name: cached: $(path "$name")"
@@ -81,16 +138,14 @@ build() {
     work=$(mktemp -d "$ROOT/.build-$name.XXXXXX")
     # shellcheck disable=SC2064  # expand $work now: the trap outlives this function's locals
     trap "rm -rf '$work'" EXIT  # an interrupted build leaves nothing behind
-    log "$name: cold build of $pkg@$ver (Go $(go env GOVERSION))"
-    # Built inside the downloaded module, as its own main module (its go.mod and go.sum, read
-    # only), not with `go install pkg@version`: that also lists the module's versions to look
-    # for a deprecation, and the proxy here refuses version lists (403). GOTOOLCHAIN=local:
-    # build with the installed Go, never download another toolchain. GOWORK=off: GAIE's module
-    # ships a go.work naming a ./conformance module that its zip does not hold.
-    dir=$(cd "$work" && GOTOOLCHAIN=local go mod download -json "$mod@$ver" |
-        sed -n 's/^[[:space:]]*"Dir": "\(.*\)",\{0,1\}$/\1/p')
-    if [ -z "$dir" ] || ! (cd "$dir" && CGO_ENABLED=0 GOTOOLCHAIN=local GOWORK=off GOFLAGS="-buildvcs=false -mod=readonly" \
-        nice -n "${BUILD_NICE:-10}" go build -trimpath -ldflags "-s -w" -o "$work/bin/" "$pkg"); then
+    log "$name: cold build of $(stamp "$name") (Go $(go env GOVERSION))"
+    if [ -n "$rep" ]; then
+        build_in_wrapper "$mod" "$pkg" "$ver" "$work" "$rep" || {
+            rm -rf "$work"
+            log "$name: build of $(stamp "$name") in a wrapper module failed" >&2
+            return 1
+        }
+    elif ! build_in_module "$mod" "$pkg" "$ver" "$work"; then
         rm -rf "$work"
         log "$name: build of $pkg@$ver failed" >&2
         return 1
