@@ -1,0 +1,241 @@
+"""`spec.engineConfig`: the engine document of workers that serve no `/v1/engine`, given to the
+EPP by the operator. What it renders (ConfigMap, mount, flag, checksum annotation, selector),
+that nothing of it is rendered without the field, that the rendered file is what the EPP loads,
+and that a wrong document is refused by the models and by the CRD (schema and CEL) alike."""
+
+import argparse
+import copy
+import hashlib
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from dynamograph.epp.cli import add_arguments
+from dynamograph.operator import crds
+from dynamograph.operator.config import OperatorConfig
+from dynamograph.operator.manifests import (
+    ENGINE_CONFIG_CHECKSUM,
+    LABEL_COMPONENT,
+    LABEL_GRAPH,
+    Owner,
+    desired_objects,
+)
+from dynamograph.protocol.engine import EngineTemplate, KvEventsEndpoint
+from dynamograph.protocol.graph import GraphError, load_graph
+from dynamograph.protocol.identity import instance_id
+from dynamograph.protocol.launch import ENGINE_CONFIG_DIR, ENGINE_CONFIG_FILE
+from dynamograph.router.discovery import (
+    KubernetesSource,
+    pod_target,
+    selector_matches,
+    source_from_args,
+)
+
+from .emulator import EXAMPLES
+from .schemas import crd_schema
+
+pytestmark = [
+    pytest.mark.unit,
+    pytest.mark.filterwarnings("ignore::DeprecationWarning:kubernetes_validate"),
+]
+
+CONFIG = OperatorConfig(image="registry.example/dynamograph:1.2.3")
+OWNER = Owner(name="agg", namespace="serving", uid="0c6b3a8e-1111-2222-3333-444455556666")
+MOUNTED = f"{ENGINE_CONFIG_DIR}/{ENGINE_CONFIG_FILE}"
+# llm-d-inference-sim's layout: its publisher dials the EPP's bound SUB; topic kv@<pod IP>@model
+SIM = {
+    "total_kv_blocks": 4096,
+    "engine": "llm-d-inference-sim",
+    "kv_events": {"endpoint": "tcp://*:5557", "bind": True, "topic": "kv@{host}@Qwen/Qwen3-0.6B"},
+}
+
+cel = pytest.importorskip("tests.operator.cel", reason="cel-python is not installed")
+
+
+def body(engine_config=None) -> dict:
+    graph = yaml.safe_load((EXAMPLES / "agg.yaml").read_text())
+    graph["spec"]["services"]["frontend"] = {"componentType": "frontend"}
+    if engine_config is not None:
+        graph["spec"]["engineConfig"] = copy.deepcopy(engine_config)
+    return graph
+
+
+def render(graph_body: dict) -> dict:
+    graph = load_graph(graph_body)
+    return {(o["kind"], o["metadata"]["name"]): o for o in desired_objects(graph, OWNER, CONFIG)}
+
+
+def epp_pod(objects: dict) -> dict:
+    return objects["Deployment", "agg-epp"]["spec"]["template"]
+
+
+def epp_container(objects: dict) -> dict:
+    (container,) = epp_pod(objects)["spec"]["containers"]
+    return container
+
+
+def parsed_epp_args(objects: dict) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(epp_container(objects)["args"][1:])
+
+
+def test_the_document_reaches_the_epp_as_a_mounted_file_named_on_its_command_line():
+    objects = render(body(SIM))
+    config_map = objects["ConfigMap", "agg-engine-config"]
+    router_map = objects["ConfigMap", "agg-router"]
+    # owned and labelled like the EPP's other ConfigMap
+    assert config_map["metadata"]["labels"] == router_map["metadata"]["labels"]
+    assert config_map["metadata"]["ownerReferences"] == router_map["metadata"]["ownerReferences"]
+    assert config_map["metadata"]["namespace"] == "serving"
+    assert list(config_map["data"]) == [ENGINE_CONFIG_FILE]
+
+    args = parsed_epp_args(objects)
+    assert args.engine_config == MOUNTED
+    container = epp_container(objects)
+    mount = next(m for m in container["volumeMounts"] if m["mountPath"] == ENGINE_CONFIG_DIR)
+    assert mount["readOnly"] is True
+    volume = next(v for v in epp_pod(objects)["spec"]["volumes"] if v["name"] == mount["name"])
+    assert volume == {"name": mount["name"], "configMap": {"name": "agg-engine-config"}}
+    digest = hashlib.sha256(config_map["data"][ENGINE_CONFIG_FILE].encode()).hexdigest()
+    assert epp_pod(objects)["metadata"]["annotations"][ENGINE_CONFIG_CHECKSUM] == digest
+    # only the EPP gets it: engines and frontends describe themselves or are no engines
+    for (kind, name), obj in objects.items():
+        if kind == "Deployment" and name != "agg-epp":
+            pod = obj["spec"]["template"]
+            assert ENGINE_CONFIG_CHECKSUM not in pod["metadata"]["annotations"], name
+            assert "agg-engine-config" not in yaml.safe_dump(pod), name
+    for obj in objects.values():
+        if obj["kind"] not in ("InferencePool", "HTTPRoute", "PodMonitor"):
+            kubernetes_validate.validate(obj, "1.33", strict=True)
+
+
+def test_the_rendered_file_is_the_document_the_epp_loads(tmp_path):
+    objects = render(body(SIM))
+    path = tmp_path / ENGINE_CONFIG_FILE
+    path.write_text(objects["ConfigMap", "agg-engine-config"]["data"][ENGINE_CONFIG_FILE])
+    template = EngineTemplate.load(path)
+    config = template.config_for("http://10.1.2.3:8080", "sim-7d9f-abcde")
+    # the graph's model, served name, block size and tokenizer, then the document's own fields
+    assert (config.model, config.served_model_name) == ("Qwen/Qwen3-0.6B", "qwen")
+    assert config.kv_cache_block_size == 16
+    assert (config.total_kv_blocks, config.engine) == (4096, "llm-d-inference-sim")
+    assert config.kv_events == KvEventsEndpoint(
+        endpoint="tcp://*:5557", bind=True, topic="kv@10.1.2.3@Qwen/Qwen3-0.6B"
+    )
+    assert (config.name, config.instance_id) == ("sim-7d9f-abcde", instance_id("sim-7d9f-abcde"))
+
+    # the EPP's own flags turn it into a pod source that also asks pods with only `http`
+    args = parsed_epp_args(objects)
+    args.engine_config = str(path)
+    source = source_from_args(args)
+    assert isinstance(source, KubernetesSource) and source.fallback == template
+
+
+def test_what_the_document_says_wins_over_the_graph(tmp_path):
+    objects = render(body({"model": "other", "kv_cache_block_size": 32, "tokenizer": "qwen"}))
+    path = tmp_path / ENGINE_CONFIG_FILE
+    path.write_text(objects["ConfigMap", "agg-engine-config"]["data"][ENGINE_CONFIG_FILE])
+    config = EngineTemplate.load(path).config_for("http://10.0.0.1:8080", "p")
+    assert (config.model, config.kv_cache_block_size, config.tokenizer) == ("other", 32, "qwen")
+
+
+def test_the_epp_discovers_foreign_engines_but_not_the_graphs_frontends():
+    """With the document the EPP takes a pod with only an `http` port for an engine; its
+    selector leaves out the graph's standalone frontends, which serve `http` too."""
+    selector = parsed_epp_args(render(body(SIM))).selector
+    graph = {LABEL_GRAPH: "agg"}
+    assert not selector_matches(selector, {**graph, LABEL_COMPONENT: "frontend"})
+    assert selector_matches(selector, {**graph, LABEL_COMPONENT: "worker"})
+    assert selector_matches(selector, graph)  # an engine pod of the user's, labelled into it
+    assert not selector_matches(selector, {LABEL_GRAPH: "other"})
+    pod = {
+        "metadata": {"name": "sim-0", "namespace": "serving", "labels": graph},
+        "spec": {"containers": [{"ports": [{"name": "http", "containerPort": 8080}]}]},
+        "status": {"podIP": "10.1.2.3", "conditions": [{"type": "Ready", "status": "True"}]},
+    }
+    target = pod_target(pod, foreign=True)
+    assert target is not None and target.engine_url == "http://10.1.2.3:8080"
+
+
+def test_without_the_field_nothing_is_rendered_for_it():
+    objects = render(body())
+    assert ("ConfigMap", "agg-engine-config") not in objects
+    args = parsed_epp_args(objects)
+    assert args.engine_config is None
+    assert args.selector == f"{LABEL_GRAPH}=agg"
+    text = yaml.safe_dump(objects["Deployment", "agg-epp"])
+    assert ENGINE_CONFIG_DIR not in text and ENGINE_CONFIG_CHECKSUM not in text
+
+
+def test_a_changed_document_changes_only_the_epps_template_and_its_config_map():
+    before, after = render(body(SIM)), render(body({**SIM, "total_kv_blocks": 8192}))
+    changed = {key for key in before if before[key] != after[key]}
+    assert changed == {("ConfigMap", "agg-engine-config"), ("Deployment", "agg-epp")}
+    old, new = epp_pod(before), epp_pod(after)
+    assert old["spec"] == new["spec"]  # the same command line and mounts...
+    # ...but a new checksum: the Deployment rolls its pods, which read the new file at start
+    assert (
+        old["metadata"]["annotations"][ENGINE_CONFIG_CHECKSUM]
+        != (new["metadata"]["annotations"][ENGINE_CONFIG_CHECKSUM])
+    )
+
+
+def spec_schema() -> dict:
+    (version,) = crds.build_crd()["spec"]["versions"]
+    return version["schema"]["openAPIV3Schema"]
+
+
+PER_WORKER = "would be the same for every worker; leave them out"
+
+
+@pytest.mark.parametrize(
+    ("document", "message"),
+    [({"name": "w-0"}, PER_WORKER), ({"instance_id": 7, "name": "w"}, PER_WORKER)],
+)
+def test_per_worker_fields_are_refused_by_the_models_and_the_cel_rule(document, message):
+    graph = body(document)
+    outcome = cel.evaluate(spec_schema(), graph)
+    assert [m for _, m in outcome.failures if message in m], outcome.failures
+    with pytest.raises(GraphError) as info:
+        load_graph(copy.deepcopy(graph))
+    assert info.value.errors[0][0] == "spec.engineConfig"
+    assert message in info.value.errors[0][1]
+
+
+@pytest.mark.parametrize(
+    ("document", "field"),
+    [
+        ({"kv_cache_block_size": 0}, "spec.engineConfig.kv_cache_block_size"),
+        ({"role": "router"}, "spec.engineConfig.role"),
+        ({"kv_events": {"topic": "t"}}, "spec.engineConfig.kv_events.endpoint"),
+        (
+            {"kv_events": {"endpoint": "tcp://{host}:1", "bnid": True}},
+            "spec.engineConfig.kv_events.bnid",
+        ),
+        ({"kv_cache_blocksize": 16}, "spec.engineConfig.kv_cache_blocksize"),
+    ],
+)
+def test_wrong_fields_are_refused_by_the_models_and_the_schema(document, field):
+    graph = body(document)
+    schema = crd_schema(crds.build_crd(), "v1alpha1")
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.Draft4Validator(schema).validate(
+            {k: v for k, v in graph.items() if k != "metadata"}
+        )
+    with pytest.raises(GraphError) as info:
+        load_graph(copy.deepcopy(graph))
+    assert field in [path for path, _ in info.value.errors], info.value
+
+
+def test_a_template_naming_anything_but_host_and_port_is_refused_before_the_epp_starts():
+    """What only the document's use can tell: the operator's models refuse it (a Degraded
+    condition naming the field), so no EPP is rolled out that would refuse its file."""
+    graph = body({"kv_events": {"endpoint": "tcp://{pod_ip}:5557"}})
+    with pytest.raises(GraphError) as info:
+        load_graph(graph)
+    ((path, message),) = info.value.errors
+    assert path == "spec.engineConfig"
+    assert "may name {host} and {port} only" in message and "pod_ip" in message
