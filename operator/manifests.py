@@ -60,6 +60,7 @@ from dynamograph.protocol.launch import (
     KV_EVENTS_PORT,
     admin_token_env,
     admin_token_secret,
+    bound_kv_events,
     engine_config_args,
     engine_config_file,
     engine_config_name,
@@ -614,6 +615,7 @@ def _epp_container(
             {"name": "grpc-health", "containerPort": EPP_HEALTH_PORT, "protocol": "TCP"},
             {"name": "metrics", "containerPort": EPP_METRICS_PORT, "protocol": "TCP"},
             {"name": "replica-sync", "containerPort": EPP_REPLICA_PORT, "protocol": "TCP"},
+            *_bound_kv_ports(graph, "containerPort"),
         ],
         env=_downward_env() + curve_env + _user_env(spec),
         resources=_resources_or(spec, epp_resources(graph_router(graph).processes)),
@@ -624,6 +626,73 @@ def _epp_container(
         readinessProbe=_grpc_probe(EPP_HEALTH_PORT, "readiness", 5, 3),
         livenessProbe=_grpc_probe(EPP_HEALTH_PORT, "liveness", 10, 6),
     )
+
+
+BOUND_KV_PORT_NAME = "kv-events"
+
+
+def _bound_kv_ports(graph: DynamoGraph, key: str) -> list[dict[str, Any]]:
+    """The EPP's port for engines whose KV-event publishers dial it (`engineConfig.kv_events`
+    with `bind`), as a container port (`key` containerPort) or a Service port (`port`)."""
+    bound = bound_kv_events(graph)
+    if bound is None or bound[1] is None:
+        return []
+    port: dict[str, Any] = {"name": BOUND_KV_PORT_NAME, key: bound[1], "protocol": "TCP"}
+    if key == "port":
+        port["targetPort"] = BOUND_KV_PORT_NAME
+    return [port]
+
+
+def engine_config_errors(graph: DynamoGraph) -> list[tuple[str, str]]:
+    """What the EPP could not serve of `engineConfig`, as (field path, message) pairs: a bound
+    KV-event endpoint (llm-d's layout: each engine's publisher dials the EPP through the Service
+    `<graph>-epp`) must be `tcp://*:<port>` on a port the EPP does not use itself, and it
+    reaches one EPP process only (a Service sends each engine's one connection to one pod) and
+    cannot be secured with CURVE."""
+    bound = bound_kv_events(graph)
+    if bound is None:
+        return []
+    endpoint, port = bound
+    path = "spec.engineConfig.kv_events.endpoint"
+    service = epp_service_name(graph.name)
+    if port is None or not 0 < port < 65536:
+        return [
+            (
+                path,
+                f"{endpoint!r}: with bind the EPP binds this endpoint and the engines' publishers "
+                f"dial it through the Service {service}; write tcp://*:<port> (e.g. tcp://*:5557)",
+            )
+        ]
+    router = graph_router(graph)
+    own = {
+        EPP_GRPC_PORT: "ext_proc gRPC",
+        EPP_HEALTH_PORT: "gRPC health",
+        EPP_METRICS_PORT: "metrics",
+        **{EPP_REPLICA_PORT + i: "replica sync" for i in range(router.processes)},
+    }
+    errors = []
+    if port in own:
+        errors.append((path, f"port {port} is the EPP's {own[port]} port; choose another"))
+    one = (
+        f"with engineConfig.kv_events.bind each engine's publisher dials one EPP process (through "
+        f"the Service {service}), so the others would miss its KV events: run one EPP replica of "
+        "one process, or let the engines bind (kv_events without bind) so that every EPP "
+        "process connects to each of them"
+    )
+    for name, spec in graph.spec.services_of(ComponentType.EPP).items():
+        if spec.replicas > 1:
+            errors.append((f"spec.services.{name}.replicas", one))
+        if router.processes > 1:
+            errors.append((f"spec.services.{name}.router.processes", one))
+    if graph.spec.kv_events.curve:
+        errors.append(
+            (
+                "spec.kvEvents.curve",
+                "a KV-event endpoint the EPP binds (engineConfig.kv_events.bind) cannot use "
+                "CURVE: the EPP's keys make it a client; turn one of the two off",
+            )
+        )
+    return errors
 
 
 # ---- pod spec merging --------------------------------------------------------------------
@@ -994,6 +1063,11 @@ def _network_policies(
         epp_pods = _component_peer(graph, **{LABEL_COMPONENT: ComponentType.EPP.value})
         replicas = _tcp(EPP_REPLICA_PORT, EPP_REPLICA_PORT + processes - 1)
         epp_rules.append(_rule([replicas], [epp_pods]))
+        bound = bound_kv_events(graph)
+        if bound is not None and bound[1] is not None:
+            # engines whose KV-event publishers dial the EPP: the graph's pods (foreign engine
+            # pods join the graph by its label)
+            epp_rules.append(_rule([_tcp(bound[1])], [_component_peer(graph)]))
         if metrics:
             epp_rules.append(_rule([_tcp(EPP_METRICS_PORT)], metrics))
         selector = {"matchLabels": {LABEL_GRAPH: graph.name, LABEL_COMPONENT: "epp"}}
@@ -1057,7 +1131,7 @@ def desired_objects(
 ) -> list[dict[str, Any]]:
     """Every object the graph should own, in creation order. Raises GraphError, e.g. for
     router settings RouterConfig refuses (so no EPP is rolled out with a config it rejects)."""
-    errors = _router_errors(graph)
+    errors = _router_errors(graph) + engine_config_errors(graph)
     objects: list[dict[str, Any]] = []
     epps = graph.spec.services_of(ComponentType.EPP)
     epp_name = next(iter(epps), None)
@@ -1113,6 +1187,7 @@ def desired_objects(
                         "targetPort": "metrics",
                         "protocol": "TCP",
                     },
+                    *_bound_kv_ports(graph, "port"),
                 ],
             )
         )

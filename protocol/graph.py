@@ -774,6 +774,12 @@ _VLLM_CURVE = (
 )
 
 
+_EPP_DOCUMENT = (
+    "engineConfig: the engine document is the EPP's (it describes the workers the EPP finds "
+    "that serve no /v1/engine); the graph needs an epp service"
+)
+
+
 class DynamoGraphSpec(_Model):
     model_config = ConfigDict(
         json_schema_extra={
@@ -825,6 +831,11 @@ class DynamoGraphSpec(_Model):
                     "|| !self.kvEvents.curve",
                     _VLLM_CURVE,
                     ".kvEvents",
+                ),
+                _cel(
+                    "!has(self.engineConfig) || " + _services_with("'epp'"),
+                    _EPP_DOCUMENT,
+                    ".engineConfig",
                 ),
                 _cel(
                     "!has(self.scaleTarget) || self.scaleTarget in self.services",
@@ -932,6 +943,8 @@ class DynamoGraphSpec(_Model):
                 f"scaleTarget: {self.scale_target!r} is not a service of the graph "
                 f"(services: {', '.join(self.services)})"
             )
+        if self.engine_config is not None and ComponentType.EPP not in kinds:
+            raise ValueError(_EPP_DOCUMENT)
         if self.engine_config is not None:
             try:
                 EngineTemplate.checked(self.engine_document(), source="engineConfig")

@@ -10,9 +10,11 @@ One mapping, so a graph behaves the same in both places (docs/contracts.md):
 - `router_config`: the router's `--config` file (a RouterConfig) from that policy, and
   `uses_kv_events`: whether the policy indexes the engines' KV events;
 - `engine_config_file`: the EPP's `--engine-config` file (the graph's `spec.engineConfig`), where
-  it is mounted and the flag that names it (`engine_config_args`).
+  it is mounted and the flag that names it (`engine_config_args`); `bound_kv_events`: the port
+  the EPP opens to engines whose KV-event publishers dial it.
 """
 
+import re
 from typing import Any
 
 import yaml
@@ -185,6 +187,23 @@ def engine_config_file(graph: DynamoGraph) -> str | None:
     """The EPP's `--engine-config` file, YAML; None when the graph has no `engineConfig`."""
     document = graph.spec.engine_document()
     return None if document is None else yaml.safe_dump(document, sort_keys=True)
+
+
+# A bound KV-event endpoint the EPP can serve to engines in other pods: every interface, a port.
+_BOUND_ENDPOINT = re.compile(r"^tcp://(\*|0\.0\.0\.0):([0-9]{1,5})$")
+
+
+def bound_kv_events(graph: DynamoGraph) -> tuple[str, int | None] | None:
+    """With `engineConfig.kv_events.bind` (llm-d's layout: the engines' publishers dial the EPP,
+    which binds a SUB), (endpoint, port): the port the EPP pod opens to them, None when the
+    endpoint is not `tcp://*:<port>`, which engines in other pods cannot reach. Else None."""
+    document = graph.spec.engine_document() or {}
+    events = document.get("kv_events") or {}
+    if not events.get("bind"):
+        return None
+    endpoint = str(events.get("endpoint", ""))
+    match = _BOUND_ENDPOINT.match(endpoint)
+    return endpoint, int(match.group(2)) if match else None
 
 
 def engine_config_args(path: str = f"{ENGINE_CONFIG_DIR}/{ENGINE_CONFIG_FILE}") -> list[str]:

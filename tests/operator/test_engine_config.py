@@ -239,3 +239,81 @@ def test_a_template_naming_anything_but_host_and_port_is_refused_before_the_epp_
     ((path, message),) = info.value.errors
     assert path == "spec.engineConfig"
     assert "may name {host} and {port} only" in message and "pod_ip" in message
+
+
+def test_engines_that_dial_the_epp_reach_its_bound_port_through_its_service():
+    """llm-d's layout (`bind`): the EPP binds the SUB and the engines' publishers dial it, so
+    the port is on the EPP's container and Service and open to the graph's pods."""
+    objects = render(body(SIM))
+    (port,) = [p for p in epp_container(objects)["ports"] if p["name"] == "kv-events"]
+    assert port["containerPort"] == 5557
+    service_ports = objects["Service", "agg-epp"]["spec"]["ports"]
+    assert {"name": "kv-events", "port": 5557, "targetPort": "kv-events", "protocol": "TCP"} in (
+        service_ports
+    )
+    rules = objects["NetworkPolicy", "agg-epp"]["spec"]["ingress"]
+    (rule,) = [r for r in rules if {"protocol": "TCP", "port": 5557} in r["ports"]]
+    assert rule["from"] == [{"podSelector": {"matchLabels": {LABEL_GRAPH: "agg"}}}]
+
+    # vLLM's layout: the engines bind, the EPP connects; nothing opens on the EPP
+    plain = render(body({"kv_events": {"endpoint": "tcp://{host}:5557"}}))
+    assert [p["name"] for p in epp_container(plain)["ports"]] == [
+        p["name"] for p in epp_container(render(body()))["ports"]
+    ]
+    assert plain["Service", "agg-epp"] == render(body())["Service", "agg-epp"]
+    assert plain["NetworkPolicy", "agg-epp"] == render(body())["NetworkPolicy", "agg-epp"]
+
+
+def bound(endpoint="tcp://*:5557"):
+    return {"kv_events": {"endpoint": endpoint, "bind": True, "topic": "kv@{host}@m"}}
+
+
+def epp_with(**fields):
+    def mutate(graph):
+        graph["spec"]["services"]["epp"].update(fields)
+
+    return mutate
+
+
+@pytest.mark.parametrize(
+    ("document", "mutate", "field", "words"),
+    [
+        (bound("tcp://127.0.0.1:5557"), None, "spec.engineConfig.kv_events.endpoint", "tcp://*:"),
+        (bound("tcp://*:9002"), None, "spec.engineConfig.kv_events.endpoint", "ext_proc gRPC"),
+        (bound(), epp_with(replicas=2), "spec.services.epp.replicas", "one EPP replica"),
+        (
+            bound(),
+            lambda g: g["spec"]["services"]["epp"]["router"].update(processes=2),
+            "spec.services.epp.router.processes",
+            "one EPP replica of one process",
+        ),
+        (
+            bound(),
+            lambda g: g["spec"].update(kvEvents={"curve": True}),
+            "spec.kvEvents.curve",
+            "CURVE",
+        ),
+    ],
+)
+def test_a_bound_endpoint_the_epp_could_not_serve_is_refused_naming_the_field(
+    document, mutate, field, words
+):
+    graph = body(document)
+    if mutate:
+        mutate(graph)
+    with pytest.raises(GraphError) as info:
+        render(graph)
+    assert [m for p, m in info.value.errors if p == field and words in m], info.value
+    # the same graph without the document is fine: it is the document that cannot be served
+    del graph["spec"]["engineConfig"]
+    render(graph)
+
+
+def test_the_document_needs_an_epp_to_read_it():
+    graph = body(SIM)
+    del graph["spec"]["services"]["epp"]
+    outcome = cel.evaluate(spec_schema(), graph)
+    assert [m for _, m in outcome.failures if "needs an epp service" in m], outcome.failures
+    with pytest.raises(GraphError) as info:
+        load_graph(graph)
+    assert info.value.errors[0][0] == "spec.engineConfig"
