@@ -317,3 +317,55 @@ def test_the_document_needs_an_epp_to_read_it():
     with pytest.raises(GraphError) as info:
         load_graph(graph)
     assert info.value.errors[0][0] == "spec.engineConfig"
+
+
+def test_the_llmd_sim_example_joins_unmodified_simulators_to_the_graph():
+    """examples/llmd-sim.yaml: the graph and the simulators' own Deployment agree on what the
+    EPP needs of them: its pods are in the pool and found by the EPP at their `http` port, they
+    dial the EPP's bound port through its Service, publish on the topic the document expects,
+    and have the document's block size, capacity and model."""
+    graph_doc, deployment = yaml.safe_load_all((EXAMPLES / "llmd-sim.yaml").read_text())
+    graph = load_graph(graph_doc)
+    owner = Owner(name=graph.name, namespace="serving", uid=OWNER.uid)
+    objects = {(o["kind"], o["metadata"]["name"]): o for o in desired_objects(graph, owner, CONFIG)}
+    kubernetes_validate.validate(deployment, "1.33", strict=True)
+    pod = deployment["spec"]["template"]
+    labels = pod["metadata"]["labels"]
+    pool_selector = objects["InferencePool", "sim"]["spec"]["selector"]["matchLabels"]
+    assert pool_selector.items() <= labels.items()
+    (engine,) = pod["spec"]["containers"]
+    args = dict(a.removeprefix("--").split("=", 1) for a in engine["args"] if "=" in a)
+    # found by the EPP: a Ready pod with only an `http` port, at the pool's target port
+    epp = objects["Deployment", "sim-epp"]["spec"]["template"]["spec"]["containers"][0]
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    selector = parser.parse_args(epp["args"][1:]).selector
+    assert selector_matches(selector, labels)
+    live = {
+        "metadata": {"name": "sim-engines-0", "namespace": "serving", "labels": labels},
+        "spec": pod["spec"],
+        "status": {"podIP": "10.1.2.3", "conditions": [{"type": "Ready", "status": "True"}]},
+    }
+    target = pod_target(live, foreign=True)
+    assert target is not None and target.serving_endpoint == "10.1.2.3:8080"
+    assert [p["number"] for p in objects["InferencePool", "sim"]["spec"]["targetPorts"]] == [
+        int(args["port"])
+    ]
+    # their publishers dial the EPP Service's bound port
+    service = objects["Service", "sim-epp"]
+    (bound,) = [p for p in service["spec"]["ports"] if p["name"] == "kv-events"]
+    assert args["zmq-endpoint"] == f"tcp://{service['metadata']['name']}:{bound['port']}"
+    assert "--use-vllm-map-event-format" in engine["args"]
+    assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in (
+        engine["env"]
+    )
+    # the document, as the EPP reads it, describes them
+    config = EngineTemplate.checked(graph.spec.engine_document()).config_for(
+        target.engine_url, "sim-engines-0"
+    )
+    assert config.kv_events is not None
+    assert config.kv_events.topic == f"kv@10.1.2.3@{args['model']}"  # the simulator's own
+    assert config.kv_cache_block_size == int(args["block-size"])
+    assert config.total_kv_blocks == int(args["kv-cache-size"])
+    assert config.context_length == int(args["max-model-len"])
+    assert config.served_model_name == args["served-model-name"] == graph.spec.served_model_name
