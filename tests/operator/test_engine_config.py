@@ -22,6 +22,7 @@ from dynamograph.operator.manifests import (
     Owner,
     desired_objects,
 )
+from dynamograph.operator.reconcile import Create, Delete, Patch, plan, with_last_applied
 from dynamograph.protocol.engine import EngineTemplate, KvEventsEndpoint
 from dynamograph.protocol.graph import GraphError, load_graph
 from dynamograph.protocol.identity import instance_id
@@ -369,3 +370,28 @@ def test_the_llmd_sim_example_joins_unmodified_simulators_to_the_graph():
     assert config.total_kv_blocks == int(args["kv-cache-size"])
     assert config.context_length == int(args["max-model-len"])
     assert config.served_model_name == args["served-model-name"] == graph.spec.served_model_name
+
+
+def test_turning_the_field_on_and_off_is_a_create_and_a_delete_and_an_epp_roll():
+    """What a reconcile pass does (operator/reconcile.plan, live objects as last applied): on,
+    the ConfigMap is created and the EPP's template patched (a new template: a rollout); off,
+    the ConfigMap is deleted and the template's annotation, mount and flag go."""
+
+    def desired(graph_body):
+        return desired_objects(load_graph(graph_body), OWNER, CONFIG)
+
+    without, with_it = desired(body()), desired(body(SIM))
+    key = ("v1", "ConfigMap", "agg-engine-config")
+    epp = ("apps/v1", "Deployment", "agg-epp")
+
+    on = plan(with_it, [with_last_applied(o) for o in without], OWNER.uid)
+    assert [a.obj["metadata"]["name"] for a in on if isinstance(a, Create)] == [key[2]]
+    patched = {a.key: a.patch for a in on if isinstance(a, Patch)}
+    template = patched[epp]["spec"]["template"]
+    assert ENGINE_CONFIG_CHECKSUM in template["metadata"]["annotations"]
+
+    off = plan(without, [with_last_applied(o) for o in with_it], OWNER.uid)
+    assert [a.key for a in off if isinstance(a, Delete)] == [key]
+    template = {a.key: a.patch for a in off if isinstance(a, Patch)}[epp]["spec"]["template"]
+    assert template["metadata"]["annotations"][ENGINE_CONFIG_CHECKSUM] is None
+    assert MOUNTED not in str(template["spec"])
