@@ -1,7 +1,11 @@
 """`spec.engineConfig` against the real control plane: the CRD (installed by our chart) keeps the
 engine document through the apiserver's pruning, the EPP objects the operator renders for it are
 accepted, and the schema and CEL rule refuse a wrong document with their messages (the same
-documents `load_graph` refuses: tests/operator/test_engine_config.py)."""
+documents `load_graph` refuses: tests/operator/test_engine_config.py). With the operator running
+(the chart's ServiceAccount token): turned on, the ConfigMap appears owned by the graph and the
+EPP mounts it; a changed document rolls the EPP; turned off, the ConfigMap is deleted and the
+EPP's template is as before. kwok runs no containers: that the EPP reads the file is the unit
+tests' part (the rendered file loaded by EngineTemplate.load, the flag by the EPP's parser)."""
 
 import copy
 import json
@@ -11,10 +15,14 @@ import yaml
 
 from dynamograph.operator.config import OperatorConfig
 from dynamograph.operator.manifests import Owner, desired_objects, discovery_name
+from dynamograph.protocol.engine import EngineTemplate
 from dynamograph.protocol.graph import GraphError, load_graph
+from dynamograph.protocol.launch import ENGINE_CONFIG_DIR, ENGINE_CONFIG_FILE
 
-from .conftest import WORKLOAD_IMAGE, get
+from .conftest import WORKLOAD_IMAGE, describe, get, wait_for
 from .controlplane import REPO
+from .test_operator import graph_manifest
+from .test_production_manifests import owned_by_graph
 
 SIM = {
     "total_kv_blocks": 4096,
@@ -84,3 +92,83 @@ def test_a_wrong_document_is_refused_by_the_crd(
     assert res.returncode != 0, f"{case}: accepted\n{res.stdout}"
     assert message in res.stderr, res.stderr
     assert get(cp, "dg", "foreign", "-n", namespace) is None
+
+
+def epp_template(cp, namespace: str) -> dict | None:
+    deployment = get(cp, "deployment", "ec-epp", "-n", namespace)
+    return None if deployment is None else deployment["spec"]["template"]
+
+
+def mounted(template: dict | None) -> bool:
+    if template is None:
+        return False
+    (epp,) = template["spec"]["containers"]
+    return f"{ENGINE_CONFIG_DIR}/{ENGINE_CONFIG_FILE}" in epp["args"] and any(
+        m["mountPath"] == ENGINE_CONFIG_DIR for m in epp.get("volumeMounts", [])
+    )
+
+
+def checksum(template: dict | None) -> str | None:
+    annotations = (template or {}).get("metadata", {}).get("annotations", {})
+    return annotations.get("dynamograph.io/engine-config-sha256")
+
+
+def test_the_operator_gives_the_epp_the_document_rolls_it_and_takes_it_back(
+    control_plane, operator, namespace, tmp_path
+):
+    cp = control_plane
+    show = lambda: describe(cp, namespace, operator)  # noqa: E731
+    manifest = graph_manifest("ec", namespace)
+    cp.kubectl_apply(manifest)
+    before = wait_for("the EPP Deployment", lambda: epp_template(cp, namespace), 60, describe=show)
+    assert not mounted(before) and checksum(before) is None
+
+    def patch(engine_config):
+        body = {"spec": {"engineConfig": engine_config}}
+        cp.kubectl("patch", "dg", "ec", "-n", namespace, "--type=merge", "-p", json.dumps(body))
+
+    patch(SIM)
+    config_map = wait_for(
+        "ConfigMap ec-engine-config",
+        lambda: get(cp, "configmap", "ec-engine-config", "-n", namespace),
+        60,
+        describe=show,
+    )
+    assert owned_by_graph(config_map, get(cp, "dg", "ec", "-n", namespace)), show()
+    path = tmp_path / ENGINE_CONFIG_FILE
+    path.write_text(config_map["data"][ENGINE_CONFIG_FILE])
+    config = EngineTemplate.load(path).config_for("http://10.1.2.3:8080", "sim-0")
+    assert (config.model, config.total_kv_blocks) == ("Qwen/Qwen3-0.6B", 4096)
+    first = wait_for(
+        "the EPP mounting it",
+        lambda: mounted(t := epp_template(cp, namespace)) and t,
+        60,
+        describe=show,
+    )
+
+    patch({"total_kv_blocks": 8192})  # a merge patch: the rest of the document stays
+    changed = wait_for(
+        "the EPP rolled for the new document",
+        lambda: checksum(t := epp_template(cp, namespace)) not in (None, checksum(first)) and t,
+        60,
+        describe=show,
+    )
+    assert mounted(changed)
+    data = get(cp, "configmap", "ec-engine-config", "-n", namespace)["data"][ENGINE_CONFIG_FILE]
+    assert "total_kv_blocks: 8192" in data and "kv@{host}@Qwen/Qwen3-0.6B" in data
+
+    patch(None)
+    wait_for(
+        "ConfigMap ec-engine-config deleted",
+        lambda: get(cp, "configmap", "ec-engine-config", "-n", namespace) is None,
+        60,
+        describe=show,
+    )
+    after = wait_for(
+        "the EPP without it",
+        lambda: not mounted(t := epp_template(cp, namespace)) and t,
+        60,
+        describe=show,
+    )
+    assert checksum(after) is None
+    assert after["spec"] == before["spec"]
