@@ -172,3 +172,24 @@ def test_the_operator_gives_the_epp_the_document_rolls_it_and_takes_it_back(
     )
     assert checksum(after) is None
     assert after["spec"] == before["spec"]
+
+
+def test_the_llmd_sim_example_is_accepted_in_a_restricted_namespace(
+    control_plane, chart_release, namespace
+):
+    """examples/llmd-sim.yaml as `kubectl apply -f` sends it: the graph fits the CRD, and the
+    simulators' Deployment and its pods pass Pod Security "restricted" (server-side dry runs)."""
+    cp = control_plane
+    graph_doc, deployment = yaml.safe_load_all((REPO / "examples" / "llmd-sim.yaml").read_text())
+    for obj in (graph_doc, deployment):
+        obj["metadata"]["namespace"] = namespace
+        res = cp.kubectl("apply", "--dry-run=server", "-f", "-", input=json.dumps(obj), check=False)
+        assert res.returncode == 0, f"{obj['kind']}: {res.stderr}"
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "sim-engines-0", "namespace": namespace},
+        "spec": deployment["spec"]["template"]["spec"],
+    }
+    res = cp.kubectl("create", "--dry-run=server", "-f", "-", input=json.dumps(pod), check=False)
+    assert res.returncode == 0 and "violate" not in res.stderr, res.stderr
