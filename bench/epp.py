@@ -30,17 +30,31 @@ EPP CPU per response chunk is measured apart (`--response-chunks`) in both respo
 the response body sent FULL_DUPLEX_STREAMED each chunk is an ext_proc round trip; with body NONE
 and trailers SEND (what we generate) Envoy sends no chunk at all (target ≤ 10 µs per chunk).
 KV-event ingestion is measured apart too (`bench.kv_ingest`: CPU per batch, lag, flat-out rate).
+
+Last, the field's own EPPs against ours (`--foreign`: GAIE's reference EPP, llm-d's scheduler;
+by default those built here, with the repo's control plane): neither takes a static list of
+workers, so `--foreign-workers` pods (16 by default) of an InferencePool on that control plane
+(bench/route_foreign_epp.py's `pool_of_pods`) get mock workers listening at their IPs, warmed
+with the same prefixes; then each EPP in turn, ours on the same workers from a static file,
+gets the same requests of every workload above with the processing mode the gateways generate
+for a pool's EPP (`_gateway_exchange`: request and response bodies FULL_DUPLEX_STREAMED, every
+answer read as it comes). Per EPP and workload: pick latency (request headers sent → the answer
+carrying the destination header, one request at a time), CPU per routed request gross and net of
+the EPP's idle rate (schedstat, measured idle before), routed req/s at `--concurrency` streams,
+and whether every destination is one of the pods.
 """
 
 import argparse
 import asyncio
 import contextlib
+import functools
 import multiprocessing
 import os
 import random
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -143,6 +157,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="KV-event ingestion: batches/s over 4 workers (bench route's multi-turn stream at "
         "rate 8 had ~230)",
     )
+    parser.add_argument(
+        "--foreign",
+        default="auto",
+        help="the field's EPPs compared with ours on pods of a real control plane, "
+        "comma-separated (gaie-epp, llmd-epp); `auto` (default): those built and runnable here "
+        "(make counterparts, make control-plane), a missing one skipped with its reason; "
+        "`none`: skip the comparison",
+    )
+    parser.add_argument(
+        "--foreign-workers",
+        type=int,
+        default=16,
+        help="pods (mock workers at their IPs) of the foreign comparison (default 16, not 64: "
+        "GAIE's EPP scrapes every pod every 50 ms, which at 64 pods would load this box's two "
+        "cores with scrapes alone)",
+    )
+    parser.add_argument(
+        "--foreign-requests",
+        type=int,
+        default=120,
+        help="requests per workload and EPP in the foreign comparison: a third one at a time "
+        "(pick latency), the rest under --concurrency (CPU, req/s) (default 120)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     add_output_argument(parser)
 
@@ -150,8 +187,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # ---- the fleet (a child process) ------------------------------------------------------------
 
 
-def _fleet_main(count: int, conn) -> None:
-    """Run `count` real mock workers in one event loop; send their URLs; serve until told."""
+def _fleet_main(count: int, conn, hosts: list[str] | None = None, port: int = 0) -> None:
+    """Run `count` real mock workers in one event loop; send their URLs; serve until told.
+    `hosts`: worker i listens at hosts[i]:`port` (pod IPs sharing a pool's target port), else
+    at 127.0.0.1 on a port of its own."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     async def serve() -> None:
@@ -160,8 +199,11 @@ def _fleet_main(count: int, conn) -> None:
         async with contextlib.AsyncExitStack() as stack:
             urls = []
             for i in range(count):
+                where = {"host": hosts[i], "port": port} if hosts else {}
                 worker = await stack.enter_async_context(
-                    mock_worker(model=MODEL, name=f"bench-epp-{os.getpid()}-{i}", speedup=1e4)
+                    mock_worker(
+                        model=MODEL, name=f"bench-epp-{os.getpid()}-{i}", speedup=1e4, **where
+                    )
                 )
                 urls.append(worker.url)
             conn.send(urls)
@@ -169,6 +211,23 @@ def _fleet_main(count: int, conn) -> None:
             await loop.run_in_executor(None, conn.recv)  # any message: stop
 
     asyncio.run(serve())
+
+
+@contextlib.asynccontextmanager
+async def _fleet(count: int, hosts: list[str] | None = None, port: int = 0):
+    """`_fleet_main` in a child process; yields the workers' URLs; stops it on exit."""
+    spawn = multiprocessing.get_context("spawn")
+    parent, child = spawn.Pipe()
+    fleet = spawn.Process(target=_fleet_main, args=(count, child, hosts, port), daemon=True)
+    fleet.start()
+    try:
+        yield await asyncio.get_running_loop().run_in_executor(None, parent.recv)
+    finally:
+        with contextlib.suppress(BrokenPipeError, OSError):
+            parent.send("stop")
+        await asyncio.to_thread(fleet.join, 30)
+        if fleet.is_alive():
+            fleet.kill()
 
 
 # ---- prompts --------------------------------------------------------------------------------
@@ -472,6 +531,11 @@ async def _exchange(
     return elapsed
 
 
+async def _send(stub, response_body_sent: bool, body: bytes) -> float:
+    """`_exchange` of one body with a one-chunk response (`_load_cpu`'s `send`)."""
+    return await _exchange(stub, body, 1, response_body_sent)
+
+
 async def _exchange_stage(bodies: list[bytes]) -> float:
     """CPU ms per request of the EPP's own ext_proc handling (`extproc.Exchange`: protobuf
     parsed and serialized as grpc does, headers, body buffering and re-chunking, metrics) with
@@ -529,21 +593,25 @@ async def _server_picks(metrics_port: int, process: int | None = None) -> tuple[
 
 
 async def _load_cpu(
-    pid: int, stub, bodies: list[bytes], concurrency: int, response_body_sent: bool = False
+    pid: int,
+    bodies: list[bytes],
+    concurrency: int,
+    send: Callable[[bytes], Awaitable[object]],
+    cpu_seconds: Callable[[int], float] = _cpu_seconds,
 ) -> tuple[float, float, float]:
-    """EPP process CPU, wall time and main-thread CPU (seconds) of routing `bodies` over
-    `concurrency` streams."""
+    """EPP process CPU (by `cpu_seconds(pid)`), wall time and main-thread CPU (seconds) of
+    routing `bodies` over `concurrency` streams, each request by `send(body)`."""
     queue = iter(bodies)
-    cpu0, wall0 = _cpu_seconds(pid), time.perf_counter()
+    cpu0, wall0 = cpu_seconds(pid), time.perf_counter()
     main0 = _cpu_seconds(pid, main_thread=True)
 
     async def client() -> None:
         for body in queue:
-            await _exchange(stub, body, 1, response_body_sent)
+            await send(body)
 
     await asyncio.gather(*(client() for _ in range(concurrency)))
     main = _cpu_seconds(pid, main_thread=True) - main0
-    return _cpu_seconds(pid) - cpu0, time.perf_counter() - wall0, main
+    return cpu_seconds(pid) - cpu0, time.perf_counter() - wall0, main
 
 
 async def _measure(
@@ -575,13 +643,15 @@ async def _measure(
             await asyncio.sleep(args.idle_seconds)
             idle_rate = (_cpu_seconds(proc.pid) - idle0) / (time.perf_counter() - idle_wall0)
             picks0 = await _server_picks(metrics_port)
-            cpu, wall, main = await _load_cpu(proc.pid, stub, load, args.concurrency)
+            cpu, wall, main = await _load_cpu(
+                proc.pid, load, args.concurrency, lambda body: _exchange(stub, body)
+            )
             picks1 = await _server_picks(metrics_port)
             for name, (requests, sent) in (workloads or {}).items():
                 if not requests:
                     continue
                 spent, elapsed, thread = await _load_cpu(
-                    proc.pid, stub, requests, args.concurrency, sent
+                    proc.pid, requests, args.concurrency, functools.partial(_send, stub, sent)
                 )
                 extra.append(
                     {
@@ -795,6 +865,218 @@ async def _measure_processes(args, workers_file: Path, bodies: list[bytes], n: i
     }
 
 
+# ---- the field's EPPs: GAIE's reference EPP, llm-d's scheduler --------------------------------
+
+FOREIGN = ("gaie-epp", "llmd-epp")
+OURS = "dynamograph"
+
+
+def _foreign_names(args) -> list[str]:
+    """The foreign EPPs to compare (`--foreign`): `auto`, those that can run here; each name
+    that cannot run is left out with its reason printed."""
+    from .route_foreign_epp import unavailable
+
+    wanted = FOREIGN if args.foreign == "auto" else [n for n in args.foreign.split(",") if n]
+    names = []
+    for name in wanted:
+        if name not in FOREIGN:
+            raise SystemExit(f"--foreign: unknown EPP {name!r} (known: {', '.join(FOREIGN)})")
+        reason = unavailable(name)
+        if reason:
+            print(f"foreign comparison: {name} skipped: {reason}")
+        else:
+            names.append(name)
+    return names
+
+
+def _workers_file(path: Path, urls: list[str]) -> Path:
+    """A static-discovery file for `dynamograph epp --workers-file`: one entry per worker."""
+    entries = [{"engine": u, "endpoint": u.removeprefix("http://")} for u in urls]
+    path.write_text(yaml.safe_dump(entries))
+    return path
+
+
+def _destination(answer) -> str | None:
+    """The endpoint an ext_proc answer routes to (its `x-gateway-destination-endpoint` header
+    mutation, on the request headers or, BUFFERED, on the body answer), else None."""
+    from dynamograph.protocol.headers import DESTINATION_ENDPOINT
+
+    for common in (answer.request_headers.response, answer.request_body.response):
+        for option in common.header_mutation.set_headers:
+            if option.header.key == DESTINATION_ENDPOINT:
+                return (option.header.raw_value or option.header.value.encode()).decode()
+    return None
+
+
+async def _gateway_exchange(stub, body: bytes) -> tuple[float, str | None]:
+    """One request with the processing mode the gateways generate for an InferencePool's EPP
+    (COUNTERPARTS.md: request and response bodies FULL_DUPLEX_STREAMED, headers and trailers
+    SEND) and read as Envoy reads it: the EPP's answers as they come, however it groups them.
+    Request headers, the body in 64 KiB chunks and an empty end_of_stream chunk; once the EPP has
+    streamed the request body back (its last chunk end_of_stream), response headers and a
+    one-chunk body with end_of_stream (an HTTP/1.1 engine's answer carries no trailers, so Envoy
+    sends none; GAIE's own server notes the same). Returns (seconds from the request headers
+    sent to the answer carrying the destination header, that destination); destination None
+    when the EPP answered otherwise (an immediate response, an error, the stream ended)."""
+    request, response = _envoy_messages(body, 1, True)
+    call = stub.Process()
+    elapsed, destination = 0.0, None
+    try:
+        start = time.perf_counter()
+        for message in request:
+            await call.write(message)
+        while True:
+            answer = await call.read()
+            if answer is grpc.aio.EOF or answer.HasField("immediate_response"):
+                return elapsed, None
+            if destination is None and (destination := _destination(answer)) is not None:
+                elapsed = time.perf_counter() - start
+            if answer.request_body.response.body_mutation.streamed_response.end_of_stream:
+                break
+        for message in response:
+            await call.write(message)
+        await call.done_writing()
+        while await call.read() is not grpc.aio.EOF:  # the response's answers, then the end
+            pass
+    except grpc.aio.AioRpcError:
+        return elapsed, None
+    return elapsed, destination
+
+
+async def _until_routed(stub, endpoints: set[str], within_s: float, alive) -> None:
+    """Until as many requests in a row as there are pods got a destination among them: the
+    EPP has listed the pods and scraped them (before that the foreign EPPs refuse: 503/429)."""
+    body = orjson.dumps(
+        {"model": MODEL, "messages": [{"role": "user", "content": "Ready?"}], "max_tokens": 1}
+    )
+    deadline = time.monotonic() + within_s
+    ok, last = 0, None
+    while ok < len(endpoints):
+        if not alive():
+            raise RuntimeError("the EPP exited before it routed a request")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the EPP routed no request within {within_s:.0f} s (last {last})")
+        _, last = await _gateway_exchange(stub, body)
+        ok = ok + 1 if last in endpoints else 0
+        if ok == 0:
+            await asyncio.sleep(0.3)
+
+
+async def _measure_gateway(
+    args, name: str, pid: int, port: int, endpoints: set[str], alive, workloads
+) -> list[dict]:
+    """One EPP (pid, gRPC port) driven with `_gateway_exchange`: per workload, its first third
+    one at a time (pick latency), the rest over `--concurrency` streams (CPU per routed request,
+    gross and net of the idle rate measured before, routed req/s); every destination checked
+    against the pods' `endpoints`."""
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+    # nanosecond CPU counts (schedstat): a workload here is tens of requests, too few for the
+    # 10 ms ticks of /proc/PID/stat
+    from .frontend import _cpu_seconds as cpu_seconds
+
+    rows = []
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = pb_grpc.ExternalProcessorStub(channel)
+        await _until_routed(stub, endpoints, 90, alive)
+        warm, *_ = workloads.values()
+        for body in warm[-10:]:  # warm-up: connections, caches; bodies no workload sends
+            await _gateway_exchange(stub, body)
+        idle0, idle_wall0 = cpu_seconds(pid), time.perf_counter()
+        await asyncio.sleep(args.idle_seconds)
+        idle_rate = (cpu_seconds(pid) - idle0) / (time.perf_counter() - idle_wall0)
+        for workload, bodies in workloads.items():
+            bodies = bodies[: args.foreign_requests]
+            if not bodies:
+                continue
+            sequential = max(1, len(bodies) // 3)
+            picks = [await _gateway_exchange(stub, body) for body in bodies[:sequential]]
+            load: list[tuple[float, str | None]] = []
+
+            async def send(body: bytes, load=load) -> None:
+                load.append(await _gateway_exchange(stub, body))
+
+            cpu, wall, _ = await _load_cpu(
+                pid, bodies[sequential:], args.concurrency, send, cpu_seconds
+            )
+            latencies = [seconds for seconds, where in picks if where in endpoints]
+            routed = sum(where in endpoints for _, where in load)
+            destinations = [where for _, where in picks + load]
+            rows.append(
+                {
+                    "epp": name,
+                    "workload": workload,
+                    "pick_p50_ms": float(np.percentile(latencies, 50) * 1e3) if latencies else None,
+                    "pick_p99_ms": float(np.percentile(latencies, 99) * 1e3) if latencies else None,
+                    "cpu_ms_per_request": cpu / routed * 1e3 if routed else None,
+                    "net_cpu_ms_per_request": max(0.0, cpu - idle_rate * wall) / routed * 1e3
+                    if routed
+                    else None,
+                    "requests_per_s_wall": routed / wall,
+                    "idle_cpu_percent": idle_rate * 100,
+                    "requests": len(bodies),
+                    "sequential": sequential,
+                    "routed_to_a_pod": sum(where in endpoints for where in destinations),
+                    "pods_picked": len(set(destinations) & endpoints),
+                    "destinations": sorted({str(d) for d in destinations}),
+                    "concurrency": args.concurrency,
+                }
+            )
+    return rows
+
+
+async def _measure_foreign(
+    args, names: list[str], prefixes: list[str], workloads: dict[str, list[bytes]]
+) -> dict:
+    """Ours and the foreign EPPs (`--foreign`) on the same `--foreign-workers` pods, one EPP at a
+    time, each sent the same requests of every workload with `_gateway_exchange`.
+
+    The pods (bench/route_foreign_epp.py: the repo's control plane, an InferencePool, one Pod
+    per worker that kwok makes Ready at 127.1.x.y) are where the foreign EPPs look; mock workers
+    listen at their IPs on the pool's one target port, warmed with the same shared prefixes as
+    the main fleet; our EPP gets the same workers from a static file (it needs no API server)."""
+    from .route_fleet import stop_all
+    from .route_foreign_epp import pool_of_pods, start_foreign_epp
+
+    count = args.foreign_workers
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="bench-epp-foreign-") as tmp:
+        logs = Path(tmp)
+        pods = [f"bench-epp-pod-{i}" for i in range(count)]
+        async with pool_of_pods("bench-epp", pods, _free_port(), logs) as pool:
+            hosts = [pool.ips[pod] for pod in pods]
+            async with _fleet(count, hosts, pool.target_port) as urls:
+                await _warm(urls, prefixes)
+                proc, port, _ = await _start_epp(
+                    _workers_file(logs / "workers.yaml", urls), "kv", count
+                )
+                try:
+                    rows += await _measure_gateway(
+                        args, OURS, proc.pid, port, pool.endpoints,
+                        lambda: proc.returncode is None, workloads,
+                    )  # fmt: skip
+                finally:
+                    proc.terminate()
+                    await proc.wait()
+                for name in names:
+                    grpc_port, health, metrics = _free_port(), _free_port(), _free_port()
+                    epp = await start_foreign_epp(
+                        name, pool, grpc_port, health, metrics, logs / f"{name}.log"
+                    )
+                    try:
+                        assert epp.popen is not None
+                        rows += await _measure_gateway(
+                            args, name, epp.popen.pid, grpc_port, pool.endpoints, epp.alive,
+                            workloads,
+                        )  # fmt: skip
+                    except RuntimeError as exc:
+                        raise epp.failure(str(exc)) from exc
+                    finally:
+                        await asyncio.to_thread(stop_all, [epp])
+            endpoints = sorted(pool.endpoints)
+    return {"workers": count, "epps": [OURS, *names], "endpoints": endpoints, "rows": rows}
+
+
 async def _main(args) -> int:
     prefixes, bodies = _prompts(args)
     calibration = _tokenizer_ns_per_token()
@@ -810,19 +1092,13 @@ async def _main(args) -> int:
         if args.kv_ingest_seconds > 0
         else []
     )  # fmt: skip
-    spawn = multiprocessing.get_context("spawn")
-    parent, child = spawn.Pipe()
-    fleet = spawn.Process(target=_fleet_main, args=(args.workers, child), daemon=True)
-    fleet.start()
-    try:
-        loop = asyncio.get_running_loop()
-        urls = await loop.run_in_executor(None, parent.recv)
+    first, follow = _chat_turns(args)
+    mooncake = _mooncake_bodies(args)
+    foreign_names = _foreign_names(args)  # reasons printed before the long run, not after it
+    async with _fleet(args.workers) as urls:
         await _warm(urls, prefixes)
         with tempfile.TemporaryDirectory() as tmp:
-            workers_file = Path(tmp) / "workers.yaml"
-            entries = [{"engine": u, "endpoint": u.removeprefix("http://")} for u in urls]
-            workers_file.write_text(yaml.safe_dump(entries))
-            first, follow = _chat_turns(args)
+            workers_file = _workers_file(Path(tmp) / "workers.yaml", urls)
             used = 30 + args.latency_requests + args.load_requests
             kv, workloads = await _measure(
                 args,
@@ -834,7 +1110,7 @@ async def _main(args) -> int:
                     "(1 chunk)": (bodies[used : used + args.load_requests], True),
                     f"{args.chat_tokens}-token chat, first turn": (first, False),
                     f"{args.chat_tokens}-token chat, follow-up turn": (follow, False),
-                    "Mooncake mix": (_mooncake_bodies(args), False),
+                    "Mooncake mix": (mooncake, False),
                 },
             )
             rows = [kv, (await _measure(args, workers_file, "random", bodies))[0]]
@@ -850,12 +1126,19 @@ async def _main(args) -> int:
                 for n in args.processes.split(",")
                 if n.strip()
             ]
-    finally:
-        with contextlib.suppress(BrokenPipeError, OSError):
-            parent.send("stop")
-        fleet.join(30)
-        if fleet.is_alive():
-            fleet.kill()
+    foreign = None
+    if args.foreign != "none":
+        foreign = await _measure_foreign(
+            args,
+            foreign_names,
+            prefixes,
+            {
+                f"{args.prompt_tokens}-token shared-prefix chat": bodies,
+                f"{args.chat_tokens}-token chat, first turn": first,
+                f"{args.chat_tokens}-token chat, follow-up turn": follow,
+                "Mooncake mix": mooncake,
+            },
+        )
     columns = [
         "mode", "pick p50 ms", "pick p99 ms", "EPP pick mean ms", "EPP CPU ms/req",
         "main thread ms/req", "net of idle ms/req", "routed req/s per core", "req/s wall",
@@ -948,6 +1231,23 @@ async def _main(args) -> int:
                 for r in scaling
             ],
         )
+    if foreign is not None:
+        print_table(
+            f"the field's EPPs and ours on the same {foreign['workers']} pods, one EPP at a time, "
+            "driven as the gateways configure an InferencePool's EPP (request and response bodies "
+            f"FULL_DUPLEX_STREAMED); pick: request headers sent → destination header, one at a "
+            f"time; CPU and req/s: {args.concurrency} streams; net: minus the EPP's idle CPU rate",
+            ["EPP", "workload", "pick p50 ms", "pick p99 ms", "CPU ms/req", "net ms/req",
+             "routed req/s", "idle CPU %", "routed / sent", "pods picked"],
+            [
+                [r["epp"], r["workload"], r["pick_p50_ms"], r["pick_p99_ms"],
+                 r["cpu_ms_per_request"], r["net_cpu_ms_per_request"], r["requests_per_s_wall"],
+                 r["idle_cpu_percent"], f"{r['routed_to_a_pod']} / {r['requests']}",
+                 r["pods_picked"]]
+                for r in foreign["rows"]
+            ],
+            width=170,
+        )  # fmt: skip
     missed = [
         name
         for name, cpu_ms in [
@@ -977,6 +1277,7 @@ async def _main(args) -> int:
             "streaming": streaming,
             "processes": scaling,
             "kv_ingest": ingest,
+            "foreign": foreign,
         },
     )
     return 0

@@ -24,6 +24,9 @@ they may pick. So a policy here starts, in order:
 the gateway's URL, the twin workers (what the benchmark must reset and scrape), the EPP's pid
 (its CPU time) and its metrics page. It never starts `workers` themselves, only their twins.
 `unavailable(counterpart)` says why a policy cannot run here (a binary not built), or None.
+Its pieces serve `bench epp`'s foreign comparison too (bench/epp.py drives the EPPs' gRPC port
+itself, no Envoy): `pool_of_pods(app, names, target_port, logs)` (steps 1, 2 and 4: yields a
+`Pool` with the pods' IPs) and `start_foreign_epp(counterpart, pool, ...)` (the EPP watching it).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import aiohttp
 
@@ -238,6 +242,70 @@ async def _wait_routed(epp: Proc, url: str, model: str, count: int, within_s: fl
                 await asyncio.sleep(0.3)
 
 
+@dataclass
+class Pool:
+    """An InferencePool `app` on a running control plane, one Ready Pod per name."""
+
+    control_plane: Any  # tests/cluster/controlplane.py's ControlPlane (loaded by path)
+    app: str
+    target_port: int
+    ips: dict[str, str]  # pod name -> its IP (127.1.x.y)
+
+    @property
+    def endpoints(self) -> set[str]:
+        """The pods' `ip:port`s: what a destination header may name."""
+        return {f"{ip}:{self.target_port}" for ip in self.ips.values()}
+
+
+@contextlib.asynccontextmanager
+async def pool_of_pods(
+    app: str, names: Sequence[str], target_port: int, logs: Path
+) -> AsyncIterator[Pool]:
+    """The control plane started, GAIE's CRDs, an InferencePool `app` with `target_port`, and one
+    Pod per name that kwok made Ready (module docstring, steps 1, 2 and 4); the control plane is
+    stopped on exit. Nothing listens at the pods' IPs: the caller starts what should."""
+    cp = _control_plane().ControlPlane((logs / "control-plane").resolve(), nodes=1)
+    await asyncio.to_thread(cp.start)
+    try:
+        crds = sorted((_module_dir("gaie-epp") / CRDS).glob("*.yaml"))
+        await asyncio.to_thread(
+            cp.kubectl, "apply", "--server-side", *(f"--filename={c}" for c in crds)
+        )
+        await asyncio.to_thread(
+            cp.kubectl, "wait", "--for=condition=Established", "--timeout=60s",
+            *(f"--filename={c}" for c in crds),
+        )  # fmt: skip
+        cp.kubectl_apply(_pool(app, target_port))
+        for name in names:
+            cp.kubectl_apply(_pod(name, app, "kwok-node-0", target_port))
+        ips = await _poll(lambda: _ready_ips(cp, app, len(names)), 60, "kwok made no pod ready")
+        yield Pool(cp, app, target_port, ips)
+    finally:
+        await asyncio.to_thread(cp.stop)
+
+
+async def start_foreign_epp(
+    counterpart: str, pool: Pool, grpc: int, health: int, metrics: int, log: Path
+) -> Proc:
+    """The counterpart's EPP watching `pool` (plain-text gRPC on `grpc`), once its metrics page
+    answers; the caller stops it."""
+    binary = counterparts.binary(counterpart)
+    if binary is None:
+        raise LaunchError(f"{counterpart}: {unavailable(counterpart)}")
+    epp = Proc(
+        f"{counterpart}-epp",
+        _epp_argv(counterpart, binary, pool.app, grpc, health, metrics),
+        log,
+        {"KUBECONFIG": str(pool.control_plane.kubeconfig)},
+    ).start()
+    try:
+        await wait_http(epp, f"http://127.0.0.1:{metrics}/metrics", within_s=60)
+    except BaseException:
+        await asyncio.to_thread(stop_all, [epp])
+        raise
+    return epp
+
+
 @contextlib.asynccontextmanager
 async def serve_foreign_epp(
     policy_name: str,
@@ -255,54 +323,35 @@ async def serve_foreign_epp(
     reason = unavailable(counterpart)
     if reason:
         raise LaunchError(f"{policy_name}: {reason}")
-    binary = counterparts.binary(counterpart)
-    assert binary is not None
-    cplane = _control_plane()
-    cp = cplane.ControlPlane((logs / "control-plane").resolve(), nodes=1)
-    await asyncio.to_thread(cp.start)
-    twins: list[PodWorker] = []
-    epp: Proc | None = None
-    try:
-        app = f"bench-{policy_name}"
-        # one port that is free at every pod IP: a port free on 127.0.0.1 has no wildcard
-        # listener, and nothing else binds 127.1.x.y
-        target_port = ports.take()
-        crds = sorted((_module_dir("gaie-epp") / CRDS).glob("*.yaml"))
-        await asyncio.to_thread(
-            cp.kubectl, "apply", "--server-side", *(f"--filename={c}" for c in crds)
-        )
-        await asyncio.to_thread(
-            cp.kubectl, "wait", "--for=condition=Established", "--timeout=60s",
-            *(f"--filename={c}" for c in crds),
-        )  # fmt: skip
-        cp.kubectl_apply(_pool(app, target_port))
-        for w in workers:
-            cp.kubectl_apply(_pod(w.name, app, "kwok-node-0", target_port))
-        ips = await _poll(lambda: _ready_ips(cp, app, len(workers)), 60, "kwok made no pod ready")
-        for w in workers:
-            twins.append(_twin(w, ips[w.name], target_port, ports.take(2), logs / "fleet"))
-        grpc, health, metrics = ports.take(), ports.take(), ports.take()
-        listen, admin = ports.take(), ports.take()
-        ports.release()
-        for t in twins:
-            t.proc.start()
-        await asyncio.gather(*(wait_http(t.proc, t.url + "/health", within_s=120) for t in twins))
-        epp = Proc(
-            f"{policy_name}-epp",
-            _epp_argv(counterpart, binary, app, grpc, health, metrics),
-            logs / f"{policy_name}-epp.log",
-            {"KUBECONFIG": str(cp.kubeconfig)},
-        ).start()
-        await wait_http(epp, f"http://127.0.0.1:{metrics}/metrics", within_s=60)
-        gateway = gateway_config(listen, admin, f"127.0.0.1:{grpc}")
-        async with run_envoy(gateway, workdir=logs / f"{policy_name}-envoy"):
-            url = f"http://127.0.0.1:{listen}"
-            await _wait_routed(epp, url, model, count=len(twins), within_s=90)
-            assert epp.popen is not None
-            yield Routed(url, twins, [epp.popen.pid], f"http://127.0.0.1:{metrics}/metrics")
-    finally:
-        await asyncio.to_thread(stop_all, [*([epp] if epp else []), *(t.proc for t in twins)])
-        await asyncio.to_thread(cp.stop)
+    # one port that is free at every pod IP: a port free on 127.0.0.1 has no wildcard
+    # listener, and nothing else binds 127.1.x.y
+    target_port = ports.take()
+    app = f"bench-{policy_name}"
+    async with pool_of_pods(app, [w.name for w in workers], target_port, logs) as pool:
+        twins: list[PodWorker] = []
+        epp: Proc | None = None
+        try:
+            for w in workers:
+                twins.append(_twin(w, pool.ips[w.name], target_port, ports.take(2), logs / "fleet"))
+            grpc, health, metrics = ports.take(), ports.take(), ports.take()
+            listen, admin = ports.take(), ports.take()
+            ports.release()
+            for t in twins:
+                t.proc.start()
+            await asyncio.gather(
+                *(wait_http(t.proc, t.url + "/health", within_s=120) for t in twins)
+            )
+            epp = await start_foreign_epp(
+                counterpart, pool, grpc, health, metrics, logs / f"{policy_name}-epp.log"
+            )
+            gateway = gateway_config(listen, admin, f"127.0.0.1:{grpc}")
+            async with run_envoy(gateway, workdir=logs / f"{policy_name}-envoy"):
+                url = f"http://127.0.0.1:{listen}"
+                await _wait_routed(epp, url, model, count=len(twins), within_s=90)
+                assert epp.popen is not None
+                yield Routed(url, twins, [epp.popen.pid], f"http://127.0.0.1:{metrics}/metrics")
+        finally:
+            await asyncio.to_thread(stop_all, [*([epp] if epp else []), *(t.proc for t in twins)])
 
 
 async def _poll(check, within_s: float, what: str):
