@@ -876,6 +876,8 @@ def _foreign_names(args) -> list[str]:
     that cannot run is left out with its reason printed."""
     from .route_foreign_epp import unavailable
 
+    if args.foreign == "none":
+        return []
     wanted = FOREIGN if args.foreign == "auto" else [n for n in args.foreign.split(",") if n]
     names = []
     for name in wanted:
@@ -1127,7 +1129,7 @@ async def _main(args) -> int:
                 if n.strip()
             ]
     foreign = None
-    if args.foreign != "none":
+    if foreign_names:  # ours alone on the pods would compare nothing
         foreign = await _measure_foreign(
             args,
             foreign_names,
