@@ -921,6 +921,8 @@ async def _gateway_exchange(stub, body: bytes) -> tuple[float, str | None]:
     sent to the answer carrying the destination header, that destination); destination None
     when the EPP answered otherwise (an immediate response, an error, the stream ended)."""
     request, response = _envoy_messages(body, 1, True)
+    # as the gateways leave it (PITFALLS.md); in FULL_DUPLEX_STREAMED the body follows anyway
+    request[0].protocol_config.send_body_without_waiting_for_header_response = False
     call = stub.Process()
     elapsed, destination = 0.0, None
     try:
