@@ -65,7 +65,6 @@ _STAGE_GROWTH = 4
 _SLOT_CAPACITY = 1024
 _NO_MATCH = np.zeros(0, np.int64)
 _NO_MATCH.flags.writeable = False
-_NO_KEYS = np.zeros(0, np.uint64)
 
 
 def as_u64(values: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -200,9 +199,12 @@ class KvIndex:
     # -- events ----------------------------------------------------------------------------
     def apply_events(
         self, slot: Slot, events: Sequence[KvEvent], lora_names: Mapping[int, str] | None = None
-    ) -> None:
+    ) -> list[np.ndarray]:
         """Apply vLLM events of one slot, in order. `lora_names` maps vLLM lora ids to adapter
-        names (an id missing there hashes as `lora-<id>`, so it matches no request)."""
+        names (an id missing there hashes as `lora-<id>`, so it matches no request). Returns the
+        prefix keys of each BlockStored the slot now holds, as requests name them (what the
+        prefills waiting on those blocks need, without looking the engine hashes up again)."""
+        stored: list[np.ndarray] = []
         for event in events:
             if isinstance(event, BlockStored):
                 lora = None
@@ -219,11 +221,14 @@ class KvIndex:
                     )
                     n = min(hashes.size, len(engine))
                     engine, hashes = engine[:n], hashes[:n]
-                self.store(slot, engine, event.parent_block_hash, hashes)
+                keys = self._stored(slot, engine, event.parent_block_hash, hashes)
+                if keys is not None and keys.size:
+                    stored.append(keys)
             elif isinstance(event, BlockRemoved):
                 self.remove(slot, event.block_hashes)
             elif isinstance(event, AllBlocksCleared):
                 self.clear(slot)
+        return stored
 
     def store(
         self,
@@ -234,41 +239,41 @@ class KvIndex:
     ) -> bool:
         """Record blocks stored on `slot` (our per-block hashes given); False when the parent is
         unknown to this slot (the event is skipped, as Dynamo does)."""
+        return self._stored(slot, engine_hashes, parent_engine_hash, local_hashes) is not None
+
+    def _stored(
+        self,
+        slot: Slot,
+        engine_hashes: Sequence[int | bytes] | np.ndarray,
+        parent_engine_hash: int | bytes | None,
+        local_hashes: Sequence[int] | np.ndarray,
+    ) -> np.ndarray | None:
+        """`store`, returning the prefix keys of the blocks stored (None: parent unknown)."""
         n = len(engine_hashes)
         if n != len(local_hashes):
             raise ValueError(f"{n} engine block hashes for {len(local_hashes)} block hashes")
+        keys = np.empty(n, np.uint64)
         if n == 0:
-            return True
+            return keys
         state = self._slot(slot)
         if parent_engine_hash is None:
             parent, has_parent = 0, False
         else:
             parent, has_parent = engine_key(parent_engine_hash), True
-        stored = self._store(
-            state, engine_keys(engine_hashes), as_u64(local_hashes), parent, has_parent
-        )
-        if not stored:
-            log.debug("slot %s: BlockStored parent unknown; skipped", slot)
-        return stored
-
-    def _store(
-        self,
-        state: _SlotState,
-        engine: np.ndarray,
-        local: np.ndarray,
-        parent: int,
-        has_parent: bool,
-    ) -> bool:
-        args = (engine, local, parent, has_parent, state.column)
+        args = (engine_keys(engine_hashes), as_u64(local_hashes), parent, has_parent)
         code = kernels.store_blocks(
-            *args, *state.blocks.parts, *self._keys.parts, *self._holder_parts
+            *args, state.column, keys, *state.blocks.parts, *self._keys.parts, *self._holder_parts
         )
         if code == kernels.NO_ROOM:  # now and then: grow what could run out, and again
-            self._reserve(state, engine.size)
+            self._reserve(state, n)
             code = kernels.store_blocks(
-                *args, *state.blocks.parts, *self._keys.parts, *self._holder_parts
-            )
-        return code == kernels.STORED
+                *args, state.column, keys, *state.blocks.parts, *self._keys.parts,
+                *self._holder_parts,
+            )  # fmt: skip
+        if code != kernels.STORED:
+            log.debug("slot %s: BlockStored parent unknown; skipped", slot)
+            return None
+        return keys
 
     def remove(self, slot: Slot, engine_hashes: Sequence[int | bytes] | np.ndarray) -> None:
         state = self._slots.get(slot)
@@ -311,9 +316,9 @@ class KvIndex:
         hashes = as_u64(local_hashes)
         if hashes.size == 0:
             return
-        state = self._slot(slot)
         keys = chain_keys(0, hashes)
-        self._store(state, keys, hashes, 0, False)  # the key doubles as engine hash
+        self._stored(slot, keys, None, hashes)  # the key doubles as engine hash
+        state = self._slots[slot]
         for key in keys.tolist():
             state.expiry[key] = expires_at
         self._approx.append((expires_at, slot, keys))
@@ -332,18 +337,6 @@ class KvIndex:
                 self.remove(slot, gone)
 
     # -- queries ---------------------------------------------------------------------------
-    def stored_keys(
-        self, slot: Slot, engine_hashes: Sequence[int | bytes] | np.ndarray
-    ) -> np.ndarray:
-        """The prefix keys of the blocks `slot` holds under these engine hashes (those it does
-        not hold left out): a BlockStored event's blocks named as requests name them."""
-        state = self._slots.get(slot)
-        if state is None or not len(engine_hashes):
-            return _NO_KEYS
-        rows = state.blocks.get(np.maximum(engine_keys(engine_hashes), kernels.MIN_KEY))
-        keys: np.ndarray = self._keys.keys[rows[rows >= 0]]
-        return keys
-
     def find_matches(self, local_hashes: Sequence[int] | np.ndarray) -> dict[Slot, int]:
         """{slot: number of leading blocks of the request the slot holds}, for slots with > 0.
 

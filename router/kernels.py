@@ -436,13 +436,14 @@ def prefix_keys(parent: int | np.uint64, hashes: NDArray[np.uint64]) -> NDArray[
     return out
 
 
-@_kernel(f"i8({_U8}, {_U8}, u8, b1, i8, {_TABLE}, {_TABLE}, {_HOLDERS})")
+@_kernel(f"i8({_U8}, {_U8}, u8, b1, i8, {_U8}, {_TABLE}, {_TABLE}, {_HOLDERS})")
 def store_blocks(
     engine: NDArray[np.uint64],
     local: NDArray[np.uint64],
     parent: int | np.uint64,
     has_parent: bool,
     column: int,
+    keys: NDArray[np.uint64],
     sk: NDArray[np.uint64],
     sv: NDArray[np.int32],
     sm: NDArray[np.int64],
@@ -455,7 +456,8 @@ def store_blocks(
 ) -> int:
     """A BlockStored on the slot whose engine-hash table is (sk, sv, sm) and bit is `column`:
     block i has engine hash engine[i] and our hash local[i]; its parent is the slot's block
-    with engine hash `parent` when `has_parent`. Returns STORED; NO_PARENT (nothing stored)
+    with engine hash `parent` when `has_parent`. Each block's prefix key goes to `keys[i]` (what
+    the prefills waiting on the slot look for). Returns STORED; NO_PARENT (nothing stored)
     when the slot does not hold the parent; NO_ROOM (nothing done) when a table or the free
     bitmask rows could run out: the caller makes room and calls again."""
     n = engine.size
@@ -470,6 +472,7 @@ def store_blocks(
     for i in range(n):
         key = key * P + local[i]
         k = _clamp(key)
+        keys[i] = k
         row = _probe(gk, gm, k)
         if row < 0:  # a new key: its cell is its row
             row = -1 - row

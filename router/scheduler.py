@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dynamograph.protocol.engine import EngineConfig, Role
-from dynamograph.protocol.kv_events import BlockStored, EventBatch
+from dynamograph.protocol.kv_events import EventBatch
 from dynamograph.protocol.nvext import SessionAction, SessionControl
 from dynamograph.protocol.pins import RoutePins
 from dynamograph.protocol.router_config import RouterConfig
@@ -307,13 +307,11 @@ class Router:
         if verdict is Verdict.RESTART:
             log.info("worker %d rank %d: KV event sequence restarted; clearing", worker_id, rank)
             self.index.clear(slot)
-        self.index.apply_events(slot, batch.events, self._lora_ids.get(worker_id))
+        stored = self.index.apply_events(slot, batch.events, self._lora_ids.get(worker_id))
         self.active.progressed(slot)
-        if self.active.awaits_stored_blocks(slot):  # prefills settled by the blocks stored
-            for event in batch.events:
-                if isinstance(event, BlockStored):
-                    stored = self.index.stored_keys(slot, event.block_hashes)
-                    self.active.blocks_stored(slot, stored)
+        if stored and self.active.awaits_stored_blocks(slot):  # prefills settled by the blocks
+            for keys in stored:
+                self.active.blocks_stored(slot, keys)
         return None
 
     def replay_failed(self, worker_id: int, dp_rank: int | None = None) -> None:
