@@ -72,8 +72,9 @@ POLICIES: dict[str, Policy] = {
         Policy(
             "kv-2epp",
             "epp",
-            "2 EPP replicas (active-active, bookings shared), KV events, Dynamo's cost",
-            {"scorers": [s.model_dump() for s in dynamo_scorers()]},
+            "2 EPP replicas (active-active, bookings shared), KV events, our default cost "
+            "(kv-ttft's)",
+            {"scorers": [s.model_dump() for s in ttft_scorers()]},
             epps=2,
         ),
         Policy(
