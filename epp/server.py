@@ -13,7 +13,8 @@
 - with `settings.pool_name`, a watch of that InferencePool's InferenceObjectives
   (`objectives`), whose priorities order the router queue;
 - with `settings.replicas`, replica sync (`replicas.ReplicaSync`): the other EPP replicas'
-  in-flight bookings counted in this one's load, and this one's published to them.
+  in-flight bookings counted in this one's load and their sticky-session bindings held in
+  this one's, and this one's published to them.
 `drain()` (SIGTERM) turns readiness NOT_SERVING, lets streams in flight finish for `grace`
 seconds, then stops everything.
 """
@@ -132,7 +133,9 @@ class Epp:
             retry_after_s=settings.router.retry_after_s,
         )
         self.replicas = (
-            ReplicaSync(self.router.active, settings.replicas) if settings.replicas else None
+            ReplicaSync(self.router.active, settings.replicas, sessions=self.router.sessions)
+            if settings.replicas
+            else None
         )
         if self.replicas is not None:
             self.metrics.registry.register(ReplicaCollector(self.replicas, PREFIX + "replica"))

@@ -21,11 +21,25 @@ timeout for lost peers):
   `dropped` counter): a lost replica's requests stop counting, the survivor's own bookings
   are untouched. A peer that restarts under the same name replaces its old self at once.
 
+Given the router's `StickySessions` (`sessions`), the sticky-session bindings travel the same
+stream: every binding made, refreshed, moved or closed here (coalesced per turn like the
+bookings: a session's turn costs one entry in the message its booking goes in) and every live
+binding in the snapshot. A binding carries its expiry as the seconds it had left when sent, so
+the replicas' clocks never meet; the receiver `put`s it (most recently used, its own LRU bound)
+or, for a close, unbinds. Each write is stamped (Lamport clock, replica id) and a replica keeps
+the write with the larger stamp, so two replicas that write one session at once end up holding
+the same binding, and a write applied from a peer is neither re-published nor re-applied.
+Bindings outlive the replica that made them (a lost peer's sessions stay bound). A snapshot
+adds and updates bindings but removes none: a close lost in a gap leaves the binding until its
+timeout.
+
 Wire format, one msgpack frame: `[sender id, name, seq, kind, body]` with kind `e` (events:
 `["b", bid, worker, rank, prompt_blocks, prefill, keys (uint64 LE bytes), osl, generated]`,
-`["p", bid, prefill, generated]`, `["f", bid]`), `s` (snapshot: a list of `b` entries) or `h`
-(heartbeat). The router core stays single-threaded: everything runs on the event loop the
-router's requests run on.
+`["p", bid, prefill, generated]`, `["f", bid]`, `["sb", session id, worker, rank, [prefill
+worker, rank] | None, ttl_s, seconds left, engine_backed, clock, replica id]`, `["sc", session
+id, clock, replica id]`), `s` (snapshot: a list of `b` and `sb` entries) or `h` (heartbeat). The
+router core stays single-threaded: everything runs on the event loop the router's requests run
+on.
 """
 
 import asyncio
@@ -47,6 +61,7 @@ from prometheus_client.registry import Collector
 
 from .active import ActiveRequests, Booking
 from .discovery import KubernetesSource, WorkerTarget, pod_key
+from .sessions import Binding, StickySessions
 from .tasks import cancel_all
 
 log = logging.getLogger(__name__)
@@ -80,16 +95,19 @@ class _Peer:
 
 
 class ReplicaSync:
-    """Shares `active`'s local bookings with peers and books theirs into it (module doc)."""
+    """Shares `active`'s local bookings (and `sessions`' bindings) with peers and applies
+    theirs here (module doc)."""
 
     def __init__(
         self,
         active: ActiveRequests,
         settings: ReplicaSettings,
         *,
+        sessions: StickySessions | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.active = active
+        self.sessions = sessions
         self.settings = settings
         self.id = int.from_bytes(os.urandom(8), "little") >> 1
         self.name = settings.name  # set at start (the default names the bound address)
@@ -101,12 +119,14 @@ class ReplicaSync:
         self._next_bid = 0
         self._local: dict[int, tuple[int, Booking]] = {}  # id(booking) → (bid, booking)
         self._touched: dict[int, tuple[int, Booking, bool]] = {}  # id → (bid, booking, new)
+        self._writes = 0  # Lamport clock of session writes: above every stamp seen
+        self._touched_sessions: dict[str, tuple[int, int]] = {}  # session id → its write's stamp
         self._flush_scheduled = False
         self._peers: dict[int, _Peer] = {}
         self._addresses: set[str] = set()
         self._static = list(settings.peers)
         self._pods: dict[str, str] = {}  # pod key → IP, from the pod watch
-        self._applying = False  # booking a peer's request: not ours to publish
+        self._applying = False  # applying a peer's booking or binding: not ours to publish
         self._last_resubscribe = -1e9
         self._tasks: list[asyncio.Task[None]] = []
         self.address = settings.bind  # the bound address (a tcp port 0 resolved)
@@ -133,6 +153,8 @@ class ReplicaSync:
         self._pub, self._sub = pub, sub
         self._update_peers()
         self.active.observer = self
+        if self.sessions is not None:
+            self.sessions.observer = self
         loop = asyncio.get_running_loop()
         self._tasks = [
             loop.create_task(self._receive()),
@@ -150,6 +172,8 @@ class ReplicaSync:
     async def close(self) -> None:
         if self.active.observer is self:
             self.active.observer = None
+        if self.sessions is not None and self.sessions.observer is self:
+            self.sessions.observer = None
         await cancel_all(self._tasks)
         self._tasks = []
         for sock in (self._pub, self._sub):
@@ -222,12 +246,26 @@ class ReplicaSync:
         key = id(booking)
         previous = self._touched.get(key)
         self._touched[key] = (bid, booking, new or (previous is not None and previous[2]))
+        self._flush_soon()
+
+    # -- SessionObserver: local session bindings out -------------------------------------
+    def session_changed(self, session_id: str, binding: Binding | None) -> None:
+        if self._applying:
+            return
+        self._writes += 1
+        stamp = (self._writes, self.id)
+        if binding is not None:
+            binding.stamp = stamp
+        self._touched_sessions[session_id] = stamp
+        self._flush_soon()
+
+    def _flush_soon(self) -> None:
         if not self._flush_scheduled and self._pub is not None:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
 
     def _flush(self) -> None:
-        """One message with the turn's changes, each booking in its state now."""
+        """One message with the turn's changes, each booking and binding in its state now."""
         self._flush_scheduled = False
         touched, self._touched = self._touched, {}
         events: list[list[Any]] = []
@@ -239,6 +277,14 @@ class ReplicaSync:
                 events.append(_entry(bid, booking))
             else:
                 events.append(["p", bid, booking.prefill, booking.generated_tokens])
+        touched_sessions, self._touched_sessions = self._touched_sessions, {}
+        if self.sessions is not None:
+            for sid, stamp in touched_sessions.items():
+                binding = self.sessions.get(sid)
+                if binding is not None:
+                    events.append(self._session_entry(sid, binding))
+                else:  # closed (bound and closed within the turn too: peers may hold an older one)
+                    events.append(["sc", sid, *stamp])
         if events:
             self._send("e", events)
 
@@ -253,8 +299,28 @@ class ReplicaSync:
 
     def _send_snapshot(self) -> None:
         self._flush()  # what changed this turn is in the snapshot anyway
-        self._send("s", [_entry(bid, b) for bid, b in self._local.values() if b.live])
+        entries = [_entry(bid, b) for bid, b in self._local.values() if b.live]
+        if self.sessions is not None:
+            entries += [self._session_entry(sid, b) for sid, b in self.sessions.live()]
+        self._send("s", entries)
         self.snapshots_sent += 1
+
+    def _session_entry(self, session_id: str, binding: Binding) -> list[Any]:
+        assert self.sessions is not None
+        left = binding.expires_at - self.sessions.clock()  # this clock's; the peer adds its own
+        prefill = list(binding.prefill) if binding.prefill is not None else None
+        decode_worker, decode_rank = binding.decode
+        return [
+            "sb",
+            session_id,
+            decode_worker,
+            decode_rank,
+            prefill,
+            binding.ttl_s,
+            left,
+            binding.engine_backed,
+            *binding.stamp,
+        ]
 
     # -- tasks ---------------------------------------------------------------------------
     async def _subscriptions(self) -> None:
@@ -337,10 +403,15 @@ class ReplicaSync:
                 booking = peer.bookings.pop(event[1], None)
                 if booking is not None:
                     self._free(booking)
+            elif tag in ("sb", "sc"):
+                self._apply_session(event)
 
     def _apply_snapshot(self, peer: _Peer, entries: list[list[Any]]) -> None:
         seen = set()
         for entry in entries:
+            if entry[0] == "sb":
+                self._apply_session(entry)
+                continue
             bid = entry[1]
             seen.add(bid)
             booking = peer.bookings.get(bid)
@@ -351,13 +422,47 @@ class ReplicaSync:
         for bid in [b for b in peer.bookings if b not in seen]:
             self._free(peer.bookings.pop(bid))
 
+    def _apply_session(self, entry: list[Any]) -> None:
+        """A peer's write to a session's binding, kept when its stamp is the larger."""
+        if self.sessions is None:
+            return
+        sid = entry[1]
+        stamp = (int(entry[-2]), int(entry[-1]))
+        self._writes = max(self._writes, stamp[0])
+        current = self.sessions.get(sid)
+        if current is not None and current.stamp >= stamp:
+            return  # ours is newer (or the same write)
+        if entry[0] == "sc":
+            with self._as_peer():
+                self.sessions.unbind(sid)
+            return
+        _, _, worker, rank, prefill, ttl_s, left, engine_backed, _, _ = entry
+        binding = Binding(
+            decode=(int(worker), int(rank)),
+            prefill=(int(prefill[0]), int(prefill[1])) if prefill is not None else None,
+            ttl_s=float(ttl_s),
+            expires_at=self.sessions.clock() + float(left),
+            engine_backed=bool(engine_backed),
+            stamp=stamp,
+        )
+        with self._as_peer():
+            self.sessions.put(sid, binding)
+
+    @contextlib.contextmanager
+    def _as_peer(self) -> Iterator[None]:
+        """Changes made on a peer's behalf: the observers' calls are not ours to publish."""
+        self._applying = True
+        try:
+            yield
+        finally:
+            self._applying = False
+
     def _book(self, peer: _Peer, entry: list[Any]) -> None:
         _, bid, worker, rank, prompt_blocks, prefill, keys, osl, generated = entry
         old = peer.bookings.pop(bid, None)
         if old is not None:
             self._free(old)
-        self._applying = True
-        try:
+        with self._as_peer():
             booking = self.active.book(
                 (worker, rank),
                 prompt_blocks=prompt_blocks,
@@ -367,25 +472,17 @@ class ReplicaSync:
             )
             if generated:
                 self.active.add_output_tokens(booking, generated)
-        finally:
-            self._applying = False
         peer.bookings[bid] = booking
 
     def _progress(self, booking: Booking, prefill: int, generated: int) -> None:
-        self._applying = True
-        try:
+        with self._as_peer():
             self.active.prefill_progress(booking, prefill)
             if generated > booking.generated_tokens:
                 self.active.add_output_tokens(booking, generated - booking.generated_tokens)
-        finally:
-            self._applying = False
 
     def _free(self, booking: Booking) -> None:
-        self._applying = True
-        try:
+        with self._as_peer():
             self.active.free(booking)
-        finally:
-            self._applying = False
 
     def _expire(self) -> None:
         deadline = self._clock() - self.settings.timeout_s

@@ -531,11 +531,12 @@ class Router:
         if action == SessionAction.CLOSE:
             self.sessions.unbind(sid)
         elif binding is not None:  # a turn (or a repeated open/bind) of a bound session
-            self.sessions.refresh(sid, now)
-            if Phase.PREFILL in moved:
-                binding.prefill = prefill
-            if Phase.DECODE in moved:
-                binding.decode = decode
+            self.sessions.refresh(
+                sid,
+                now,
+                decode=decode if Phase.DECODE in moved else None,
+                prefill=prefill if Phase.PREFILL in moved else None,
+            )
         elif action == SessionAction.BIND:
             self.sessions.bind(session, decode, prefill, now)
         elif action == SessionAction.OPEN:

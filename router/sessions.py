@@ -14,11 +14,18 @@ A binding holds the decode (or aggregated) slot and, when the request was disagg
 prefill slot: each phase is sticky on its own. `timeout` is any u64 of seconds, 0 included (a
 binding that has expired by the next request). The table is bounded (least recently used
 bindings go first).
+
+With replica sync (`replicas.ReplicaSync`, the `observer`), every binding, refresh, move and
+close made here is announced to the other EPP replicas, and theirs are `put` here (or closed):
+a session opened through one replica is sticky in all of them. Expiry and the LRU bound stay
+local: each replica drops a binding when its own clock passes the binding's expiry, and bounds
+its own table.
 """
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from dynamograph.protocol.nvext import SessionAction, SessionControl
 
@@ -32,13 +39,24 @@ class Binding:
     ttl_s: float
     expires_at: float
     engine_backed: bool
+    # replica sync's order of writes, (Lamport clock, replica id): of two writes to one session
+    # on different replicas, every replica keeps the one with the larger stamp
+    stamp: tuple[int, int] = (0, 0)
+
+
+class SessionObserver(Protocol):
+    """Told of every change made to a session's binding (replica sync: `replicas.ReplicaSync`):
+    `binding` is the session's binding after the change, None when it was closed."""
+
+    def session_changed(self, session_id: str, binding: Binding | None) -> None: ...
 
 
 class StickySessions:
     def __init__(self, default_ttl_s: float, max_sessions: int, clock: Callable[[], float]):
         self.default_ttl_s = default_ttl_s
         self.max_sessions = max_sessions
-        self._clock = clock
+        self.clock = clock
+        self.observer: SessionObserver | None = None
         self._bindings: OrderedDict[str, Binding] = OrderedDict()
 
     def ttl_of(self, session: SessionControl) -> float:
@@ -59,12 +77,25 @@ class StickySessions:
             return None
         return binding
 
-    def refresh(self, session_id: str, now: float) -> None:
-        """A turn of a bound session: its timeout starts again (its own timeout)."""
+    def refresh(
+        self,
+        session_id: str,
+        now: float,
+        *,
+        decode: Slot | None = None,
+        prefill: Slot | None = None,
+    ) -> None:
+        """A turn of a bound session: its timeout starts again (its own timeout); `decode` /
+        `prefill`, when given, move that phase's binding (its slot was replaced)."""
         binding = self._bindings.get(session_id)
         if binding is not None:
             binding.expires_at = now + binding.ttl_s
+            if decode is not None:
+                binding.decode = decode
+            if prefill is not None:
+                binding.prefill = prefill
             self._bindings.move_to_end(session_id)
+            self._changed(session_id, binding)
 
     def bind(
         self,
@@ -73,27 +104,46 @@ class StickySessions:
         prefill: Slot | None,
         now: float,
     ) -> None:
-        sid = session.session_id
         ttl = self.ttl_of(session)
         engine_backed = session.action == SessionAction.OPEN
-        self._bindings[sid] = Binding(decode, prefill, ttl, now + ttl, engine_backed)
-        self._bindings.move_to_end(sid)
+        self.put(session.session_id, Binding(decode, prefill, ttl, now + ttl, engine_backed))
+
+    def put(self, session_id: str, binding: Binding) -> None:
+        """Bind (or bind again) a session: the most recently used; the least recently used
+        binding goes when the table is full."""
+        self._bindings[session_id] = binding
+        self._bindings.move_to_end(session_id)
         while len(self._bindings) > self.max_sessions:
             self._bindings.popitem(last=False)
+        self._changed(session_id, binding)
 
     def unbind(self, session_id: str) -> None:
-        self._bindings.pop(session_id, None)
+        if self._bindings.pop(session_id, None) is not None:
+            self._changed(session_id, None)
+
+    def get(self, session_id: str) -> Binding | None:
+        """A session's binding as held, expired or not (replica sync compares stamps)."""
+        return self._bindings.get(session_id)
+
+    def live(self) -> Iterator[tuple[str, Binding]]:
+        """The bindings not expired, least recently used first."""
+        now = self.clock()
+        return ((sid, b) for sid, b in self._bindings.items() if b.expires_at > now)
+
+    def _changed(self, session_id: str, binding: Binding | None) -> None:
+        if self.observer is not None:
+            self.observer.session_changed(session_id, binding)
 
     def binding(self, session_id: str) -> Slot | None:
         """Where a session's decode phase is bound now (None when unbound or expired); does
         not drop."""
         binding = self._bindings.get(session_id)
-        if binding is None or binding.expires_at <= self._clock():
+        if binding is None or binding.expires_at <= self.clock():
             return None
         return binding.decode
 
     def prefill_binding(self, session_id: str) -> Slot | None:
         binding = self._bindings.get(session_id)
-        if binding is None or binding.expires_at <= self._clock():
+        if binding is None or binding.expires_at <= self.clock():
             return None
         return binding.prefill

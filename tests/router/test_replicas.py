@@ -1,24 +1,41 @@
 """Replica sync (router/replicas.py) between ReplicaSync instances on real ZMQ sockets on
 127.0.0.1 in one event loop: what a peer's ActiveRequests holds after bookings, progress and
 frees; a lost message answered by a snapshot; a replica restarting under its name replacing its
-old self without waiting for the timeout."""
+old self without waiting for the timeout. Sticky sessions between two Routers: a session opened
+through one replica is sticky in the other, a close through either drops it in both, a late
+joiner gets the bindings from the snapshot, refreshes and timeouts hold on both (each on its own
+clock), the LRU bound holds, and two replicas writing one session at once agree."""
 
 import contextlib
 
 import numpy as np
 
+from dynamograph.protocol.hashing import block_hashes
+from dynamograph.protocol.nvext import SessionControl
+from dynamograph.protocol.pins import RoutePins
+from dynamograph.protocol.router_config import RouterConfig
 from dynamograph.router.active import ActiveRequests
 from dynamograph.router.replicas import ReplicaSettings, ReplicaSync
+from dynamograph.router.scheduler import Decision, Router, RouteRequest
+from dynamograph.router.sessions import StickySessions
 from e2e.waiting import wait_for
 
 SLOT = (7, 0)
 
 
 @contextlib.asynccontextmanager
-async def replica(active: ActiveRequests, peers=(), *, name: str = "", bind="tcp://127.0.0.1:0"):
+async def replica(
+    active: ActiveRequests,
+    peers=(),
+    *,
+    name: str = "",
+    bind="tcp://127.0.0.1:0",
+    sessions: StickySessions | None = None,
+):
     sync = ReplicaSync(
         active,
         ReplicaSettings(bind, list(peers), heartbeat_s=0.1, timeout_s=60.0, name=name),
+        sessions=sessions,
     )
     await sync.start()
     try:
@@ -88,3 +105,133 @@ async def test_a_restarted_replica_replaces_its_old_self_at_once():
             await converge(b, (0, 0, 0), "B to drop the old life's booking")
             assert sb.dropped == 1 and sb.peers_lost == 1 and again.id != sa.id
             await wait_for(lambda: sb.live_peers() == 1, "B to sync with the new life", within=20)
+
+
+# -- sticky sessions ---------------------------------------------------------------------------
+
+WORKERS = (1, 2, 3)
+BS = 4
+
+
+class Clock:
+    """A pod's clock: each replica has its own, far apart, so only remaining times can agree."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_router(clock: Clock, **config) -> Router:
+    router = Router(RouterConfig(seed=7, **config), clock=clock)
+    for w in WORKERS:
+        router.add_worker(w, block_size=BS, total_blocks=1000)
+    return router
+
+
+def turn(router: Router, sid: str, action: str | None = None, *, pin=None, **control) -> Decision:
+    """A session's turn of 16 tokens, routed and (an `open`) accepted by the engine."""
+    if action is not None:
+        control["action"] = action
+    session = SessionControl(session_id=sid, **control)
+    pins = RoutePins(worker_id=pin) if pin is not None else RoutePins()
+    toks = list(range(16))
+    decision = router.schedule(
+        RouteRequest(sid, block_hashes(toks, BS, None), len(toks), session=session, pins=pins)
+    )
+    decision.confirm_session()
+    assert decision.guard is not None
+    decision.guard.free()
+    return decision
+
+
+@contextlib.asynccontextmanager
+async def routers(a: Router, b: Router):
+    """Two replicas that have met."""
+    async with (
+        replica(a.active, sessions=a.sessions) as sa,
+        replica(b.active, [sa.address], sessions=b.sessions) as sb,
+    ):
+        sa.set_peers([sb.address])
+        await wait_for(lambda: sa.live_peers() and sb.live_peers(), "peers to meet", within=20)
+        yield sa, sb
+
+
+async def test_a_session_opened_on_one_replica_is_sticky_on_the_other_and_closes_on_both():
+    a, b = make_router(Clock(1000.0)), make_router(Clock(5.0))
+    async with routers(a, b):
+        # the open is pinned to worker 2, so that B's unpinned turn lands there by the binding
+        turn(a, "chat", "open", pin=2, timeout=60)
+        assert a.sessions.binding("chat") == (2, 0)
+        await wait_for(lambda: b.sessions.binding("chat") == (2, 0), "B to hold A's binding")
+        follow = turn(b, "chat")
+        assert (follow.decode.worker_id, follow.decode.sticky) == (2, True)
+        binding = b.sessions.get("chat")
+        assert binding is not None and binding.engine_backed and binding.ttl_s == 60
+        close = turn(b, "chat", "close")
+        assert close.decode.worker_id == 2 and b.sessions.binding("chat") is None
+        await wait_for(lambda: a.sessions.get("chat") is None, "A to drop the closed session")
+        assert not turn(a, "chat").decode.sticky
+
+
+async def test_a_late_joiner_gets_the_bindings_from_the_snapshot_with_their_time_left():
+    clock_a, clock_c = Clock(1000.0), Clock(5.0)
+    a, c = make_router(clock_a), make_router(clock_c)
+    async with replica(a.active, sessions=a.sessions) as sa:
+        turn(a, "early", "bind", pin=3, timeout=60)
+        turn(a, "gone", "bind", pin=1, timeout=10)
+        clock_a.now += 20  # 40 s left of "early"; "gone" has expired
+        async with replica(c.active, [sa.address], sessions=c.sessions):
+            await wait_for(lambda: c.sessions.binding("early") == (3, 0), "C to get the binding")
+            binding = c.sessions.get("early")
+            assert binding is not None and binding.expires_at == clock_c.now + 40
+            assert c.sessions.get("gone") is None  # expired bindings are not sent
+            assert (turn(c, "early").decode.worker_id, c.sessions.binding("early")) == (3, (3, 0))
+
+
+async def test_refreshes_and_timeouts_hold_on_both_replicas():
+    clock_a, clock_b = Clock(1000.0), Clock(5.0)
+    a, b = make_router(clock_a), make_router(clock_b)
+    async with routers(a, b):
+        turn(a, "s", "bind", pin=1, timeout=30)
+        await wait_for(lambda: b.sessions.binding("s") == (1, 0), "B to hold the binding")
+        clock_a.now += 20
+        clock_b.now += 20
+        turn(b, "s")  # a turn through B: 30 s again from now, on both
+        # 30 s left when B sent it, on A's clock: the clocks, 995 s apart, never meet
+        await wait_for(
+            lambda: getattr(a.sessions.get("s"), "expires_at", None) == clock_a.now + 30,
+            "A to take B's refresh",
+        )
+        clock_a.now += 25
+        clock_b.now += 25
+        # 45 s after the bind: without the refresh both would have dropped it at 30
+        assert a.sessions.binding("s") == b.sessions.binding("s") == (1, 0)
+        clock_a.now += 10
+        clock_b.now += 10
+        assert a.sessions.binding("s") is None and b.sessions.binding("s") is None
+        assert not turn(a, "s").decode.sticky and not turn(b, "s").decode.sticky
+
+
+async def test_bindings_from_a_peer_keep_the_lru_bound():
+    a, b = make_router(Clock(1000.0)), make_router(Clock(5.0), max_sessions=2)
+    async with routers(a, b):
+        for sid, worker in (("s1", 1), ("s2", 2), ("s3", 3)):
+            turn(a, sid, "bind", pin=worker)
+        await wait_for(lambda: b.sessions.binding("s3") == (3, 0), "B to hold the last binding")
+        assert [sid for sid, _ in b.sessions.live()] == ["s2", "s3"]
+        assert a.sessions.binding("s1") == (1, 0)  # A's own bound is its own
+
+
+async def test_two_replicas_binding_one_session_at_once_agree():
+    a, b = make_router(Clock(1000.0)), make_router(Clock(5.0))
+    async with routers(a, b) as (sa, sb):
+        # within one loop turn, before either has sent anything: a conflict
+        turn(a, "both", "bind", pin=1)
+        turn(b, "both", "bind", pin=2)
+        winner = (1, 0) if sa.id > sb.id else (2, 0)  # the larger stamp: same clock, larger id
+        await wait_for(
+            lambda: a.sessions.binding("both") == b.sessions.binding("both") == winner,
+            "both replicas to keep the same write",
+        )
