@@ -14,10 +14,8 @@ load it.
 
 import array
 import functools
-import logging
 import sys
 import threading
-import warnings
 from collections.abc import Callable, Sequence
 from itertools import repeat
 
@@ -25,12 +23,13 @@ import numpy as np
 import xxhash
 from numpy.typing import NDArray
 
+from .compiled import compile_ahead
+
 BLOCK_HASH_SEED = 1337
 _U64 = (1 << 64) - 1
 
 _xxh3 = xxhash.xxh3_64_intdigest
 _NATIVE_U32 = sys.byteorder == "little" and array.array("I").itemsize == 4
-_log = logging.getLogger(__name__)
 
 
 def block_hash_seed(lora_name: str | None = None) -> int:
@@ -104,20 +103,11 @@ def _kernel_constants(
 
 
 def _compile_kernel() -> _HashKernel:
-    import numba
-
     from . import xxh3_kernel
 
-    dispatcher = xxh3_kernel.hash_blocks
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", numba.NumbaWarning)
-        try:
-            dispatcher.enable_caching()
-        except RuntimeError:  # nowhere to write numba's cache: compile in memory
-            _log.debug("numba cannot cache the block-hash kernel here")
-        dispatcher.compile(xxh3_kernel.SIGNATURE)
-    dispatcher.disable_compile()
-    kernel: _HashKernel = dispatcher
+    kernel: _HashKernel = compile_ahead(
+        xxh3_kernel.hash_blocks, xxh3_kernel.SIGNATURE, "block-hash"
+    )
     return kernel
 
 

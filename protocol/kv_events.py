@@ -12,12 +12,27 @@ Matches vLLM's `ZmqEventPublisher`:
 - replay: a DEALER sends `[b"", start_seq]` to the ROUTER socket, which answers one
   `[b"", seq, payload]` per buffered batch from `start_seq` on and ends with `[b"", -1, b""]`;
 - with data parallelism every rank publishes on its own port: base port + rank.
+
+Two decoders, one meaning. `decode_batch` builds Python lists (msgpack.unpackb) and reads every
+layout. `parse_batch`, after `warm_up()` (the routers' index warm-up calls it), reads vLLM's
+ordinary array layout with a compiled parser (`kv_events_kernel`) into numpy arrays: a
+BlockStored's `token_ids` a u32 array (what the block hasher takes as is), its and a
+BlockRemoved's `block_hashes` views of one uint64 buffer (int64 when the engine sent negative
+ints, so the values are the engine's); everything else equal to `decode_batch`'s, and `None`
+for any payload it leaves to `decode_batch` (maps, bytes hashes, ext types, malformed data...).
+`decode_batch_arrays` is the two together: what the EPP's subscribers decode with.
 """
 
+import struct
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+import numpy as np
+
+from .compiled import compile_ahead
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 DEFAULT_TOPIC = ""
@@ -28,9 +43,10 @@ EngineHash = int | bytes
 
 @dataclass(slots=True)
 class BlockStored:
-    block_hashes: list[EngineHash]
+    # lists from `decode_batch`; numpy arrays from `parse_batch` (module docstring)
+    block_hashes: Sequence[EngineHash] | np.ndarray
     parent_block_hash: EngineHash | None
-    token_ids: list[int]
+    token_ids: Sequence[int] | np.ndarray
     block_size: int
     lora_id: int | None = None
     medium: str | None = MEDIUM_GPU
@@ -38,7 +54,7 @@ class BlockStored:
 
 @dataclass(slots=True)
 class BlockRemoved:
-    block_hashes: list[EngineHash]
+    block_hashes: Sequence[EngineHash] | np.ndarray
     medium: str | None = MEDIUM_GPU
 
 
@@ -61,19 +77,24 @@ class KvEventDecodeError(ValueError):
     """A payload that is not a vLLM EventBatch; the message says what was wrong."""
 
 
+def _plain(values: Sequence[Any] | np.ndarray) -> Sequence[Any]:
+    """What msgpack packs: a list for `parse_batch`'s arrays."""
+    return values.tolist() if isinstance(values, np.ndarray) else values
+
+
 def _event_to_wire(event: KvEvent) -> list[Any]:
     if isinstance(event, BlockStored):
         return [
             "BlockStored",
-            event.block_hashes,
+            _plain(event.block_hashes),
             event.parent_block_hash,
-            event.token_ids,
+            _plain(event.token_ids),
             event.block_size,
             event.lora_id,
             event.medium,
         ]
     if isinstance(event, BlockRemoved):
-        return ["BlockRemoved", event.block_hashes, event.medium]
+        return ["BlockRemoved", _plain(event.block_hashes), event.medium]
     return ["AllBlocksCleared"]
 
 
@@ -81,13 +102,16 @@ def _event_to_map(event: KvEvent) -> dict[str, Any]:
     """vLLM >= 0.28's layout: the event's fields by name, tagged by `type`."""
     if isinstance(event, BlockStored):
         return {
-            "type": "BlockStored", "block_hashes": event.block_hashes,
-            "parent_block_hash": event.parent_block_hash, "token_ids": event.token_ids,
+            "type": "BlockStored", "block_hashes": _plain(event.block_hashes),
+            "parent_block_hash": event.parent_block_hash, "token_ids": _plain(event.token_ids),
             "block_size": event.block_size, "lora_id": event.lora_id, "medium": event.medium,
             "lora_name": None,
         }  # fmt: skip
     if isinstance(event, BlockRemoved):
-        return {"type": "BlockRemoved", "block_hashes": event.block_hashes, "medium": event.medium}
+        return {
+            "type": "BlockRemoved", "block_hashes": _plain(event.block_hashes),
+            "medium": event.medium,
+        }  # fmt: skip
     return {"type": "AllBlocksCleared"}
 
 
@@ -155,6 +179,107 @@ def decode_batch(payload: bytes) -> EventBatch:
     return EventBatch(
         ts=raw[0], events=[_event_from_wire(e) for e in raw[1]], data_parallel_rank=dp_rank
     )
+
+
+# -- the compiled parser (kv_events_kernel): its output, one int64 row of `meta` per event ----
+NOT_MINE = -1  # read_batch's event count for a payload it leaves to `decode_batch`
+KIND, HASH_START, HASH_END, TOKEN_START, TOKEN_END = 0, 1, 2, 3, 4  # meta columns
+PARENT, PARENT_VALUE, BLOCK_SIZE, LORA, LORA_VALUE = 5, 6, 7, 8, 9
+MEDIUM, MEDIUM_START, MEDIUM_END, SIGNED = 10, 11, 12, 13  # SIGNED: the hashes had a negative
+META_FIELDS = 14
+STORED, REMOVED, CLEARED = 1, 2, 3  # KIND
+# PARENT, LORA and the dp_rank: nil or absent; an int (the value, within int64); an int sent in
+# an unsigned format (PARENT only: the value's 64 bits, which may stand for 2^63 or more)
+NONE, INT, UNSIGNED = 0, 1, 2
+MEDIUM_ABSENT, MEDIUM_NIL, MEDIUM_IS_GPU, MEDIUM_TEXT = 0, 1, 2, 3  # MEDIUM; TEXT: its bytes
+TS_F64, TS_F32 = 1, 2
+MIN_EVENT_BYTES = 15  # `["BlockRemoved", []]`, the shortest event: bounds the rows needed
+
+_ReadBatch = Callable[
+    [np.ndarray, np.ndarray, np.ndarray, np.ndarray], tuple[int, int, int, int, int]
+]
+_reader: _ReadBatch | None = None  # set by warm_up()
+_reader_lock = threading.Lock()
+_TS = {TS_F64: struct.Struct(">d").unpack_from, TS_F32: struct.Struct(">f").unpack_from}
+_U64 = (1 << 64) - 1
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's on-disk cache) the batch parser and let `parse_batch` use
+    it from now on in this process. Imports numba: for processes that already run it."""
+    global _reader
+    if _reader is None:
+        with _reader_lock:
+            if _reader is None:
+                from . import kv_events_kernel
+
+                reader: _ReadBatch = compile_ahead(
+                    kv_events_kernel.read_batch, kv_events_kernel.SIGNATURE, "KV-event batch"
+                )
+                # the first call sets numba's runtime up (~10 ms): here, not on a live batch
+                _read(reader, encode_batch(EventBatch(0.0, [AllBlocksCleared()])))
+                _reader = reader
+
+
+def _read(reader: _ReadBatch, payload: bytes) -> EventBatch | None:
+    size = len(payload)
+    hashes = np.empty(size, np.uint64)
+    tokens = np.empty(size, np.uint32)
+    meta = np.empty((size // MIN_EVENT_BYTES + 1, META_FIELDS), np.int64)
+    count, ts_kind, ts_at, dp_kind, dp = reader(
+        np.frombuffer(payload, np.uint8), hashes, tokens, meta
+    )
+    if count == NOT_MINE:
+        return None
+    signed = hashes.view(np.int64)
+    events: list[KvEvent] = []
+    for row in meta[:count].tolist():
+        kind = row[KIND]
+        if kind == CLEARED:
+            events.append(AllBlocksCleared())
+            continue
+        start, end = row[HASH_START], row[HASH_END]
+        block_hashes = signed[start:end] if row[SIGNED] else hashes[start:end]
+        medium = _medium(payload, row)
+        if kind == REMOVED:
+            events.append(BlockRemoved(block_hashes, medium))
+            continue
+        parent: int | None = row[PARENT_VALUE]
+        if row[PARENT] == NONE:
+            parent = None
+        elif row[PARENT] == UNSIGNED:
+            parent = row[PARENT_VALUE] & _U64
+        lora = row[LORA_VALUE] if row[LORA] == INT else None
+        token_ids = tokens[row[TOKEN_START] : row[TOKEN_END]]
+        events.append(BlockStored(block_hashes, parent, token_ids, row[BLOCK_SIZE], lora, medium))
+    ts: float = _TS[ts_kind](payload, ts_at)[0]
+    return EventBatch(ts, events, dp if dp_kind == INT else None)
+
+
+def _medium(payload: bytes, row: list[int]) -> str | None:
+    kind = row[MEDIUM]
+    if kind in (MEDIUM_ABSENT, MEDIUM_IS_GPU):
+        return MEDIUM_GPU
+    if kind == MEDIUM_NIL:
+        return None
+    return payload[row[MEDIUM_START] : row[MEDIUM_END]].decode("ascii")
+
+
+def parse_batch(payload: bytes) -> EventBatch | None:
+    """`decode_batch(payload)` with numpy arrays for the hash and token lists, read by the
+    compiled parser (module docstring); None when it is not warmed up or leaves this payload
+    to `decode_batch` (which then decodes it, or raises, as ever)."""
+    reader = _reader
+    if reader is None or type(payload) is not bytes:
+        return None
+    return _read(reader, payload)
+
+
+def decode_batch_arrays(payload: bytes) -> EventBatch:
+    """`parse_batch` where it reads the payload, else `decode_batch`: the same events (arrays
+    where the parser read them), the same errors. What the EPP's subscribers decode with."""
+    batch = parse_batch(payload)
+    return decode_batch(payload) if batch is None else batch
 
 
 def encode_seq(seq: int) -> bytes:

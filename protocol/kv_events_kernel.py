@@ -1,0 +1,349 @@
+"""The compiled reader behind `kv_events.parse_batch`: one vLLM KV-event batch in msgpack's array
+layout read straight into flat numpy arrays, instead of the Python lists and ints
+`msgpack.unpackb` builds (which the index then turns back into arrays).
+
+`read_batch(payload, hashes, tokens, meta)` walks `[ts, [event, ...], dp_rank, ...]` where each
+event is `["BlockStored", block_hashes, parent, token_ids, block_size, lora_id?, medium?, ...]`,
+`["BlockRemoved", block_hashes, medium?, ...]` or `["AllBlocksCleared", ...]`. It appends every
+event's engine hashes to `hashes` (their 64-bit patterns), its token ids to `tokens` (u32, as
+the block hasher reads them) and writes one row of `meta` per event (the columns and codes are
+`kv_events`'s, which turns the rows into events); it returns (events, ts kind, ts offset,
+dp_rank kind, dp_rank).
+
+It reads only what it can turn into exactly the objects `msgpack.unpackb` + `decode_batch`
+would give (see `kv_events.parse_batch`): ints of every width, nil, float32/64 (the timestamp),
+arrays, strings (tags, medium; ASCII only, so no UTF-8 to validate), and — in the trailing
+fields a newer vLLM may add, which the decoder ignores — also booleans, floats, bins and
+arrays of those nested up to `SKIP_DEPTH` deep. Anything else (maps: vLLM >= 0.28's events;
+bytes hashes; ext types; token ids outside u32; an event whose hashes mix negative ints with
+ints of 2^63 and more; malformed or truncated data; bytes after the batch) returns `NOT_MINE`,
+and the caller decodes the payload the ordinary way (which raises what it raises today).
+Imported only by `kv_events.warm_up()` (it imports numba).
+"""
+
+import numba
+import numpy as np
+from numba import types
+
+from .kv_events import (
+    BLOCK_SIZE,
+    CLEARED,
+    HASH_END,
+    HASH_START,
+    INT,
+    KIND,
+    LORA,
+    LORA_VALUE,
+    MEDIUM,
+    MEDIUM_ABSENT,
+    MEDIUM_END,
+    MEDIUM_IS_GPU,
+    MEDIUM_NIL,
+    MEDIUM_START,
+    MEDIUM_TEXT,
+    NONE,
+    NOT_MINE,
+    PARENT,
+    PARENT_VALUE,
+    REMOVED,
+    SIGNED,
+    STORED,
+    TOKEN_END,
+    TOKEN_START,
+    TS_F32,
+    TS_F64,
+    UNSIGNED,
+)
+
+SKIP_DEPTH = 16  # msgpack-python refuses nesting past 1,024; we leave anything deep to it
+
+SIGNATURE = types.Tuple((types.int64,) * 5)(
+    types.Array(types.uint8, 1, "C", readonly=True),  # the payload, as np.frombuffer gives it
+    types.Array(types.uint64, 1, "C"),
+    types.Array(types.uint32, 1, "C"),
+    types.Array(types.int64, 2, "C"),
+)
+
+# what `_head` found
+_UINT, _SINT, _NIL, _BOOL, _FLOAT32, _FLOAT64, _STR, _BIN, _ARRAY, _OTHER = range(10)
+_BAD = -1  # truncated
+_TOP = np.uint64(1 << 63)
+_U32_MAX = np.uint64(0xFFFFFFFF)
+_TAG_STORED = np.frombuffer(b"BlockStored", np.uint8)
+_TAG_REMOVED = np.frombuffer(b"BlockRemoved", np.uint8)
+_TAG_CLEARED = np.frombuffer(b"AllBlocksCleared", np.uint8)
+_GPU = np.frombuffer(b"GPU", np.uint8)
+
+# helpers: plain njit functions, which LLVM inlines; numba-IR inlining (`inline="always"`)
+# made the first compile cost 87 s of CPU instead of 7 here
+_helper = numba.njit(nogil=True)
+_EIGHT = np.uint64(8)
+# by size in bytes: what sign-extends a negative 1-, 2- or 4-byte int to 64 bits
+_EXTEND = np.array([0, 2**64 - 2**8, 2**64 - 2**16, 0, 2**64 - 2**32], np.uint64)
+
+
+@_helper
+def _be(buf, pos, size):
+    """The `size`-byte big-endian unsigned int at `pos` (the caller checked the bounds)."""
+    value = np.uint64(0)
+    for i in range(size):
+        value = (value << _EIGHT) | np.uint64(buf[pos + i])
+    return value
+
+
+@_helper
+def _number(buf, pos, size, kind):
+    """(kind, the int's bits, position after it) for a `size`-byte int at `pos`."""
+    if pos + size > buf.shape[0]:
+        return _BAD, np.uint64(0), pos
+    value = _be(buf, pos, size)
+    if kind == _SINT and size < 8 and value >> np.uint64(8 * size - 1):
+        value |= _EXTEND[size]
+    return kind, value, pos + size
+
+
+@_helper
+def _head(buf, pos):
+    """(what, value, position after the header) of the msgpack object at `pos`. value: an int's
+    64-bit pattern (the data read), a float's bits, the byte length of a str or bin (its bytes
+    follow, unchecked), an array's element count."""
+    if pos >= buf.shape[0]:
+        return _BAD, np.uint64(0), pos
+    b = buf[pos]
+    pos += 1
+    if b <= 0x7F:
+        return _UINT, np.uint64(b), pos
+    if b >= 0xE0:
+        return _SINT, np.uint64(b) | _EXTEND[1], pos
+    if 0x90 <= b <= 0x9F:
+        return _ARRAY, np.uint64(b & 0x0F), pos
+    if 0xA0 <= b <= 0xBF:
+        return _STR, np.uint64(b & 0x1F), pos
+    if b == 0xC0:
+        return _NIL, np.uint64(0), pos
+    if b == 0xC2 or b == 0xC3:
+        return _BOOL, np.uint64(b - 0xC2), pos
+    if 0xCC <= b <= 0xCF:
+        return _number(buf, pos, 1 << (b - 0xCC), _UINT)
+    if 0xD0 <= b <= 0xD3:
+        return _number(buf, pos, 1 << (b - 0xD0), _SINT)
+    if b == 0xCA:
+        what, value, pos = _number(buf, pos, 4, _UINT)
+        return (_FLOAT32 if what != _BAD else _BAD), value, pos
+    if b == 0xCB:
+        what, value, pos = _number(buf, pos, 8, _UINT)
+        return (_FLOAT64 if what != _BAD else _BAD), value, pos
+    if 0xD9 <= b <= 0xDB:
+        what, value, pos = _number(buf, pos, 1 << (b - 0xD9), _UINT)
+        return (_STR if what != _BAD else _BAD), value, pos
+    if 0xC4 <= b <= 0xC6:
+        what, value, pos = _number(buf, pos, 1 << (b - 0xC4), _UINT)
+        return (_BIN if what != _BAD else _BAD), value, pos
+    if b == 0xDC or b == 0xDD:
+        what, value, pos = _number(buf, pos, 2 if b == 0xDC else 4, _UINT)
+        return (_ARRAY if what != _BAD else _BAD), value, pos
+    return _OTHER, np.uint64(0), pos  # maps, ext types, 0xc1 (never used)
+
+
+@_helper
+def _ascii(buf, start, length):
+    """The `length` bytes at `start` are in the payload and ASCII (valid UTF-8 as they are)."""
+    end = start + length
+    if end > buf.shape[0]:
+        return False
+    while start < end and buf[start] < 0x80:
+        start += 1
+    return start == end
+
+
+@_helper
+def _equals(buf, start, length, text):
+    if length != text.shape[0] or start + length > buf.shape[0]:
+        return False
+    i = 0
+    while i < length and buf[start + i] == text[i]:
+        i += 1
+    return i == length
+
+
+@_helper
+def _small_int(what, value):
+    """An int within int64 (which the caller keeps in an int64 cell)."""
+    return what == _SINT or (what == _UINT and value < _TOP)
+
+
+@numba.njit(nogil=True)
+def _ints(buf, pos, out, start, top):
+    """An array of ints at `pos` appended to `out` from `start`: (position after it, end in
+    `out`, whether one was negative, whether one was ≥ 2^63); position -1 when it is not an
+    array of ints, does not fit `out`, or holds an int above `top` or (top < 2^63) below 0."""
+    what, count, pos = _head(buf, pos)
+    end = start + np.int64(count)
+    if what != _ARRAY or end > out.shape[0]:
+        return -1, start, False, False
+    negative = high = False
+    for i in range(start, end):
+        what, value, pos = _head(buf, pos)
+        if what == _SINT and value >= _TOP:
+            negative = True
+            if top < _TOP:
+                return -1, start, False, False
+        elif what in (_UINT, _SINT):
+            if value > top:
+                return -1, start, False, False
+            high |= value >= _TOP
+        else:
+            return -1, start, False, False
+        out[i] = value
+    return pos, end, negative, high
+
+
+@numba.njit(nogil=True)
+def _skip(buf, pos, count):
+    """Past `count` objects at `pos` that the decoder reads and drops: scalars, ASCII strings,
+    bins, arrays of them up to `SKIP_DEPTH` deep; -1 at anything else."""
+    left = np.empty(SKIP_DEPTH + 1, np.int64)  # elements still to skip per open array
+    depth = 0
+    left[0] = count
+    while True:
+        while left[depth] == 0:
+            if depth == 0:
+                return pos
+            depth -= 1
+        left[depth] -= 1
+        what, value, pos = _head(buf, pos)
+        if what == _ARRAY:
+            if depth == SKIP_DEPTH:
+                return -1
+            depth += 1
+            left[depth] = np.int64(value)
+        elif what in (_STR, _BIN):
+            size = np.int64(value)
+            if pos + size > buf.shape[0] or (what == _STR and not _ascii(buf, pos, size)):
+                return -1
+            pos += size
+        elif what < _UINT or what > _FLOAT64:  # not a scalar (ints, nil, bool, floats)
+            return -1
+
+
+@numba.njit(nogil=True)
+def _medium(buf, pos, row):
+    """The medium field at `pos` into meta `row`; the position after it, -1 if not nil/ASCII."""
+    what, length, pos = _head(buf, pos)
+    if what == _NIL:
+        row[MEDIUM] = MEDIUM_NIL
+        return pos
+    size = np.int64(length)
+    if what != _STR or not _ascii(buf, pos, size):
+        return -1
+    row[MEDIUM] = MEDIUM_IS_GPU if _equals(buf, pos, size, _GPU) else MEDIUM_TEXT
+    row[MEDIUM_START], row[MEDIUM_END] = pos, pos + size
+    return pos + size
+
+
+@numba.njit(nogil=True)
+def _stored(buf, pos, fields, row, hashes, nh, tokens, nt):
+    """A BlockStored's fields at `pos` into `row`: (position after them, hashes and tokens
+    used), position -1 when the decoder must read it."""
+    if fields < 4:
+        return -1, nh, nt
+    pos, end, negative, high = _ints(buf, pos, hashes, nh, ~np.uint64(0))
+    if pos < 0 or (negative and high):
+        return -1, nh, nt
+    row[HASH_START], row[HASH_END], row[SIGNED] = nh, end, negative
+    nh = end
+    what, value, pos = _head(buf, pos)
+    if what == _NIL:
+        row[PARENT] = NONE
+    elif what == _UINT:
+        row[PARENT] = UNSIGNED
+    elif what == _SINT:
+        row[PARENT] = INT
+    else:
+        return -1, nh, nt
+    row[PARENT_VALUE] = np.int64(value)
+    pos, end, _, _ = _ints(buf, pos, tokens, nt, _U32_MAX)
+    if pos < 0:
+        return -1, nh, nt
+    row[TOKEN_START], row[TOKEN_END] = nt, end
+    nt = end
+    what, value, pos = _head(buf, pos)
+    if not _small_int(what, value):
+        return -1, nh, nt
+    row[BLOCK_SIZE] = np.int64(value)
+    row[LORA], row[MEDIUM] = NONE, MEDIUM_ABSENT
+    if fields >= 5:
+        what, value, pos = _head(buf, pos)
+        if what != _NIL:
+            if not _small_int(what, value):
+                return -1, nh, nt
+            row[LORA], row[LORA_VALUE] = INT, np.int64(value)
+    if fields >= 6:
+        pos = _medium(buf, pos, row)
+    if fields > 6 and pos >= 0:
+        pos = _skip(buf, pos, fields - 6)
+    return pos, nh, nt
+
+
+@numba.njit(nogil=True)
+def read_batch(buf, hashes, tokens, meta):  # typed by SIGNATURE (kv_events: _ReadBatch)
+    """See the module docstring: (events, ts kind, ts offset, dp kind, dp_rank) or NOT_MINE."""
+    mine = (NOT_MINE, 0, 0, 0, 0)
+    what, value, pos = _head(buf, 0)
+    items = np.int64(value)
+    if what != _ARRAY or items < 2:
+        return mine
+    what, _, after = _head(buf, pos)
+    if what != _FLOAT64 and what != _FLOAT32:
+        return mine
+    ts_kind, ts_at = (TS_F64 if what == _FLOAT64 else TS_F32), pos + 1
+    what, count, pos = _head(buf, after)
+    events = np.int64(count)
+    if what != _ARRAY or events > meta.shape[0]:
+        return mine
+    nh = nt = 0
+    for e in range(events):
+        row = meta[e]
+        what, value, pos = _head(buf, pos)
+        rest = np.int64(value) - 1  # the fields after the tag
+        if what != _ARRAY or rest < 0:
+            return mine
+        what, value, tag = _head(buf, pos)
+        size = np.int64(value)
+        if what != _STR:
+            return mine
+        pos = tag + size
+        if _equals(buf, tag, size, _TAG_STORED):
+            row[KIND] = STORED
+            pos, nh, nt = _stored(buf, pos, rest, row, hashes, nh, tokens, nt)
+        elif _equals(buf, tag, size, _TAG_REMOVED) and rest >= 1:
+            row[KIND] = REMOVED
+            pos, end, negative, high = _ints(buf, pos, hashes, nh, ~np.uint64(0))
+            if pos < 0 or (negative and high):
+                return mine
+            row[HASH_START], row[HASH_END], row[SIGNED] = nh, end, negative
+            nh = end
+            row[MEDIUM] = MEDIUM_ABSENT
+            if rest >= 2:
+                pos = _medium(buf, pos, row)
+            if rest > 2 and pos >= 0:
+                pos = _skip(buf, pos, rest - 2)
+        elif _equals(buf, tag, size, _TAG_CLEARED):
+            row[KIND] = CLEARED
+            pos = _skip(buf, pos, rest)
+        else:
+            return mine
+        if pos < 0:
+            return mine
+    dp_kind, dp = NONE, np.int64(0)
+    if items >= 3:
+        what, value, pos = _head(buf, pos)
+        if what != _NIL:
+            if not _small_int(what, value):
+                return mine
+            dp_kind, dp = INT, np.int64(value)
+        if items > 3:
+            pos = _skip(buf, pos, items - 3)
+    if pos != buf.shape[0]:  # bytes after the batch (unpackb: ExtraData), or -1
+        return mine
+    return events, ts_kind, ts_at, dp_kind, dp

@@ -1,0 +1,272 @@
+"""The compiled KV-event batch parser (`kv_events.parse_batch`, after `warm_up`) against the
+pure-Python decoder (`decode_batch`): on any payload it either gives exactly the batch the
+decoder gives (arrays where the decoder gives lists) or leaves the payload to the decoder; and
+it does read vLLM's ordinary layout itself."""
+
+import math
+import struct
+import subprocess
+import sys
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dynamograph.protocol import kv_events
+from dynamograph.protocol.hashing import as_token_array, block_hash_array
+from dynamograph.protocol.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KvEventDecodeError,
+    decode_batch,
+    decode_batch_arrays,
+    encode_batch,
+    parse_batch,
+)
+
+pytestmark = pytest.mark.unit
+
+I64 = st.integers(-(1 << 63), (1 << 63) - 1)
+U64 = st.integers(0, (1 << 64) - 1)
+ANY_INT = st.one_of(I64, U64, st.integers(-40, 300))  # small ones: fixints, 1-byte forms
+HASH = st.one_of(ANY_INT, st.binary(min_size=1, max_size=9))  # newer vLLM: bytes hashes
+TOKEN = st.one_of(st.integers(0, (1 << 32) - 1), st.integers(0, 200), ANY_INT)
+SCALAR = st.one_of(
+    st.none(), st.booleans(), ANY_INT, st.floats(allow_nan=False, width=32), st.text(max_size=6),
+    st.binary(max_size=4),
+)  # fmt: skip
+# what a newer vLLM may append to an event or a batch: anything msgpack carries
+EXTRA = st.recursive(
+    SCALAR,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=3), inner, max_size=2)
+    ),
+    max_leaves=6,
+)
+MEDIUM = st.sampled_from(["GPU", "CPU", None])
+ODD_MEDIUM = st.one_of(st.text(max_size=5), ANY_INT)
+
+
+@st.composite
+def mostly(draw, ordinary, odd):
+    """Usually what vLLM sends, one time in eight something else the decoder takes or refuses:
+    most batches keep to the ordinary layout but for one field."""
+    return draw(odd if draw(st.integers(0, 7)) == 0 else ordinary)
+
+
+@st.composite
+def wire_event(draw):
+    """An event in the array layout, as lists, with what a publisher may vary: every int form,
+    bytes hashes, trailing fields omitted or added, odd field types, unknown tags."""
+    tags = st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared"])
+    kind = draw(mostly(tags, st.one_of(st.just("Bogus"), ANY_INT)))
+    hashes = draw(mostly(st.lists(st.sampled_from([I64, U64, st.integers(-40, 300)]).flatmap(
+        lambda ints: ints), max_size=5), st.lists(HASH, max_size=5)))  # fmt: skip
+    if kind == "BlockStored":
+        size = draw(st.integers(1, 4))
+        tokens = st.lists(st.integers(0, (1 << 32) - 1), min_size=len(hashes) * size,
+                          max_size=len(hashes) * size)  # fmt: skip
+        fields = [
+            hashes,
+            draw(mostly(st.one_of(st.none(), ANY_INT), st.one_of(HASH, st.text(max_size=2)))),
+            draw(mostly(tokens, st.lists(st.one_of(TOKEN, st.floats(width=32)), max_size=6))),
+            draw(mostly(st.just(size), st.one_of(ANY_INT, st.booleans(), st.none()))),
+            draw(mostly(st.one_of(st.none(), st.integers(0, 1 << 31)), st.one_of(U64, st.text()))),
+            draw(mostly(MEDIUM, ODD_MEDIUM)),
+        ]
+        least = 4
+    elif kind == "BlockRemoved":
+        fields, least = [hashes, draw(mostly(MEDIUM, ODD_MEDIUM))], 1
+    else:
+        fields, least = [], 0
+    kept = draw(mostly(st.integers(least, len(fields)), st.integers(0, len(fields))))
+    extras = draw(mostly(st.just([]), st.lists(EXTRA, max_size=2)))
+    return [kind, *fields[:kept], *(extras if kept == len(fields) else [])]
+
+
+@st.composite
+def wire_batch(draw):
+    ts = draw(mostly(st.floats(allow_nan=False, width=32), st.one_of(ANY_INT, st.none())))
+    events = draw(st.lists(wire_event(), max_size=4))
+    batch = [ts, events]
+    if draw(st.booleans()):
+        batch.append(draw(mostly(st.one_of(st.none(), st.integers(0, 64)),
+                                 st.one_of(ANY_INT, st.text(max_size=2)))))  # fmt: skip
+        batch += draw(mostly(st.just([]), st.lists(EXTRA, max_size=1)))
+    return batch
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compiled():
+    kv_events.warm_up()
+    assert kv_events._reader is not None
+
+
+def _shape(batch: EventBatch) -> tuple:
+    """Everything a batch says, arrays as lists, each value with its type: equal shapes are
+    equal batches (1 == True == 1.0 would not tell a bool or float from an int)."""
+
+    def value(v):
+        if isinstance(v, np.ndarray):
+            v = v.tolist()
+        if isinstance(v, list):
+            return ("list", [value(x) for x in v])
+        if isinstance(v, float) and math.isnan(v):
+            return ("float", "nan")
+        return (type(v).__name__, v)
+
+    events = [
+        (type(e).__name__, *(value(getattr(e, f)) for f in e.__slots__)) for e in batch.events
+    ]
+    return value(batch.ts), events, value(batch.data_parallel_rank)
+
+
+def _outcome(decode, payload):
+    try:
+        return _shape(decode(payload))
+    except Exception as exc:  # the decoder's errors, whatever they are, are part of its behaviour
+        return type(exc), str(exc)
+
+
+def _same_as_decoder(payload: bytes) -> bool:
+    """The parser's batch equals the decoder's, or it declined; and either way the sibling the
+    EPP uses behaves exactly as the decoder. Returns whether the parser read it."""
+    want = _outcome(decode_batch, payload)
+    assert _outcome(decode_batch_arrays, payload) == want
+    parsed = parse_batch(payload)
+    if parsed is not None:
+        assert _shape(parsed) == want
+    return parsed is not None
+
+
+def _packb(obj, single_float: bool = False) -> bytes:
+    return msgpack.packb(obj, use_single_float=single_float)
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(wire_batch(), st.booleans())
+def test_any_batch_decodes_as_the_decoder_decodes_it(batch, single_float):
+    _same_as_decoder(_packb(batch, single_float))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(wire_batch(), st.data())
+def test_damaged_payloads_decode_or_fail_as_the_decoder_does(batch, data):
+    payload = bytearray(_packb(batch))
+    action = data.draw(st.sampled_from(["truncate", "flip", "append"]))
+    if action == "truncate":
+        del payload[data.draw(st.integers(0, len(payload))) :]
+    elif action == "flip" and payload:
+        at = data.draw(st.integers(0, len(payload) - 1))
+        payload[at] = data.draw(st.integers(0, 255))
+    else:
+        payload += data.draw(st.binary(min_size=1, max_size=3))
+    _same_as_decoder(bytes(payload))
+
+
+@st.composite
+def vllm_batch(draw):
+    """What vLLM's ZmqEventPublisher sends (msgspec, array_like, omit_defaults): int hashes
+    (its u64 hashes, or Python's signed ones), u32 token ids, float timestamps."""
+    events = []
+    for _ in range(draw(st.integers(0, 4))):
+        # one engine, one kind of hash: signed (Python's hash()) or u64 (vLLM's sha256 cut)
+        hashes = draw(st.lists(I64 if draw(st.booleans()) else U64, max_size=8))
+        if draw(st.booleans()):
+            n, size = len(hashes), draw(st.integers(1, 32))
+            tokens = draw(
+                st.lists(st.integers(0, (1 << 32) - 1), min_size=n * size, max_size=n * size)
+            )
+            parent = draw(st.one_of(st.none(), I64, U64))
+            lora = draw(st.one_of(st.none(), st.integers(0, 1 << 31)))
+            medium = draw(st.sampled_from(["GPU", "CPU", None]))
+            events.append(BlockStored(hashes, parent, tokens, size, lora, medium))
+        else:
+            events.append(BlockRemoved(hashes, draw(st.sampled_from(["GPU", "CPU", None]))))
+    if draw(st.booleans()):
+        events.append(AllBlocksCleared())
+    ts = draw(st.floats(0, 2e9))
+    return EventBatch(ts, events, draw(st.one_of(st.none(), st.integers(0, 1 << 20))))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(vllm_batch())
+def test_vllm_ordinary_layout_is_read_by_the_parser(batch):
+    payload = encode_batch(batch)
+    assert _same_as_decoder(payload), "the parser left an ordinary batch to the decoder"
+    for event in parse_batch(payload).events:
+        if isinstance(event, BlockStored):
+            assert event.token_ids.dtype == np.uint32
+        if not isinstance(event, AllBlocksCleared):
+            assert event.block_hashes.dtype in (np.uint64, np.int64)
+
+
+def test_what_the_parser_reads_and_what_it_leaves():
+    tokens = list(range(32))
+    stored = ["BlockStored", [1, 2], None, tokens, 16]
+    read = {
+        "omitted defaults": [1.0, [stored], None],
+        "all fields": [1.0, [[*stored, 7, "CPU"]], 3],
+        "newer vLLM's trailing fields": [1.0, [[*stored, None, "GPU", "lora-a", [[1, "x"]]]], 0],
+        "negative hashes": [1.0, [["BlockStored", [-1, -(1 << 63)], -5, tokens, 16]], None],
+        "hashes from 2^63": [1.0, [["BlockRemoved", [(1 << 64) - 1, 1 << 63]]], None],
+        "no dp_rank": [1.0, [["AllBlocksCleared"]]],
+        "extra batch field": [1.0, [], None, [1, 2.5, True]],
+    }
+    left = {
+        "maps (vLLM >= 0.28)": encode_batch(
+            EventBatch(1.0, [BlockStored([1, 2], None, tokens, 16)]), map_layout=True
+        ),
+        "bytes hashes": _packb([1.0, [["BlockRemoved", [b"\x01"]]], None]),
+        "negative and >= 2^63 in one event": _packb([1.0, [["BlockRemoved", [-1, 1 << 63]]], None]),
+        "token id above u32": _packb([1.0, [["BlockStored", [1], None, [1 << 32], 1]], None]),
+        "a map in a trailing field": _packb([1.0, [[*stored, None, "GPU", {"k": 1}]], None]),
+        "int timestamp": _packb([1, [], None]),
+        "truncated": _packb([1.0, [stored], None])[:-3],
+        "trailing bytes": _packb([1.0, [], None]) + b"\x00",
+        "unknown tag": _packb([1.0, [["Bogus"]], None]),
+        "too few fields": _packb([1.0, [["BlockStored", [1]]], None]),
+    }
+    for name, batch in read.items():
+        assert _same_as_decoder(_packb(batch)), name
+    assert _same_as_decoder(_packb(read["all fields"], single_float=True))  # float32 ts
+    for name, payload in left.items():
+        assert not _same_as_decoder(payload), name
+    with pytest.raises(KvEventDecodeError, match="unknown KV event tag"):
+        decode_batch_arrays(left["unknown tag"])
+
+
+def test_arrays_go_to_hashing_and_the_index_without_a_copy():
+    tokens = np.arange(64, dtype=np.uint32) * 7919
+    batch = EventBatch(
+        2.0, [BlockStored([5, 6, 7, 8], 4, tokens.tolist(), 16), BlockRemoved([1, 2])], 0
+    )
+    stored, removed = parse_batch(encode_batch(batch)).events
+    assert as_token_array(stored.token_ids) is stored.token_ids
+    assert block_hash_array(stored.token_ids, 16).tolist() == block_hash_array(tokens, 16).tolist()
+    assert stored.block_hashes.dtype == np.uint64 and stored.block_hashes.base is not None
+    assert stored.block_hashes.base is removed.block_hashes.base  # one buffer for the batch
+    # a parsed batch encodes back to the same payload
+    assert encode_batch(parse_batch(encode_batch(batch))) == encode_batch(batch)
+
+
+def test_float32_timestamp_is_the_decoders_float():
+    payload = _packb([1.1, [], None], single_float=True)
+    assert payload[1] == 0xCA
+    assert (
+        parse_batch(payload).ts == struct.unpack(">f", payload[2:6])[0] == decode_batch(payload).ts
+    )
+
+
+def test_importing_kv_events_does_not_load_numba():
+    code = (
+        "import sys\n"
+        "import dynamograph.protocol.kv_events as k\n"
+        "assert k.parse_batch(k.encode_batch(k.EventBatch(0.0, []))) is None\n"
+        "assert 'numba' not in sys.modules, 'numba was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
