@@ -41,7 +41,7 @@ from numba.core.dispatcher import Dispatcher
 from numba.cpython.unsafe.numbers import trailing_zeros
 from numpy.typing import NDArray
 
-from dynamograph.protocol import hashing
+from dynamograph.protocol import hashing, kv_events
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +105,10 @@ def warm_up() -> None:
                 disp.disable_compile()
             # the first call of any kernel sets numba's runtime up (~10 ms here): do it now
             table_get(np.full(1, MIN_KEY), np.zeros(8, np.uint64), np.zeros(8, np.int32), _META)
-            # every process that routes also hashes prompts: the block-hash kernel comes along
+            # every process that routes also hashes prompts, and reads KV events when there
+            # are any: the block-hash kernel and the event-batch parser come along
             hashing.warm_up()
+            kv_events.warm_up()
         if not cached:
             log.debug("numba cannot write a cache here: index kernels compiled in memory")
         _warm = True

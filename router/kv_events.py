@@ -39,7 +39,7 @@ from dynamograph.protocol.kv_events import (
     END_SEQ,
     EventBatch,
     KvEventDecodeError,
-    decode_batch,
+    decode_batch_arrays,
     decode_seq,
     encode_seq,
     endpoint_for_rank,
@@ -273,7 +273,9 @@ class RankSubscriber:
 
     def _decode(self, seq: int, payload: bytes) -> EventBatch | None:
         try:
-            batch = decode_batch(payload)
+            # numpy arrays for the hash and token lists, read by the compiled parser (the index
+            # wants arrays: Python lists would be built only to be converted back)
+            batch = decode_batch_arrays(payload)
         except KvEventDecodeError as exc:
             log.warning("bad KV event batch %d from worker %s: %s", seq, self.worker_id, exc)
             return None
