@@ -195,9 +195,7 @@ MEDIUM_ABSENT, MEDIUM_NIL, MEDIUM_IS_GPU, MEDIUM_TEXT = 0, 1, 2, 3  # MEDIUM; TE
 TS_F64, TS_F32 = 1, 2
 MIN_EVENT_BYTES = 15  # `["BlockRemoved", []]`, the shortest event: bounds the rows needed
 
-_ReadBatch = Callable[
-    [np.ndarray, np.ndarray, np.ndarray, np.ndarray], tuple[int, int, int, int, int]
-]
+_ReadBatch = Callable[[bytes, np.ndarray, np.ndarray, np.ndarray], tuple[int, int, int, int, int]]
 _reader: _ReadBatch | None = None  # set by warm_up()
 _reader_lock = threading.Lock()
 _TS = {TS_F64: struct.Struct(">d").unpack_from, TS_F32: struct.Struct(">f").unpack_from}
@@ -226,20 +224,18 @@ def _read(reader: _ReadBatch, payload: bytes) -> EventBatch | None:
     hashes = np.empty(size, np.uint64)
     tokens = np.empty(size, np.uint32)
     meta = np.empty((size // MIN_EVENT_BYTES + 1, META_FIELDS), np.int64)
-    count, ts_kind, ts_at, dp_kind, dp = reader(
-        np.frombuffer(payload, np.uint8), hashes, tokens, meta
-    )
+    count, ts_kind, ts_at, dp_kind, dp = reader(payload, hashes, tokens, meta)
     if count == NOT_MINE:
         return None
-    signed = hashes.view(np.int64)
     events: list[KvEvent] = []
     for row in meta[:count].tolist():
         kind = row[KIND]
         if kind == CLEARED:
             events.append(AllBlocksCleared())
             continue
-        start, end = row[HASH_START], row[HASH_END]
-        block_hashes = signed[start:end] if row[SIGNED] else hashes[start:end]
+        block_hashes = hashes[row[HASH_START] : row[HASH_END]]
+        if row[SIGNED]:
+            block_hashes = block_hashes.view(np.int64)
         medium = _medium(payload, row)
         if kind == REMOVED:
             events.append(BlockRemoved(block_hashes, medium))

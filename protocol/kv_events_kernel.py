@@ -58,7 +58,8 @@ from .kv_events import (
 SKIP_DEPTH = 16  # msgpack-python refuses nesting past 1,024; we leave anything deep to it
 
 SIGNATURE = types.Tuple((types.int64,) * 5)(
-    types.Array(types.uint8, 1, "C", readonly=True),  # the payload, as np.frombuffer gives it
+    # the payload itself: numba types a bytes object ~1 µs faster than a read-only array of it
+    types.Bytes(types.uint8, 1, "C", readonly=True),
     types.Array(types.uint64, 1, "C"),
     types.Array(types.uint32, 1, "C"),
     types.Array(types.int64, 2, "C"),
@@ -104,7 +105,7 @@ def _be(buf, pos, size):
 @_inline
 def _number(buf, pos, size, kind):
     """(kind, the int's bits, position after it) for a `size`-byte int at `pos`."""
-    if pos + size > buf.shape[0]:
+    if pos + size > len(buf):
         return _BAD, np.uint64(0), pos
     value = _be(buf, pos, size)
     if kind == _SINT and size < 8 and value >> np.uint64(8 * size - 1):
@@ -116,7 +117,7 @@ def _number(buf, pos, size, kind):
 def _int(buf, pos):
     """`_head` of an int (_UINT or _SINT, its 64-bit pattern, the position after it); _OTHER
     (position unchanged) for anything else, _BAD past the end."""
-    if pos >= buf.shape[0]:
+    if pos >= len(buf):
         return _BAD, np.uint64(0), pos
     b = buf[pos]
     if b <= 0x7F:
@@ -170,7 +171,7 @@ def _head(buf, pos):
 def _ascii(buf, start, length):
     """The `length` bytes at `start` are in the payload and ASCII (valid UTF-8 as they are)."""
     end = start + length
-    if end > buf.shape[0]:
+    if end > len(buf):
         return False
     while start < end and buf[start] < 0x80:
         start += 1
@@ -179,7 +180,7 @@ def _ascii(buf, start, length):
 
 @_helper
 def _equals(buf, start, length, text):
-    if length != text.shape[0] or start + length > buf.shape[0]:
+    if length != text.shape[0] or start + length > len(buf):
         return False
     i = 0
     while i < length and buf[start + i] == text[i]:
@@ -240,7 +241,7 @@ def _skip(buf, pos, count):
             left[depth] = np.int64(value)
         elif what in (_STR, _BIN):
             size = np.int64(value)
-            if pos + size > buf.shape[0] or (what == _STR and not _ascii(buf, pos, size)):
+            if pos + size > len(buf) or (what == _STR and not _ascii(buf, pos, size)):
                 return -1
             pos += size
         elif what < _UINT or what > _FLOAT64:  # not a scalar (ints, nil, bool, floats)
@@ -365,6 +366,6 @@ def read_batch(buf, hashes, tokens, meta):  # typed by SIGNATURE (kv_events: _Re
             dp_kind, dp = INT, np.int64(value)
         if items > 3:
             pos = _skip(buf, pos, items - 3)
-    if pos != buf.shape[0]:  # bytes after the batch (unpackb: ExtraData), or -1
+    if pos != len(buf):  # bytes after the batch (unpackb: ExtraData), or -1
         return mine
     return events, ts_kind, ts_at, dp_kind, dp
