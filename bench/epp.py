@@ -29,7 +29,8 @@ Target: ≤ 1.0 ms EPP CPU per routed request (kv mode, all in) on each workload
 EPP CPU per response chunk is measured apart (`--response-chunks`) in both response modes: with
 the response body sent FULL_DUPLEX_STREAMED each chunk is an ext_proc round trip; with body NONE
 and trailers SEND (what we generate) Envoy sends no chunk at all (target ≤ 10 µs per chunk).
-KV-event ingestion is measured apart too (`bench.kv_ingest`: CPU per batch, lag, flat-out rate).
+KV-event ingestion is measured apart too (`bench.kv_ingest`: CPU per batch, lag, flat-out rate,
+and µs per batch decoded by the pure-Python decoder against the compiled parser).
 
 Last, the field's own EPPs against ours (`--foreign`: GAIE's reference EPP, llm-d's scheduler;
 by default those built here, with the repo's control plane): neither takes a static list of
@@ -1096,6 +1097,7 @@ async def _main(args) -> int:
         if args.kv_ingest_seconds > 0
         else []
     )  # fmt: skip
+    decoding = kv_ingest.decode_costs(batches=5000, seed=args.seed) if ingest else None
     first, follow = _chat_turns(args)
     mooncake = _mooncake_bodies(args)
     foreign_names = _foreign_names(args)  # reasons printed before the long run, not after it
@@ -1225,6 +1227,8 @@ async def _main(args) -> int:
                 for r in ingest
             ],
         )  # fmt: skip
+    if decoding:
+        kv_ingest.print_decode_costs(decoding)
     if scaling:
         print_table(
             f"EPP processes on one port (kv mode, {args.concurrency} connections; the client "
@@ -1281,6 +1285,7 @@ async def _main(args) -> int:
             "streaming": streaming,
             "processes": scaling,
             "kv_ingest": ingest,
+            "kv_decode": decoding,
             "foreign": foreign,
         },
     )

@@ -12,31 +12,50 @@ its cache's worth, removes its oldest blocks as it stores, as an engine evicts. 
 Both for the ticker's interval as shipped (`INGEST_INTERVAL_S`: rounds at most every 20 ms
 while batches keep coming) and 0 (a round per loop turn: every batch read as it arrives, the
 way a per-socket reader would), in the same run.
+
+`decode_costs` (also alone: `python -m dynamograph.bench.kv_ingest`, which prints its table and
+writes results/kv_decode.json) times decoding a batch of that stream in this process, the
+pure-Python `decode_batch` against the compiled parser the subscribers use
+(`decode_batch_arrays`), batch by batch in turns: decoding alone; decoding plus the arrays
+`KvIndex.apply_events` makes of the events (block hashes of the tokens, engine hashes as u64);
+decoding plus applying to an index (one index per decoder, each fed the whole stream).
 """
 
+import argparse
 import asyncio
 import contextlib
 import multiprocessing
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import zmq
 
 from dynamograph.protocol.engine import EngineConfig, KvEventsEndpoint
+from dynamograph.protocol.hashing import block_hash_array
 from dynamograph.protocol.kv_events import (
     BlockRemoved,
     BlockStored,
     EngineHash,
     EventBatch,
+    decode_batch,
+    decode_batch_arrays,
     encode_batch,
+    parse_batch,
 )
 from dynamograph.protocol.kv_events import encode_seq as _seq
+from dynamograph.router import kernels
 from dynamograph.router.discovery import WorkerRecord
+from dynamograph.router.index import KvIndex, engine_keys
 from dynamograph.router.kv_events import INGEST_INTERVAL_S, KvEventIngest
 from dynamograph.router.scheduler import GapInfo, Router
 from dynamograph.worker.testing import free_port
+
+from .report import add_output_argument, print_table, write_json
+from .timing import percentiles
 
 BLOCK_SIZE = 16
 CACHE_BLOCKS = 4000  # per worker: past it, every batch also evicts
@@ -215,3 +234,98 @@ def run(*, workers: int, rate: float, seconds: float, burst: int, seed: int) -> 
         measure(interval, workers=workers, rate=rate, seconds=seconds, burst=burst, seed=seed)
         for interval in (0.0, INGEST_INTERVAL_S)
     ]
+
+
+DECODERS: dict[str, Callable[[bytes], EventBatch]] = {
+    "decode_batch (msgpack → lists)": decode_batch,
+    "decode_batch_arrays (compiled)": decode_batch_arrays,
+}
+
+
+def _index_arrays(batch: EventBatch) -> None:
+    """What `KvIndex.apply_events` makes of a batch's events before its kernels run."""
+    for event in batch.events:
+        if isinstance(event, BlockStored):
+            block_hash_array(event.token_ids, event.block_size)
+            engine_keys(event.block_hashes)
+        elif isinstance(event, BlockRemoved):
+            engine_keys(event.block_hashes)
+
+
+def decode_costs(*, batches: int, workers: int = 4, seed: int = 0) -> dict[str, Any]:
+    """µs per batch of each decoder in each stage (module docstring), on `batches` of the
+    stream, the decoders taking turns batch by batch (who goes first alternates)."""
+    kernels.warm_up()  # the index's kernels, the block hasher and the parser, as in the EPP
+    rng = np.random.default_rng(seed)
+    streams = [_Stream(rng, w) for w in range(workers)]
+    frames = [(w % workers, streams[w % workers].frame()[2]) for w in range(batches)]
+    indexes = {name: KvIndex() for name in DECODERS}
+    stages: dict[str, Callable[[str, int, bytes], object]] = {
+        "decode": lambda name, _w, payload: DECODERS[name](payload),
+        "decode + the index's arrays": lambda name, _w, payload: _index_arrays(
+            DECODERS[name](payload)
+        ),
+        "decode + apply to an index": lambda name, w, payload: indexes[name].apply_events(
+            (w, 0), DECODERS[name](payload).events
+        ),
+    }
+    names = list(DECODERS)
+    samples = {(stage, name): np.empty(batches) for stage in stages for name in names}
+    for i, (worker, payload) in enumerate(frames):
+        for stage, fn in stages.items():
+            for name in names if i % 2 else names[::-1]:
+                start = time.perf_counter()
+                fn(name, worker, payload)
+                samples[stage, name][i] = time.perf_counter() - start
+    old, new = names
+    rows = []
+    for stage in stages:
+        a, b = percentiles(samples[stage, old]), percentiles(samples[stage, new])
+        rows.append(
+            {
+                "stage": stage, "old_p50_us": a["p50"], "new_p50_us": b["p50"],
+                "old_mean_us": a["mean"], "new_mean_us": b["mean"],
+                "old_p99_us": a["p99"], "new_p99_us": b["p99"], "speedup_mean": a["mean"] / b["mean"],
+            }
+        )  # fmt: skip
+    sizes = [len(payload) for _, payload in frames]
+    return {
+        "batches": batches,
+        "workers": workers,
+        "old": old,
+        "new": new,
+        "mean_payload_bytes": float(np.mean(sizes)),
+        "parsed_by_the_compiled_parser": sum(parse_batch(p) is not None for _, p in frames),
+        "rows": rows,
+    }
+
+
+def print_decode_costs(costs: dict[str, Any]) -> None:
+    print_table(
+        f"KV-event batch decoding, µs per batch: {costs['old']} against {costs['new']}, in turns "
+        f"on {costs['batches']:,} batches of the stream (mean {costs['mean_payload_bytes']:,.0f} "
+        f"bytes; {costs['parsed_by_the_compiled_parser']:,} read by the compiled parser)",
+        ["stage", "old p50", "new p50", "old mean", "new mean", "old p99", "new p99",
+         "old / new (mean)"],
+        [
+            [r["stage"], r["old_p50_us"], r["new_p50_us"], r["old_mean_us"], r["new_mean_us"],
+             r["old_p99_us"], r["new_p99_us"], r["speedup_mean"]]
+            for r in costs["rows"]
+        ],
+    )  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="KV-event batch decoding: old vs compiled")
+    parser.add_argument("--batches", type=int, default=5000)
+    parser.add_argument("--seed", type=int, default=0)
+    add_output_argument(parser)
+    args = parser.parse_args()
+    costs = decode_costs(batches=args.batches, seed=args.seed)
+    print_decode_costs(costs)
+    write_json(Path(args.out), "kv_decode", costs)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
