@@ -220,6 +220,8 @@ def warm_up() -> None:
 
 
 def _read(reader: _ReadBatch, payload: bytes) -> EventBatch | None:
+    """The parser's rows as events over fresh arrays (the events keep views of them: an int
+    takes at least a byte of the payload, so `size` cells always suffice)."""
     size = len(payload)
     hashes = np.empty(size, np.uint64)
     tokens = np.empty(size, np.uint32)
