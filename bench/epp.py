@@ -65,6 +65,8 @@ import numpy as np
 import orjson
 import yaml
 
+from dynamograph.local.procs import PortPool
+
 from . import kv_ingest
 from .report import add_output_argument, print_table, write_json
 
@@ -417,14 +419,19 @@ async def _start_epp(
     """`dynamograph epp` (with `processes` > 1: that many, on one port, syncing bookings;
     its metrics page merges theirs; `extra`: more of its flags), once every process knows the
     fleet."""
-    grpc_port, health_port, metrics_port = _free_port(), _free_port(), _free_port()
+    # with processes > 1 the children take metrics port + 1 + i and replica port + i: blocks
+    # of consecutive free ports, or a child can collide with another port and never start
+    ports = PortPool()
+    grpc_port, health_port = ports.take(), ports.take()
+    metrics_port, replica_port = ports.take(processes + 1), ports.take(processes)
+    ports.release()
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "dynamograph.cli", "epp",
         "--host", "127.0.0.1", "--grpc-port", str(grpc_port),
         "--health-port", str(health_port), "--metrics-port", str(metrics_port),
         "--workers-file", str(workers_file), "--endpoint-picker", picker,
         "--scrape-interval", "1.0",
-        "--processes", str(processes), "--replica-port", str(_free_port()), *extra,
+        "--processes", str(processes), "--replica-port", str(replica_port), *extra,
         stdin=asyncio.subprocess.DEVNULL,
     )  # fmt: skip
     deadline = time.monotonic() + 120
