@@ -264,7 +264,9 @@ async def test_two_replicas_behind_one_envoy_share_the_load_view(workers):
             responses = []
             try:
                 for i in range(8):
-                    body = chat_body(f"behind envoy {i} " * 30, max_tokens=400, stream=True)
+                    # answers far longer than the check takes (they are cut when it is done):
+                    # at 400 tokens the first could end on a slow machine before the eighth began
+                    body = chat_body(f"behind envoy {i} " * 30, max_tokens=8000, stream=True)
                     response = await http.post(
                         envoy.url + "/v1/chat/completions",
                         data=body,
