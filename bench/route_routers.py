@@ -87,8 +87,16 @@ POLICIES: dict[str, Policy] = {
             "kv-ttft",
             "epp",
             "EPP, KV events, our default cost: the TTFT estimate in blocks to prefill (queued "
-            "prefill + uncached blocks, active blocks at 0.0025 each, blocks over free KV)",
+            "prefill + uncached blocks, active blocks at 0.0025 each, blocks over free KV, uncached "
+            "blocks × requests waiting there)",
             {"scorers": [s.model_dump() for s in ttft_scorers()]},
+        ),
+        Policy(
+            "kv-ttft-greedy",
+            "epp",
+            "EPP, KV events, kv-ttft without its queue-delay term: each request's own TTFT "
+            "estimate only (the default before the term; an ablation)",
+            {"scorers": [s.model_dump() for s in ttft_scorers() if s.type != "queue-delay"]},
         ),
         Policy(
             "sglang-cache-aware",

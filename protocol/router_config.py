@@ -57,11 +57,14 @@ def ttft_scorers(
     """A worker's cost as this request's estimated TTFT there, in blocks to prefill: prefill
     work queued there plus this request's uncached blocks (kv-overlap), active decode blocks at
     what each costs a prefill (load, `DECODE_BLOCK_WEIGHT`), and blocks that do not fit in the
-    worker's free KV (kv-overflow: held back or recomputed)."""
+    worker's free KV (kv-overflow: held back or recomputed); plus what its prefill there costs
+    the requests that will queue behind it (queue-delay: uncached blocks × requests waiting
+    there for their first token)."""
     return [
         ScorerRef(type="kv-overlap", weight=overlap_weight),
         ScorerRef(type="load", weight=decode_weight),
         ScorerRef(type="kv-overflow", weight=1.0),
+        ScorerRef(type="queue-delay", weight=1.0),
     ]
 
 
@@ -88,7 +91,8 @@ class RouterConfig(BaseModel):
         "(uncached prompt blocks plus prefill blocks booked there; its weight is the EPP's "
         "--overlap-weight, a DynamoGraph's router.overlapWeight) + 0.0025 · load (decode "
         "blocks booked: what one costs a prefill) + kv-overflow (blocks beyond the worker's "
-        "free KV). Dynamo's cost: [{type: kv-overlap}, {type: load}]",
+        "free KV) + queue-delay (uncached blocks × requests waiting there for a first token: "
+        "the delay this prefill adds to those that queue behind it). Dynamo's cost: [{type: kv-overlap}, {type: load}]",
     )
     max_prompt_chars: int = Field(
         default=256 * 1024,

@@ -3,8 +3,9 @@
 The default profile (`RouterConfig`, `ttft_scorers`) prices a worker by what it would cost
 this request's time to first token, in units of one block to prefill (~512 µs on the modelled
 H100, 16 tokens × 32 µs): `kv-overlap` (prefill work queued there plus this request's uncached
-blocks) at weight 1, `load` (active decode blocks) at its much smaller real weight, and
-`kv-overflow` (blocks that do not fit) as capacity pressure. With weights overlap_weight and 1
+blocks) at weight 1, `load` (active decode blocks) at its much smaller real weight,
+`kv-overflow` (blocks that do not fit) as capacity pressure, and `queue-delay`, the delay its
+prefill adds to the requests that will queue behind it there. With weights overlap_weight and 1
 and no overflow term, `kv-overlap` and `load` are Dynamo's cost, `overlap_weight ·
 prefill_blocks + decode_blocks` (`dynamo_scorers`)."""
 
@@ -38,6 +39,28 @@ class KvOverlapScorer(Scorer):
             return np.zeros_like(c.overlap)
         # uncached blocks: overlaps never exceed the prompt's hashed blocks, so ≥ 0
         return (ctx.prompt_blocks - c.overlap) + c.booked_prefill
+
+
+@register
+class QueueDelayScorer(Scorer):
+    """Externality term: this request's uncached prompt blocks here times the requests waiting
+    here for their first token.
+
+    A per-request TTFT alone moves a conversation off the worker holding its history whenever
+    that worker's queue is longer than the history's re-prefill; each such move is faster for
+    the one request, but the prefill it adds delays every later arrival there, and when the
+    whole fleet queues the moves pile up work until it saturates. The requests that will wait
+    behind this prefill are counted as those waiting there now (in steady state the next
+    arrivals find about that many), so the term is 0 on an idle worker (moving there costs no
+    one) and grows with the queue: under load a conversation stays where its KV is unless its
+    worker's queue outweighs the extra work it would make the fleet do."""
+
+    name = "queue-delay"
+
+    def score(self, ctx: Context, c: Candidates) -> np.ndarray:
+        if ctx.phase == Phase.DECODE:
+            return np.zeros_like(c.overlap)
+        return (ctx.prompt_blocks - c.overlap) * c.unanswered
 
 
 @register

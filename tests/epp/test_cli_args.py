@@ -35,6 +35,7 @@ def test_flags_override_the_config_file(tmp_path):
         ("kv-overlap", 2.5),
         ("load", 0.0025),
         ("kv-overflow", 1.0),
+        ("queue-delay", 1.0),
     ]
     assert settings.router.temperature == 0
     assert settings.router.busy_threshold == 0.9

@@ -1,7 +1,8 @@
 """The TTFT cost (`ttft_scorers`): a worker is priced by what it would cost this request's
 time to first token, in blocks to prefill. A follow-up stays with its history however many
 other conversations decode there; queued prefill work, and KV blocks that would not fit, still
-send it elsewhere."""
+send it elsewhere — to an idle worker, but not into another queue when the re-prefill would
+delay the requests waiting there more than it saves (queue-delay)."""
 
 import pytest
 
@@ -53,6 +54,20 @@ def test_queued_prefill_work_sends_it_to_an_idle_worker():
     assert route(router) == 2
 
 
+def test_under_load_a_follow_up_keeps_its_history_rather_than_joining_another_queue():
+    greedy = [s for s in ttft_scorers() if s.type != "queue-delay"]
+    for scorers, expected in ((greedy, 2), (ttft_scorers(), 1)):
+        router = router_with(scorers)
+        # worker 1: one request with 50 blocks to prefill; worker 2: two short ones (5 blocks)
+        router.active.book((1, 0), prompt_blocks=50, prefill_blocks=50)
+        for blocks in (2, 3):
+            router.active.book((2, 0), prompt_blocks=blocks, prefill_blocks=blocks)
+        # own TTFT: 50 + 4 on worker 1 against 5 + 40 on worker 2, so the greedy cost moves it;
+        # the 40 blocks it would prefill there delay the 2 requests that wait there (and the 4
+        # new ones here the 1): 54 + 4 · 1 against 45 + 40 · 2
+        assert route(router) == expected
+
+
 def test_a_worker_whose_kv_blocks_are_nearly_all_in_use_is_avoided():
     router = router_with(ttft_scorers())
     # worker 1's KV is 98 % in use (scraped): the 40 blocks would not fit
@@ -74,4 +89,5 @@ def test_the_overflow_counts_a_whole_sequence_of_the_worker():
     router.update_load(2, 0, kv_usage=1.0)
     decision = router.schedule(request).decode
     assert decision.worker_id == 1
-    assert decision.cost == pytest.approx(4 + 0.0025 * (980 + 40) + (20 + 490))
+    # its 4 uncached blocks also delay the 2 requests there still waiting for a first token
+    assert decision.cost == pytest.approx(4 + 0.0025 * (980 + 40) + (20 + 490) + 4 * 2)
