@@ -29,17 +29,21 @@ the replicas' clocks never meet; the receiver `put`s it (most recently used, its
 or, for a close, unbinds. Each write is stamped (Lamport clock, replica id) and a replica keeps
 the write with the larger stamp, so two replicas that write one session at once end up holding
 the same binding, and a write applied from a peer is neither re-published nor re-applied.
-Bindings outlive the replica that made them (a lost peer's sessions stay bound). A snapshot
-adds and updates bindings but removes none: a close lost in a gap leaves the binding until its
-timeout.
+Bindings outlive the replica that made them (a lost peer's sessions stay bound). A close (made
+here or by a peer) is remembered, with its stamp, for the closed binding's timeout (no copy of
+the binding outlives that) and within the sessions' bound (least recently closed forgotten
+first): a peer's write of that session with a smaller stamp is ignored, so a bind that arrives
+after its close (from another replica, or in a snapshot from a replica that missed the close)
+does not bind the session again. The remembered closes go in the snapshot too, so a close lost
+in a gap is repaired by it like everything else.
 
 Wire format, one msgpack frame: `[sender id, name, seq, kind, body]` with kind `e` (events:
 `["b", bid, worker, rank, prompt_blocks, prefill, keys (uint64 LE bytes), osl, generated]`,
 `["p", bid, prefill, generated]`, `["f", bid]`, `["sb", session id, worker, rank, [prefill
 worker, rank] | None, ttl_s, seconds left, engine_backed, clock, replica id]`, `["sc", session
-id, clock, replica id]`), `s` (snapshot: a list of `b` and `sb` entries) or `h` (heartbeat). The
-router core stays single-threaded: everything runs on the event loop the router's requests run
-on.
+id, seconds the close is remembered, clock, replica id]`), `s` (snapshot: a list of `b`, `sb`
+and `sc` entries) or `h` (heartbeat). The router core stays single-threaded: everything runs on
+the event loop the router's requests run on.
 """
 
 import asyncio
@@ -48,6 +52,7 @@ import logging
 import os
 import socket
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,6 +90,12 @@ class ReplicaSettings:
     pod_api: Any = None  # a kubernetes_asyncio Configuration (None: in-cluster or KUBECONFIG)
 
 
+@dataclass(slots=True)
+class _Close:
+    stamp: tuple[int, int]  # the close's write stamp
+    until: float  # on the sessions' clock: forgotten then
+
+
 @dataclass
 class _Peer:
     name: str
@@ -120,7 +131,8 @@ class ReplicaSync:
         self._local: dict[int, tuple[int, Booking]] = {}  # id(booking) → (bid, booking)
         self._touched: dict[int, tuple[int, Booking, bool]] = {}  # id → (bid, booking, new)
         self._writes = 0  # Lamport clock of session writes: above every stamp seen
-        self._touched_sessions: dict[str, tuple[int, int]] = {}  # session id → its write's stamp
+        self._touched_sessions: dict[str, None] = {}  # session ids written this turn, in order
+        self._closed: OrderedDict[str, _Close] = OrderedDict()  # least recently closed first
         self._flush_scheduled = False
         self._peers: dict[int, _Peer] = {}
         self._addresses: set[str] = set()
@@ -249,14 +261,14 @@ class ReplicaSync:
         self._flush_soon()
 
     # -- SessionObserver: local session bindings out -------------------------------------
-    def session_changed(self, session_id: str, binding: Binding | None) -> None:
+    def session_changed(self, session_id: str, binding: Binding, closed: bool) -> None:
         if self._applying:
             return
         self._writes += 1
-        stamp = (self._writes, self.id)
-        if binding is not None:
-            binding.stamp = stamp
-        self._touched_sessions[session_id] = stamp
+        binding.stamp = (self._writes, self.id)
+        if closed:
+            self._remember_close(session_id, binding.stamp, binding.ttl_s)
+        self._touched_sessions[session_id] = None
         self._flush_soon()
 
     def _flush_soon(self) -> None:
@@ -279,12 +291,14 @@ class ReplicaSync:
                 events.append(["p", bid, booking.prefill, booking.generated_tokens])
         touched_sessions, self._touched_sessions = self._touched_sessions, {}
         if self.sessions is not None:
-            for sid, stamp in touched_sessions.items():
+            for sid in touched_sessions:
                 binding = self.sessions.get(sid)
                 if binding is not None:
                     events.append(self._session_entry(sid, binding))
-                else:  # closed (bound and closed within the turn too: peers may hold an older one)
-                    events.append(["sc", sid, *stamp])
+                elif sid in self._closed:
+                    # closed (bound and closed within the turn too: peers may hold an older
+                    # one); gone without a close, it was evicted by the LRU bound (stays local)
+                    events.append(self._close_entry(sid, self._closed[sid]))
         if events:
             self._send("e", events)
 
@@ -302,6 +316,10 @@ class ReplicaSync:
         entries = [_entry(bid, b) for bid, b in self._local.values() if b.live]
         if self.sessions is not None:
             entries += [self._session_entry(sid, b) for sid, b in self.sessions.live()]
+            now = self.sessions.clock()
+            entries += [
+                self._close_entry(sid, c) for sid, c in self._closed.items() if c.until > now
+            ]
         self._send("s", entries)
         self.snapshots_sent += 1
 
@@ -321,6 +339,32 @@ class ReplicaSync:
             binding.engine_backed,
             *binding.stamp,
         ]
+
+    def _close_entry(self, session_id: str, closed: _Close) -> list[Any]:
+        assert self.sessions is not None
+        return ["sc", session_id, closed.until - self.sessions.clock(), *closed.stamp]
+
+    def _remember_close(self, session_id: str, stamp: tuple[int, int], seconds: float) -> None:
+        """Remember a session's close for `seconds` (the closed binding's timeout), unless a
+        later one is remembered; the sessions' bound holds here too."""
+        assert self.sessions is not None
+        if self._closed_stamp(session_id) > stamp:
+            return
+        self._closed[session_id] = _Close(stamp, self.sessions.clock() + seconds)
+        self._closed.move_to_end(session_id)
+        while len(self._closed) > self.sessions.max_sessions:
+            self._closed.popitem(last=False)
+
+    def _closed_stamp(self, session_id: str) -> tuple[int, int]:
+        """The stamp of the session's remembered close ((0, 0): none, or past its time)."""
+        assert self.sessions is not None
+        closed = self._closed.get(session_id)
+        if closed is None:
+            return (0, 0)
+        if closed.until <= self.sessions.clock():
+            del self._closed[session_id]
+            return (0, 0)
+        return closed.stamp
 
     # -- tasks ---------------------------------------------------------------------------
     async def _subscriptions(self) -> None:
@@ -409,7 +453,7 @@ class ReplicaSync:
     def _apply_snapshot(self, peer: _Peer, entries: list[list[Any]]) -> None:
         seen = set()
         for entry in entries:
-            if entry[0] == "sb":
+            if entry[0] in ("sb", "sc"):
                 self._apply_session(entry)
                 continue
             bid = entry[1]
@@ -423,19 +467,23 @@ class ReplicaSync:
             self._free(peer.bookings.pop(bid))
 
     def _apply_session(self, entry: list[Any]) -> None:
-        """A peer's write to a session's binding, kept when its stamp is the larger."""
+        """A peer's write to a session's binding, kept when its stamp is larger than the held
+        binding's and the session's remembered close's."""
         if self.sessions is None:
             return
         sid = entry[1]
         stamp = (int(entry[-2]), int(entry[-1]))
         self._writes = max(self._writes, stamp[0])
         current = self.sessions.get(sid)
-        if current is not None and current.stamp >= stamp:
-            return  # ours is newer (or the same write)
+        held = current.stamp if current is not None else (0, 0)
         if entry[0] == "sc":
-            with self._as_peer():
-                self.sessions.unbind(sid)
+            self._remember_close(sid, stamp, float(entry[2]))
+            if held < stamp:
+                with self._as_peer():
+                    self.sessions.unbind(sid)
             return
+        if max(held, self._closed_stamp(sid)) >= stamp:
+            return  # ours is newer (or the same write), or the session was closed after it
         _, _, worker, rank, prefill, ttl_s, left, engine_backed, _, _ = entry
         binding = Binding(
             decode=(int(worker), int(rank)),

@@ -19,7 +19,8 @@ With replica sync (`replicas.ReplicaSync`, the `observer`), every binding, refre
 close made here is announced to the other EPP replicas, and theirs are `put` here (or closed):
 a session opened through one replica is sticky in all of them. Expiry and the LRU bound stay
 local: each replica drops a binding when its own clock passes the binding's expiry, and bounds
-its own table.
+its own table (an eviction is not a close: the peers keep their copies). The closes replica
+sync remembers, so that a peer's older write cannot bind a closed session again, are its own.
 """
 
 from collections import OrderedDict
@@ -46,9 +47,10 @@ class Binding:
 
 class SessionObserver(Protocol):
     """Told of every change made to a session's binding (replica sync: `replicas.ReplicaSync`):
-    `binding` is the session's binding after the change, None when it was closed."""
+    `binding` is the session's binding after the change, or, when `closed`, the one just dropped
+    (replica sync remembers the close for its timeout)."""
 
-    def session_changed(self, session_id: str, binding: Binding | None) -> None: ...
+    def session_changed(self, session_id: str, binding: Binding, closed: bool) -> None: ...
 
 
 class StickySessions:
@@ -95,7 +97,7 @@ class StickySessions:
             if prefill is not None:
                 binding.prefill = prefill
             self._bindings.move_to_end(session_id)
-            self._changed(session_id, binding)
+            self._changed(session_id, binding, closed=False)
 
     def bind(
         self,
@@ -115,11 +117,12 @@ class StickySessions:
         self._bindings.move_to_end(session_id)
         while len(self._bindings) > self.max_sessions:
             self._bindings.popitem(last=False)
-        self._changed(session_id, binding)
+        self._changed(session_id, binding, closed=False)
 
     def unbind(self, session_id: str) -> None:
-        if self._bindings.pop(session_id, None) is not None:
-            self._changed(session_id, None)
+        binding = self._bindings.pop(session_id, None)
+        if binding is not None:
+            self._changed(session_id, binding, closed=True)
 
     def get(self, session_id: str) -> Binding | None:
         """A session's binding as held, expired or not (replica sync compares stamps)."""
@@ -130,9 +133,9 @@ class StickySessions:
         now = self.clock()
         return ((sid, b) for sid, b in self._bindings.items() if b.expires_at > now)
 
-    def _changed(self, session_id: str, binding: Binding | None) -> None:
+    def _changed(self, session_id: str, binding: Binding, *, closed: bool) -> None:
         if self.observer is not None:
-            self.observer.session_changed(session_id, binding)
+            self.observer.session_changed(session_id, binding, closed)
 
     def binding(self, session_id: str) -> Slot | None:
         """Where a session's decode phase is bound now (None when unbound or expired); does

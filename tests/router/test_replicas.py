@@ -4,7 +4,10 @@ frees; a lost message answered by a snapshot; a replica restarting under its nam
 old self without waiting for the timeout. Sticky sessions between two Routers: a session opened
 through one replica is sticky in the other, a close through either drops it in both, a late
 joiner gets the bindings from the snapshot, refreshes and timeouts hold on both (each on its own
-clock), the LRU bound holds, and two replicas writing one session at once agree."""
+clock), the LRU bound holds, two replicas writing one session at once agree, and a close lost in
+a gap is repaired by the snapshot. Remembered closes, message by message into one ReplicaSync: a
+close delivered before the bind it closes wins, the closer ignores a peer's older write, and the
+closes are remembered for their time and within the sessions' bound."""
 
 import contextlib
 
@@ -235,3 +238,76 @@ async def test_two_replicas_binding_one_session_at_once_agree():
             lambda: a.sessions.binding("both") == b.sessions.binding("both") == winner,
             "both replicas to keep the same write",
         )
+
+
+async def test_a_close_lost_in_a_gap_is_repaired_by_the_snapshot():
+    a, b = make_router(Clock(1000.0)), make_router(Clock(5.0))
+    async with routers(a, b) as (sa, sb):
+        turn(a, "chat", "bind", pin=2, timeout=60)
+        await wait_for(lambda: b.sessions.binding("chat") == (2, 0), "B to hold A's binding")
+        sa._seq += 1  # as if the message carrying the close had been dropped on the way
+        turn(a, "chat", "close")
+        # B notices the gap, asks again, and the snapshot must carry the close
+        await wait_for(lambda: b.sessions.get("chat") is None, "B to close A's session", within=10)
+        assert sb.gaps == 1
+
+
+# -- closes, message by message: a ReplicaSync's apply path, its sockets never started ----------
+
+A, B = 1, 2  # the peers' replica ids (smaller than any random one of ours)
+
+
+@contextlib.asynccontextmanager
+async def offline(clock: Clock, max_sessions: int = 100):
+    """A replica's sessions and sync, fed the peers' messages by `deliver` (no sockets)."""
+    sessions = StickySessions(300.0, max_sessions, clock)
+    sync = ReplicaSync(ActiveRequests(), ReplicaSettings("tcp://127.0.0.1:0"), sessions=sessions)
+    sessions.observer = sync
+    for peer in (A, B):
+        sync._apply(peer, f"epp-{peer}", 0, "s", [])  # met: their events apply in order
+    try:
+        yield sessions, sync
+    finally:
+        await sync.close()
+
+
+def deliver(sync: ReplicaSync, peer: int, seq: int, *events: list) -> None:
+    sync._apply(peer, f"epp-{peer}", seq, "e", list(events))
+
+
+def bind(sid: str, clock: int, replica: int) -> list:
+    return ["sb", sid, 1, 0, None, 60.0, 60.0, False, clock, replica]
+
+
+def close(sid: str, clock: int, replica: int, kept: float = 60.0) -> list:
+    return ["sc", sid, kept, clock, replica]
+
+
+async def test_a_close_that_arrives_before_the_bind_it_closes_wins():
+    async with offline(Clock(5.0)) as (sessions, sync):
+        # A bound at (1, A), B saw it and closed at (2, B); B's close arrives here first
+        deliver(sync, B, 1, close("s", 2, B))
+        deliver(sync, A, 1, bind("s", 1, A))
+        assert sessions.get("s") is None
+        deliver(sync, A, 2, bind("s", 3, A))  # a bind after the close (a reopen) binds
+        assert sessions.binding("s") == (1, 0)
+
+
+async def test_a_replica_that_closed_a_session_ignores_a_peer_s_older_write_of_it():
+    async with offline(Clock(5.0)) as (sessions, sync):
+        deliver(sync, A, 1, bind("s", 1, A))
+        sessions.unbind("s")  # closed here at (2, ours)
+        deliver(sync, A, 2, bind("s", 2, A))  # A's refresh, made before it heard of the close
+        assert sessions.get("s") is None
+
+
+async def test_closes_are_remembered_for_their_time_and_within_the_table_s_bound():
+    clock = Clock(5.0)
+    async with offline(clock, max_sessions=2) as (sessions, sync):
+        deliver(sync, B, 1, close("s1", 2, B), close("s2", 2, B), close("s3", 2, B, kept=30))
+        assert len(sync._closed) == 2  # as many closes as bindings: the oldest is forgotten
+        deliver(sync, A, 1, bind("s1", 1, A), bind("s2", 1, A), bind("s3", 1, A))
+        assert [sid for sid, _ in sessions.live()] == ["s1"]
+        clock.now += 30  # s3's close is past its time; s2's has 30 s left
+        deliver(sync, A, 2, bind("s2", 1, A), bind("s3", 1, A))
+        assert [sid for sid, _ in sessions.live()] == ["s1", "s3"]
