@@ -221,7 +221,7 @@ class KvIndex:
                     )
                     n = min(hashes.size, len(engine))
                     engine, hashes = engine[:n], hashes[:n]
-                keys = self._stored(slot, engine, event.parent_block_hash, hashes)
+                keys = self.store(slot, engine, event.parent_block_hash, hashes)
                 if keys is not None and keys.size:
                     stored.append(keys)
             elif isinstance(event, BlockRemoved):
@@ -236,19 +236,10 @@ class KvIndex:
         engine_hashes: Sequence[int | bytes] | np.ndarray,
         parent_engine_hash: int | bytes | None,
         local_hashes: Sequence[int] | np.ndarray,
-    ) -> bool:
-        """Record blocks stored on `slot` (our per-block hashes given); False when the parent is
-        unknown to this slot (the event is skipped, as Dynamo does)."""
-        return self._stored(slot, engine_hashes, parent_engine_hash, local_hashes) is not None
-
-    def _stored(
-        self,
-        slot: Slot,
-        engine_hashes: Sequence[int | bytes] | np.ndarray,
-        parent_engine_hash: int | bytes | None,
-        local_hashes: Sequence[int] | np.ndarray,
     ) -> np.ndarray | None:
-        """`store`, returning the prefix keys of the blocks stored (None: parent unknown)."""
+        """Record blocks stored on `slot` (our per-block hashes given): the prefix keys of the
+        blocks stored; None when the parent is unknown to this slot (the event is skipped, as
+        Dynamo does)."""
         n = len(engine_hashes)
         if n != len(local_hashes):
             raise ValueError(f"{n} engine block hashes for {len(local_hashes)} block hashes")
@@ -317,7 +308,7 @@ class KvIndex:
         if hashes.size == 0:
             return
         keys = chain_keys(0, hashes)
-        self._stored(slot, keys, None, hashes)  # the key doubles as engine hash
+        self.store(slot, keys, None, hashes)  # the key doubles as engine hash
         state = self._slots[slot]
         for key in keys.tolist():
             state.expiry[key] = expires_at

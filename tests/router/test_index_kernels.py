@@ -22,7 +22,7 @@ def engine_of(hashes: list[int], salt: int = 0) -> list[int]:
 def test_one_event_larger_than_every_table_grows_them_all():
     index = KvIndex()
     blocks = chain(5000, 1)  # > the initial 1,024 rows, key and slot tables
-    assert index.store((1, 0), engine_of(blocks), None, blocks)
+    assert index.store((1, 0), engine_of(blocks), None, blocks) is not None
     assert index.block_count((1, 0)) == 5000 and index.distinct_blocks() == 5000
     assert index.find_matches(blocks + chain(10, 2)) == {(1, 0): 5000}
     assert index.find_matches(np.array(blocks[:4321], np.uint64)) == {(1, 0): 4321}
@@ -30,7 +30,7 @@ def test_one_event_larger_than_every_table_grows_them_all():
     engine = engine_of(blocks, salt=1)
     for i in range(0, 3000, 7):
         parent = engine[i - 1] if i else None
-        assert index.store((2, 0), engine[i : i + 7], parent, blocks[i : i + 7])
+        assert index.store((2, 0), engine[i : i + 7], parent, blocks[i : i + 7]) is not None
     assert index.find_matches(blocks) == {(1, 0): 5000, (2, 0): 3003}
     assert index.distinct_blocks() == 5000 and index.total_blocks() == 8003
 
@@ -149,7 +149,7 @@ def test_odd_engine_hashes():
 def test_unknown_parent_stores_nothing():
     index = KvIndex()
     blocks = chain(3, 11)
-    assert not index.store((1, 0), [5, 6, 7], 12345, blocks)
+    assert index.store((1, 0), [5, 6, 7], 12345, blocks) is None
     assert index.total_blocks() == 0 and index.find_matches(blocks) == {}
 
 
