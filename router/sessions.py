@@ -19,8 +19,8 @@ With replica sync (`replicas.ReplicaSync`, the `observer`), every binding, refre
 close made here is announced to the other EPP replicas, and theirs are `put` here (or closed):
 a session opened through one replica is sticky in all of them. Expiry and the LRU bound stay
 local: each replica drops a binding when its own clock passes the binding's expiry, and bounds
-its own table (an eviction is not a close: the peers keep their copies). The closes replica
-sync remembers, so that a peer's older write cannot bind a closed session again, are its own.
+its own table (an eviction is not a close: the peers keep their copies). The closes that keep a
+peer's older write from binding a closed session again are remembered by replica sync.
 """
 
 from collections import OrderedDict

@@ -4,10 +4,11 @@ frees; a lost message answered by a snapshot; a replica restarting under its nam
 old self without waiting for the timeout. Sticky sessions between two Routers: a session opened
 through one replica is sticky in the other, a close through either drops it in both, a late
 joiner gets the bindings from the snapshot, refreshes and timeouts hold on both (each on its own
-clock), the LRU bound holds, two replicas writing one session at once agree, and a close lost in
-a gap is repaired by the snapshot. Remembered closes, message by message into one ReplicaSync: a
-close delivered before the bind it closes wins, the closer ignores a peer's older write, and the
-closes are remembered for their time and within the sessions' bound."""
+clock), the LRU bound holds (and an eviction is not a close), two replicas writing one session at
+once agree, and a close lost in a gap is repaired by the snapshot. Remembered closes, message by
+message into one ReplicaSync: a close delivered before the bind it closes wins, the closer
+ignores a peer's older write, and the closes are remembered for their time and within the
+sessions' bound."""
 
 import contextlib
 
@@ -225,6 +226,17 @@ async def test_bindings_from_a_peer_keep_the_lru_bound():
         await wait_for(lambda: b.sessions.binding("s3") == (3, 0), "B to hold the last binding")
         assert [sid for sid, _ in b.sessions.live()] == ["s2", "s3"]
         assert a.sessions.binding("s1") == (1, 0)  # A's own bound is its own
+
+
+async def test_a_binding_evicted_by_the_lru_bound_is_not_closed_on_the_peers():
+    a, b = make_router(Clock(1000.0), max_sessions=1), make_router(Clock(5.0))
+    async with routers(a, b):
+        turn(a, "s1", "bind", pin=1)
+        await wait_for(lambda: b.sessions.binding("s1") == (1, 0), "B to hold s1")
+        turn(a, "s1")  # within one loop turn: s1 refreshed, then evicted from A's table by s2
+        turn(a, "s2", "bind", pin=2)
+        await wait_for(lambda: b.sessions.binding("s2") == (2, 0), "B to hold s2")
+        assert a.sessions.get("s1") is None and b.sessions.binding("s1") == (1, 0)
 
 
 async def test_two_replicas_binding_one_session_at_once_agree():
