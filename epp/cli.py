@@ -21,7 +21,7 @@ from dynamograph.protocol.router_config import RouterConfig
 from dynamograph.router.discovery import add_discovery_arguments, source_from_args
 from dynamograph.router.replicas import ReplicaSettings
 
-from .extproc import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PENDING_PICKS
+from .extproc import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_LOOP_LAG_S, DEFAULT_MAX_PENDING_PICKS
 from .objectives import parse_objective_flag
 from .processes import CHILD_METRICS_HOST, child_metrics_port, process_index, run_processes
 from .server import Epp, EppSettings
@@ -140,6 +140,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=_env_int("DYNAMOGRAPH_EPP_MAX_PENDING_PICKS", DEFAULT_MAX_PENDING_PICKS),
         help="requests admitted and not yet routed, at most; past it a new request gets 429 "
         f"with Retry-After at once instead of queueing (default {DEFAULT_MAX_PENDING_PICKS})",
+    )
+    parser.add_argument(
+        "--max-loop-lag",
+        type=float,
+        default=float(os.environ.get("DYNAMOGRAPH_EPP_MAX_LOOP_LAG", DEFAULT_MAX_LOOP_LAG_S)),
+        help="seconds the event loop may run behind (a weighted mean of its timers' delays: the "
+        "EPP short of CPU); past it a new request gets 429 with Retry-After at once; 0: off "
+        f"(default {DEFAULT_MAX_LOOP_LAG_S:g})",
     )
     parser.add_argument(
         "--endpoint-picker",
@@ -274,6 +282,7 @@ def settings_from_args(args: argparse.Namespace) -> EppSettings:
         endpoint_picker=args.endpoint_picker,
         max_body_bytes=args.max_body_bytes,
         max_pending_picks=args.max_pending_picks,
+        max_loop_lag_s=args.max_loop_lag,
         scrape_interval=args.scrape_interval,
         drain_grace=args.drain_grace,
         tls=tls_from_args(args),

@@ -170,6 +170,12 @@ class EppMetrics:
         self.active_streams = Gauge(
             PREFIX + "active_streams", "ext_proc streams in progress", registry=r
         )
+        self.loop_lag = Gauge(
+            PREFIX + "loop_lag_seconds",
+            "how late the event loop runs its timers (weighted mean): past --max-loop-lag, new "
+            "requests get 429",
+            registry=r,
+        )
         self.kv_batches = Counter(
             PREFIX + "kv_event_batches", "KV event batches received", ["source"], registry=r
         )

@@ -42,7 +42,14 @@ from dynamograph.router.scheduler import Router
 from dynamograph.router.tasks import cancel_all
 from dynamograph.router.waiting import QueueCollector
 
-from .extproc import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PENDING_PICKS, SERVICE_NAME, ExtProcService
+from .extproc import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_LOOP_LAG_S,
+    DEFAULT_MAX_PENDING_PICKS,
+    SERVICE_NAME,
+    ExtProcService,
+)
+from .loop_lag import LoopLag
 from .metrics import PREFIX, EppMetrics
 from .objectives import ObjectiveTable, objective_watch
 from .picker import EndpointView, KvEndpointPicker, RandomEndpointPicker
@@ -69,6 +76,8 @@ class EppSettings:
     endpoint_picker: str = "kv"  # kv | random (no body parsing: the protocol floor)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_pending_picks: int = DEFAULT_MAX_PENDING_PICKS  # past it, new requests get 429 at once
+    # new requests get 429 at once while the event loop runs more than this behind (0: off)
+    max_loop_lag_s: float = DEFAULT_MAX_LOOP_LAG_S
     scrape_interval: float = 0.5
     drain_grace: float = 30.0
     # TLS on the ext_proc port (None: plaintext h2c). Health and metrics stay plaintext, as in
@@ -125,12 +134,16 @@ class Epp:
             if settings.endpoint_picker == "random"
             else KvEndpointPicker(self.pipeline, self.view, self.objectives)
         )
+        self.loop_lag = LoopLag()
+        self.metrics.loop_lag.set_function(self.loop_lag.behind)
         self.service = ExtProcService(
             self.picker,
             self.metrics,
             max_body_bytes=settings.max_body_bytes,
             max_pending_picks=settings.max_pending_picks,
             retry_after_s=settings.router.retry_after_s,
+            loop_lag=self.loop_lag,
+            max_loop_lag_s=settings.max_loop_lag_s,
         )
         self.replicas = (
             ReplicaSync(self.router.active, settings.replicas, sessions=self.router.sessions)
@@ -258,6 +271,7 @@ class Epp:
         await self.health.set("", _SERVING)
         await self._grpc.start()
         await self._health_server.start()
+        self.loop_lag.start()
         app = web.Application()
         app.router.add_get("/metrics", self._serve_metrics)
         self._metrics_runner = web.AppRunner(app, access_log=None)
@@ -306,6 +320,7 @@ class Epp:
             await self._grpc.stop(0)
             self._grpc = None
         await self.discovery.stop()
+        await self.loop_lag.close()
         if self._objective_watch is not None:
             await cancel_all([self._objective_watch])
             self._objective_watch = None

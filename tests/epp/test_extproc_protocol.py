@@ -3,6 +3,7 @@ real mock workers: ordering, chunking, header/metadata equality, subset hints, h
 requests, every refusal, spoofed headers, protocol config, and bookings freed on cancellation."""
 
 import asyncio
+import time
 
 import grpc
 import orjson
@@ -354,6 +355,44 @@ async def test_past_the_admission_bound_new_requests_get_429_at_once():
         await wait_for(
             lambda: epp.service.admission.pending == 0, "cancelled streams to leave", within=10
         )
+
+
+async def test_while_the_event_loop_runs_behind_new_requests_get_429_at_once():
+    """An EPP short of CPU for what it already holds (here: a callback that keeps the loop busy
+    0.3 s at a time) refuses new requests at their headers with 429 + Retry-After, whatever the
+    count waiting to be routed; once the loop keeps time again, they are admitted."""
+    async with (
+        mock_worker(model=MODEL, name="epp-loop-lag") as worker,
+        running_epp([worker], max_loop_lag_s=0.05) as epp,
+    ):
+        client = ExtProcClient(epp.grpc_port)
+        loop = asyncio.get_running_loop()
+        hogging = True
+
+        def hog() -> None:
+            time.sleep(0.3)  # the CPU work of a backlog, as the loop sees it
+            if hogging:
+                loop.call_soon(hog)
+
+        try:
+            admitted, _, _ = await client.stream().request(chat_body("before"))
+            assert not admitted.HasField("immediate_response")
+            loop.call_soon(hog)
+            await wait_for(lambda: epp.loop_lag.behind() > 0.05, "the loop to run behind")
+            refused = client.stream()
+            await refused.send(request_headers(content_length=10))
+            status, headers, error = _immediate(await refused.recv(within=10))
+            assert status == 429 and headers["retry-after"] == "1"
+            assert "event loop runs" in error["error"]["message"]
+            assert epp.service.admission.pending == 0
+            assert booked(epp) == 1  # the first request's booking only: none for the refused
+            hogging = False
+            await wait_for(lambda: epp.loop_lag.behind() < 0.05, "the loop to keep time again")
+            admitted, _, _ = await client.stream().request(chat_body("after"))
+            assert not admitted.HasField("immediate_response")
+        finally:
+            hogging = False
+            await client.close()
 
 
 @pytest.mark.parametrize("filler", ["a", " "], ids=["no-whitespace", "whitespace"])
