@@ -91,6 +91,9 @@ ROUTER_CONFIG_FILE = "router.yaml"
 # On the EPP's pod template with `spec.engineConfig`: the engine document's SHA-256, so that a
 # changed document rolls the EPP (it reads the file once, at start).
 ENGINE_CONFIG_CHECKSUM = "dynamograph.io/engine-config-sha256"
+# On the EPP's pod template: the router config document's SHA-256, for the same reason (a changed
+# `router` section, `router.config` included, would otherwise wait for the next restart).
+ROUTER_CONFIG_CHECKSUM = "dynamograph.io/router-config-sha256"
 # Where the EPP's TLS Secret is mounted (GAIE's chart mounts its certificate the same way:
 # a folder with tls.crt and tls.key given to --cert-path).
 EPP_TLS_DIR = "/etc/dynamograph/epp-tls"
@@ -757,6 +760,15 @@ def merge_extra_pod_spec(
 # ---- objects -----------------------------------------------------------------------------
 
 
+def router_config_file(graph: DynamoGraph) -> str:
+    """The EPP's `--config` file (`RouterConfig` fields), YAML."""
+    return yaml.safe_dump(router_config(graph_router(graph)), sort_keys=True)
+
+
+def _sha256(document: str) -> str:
+    return hashlib.sha256(document.encode()).hexdigest()
+
+
 def _deployment(
     graph: DynamoGraph, owner: Owner, name: str, spec: ServiceSpec, config: OperatorConfig
 ) -> dict[str, Any]:
@@ -779,12 +791,12 @@ def _deployment(
         volumes.append(
             {"name": "router-config", "configMap": {"name": router_config_name(graph.name)}}
         )
+        annotations[ROUTER_CONFIG_CHECKSUM] = _sha256(router_config_file(graph))
         engine_document = engine_config_file(graph)
         if engine_document is not None:
             source = {"name": engine_config_name(graph)}
             volumes.append({"name": ENGINE_CONFIG_VOLUME, "configMap": source})
-            digest = hashlib.sha256(engine_document.encode()).hexdigest()
-            annotations[ENGINE_CONFIG_CHECKSUM] = digest
+            annotations[ENGINE_CONFIG_CHECKSUM] = _sha256(engine_document)
         tls = epp_tls(graph)
         if tls.mode == EppTlsMode.SECRET:
             # No subPath mounts: the kubelet only updates whole Secret volumes on rotation.
@@ -1142,13 +1154,12 @@ def desired_objects(
     )
     objects += _rbac(graph, owner, epp_labels)
     if epp_name is not None:
-        router = graph_router(graph)
         objects.append(
             {
                 "apiVersion": "v1",
                 "kind": "ConfigMap",
                 "metadata": _meta(owner, router_config_name(graph.name), epp_labels),
-                "data": {ROUTER_CONFIG_FILE: yaml.safe_dump(router_config(router), sort_keys=True)},
+                "data": {ROUTER_CONFIG_FILE: router_config_file(graph)},
             }
         )
         engine_document = engine_config_file(graph)

@@ -1,6 +1,7 @@
 """Spec -> desired objects on the example graphs: contents, and validity against real schemas."""
 
 import copy
+import hashlib
 
 import kubernetes_validate
 import pytest
@@ -8,7 +9,12 @@ import yaml
 
 from dynamograph.operator import crds
 from dynamograph.operator.config import OperatorConfig
-from dynamograph.operator.manifests import Owner, desired_objects, merge_extra_pod_spec
+from dynamograph.operator.manifests import (
+    ROUTER_CONFIG_CHECKSUM,
+    Owner,
+    desired_objects,
+    merge_extra_pod_spec,
+)
 from dynamograph.protocol.graph import GraphError, load_graph
 from dynamograph.protocol.router_config import RouterConfig
 
@@ -403,6 +409,26 @@ def test_router_config_is_what_the_epp_loads(router, policy, events):
         assert getattr(loaded, key) == value
     epp = container(objs["Deployment", "disagg-epp"], "epp")
     assert args_of(epp)["--kv-events"] == ("on" if events else "off")
+
+
+def test_a_changed_router_config_rolls_the_epp_and_nothing_else():
+    """The EPP reads router.yaml once, at start: the pod template carries the document's
+    SHA-256, so a changed `router.config` rolls the EPP's pods."""
+
+    def mutate(body):
+        body["spec"]["services"]["epp"]["router"]["config"] = {"session_ttl_s": 60}
+
+    _, before = build("disagg.yaml")
+    _, after = build("disagg.yaml", mutate)
+    changed = {key for key in before if before[key] != after[key]}
+    assert changed == {("ConfigMap", "disagg-router"), ("Deployment", "disagg-epp")}
+    old, new = (objs["Deployment", "disagg-epp"]["spec"]["template"] for objs in (before, after))
+    assert old["spec"] == new["spec"]  # the same command line and mounts, but:
+    for objs, template in ((before, old), (after, new)):
+        document = objs["ConfigMap", "disagg-router"]["data"]["router.yaml"]
+        digest = hashlib.sha256(document.encode()).hexdigest()
+        assert template["metadata"]["annotations"][ROUTER_CONFIG_CHECKSUM] == digest
+    assert old["metadata"]["annotations"] != new["metadata"]["annotations"]
 
 
 def test_enforce_disagg_reaches_epp_and_sidecars():
