@@ -1,7 +1,8 @@
-"""Compiling protocol's numba kernels before first use: each for its one signature, loaded from
-numba's on-disk cache when there is one (compiled in memory when numba cannot write a cache),
-and never compiled again afterwards (a call with other types fails instead of compiling while
-a request waits). Imports numba when called: only processes that warm a kernel up load it.
+"""Compiling numba kernels before first use, protocol's and the router index's alike: each
+for its one signature, loaded from numba's on-disk cache when there is one (compiled in memory
+when numba cannot write a cache), and never compiled again afterwards (a call with other types
+fails instead of compiling while a request waits). Imports numba when called: only processes
+that warm a kernel up load it.
 """
 
 import logging

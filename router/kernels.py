@@ -29,9 +29,7 @@ index's tables call before their first use; compiled code is cached on disk when
 write a cache (it runs uncached, silently, when it cannot).
 """
 
-import logging
 import threading
-import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
@@ -42,8 +40,7 @@ from numba.cpython.unsafe.numbers import trailing_zeros
 from numpy.typing import NDArray
 
 from dynamograph.protocol import hashing, kv_events
-
-log = logging.getLogger(__name__)
+from dynamograph.protocol.compiled import compile_ahead
 
 EMPTY = np.uint64(0)
 TOMB = np.uint64(1)
@@ -95,33 +92,15 @@ def warm_up() -> None:
     with _warm_lock:
         if _warm:
             return
-        with warnings.catch_warnings():
-            # a cache that cannot be written is not worth a warning per kernel
-            warnings.simplefilter("ignore", numba.NumbaWarning)
-            cached = True
-            for disp, signature in _KERNELS:
-                cached &= enable_cache(disp)
-                disp.compile(signature)
-                disp.disable_compile()
-            # the first call of any kernel sets numba's runtime up (~10 ms here): do it now
-            table_get(np.full(1, MIN_KEY), np.zeros(8, np.uint64), np.zeros(8, np.int32), _META)
-            # every process that routes also hashes prompts, and reads KV events when there
-            # are any: the block-hash kernel and the event-batch parser come along
-            hashing.warm_up()
-            kv_events.warm_up()
-        if not cached:
-            log.debug("numba cannot write a cache here: index kernels compiled in memory")
+        for disp, signature in _KERNELS:
+            compile_ahead(disp, signature, "index")
+        # the first call of any kernel sets numba's runtime up (~10 ms here): do it now
+        table_get(np.full(1, MIN_KEY), np.zeros(8, np.uint64), np.zeros(8, np.int32), _META)
+        # every process that routes also hashes prompts, and reads KV events when there are
+        # any: the block-hash kernel and the event-batch parser come along
+        hashing.warm_up()
+        kv_events.warm_up()
         _warm = True
-
-
-def enable_cache(disp: Dispatcher) -> bool:
-    """Turn numba's on-disk cache on for a dispatcher: in the source's `__pycache__`, else in
-    numba's user-wide cache dir; False (it then compiles in memory) when neither is writable."""
-    try:
-        disp.enable_caching()
-    except RuntimeError:  # "no locator available": nowhere to write
-        return False
-    return True
 
 
 # -- hash tables ---------------------------------------------------------------------------

@@ -171,17 +171,19 @@ def test_first_stage_size_does_not_change_answers(monkeypatch):
 
 
 def test_kernels_compile_without_a_writable_cache(monkeypatch, recwarn):
-    """A read-only install (no __pycache__, no user cache dir) compiles in memory, silently."""
+    """A read-only install (no __pycache__, no user cache dir) compiles in memory, silently,
+    and the kernel then refuses other types instead of compiling again."""
     import numba
     from numba.core import caching
 
-    from dynamograph.router.kernels import enable_cache
+    from dynamograph.protocol.compiled import compile_ahead
 
     def read_only(self):
         raise PermissionError("read-only file system")
 
     monkeypatch.setattr(caching._CacheLocator, "ensure_cache_path", read_only)
-    disp = numba.njit(lambda x: x + 1)
-    assert enable_cache(disp) is False
+    disp = compile_ahead(numba.njit(lambda x: x + 1), "i8(i8)", "test")
     assert disp(41) == 42
+    with pytest.raises(TypeError):
+        disp(1.5j)
     assert not [w for w in recwarn if issubclass(w.category, numba.NumbaWarning)]
