@@ -124,6 +124,11 @@ def plan_graph(
         epp_count = max(service.replicas, 1)
     if not epp_services:
         notes.append("no epp service in the graph: running one with the default router settings")
+    if spec.engine_config is not None:
+        notes.append(
+            "engineConfig: not used locally (it describes engines the graph does not launch; "
+            "the engines started here describe themselves at /v1/engine)"
+        )
     for name, service in spec.services_of(ComponentType.FRONTEND).items():
         standalone = _standalone_frontends(graph.name, name, service, engines, take_port, cli)
         processes.extend(standalone)

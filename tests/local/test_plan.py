@@ -188,6 +188,20 @@ def test_data_parallel_engines_get_a_port_per_rank():
     assert second.ports["engine"] not in events | replay
 
 
+def test_an_engine_config_is_not_passed_to_the_local_epp_and_the_plan_says_so():
+    services = {"w": {"componentType": "worker", "replicas": 1}, "epp": {"componentType": "epp"}}
+    source = graph_dict(**services)
+    source["spec"]["engineConfig"] = {"total_kv_blocks": 4096, "engine": "llm-d-inference-sim"}
+    p = plan(source)
+    assert any(n.startswith("engineConfig: not used locally") for n in p.notes)
+    (epp,) = [x for x in p.processes if x.kind == "epp"]
+    assert "--engine-config" not in epp.argv
+    # the same processes as without it: the graph's own engines describe themselves
+    assert [x.argv[2:] for x in p.processes if x.kind != "envoy"] == [
+        x.argv[2:] for x in plan(graph_dict(**services)).processes if x.kind != "envoy"
+    ]
+
+
 def test_graph_without_epp_runs_a_default_one_and_says_so():
     p = plan(graph_dict(w={"componentType": "worker", "replicas": 1}))
     assert any("no epp service" in n for n in p.notes)
