@@ -19,6 +19,7 @@ from dynamograph.protocol.kv_curve import add_kv_curve_argument, kv_curve_from_a
 from dynamograph.protocol.launch import EPP_REPLICA_PORT
 from dynamograph.protocol.router_config import RouterConfig
 from dynamograph.router.discovery import add_discovery_arguments, source_from_args
+from dynamograph.router.kv_events import INGEST_INTERVAL_S
 from dynamograph.router.replicas import ReplicaSettings
 
 from .extproc import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_LOOP_LAG_S, DEFAULT_MAX_PENDING_PICKS
@@ -142,6 +143,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"with Retry-After at once instead of queueing (default {DEFAULT_MAX_PENDING_PICKS})",
     )
     parser.add_argument(
+        "--kv-ingest-interval",
+        type=float,
+        default=float(os.environ.get("DYNAMOGRAPH_EPP_KV_INGEST_INTERVAL", INGEST_INTERVAL_S)),
+        help="seconds between reads of the KV-event sockets while batches keep coming (a "
+        "batch after a quiet spell is read at once): longer costs less CPU per batch, and a "
+        "batch, with the prefill-done signal it carries, waits up to that long; 0: every batch "
+        f"as it arrives (default {INGEST_INTERVAL_S:g})",
+    )
+    parser.add_argument(
         "--max-loop-lag",
         type=float,
         default=float(os.environ.get("DYNAMOGRAPH_EPP_MAX_LOOP_LAG", DEFAULT_MAX_LOOP_LAG_S)),
@@ -256,6 +266,10 @@ def tls_from_args(args: argparse.Namespace) -> TlsSettings | None:
 
 
 def settings_from_args(args: argparse.Namespace) -> EppSettings:
+    for flag, value in (("--kv-ingest-interval", args.kv_ingest_interval),
+                        ("--max-loop-lag", args.max_loop_lag)):  # fmt: skip
+        if not value >= 0:  # NaN too
+            raise ValueError(f"{flag} must be a number of seconds ≥ 0, not {value}")
     use_events = None if args.kv_events is None else args.kv_events == "on"
     router = RouterConfig.load(
         args.config,
@@ -284,6 +298,7 @@ def settings_from_args(args: argparse.Namespace) -> EppSettings:
         max_pending_picks=args.max_pending_picks,
         max_loop_lag_s=args.max_loop_lag,
         scrape_interval=args.scrape_interval,
+        kv_ingest_interval=args.kv_ingest_interval,
         drain_grace=args.drain_grace,
         tls=tls_from_args(args),
         freeze_heap=True,  # this process is the EPP's own

@@ -34,7 +34,7 @@ from grpc_health.v1._async import HealthServicer
 from dynamograph.protocol.kv_curve import CurveKeys
 from dynamograph.protocol.router_config import RouterConfig
 from dynamograph.router.discovery import Discovery, KubernetesSource, StaticSource, WorkerRecord
-from dynamograph.router.kv_events import KvEventIngest
+from dynamograph.router.kv_events import INGEST_INTERVAL_S, KvEventIngest
 from dynamograph.router.load import LoadScraper
 from dynamograph.router.pipeline import RequestPipeline
 from dynamograph.router.replicas import ReplicaCollector, ReplicaSettings, ReplicaSync
@@ -79,6 +79,9 @@ class EppSettings:
     # new requests get 429 at once while the event loop runs more than this behind (0: off)
     max_loop_lag_s: float = DEFAULT_MAX_LOOP_LAG_S
     scrape_interval: float = 0.5
+    # KV-event sockets are read in rounds at most this often while batches keep coming
+    # (router.kv_events.Ticker): longer saves CPU, and each batch waits up to that long
+    kv_ingest_interval: float = INGEST_INTERVAL_S
     drain_grace: float = 30.0
     # TLS on the ext_proc port (None: plaintext h2c). Health and metrics stay plaintext, as in
     # GAIE: kubelet probes and Prometheus scrapes reach them directly.
@@ -123,6 +126,7 @@ class Epp:
             KvEventIngest(
                 self.router,
                 self.metrics,
+                interval_s=settings.kv_ingest_interval,
                 on_disconnect=self.load.probe_now,
                 curve=settings.kv_curve,
             )

@@ -128,3 +128,22 @@ def test_objective_flags_give_static_priorities_and_the_pool_to_watch():
     assert (settings.pool_name, settings.pool_namespace) == ("g1", "ns1")
     with pytest.raises(ValueError, match="NAME=PRIORITY"):
         settings_from_args(_parse("--objective", "chat=high"))
+
+
+async def test_kv_ingest_interval_and_loop_lag_reach_the_epp(monkeypatch):
+    from dynamograph.epp.server import Epp
+
+    monkeypatch.delenv("DYNAMOGRAPH_EPP_KV_INGEST_INTERVAL", raising=False)
+    settings = settings_from_args(_parse("--kv-ingest-interval", "0.05", "--max-loop-lag", "0.2"))
+    assert (settings.kv_ingest_interval, settings.max_loop_lag_s) == (0.05, 0.2)
+    epp = Epp(settings, StaticSource([]))
+    try:
+        assert epp.kv is not None and epp.kv.interval_s == 0.05
+        assert epp.service.admission.max_lag_s == 0.2
+    finally:
+        await epp.stop()
+    monkeypatch.setenv("DYNAMOGRAPH_EPP_KV_INGEST_INTERVAL", "0.1")
+    assert settings_from_args(_parse()).kv_ingest_interval == 0.1
+    for flag in ("--kv-ingest-interval", "--max-loop-lag"):
+        with pytest.raises(ValueError, match=f"{flag} must be a number of seconds"):
+            settings_from_args(_parse(flag, "-1"))
