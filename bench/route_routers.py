@@ -34,6 +34,7 @@ class Policy:
     router_config: dict = field(default_factory=dict)  # RouterConfig fields (kind "epp")
     foreign_policy: str | None = None  # --policy of a foreign router
     epps: int = 1  # EPP replicas behind the gateway, sharing their bookings (kind "epp")
+    epp_flags: tuple[str, ...] = ()  # more `dynamograph epp` flags (kind "epp")
     counterpart: str | None = None  # bench/counterparts.py name of a foreign EPP's binary
 
 
@@ -97,6 +98,15 @@ POLICIES: dict[str, Policy] = {
             "EPP, KV events, kv-ttft without its queue-delay term: each request's own TTFT "
             "estimate only (the default before the term; an ablation)",
             {"scorers": [s.model_dump() for s in ttft_scorers() if s.type != "queue-delay"]},
+        ),
+        Policy(
+            "kv-ttft-i50",
+            "epp",
+            "kv-ttft with the KV-event sockets read every 50 ms instead of 20 (the EPP's "
+            "--kv-ingest-interval: less CPU per batch, batches and prefill-done marks up to 50 ms "
+            "later)",
+            {"scorers": [s.model_dump() for s in ttft_scorers()]},
+            epp_flags=("--kv-ingest-interval=0.05",),
         ),
         Policy(
             "sglang-cache-aware",
@@ -237,6 +247,7 @@ async def _serve_epp(
             f"--metrics-port={metrics_port}",
             "--discovery=static",
             f"--config={config}",
+            *policy.epp_flags,
         ]
         if policy.epps > 1:
             peers = ",".join(f"127.0.0.1:{p}" for j, p in enumerate(replica_ports) if j != i)
