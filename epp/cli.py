@@ -35,6 +35,10 @@ def _env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
 
 
+def _env_float(name: str, default: float) -> float:
+    return float(os.environ.get(name, default))
+
+
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
 
@@ -145,7 +149,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-ingest-interval",
         type=float,
-        default=float(os.environ.get("DYNAMOGRAPH_EPP_KV_INGEST_INTERVAL", INGEST_INTERVAL_S)),
+        default=_env_float("DYNAMOGRAPH_EPP_KV_INGEST_INTERVAL", INGEST_INTERVAL_S),
         help="seconds between reads of the KV-event sockets while batches keep coming (a "
         "batch after a quiet spell is read at once): longer costs less CPU per batch, and a "
         "batch, with the prefill-done signal it carries, waits up to that long; 0: every batch "
@@ -154,7 +158,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-loop-lag",
         type=float,
-        default=float(os.environ.get("DYNAMOGRAPH_EPP_MAX_LOOP_LAG", DEFAULT_MAX_LOOP_LAG_S)),
+        default=_env_float("DYNAMOGRAPH_EPP_MAX_LOOP_LAG", DEFAULT_MAX_LOOP_LAG_S),
         help="seconds the event loop may run behind (a weighted mean of its timers' delays: the "
         "EPP short of CPU); past it a new request gets 429 with Retry-After at once; 0: off "
         f"(default {DEFAULT_MAX_LOOP_LAG_S:g})",
@@ -169,7 +173,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--scrape-interval",
         type=float,
-        default=float(os.environ.get("DYNAMOGRAPH_EPP_SCRAPE_INTERVAL", 0.5)),
+        default=_env_float("DYNAMOGRAPH_EPP_SCRAPE_INTERVAL", 0.5),
         help="seconds between /metrics scrapes of each worker (default 0.5)",
     )
     objectives = parser.add_argument_group(
