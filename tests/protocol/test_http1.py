@@ -8,7 +8,7 @@ import contextlib
 import pytest
 
 from dynamograph.protocol.http1 import ConnectError, Http1Pool, ProtocolError
-from dynamograph.worker.testing import free_port
+from dynamograph.worker.testing import refusing_address
 
 pytestmark = pytest.mark.integration
 
@@ -163,8 +163,8 @@ async def test_silent_engine_times_out_and_refused_connect_fails():
         response.close()
         await asyncio.wait_for(server.disconnected.wait(), 5)  # closing reached the server
         await client.close()
-    with pytest.raises(ConnectError):
-        await pool().request(b"GET", f"http://127.0.0.1:{free_port()}", "/")
+    with refusing_address() as dead, pytest.raises(ConnectError):
+        await pool().request(b"GET", f"http://{dead}", "/")
 
 
 async def test_read_timeout_is_silence_not_a_total():
