@@ -22,8 +22,9 @@ timeout for lost peers):
   are untouched. A peer that restarts under the same name replaces its old self at once.
 
 Given the router's `StickySessions` (`sessions`), the sticky-session bindings travel the same
-stream: every binding made, refreshed, moved or closed here (coalesced per turn like the
-bookings: a session's turn costs one entry in the message its booking goes in) and every live
+stream: every binding made, refreshed, moved or closed here (a close whether or not this replica
+holds the binding: a peer may, its bind not heard here yet), coalesced per turn like the
+bookings (a session's turn costs one entry in the message its booking goes in), and every live
 binding in the snapshot. A binding carries its expiry as the seconds it had left when sent, so
 the replicas' clocks never meet; the receiver `put`s it (most recently used, its own LRU bound)
 or, for a close, unbinds. Each write is stamped (Lamport clock, replica id) and a replica keeps
@@ -31,11 +32,12 @@ the write with the larger stamp, so two replicas that write one session at once 
 the same binding, and a write applied from a peer is neither re-published nor re-applied.
 Bindings outlive the replica that made them (a lost peer's sessions stay bound). A close (made
 here or by a peer) is remembered, with its stamp, for the closed binding's timeout (no copy of
-the binding outlives that) and within the sessions' bound (least recently closed forgotten
-first): a peer's write of that session with a smaller stamp is ignored, so a bind that arrives
-after its close (from another replica, or in a snapshot from a replica that missed the close)
-does not bind the session again. The remembered closes go in the snapshot too, so a close lost
-in a gap is repaired by it like everything else.
+the binding outlives that; the sessions' default when none was held) and within the sessions'
+bound (least recently closed forgotten first): a peer's write of that session with a smaller
+stamp is ignored, so a bind that arrives after its close (from another replica, or in a
+snapshot from a replica that missed the close) does not bind the session again. The
+remembered closes go in the snapshot too, so a close lost in a gap is repaired by it like
+everything else.
 
 Wire format, one msgpack frame: `[sender id, name, seq, kind, body]` with kind `e` (events:
 `["b", bid, worker, rank, prompt_blocks, prefill, keys (uint64 LE bytes), osl, generated]`,
@@ -261,15 +263,21 @@ class ReplicaSync:
         self._flush_soon()
 
     # -- SessionObserver: local session bindings out -------------------------------------
-    def session_changed(self, session_id: str, binding: Binding, closed: bool) -> None:
-        if self._applying:
-            return
+    def session_changed(self, session_id: str, binding: Binding) -> None:
+        if not self._applying:
+            binding.stamp = self._write(session_id)
+
+    def session_closed(self, session_id: str, ttl_s: float) -> None:
+        # held here or not: a peer may hold the binding (its bind not heard here yet, or never)
+        if not self._applying:
+            self._remember_close(session_id, self._write(session_id), ttl_s)
+
+    def _write(self, session_id: str) -> tuple[int, int]:
+        """A local write of a session: its stamp; the session goes out at the end of the turn."""
         self._writes += 1
-        binding.stamp = (self._writes, self.id)
-        if closed:
-            self._remember_close(session_id, binding.stamp, binding.ttl_s)
         self._touched_sessions[session_id] = None
         self._flush_soon()
+        return (self._writes, self.id)
 
     def _flush_soon(self) -> None:
         if not self._flush_scheduled and self._pub is not None:
@@ -296,8 +304,9 @@ class ReplicaSync:
                 if binding is not None:
                     events.append(self._session_entry(sid, binding))
                 elif sid in self._closed:
-                    # closed (bound and closed within the turn too: peers may hold an older
-                    # one); gone without a close, it was evicted by the LRU bound (stays local)
+                    # closed (held here or not, or bound and closed within the turn: peers may
+                    # hold an older one); gone without a close, it was evicted by the LRU bound
+                    # (stays local)
                     events.append(self._close_entry(sid, self._closed[sid]))
         if events:
             self._send("e", events)

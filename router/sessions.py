@@ -47,10 +47,13 @@ class Binding:
 
 class SessionObserver(Protocol):
     """Told of every change made to a session's binding (replica sync: `replicas.ReplicaSync`):
-    `binding` is the session's binding after the change, or, when `closed`, the one just dropped
-    (replica sync remembers the close for its timeout)."""
+    `session_changed` with the binding made, refreshed or moved; `session_closed` on every close,
+    a binding held here or not (a peer may hold one), with how long replica sync remembers it
+    (`timeout`)."""
 
-    def session_changed(self, session_id: str, binding: Binding, closed: bool) -> None: ...
+    def session_changed(self, session_id: str, binding: Binding) -> None: ...
+
+    def session_closed(self, session_id: str, ttl_s: float) -> None: ...
 
 
 class StickySessions:
@@ -97,7 +100,7 @@ class StickySessions:
             if prefill is not None:
                 binding.prefill = prefill
             self._bindings.move_to_end(session_id)
-            self._changed(session_id, binding, closed=False)
+            self._changed(session_id, binding)
 
     def bind(
         self,
@@ -117,12 +120,21 @@ class StickySessions:
         self._bindings.move_to_end(session_id)
         while len(self._bindings) > self.max_sessions:
             self._bindings.popitem(last=False)
-        self._changed(session_id, binding, closed=False)
+        self._changed(session_id, binding)
 
     def unbind(self, session_id: str) -> None:
-        binding = self._bindings.pop(session_id, None)
-        if binding is not None:
-            self._changed(session_id, binding, closed=True)
+        """Close a session; told to the observer even when no binding is held here (the bind may
+        not have reached this replica yet, or a peer's copy may outlive ours)."""
+        ttl_s = self.timeout(session_id)
+        self._bindings.pop(session_id, None)
+        if self.observer is not None:
+            self.observer.session_closed(session_id, ttl_s)
+
+    def timeout(self, session_id: str) -> float:
+        """The held binding's timeout, the default when none is held: no copy of the binding
+        outlives that, so replica sync remembers a close of the session that long."""
+        binding = self._bindings.get(session_id)
+        return binding.ttl_s if binding is not None else self.default_ttl_s
 
     def get(self, session_id: str) -> Binding | None:
         """A session's binding as held, expired or not (replica sync compares stamps)."""
@@ -133,9 +145,9 @@ class StickySessions:
         now = self.clock()
         return ((sid, b) for sid, b in self._bindings.items() if b.expires_at > now)
 
-    def _changed(self, session_id: str, binding: Binding, *, closed: bool) -> None:
+    def _changed(self, session_id: str, binding: Binding) -> None:
         if self.observer is not None:
-            self.observer.session_changed(session_id, binding, closed)
+            self.observer.session_changed(session_id, binding)
 
     def binding(self, session_id: str) -> Slot | None:
         """Where a session's decode phase is bound now (None when unbound or expired); does

@@ -5,7 +5,9 @@ old self without waiting for the timeout. Sticky sessions between two Routers: a
 through one replica is sticky in the other, a close through either drops it in both, a late
 joiner gets the bindings from the snapshot, refreshes and timeouts hold on both (each on its own
 clock), the LRU bound holds (and an eviction is not a close), two replicas writing one session at
-once agree, and a close lost in a gap is repaired by the snapshot. Remembered closes, message by
+once agree, a close through a replica that never held the binding closes it on the replica that
+does (and a bind stamped after such a close survives it), and a close lost in a gap is repaired
+by the snapshot. Remembered closes, message by
 message into one ReplicaSync: a close delivered before the bind it closes wins, the closer
 ignores a peer's older write, and the closes are remembered for their time and within the
 sessions' bound."""
@@ -262,6 +264,35 @@ async def test_a_close_lost_in_a_gap_is_repaired_by_the_snapshot():
         # B notices the gap, asks again, and the snapshot must carry the close
         await wait_for(lambda: b.sessions.get("chat") is None, "B to close A's session", within=10)
         assert sb.gaps == 1
+
+
+async def test_a_close_through_a_replica_that_never_held_the_binding_closes_it_on_the_peers():
+    a, b = make_router(Clock(1000.0)), make_router(Clock(5.0))
+    async with routers(a, b):
+        # within one loop turn, before either has sent anything: B closes a session it has not
+        # heard of; B's clock is ahead (two writes of its own), so its close is the later write
+        turn(b, "other", "bind", pin=1)
+        turn(b, "other")
+        turn(a, "chat", "bind", pin=2)
+        turn(b, "chat", "close")
+        await wait_for(lambda: a.sessions.get("chat") is None, "A to drop the chat B closed")
+        turn(a, "after", "bind", pin=3)  # sent after A's bind of chat: B has seen that by then
+        await wait_for(lambda: b.sessions.binding("after") == (3, 0), "B to hold A's next bind")
+        assert b.sessions.get("chat") is None  # A's older bind did not bind it on B
+
+
+async def test_a_bind_stamped_after_a_close_through_another_replica_survives_it():
+    a, b = make_router(Clock(1000.0)), make_router(Clock(5.0))
+    async with routers(a, b):
+        # one loop turn again, A's clock ahead this time: its bind is the later write
+        turn(a, "other", "bind", pin=1)
+        turn(a, "other")
+        turn(b, "chat", "close")
+        turn(a, "chat", "bind", pin=2)
+        await wait_for(lambda: b.sessions.binding("chat") == (2, 0), "B to take A's later bind")
+        turn(b, "after", "bind", pin=3)  # sent after B's close: A has seen that by then
+        await wait_for(lambda: a.sessions.binding("after") == (3, 0), "A to hold B's next bind")
+        assert a.sessions.binding("chat") == (2, 0)  # B's older close did not drop it
 
 
 # -- closes, message by message: a ReplicaSync's apply path, its sockets never started ----------
