@@ -36,16 +36,23 @@ the binding outlives that; the sessions' default when none was held) and within 
 bound (least recently closed forgotten first): a peer's write of that session with a smaller
 stamp is ignored, so a bind that arrives after its close (from another replica, or in a
 snapshot from a replica that missed the close) does not bind the session again. The
-remembered closes go in the snapshot too, so a close lost in a gap is repaired by it like
+remembered closes follow every snapshot too, so a close lost in a gap is repaired by it like
 everything else.
 
 Wire format, one msgpack frame: `[sender id, name, seq, kind, body]` with kind `e` (events:
 `["b", bid, worker, rank, prompt_blocks, prefill, keys (uint64 LE bytes), osl, generated]`,
 `["p", bid, prefill, generated]`, `["f", bid]`, `["sb", session id, worker, rank, [prefill
 worker, rank] | None, ttl_s, seconds left, engine_backed, clock, replica id]`, `["sc", session
-id, seconds the close is remembered, clock, replica id]`), `s` (snapshot: a list of `b`, `sb`
-and `sc` entries) or `h` (heartbeat). The router core stays single-threaded: everything runs on
-the event loop the router's requests run on.
+id, seconds the close is remembered, clock, replica id]`), `s` (snapshot: a list of `b` and `sb`
+entries, followed at once by an `e` of the remembered closes' `sc` entries) or `h` (heartbeat).
+The router core stays single-threaded: everything runs on the event loop the router's requests
+run on.
+
+Rolling upgrades: a replica before 1351fb4 sends `["sc", session id, clock, replica id]`
+(remembered here for the held binding's timeout, or the sessions' default) and reads every
+snapshot entry but `sb` as a booking (hence the closes outside the snapshot); it applies an
+`sc` event by its last two fields, the stamp, so the seconds pass it by. A replica of 1351fb4
+sent the closes as snapshot entries: still applied.
 """
 
 import asyncio
@@ -323,13 +330,16 @@ class ReplicaSync:
     def _send_snapshot(self) -> None:
         self._flush()  # what changed this turn is in the snapshot anyway
         entries = [_entry(bid, b) for bid, b in self._local.values() if b.live]
+        closes = []
         if self.sessions is not None:
             entries += [self._session_entry(sid, b) for sid, b in self.sessions.live()]
             now = self.sessions.clock()
-            entries += [
-                self._close_entry(sid, c) for sid, c in self._closed.items() if c.until > now
-            ]
+            closes = [self._close_entry(s, c) for s, c in self._closed.items() if c.until > now]
         self._send("s", entries)
+        if closes:
+            # events, next in sequence, not snapshot entries: a replica before 1351fb4 reads
+            # every snapshot entry but `sb` as a booking, and drops the snapshot on an `sc`
+            self._send("e", closes)
         self.snapshots_sent += 1
 
     def _session_entry(self, session_id: str, binding: Binding) -> list[Any]:
@@ -462,7 +472,7 @@ class ReplicaSync:
     def _apply_snapshot(self, peer: _Peer, entries: list[list[Any]]) -> None:
         seen = set()
         for entry in entries:
-            if entry[0] in ("sb", "sc"):
+            if entry[0] in ("sb", "sc"):  # `sc`: replicas of 1351fb4 sent closes in snapshots
                 self._apply_session(entry)
                 continue
             bid = entry[1]
@@ -486,7 +496,9 @@ class ReplicaSync:
         current = self.sessions.get(sid)
         held = current.stamp if current is not None else (0, 0)
         if entry[0] == "sc":
-            self._remember_close(sid, stamp, float(entry[2]))
+            # a replica before 1351fb4 sends ["sc", session id, clock, replica id]: no seconds
+            seconds = float(entry[2]) if len(entry) == 5 else self.sessions.timeout(sid)
+            self._remember_close(sid, stamp, seconds)
             if held < stamp:
                 with self._as_peer():
                     self.sessions.unbind(sid)

@@ -6,15 +6,17 @@ through one replica is sticky in the other, a close through either drops it in b
 joiner gets the bindings from the snapshot, refreshes and timeouts hold on both (each on its own
 clock), the LRU bound holds (and an eviction is not a close), two replicas writing one session at
 once agree, a close through a replica that never held the binding closes it on the replica that
-does (and a bind stamped after such a close survives it), and a close lost in a gap is repaired
-by the snapshot. Remembered closes, message by
-message into one ReplicaSync: a close delivered before the bind it closes wins, the closer
-ignores a peer's older write, and the closes are remembered for their time and within the
-sessions' bound."""
+does (and a bind stamped after such a close survives it), a close lost in a gap is repaired by
+the snapshot, and a snapshot holds only entries a replica before 1351fb4 reads (the closes follow
+it). Remembered closes, message by message into one ReplicaSync: a close delivered before the
+bind it closes wins, the closer ignores a peer's older write, the closes are remembered for their
+time and within the sessions' bound, and closes in the earlier versions' wire shapes apply."""
 
 import contextlib
 
+import msgpack
 import numpy as np
+import zmq
 
 from dynamograph.protocol.hashing import block_hashes
 from dynamograph.protocol.nvext import SessionControl
@@ -266,6 +268,41 @@ async def test_a_close_lost_in_a_gap_is_repaired_by_the_snapshot():
         assert sb.gaps == 1
 
 
+async def test_a_snapshot_holds_only_what_a_replica_before_1351fb4_reads_the_closes_follow_it():
+    """Before 1351fb4 every snapshot entry but `sb` was read as a booking (a 5-field `sc` fails
+    to unpack, and the whole snapshot is dropped): the closes go in the events message right
+    after the snapshot, where that version applies an `sc` by its last two fields (the stamp)."""
+    a = make_router(Clock(1000.0))
+    async with replica(a.active, sessions=a.sessions) as sa:
+        turn(a, "kept", "bind", pin=1)
+        turn(a, "gone", "bind", pin=2)
+        turn(a, "gone", "close")
+        context = zmq.Context()
+        sub = context.socket(zmq.SUB)  # a bare subscriber: its subscription brings a snapshot
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(sa.address)
+        frames: list[list] = []
+
+        def snapshot_and_the_next_message() -> bool:
+            with contextlib.suppress(zmq.Again):
+                while True:
+                    frames.append(msgpack.unpackb(sub.recv(zmq.NOBLOCK)))
+            kinds = [frame[3] for frame in frames]
+            return "s" in kinds[:-1]
+
+        try:
+            await wait_for(snapshot_and_the_next_message, "A's snapshot and the message after it")
+        finally:
+            sub.close()
+            context.term()
+        at = [frame[3] for frame in frames].index("s")
+        snapshot, after = frames[at], frames[at + 1]
+        assert [entry[:2] for entry in snapshot[4]] == [["sb", "kept"]]
+        assert (after[2], after[3]) == (snapshot[2] + 1, "e")
+        assert [entry[:2] for entry in after[4]] == [["sc", "gone"]]
+
+
 async def test_a_close_through_a_replica_that_never_held_the_binding_closes_it_on_the_peers():
     a, b = make_router(Clock(1000.0)), make_router(Clock(5.0))
     async with routers(a, b):
@@ -342,6 +379,21 @@ async def test_a_replica_that_closed_a_session_ignores_a_peer_s_older_write_of_i
         sessions.unbind("s")  # closed here at (2, ours)
         deliver(sync, A, 2, bind("s", 2, A))  # A's refresh, made before it heard of the close
         assert sessions.get("s") is None
+
+
+async def test_closes_in_the_wire_shapes_of_earlier_replicas_are_applied():
+    clock = Clock(5.0)
+    async with offline(clock) as (sessions, sync):
+        deliver(sync, A, 1, bind("held", 1, A))  # a 60 s timeout
+        # a replica before 1351fb4 sends ["sc", session id, clock, replica id]: no seconds
+        deliver(sync, B, 1, ["sc", "held", 2, B], ["sc", "unheld", 2, B])
+        assert sessions.get("held") is None
+        clock.now += 30  # past 2 s (the clock, once read as the seconds), within both timeouts
+        deliver(sync, A, 2, bind("held", 1, A), bind("unheld", 1, A))  # made before the closes
+        assert sessions.get("held") is None and sessions.get("unheld") is None
+        # a replica from 1351fb4 to the fix put its closes in the snapshot
+        sync._apply(A, "epp-1", 3, "s", [bind("snap", 1, A), close("snap", 2, A)])
+        assert sessions.get("snap") is None
 
 
 async def test_closes_are_remembered_for_their_time_and_within_the_table_s_bound():
