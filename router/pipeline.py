@@ -29,7 +29,7 @@ import orjson
 from dynamograph.protocol.engine import EngineConfig, lora_for_model, served_models
 from dynamograph.protocol.hashing import block_hash_array
 from dynamograph.protocol.nvext import NvExt, NvExtResponse, WorkerIdInfo
-from dynamograph.protocol.openai import CHAT_COMPLETIONS, OpenAIError, require_model
+from dynamograph.protocol.openai import CHAT_COMPLETIONS, COMPLETIONS, OpenAIError, require_model
 from dynamograph.protocol.pins import RoutePins
 from dynamograph.protocol.tokenization import (
     Tokenizer,
@@ -229,16 +229,21 @@ class RequestPipeline:
     def _chars_to_encode(self, path: str, body: Mapping[str, Any]) -> int:
         """Characters of the prompt its tokenizer has not encoded before (an upper bound)."""
         chars = prompt_chars(path, body)
-        if chars <= INLINE_CHARS or path != CHAT_COMPLETIONS:
+        if chars <= INLINE_CHARS:
             return chars
         if chars > self.router.config.max_prompt_chars:
             return chars  # cut before tokenizing: not what the cache holds, nor worth a look
-        model, messages = body.get("model"), body.get("messages")
+        model = body.get("model")
         spec = self._tokenizer_by_model.get(model) if isinstance(model, str) else None
-        if spec is None or not isinstance(messages, list):
+        if spec is None:
             return chars
-        # loaded (`_tokenizers_loaded`): a dict read
-        return get_tokenizer(spec).uncached_chat_chars(messages)
+        tokenizer = get_tokenizer(spec)  # loaded (`_tokenizers_loaded`): a dict read
+        messages, prompt = body.get("messages"), body.get("prompt")
+        if path == CHAT_COMPLETIONS and isinstance(messages, list):
+            return tokenizer.uncached_chat_chars(messages)
+        if path == COMPLETIONS and isinstance(prompt, str):
+            return tokenizer.uncached_text_chars(prompt)
+        return chars
 
     def _tokenizers_loaded(self) -> bool:
         """Whether every published tokenizer is loaded: loading one takes seconds, which a

@@ -1,14 +1,20 @@
-"""The Qwen tokenizer's segment cache is bit-exact with encoding the whole text at once."""
+"""The Qwen tokenizer's segment cache, and the chunks it cuts long text into, are bit-exact with
+encoding the whole text at once."""
 
 import random
 import unicodedata
+from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from dynamograph.protocol.tokenization import QwenTokenizer, SegmentCache, get_tokenizer
 
 pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[2]
 
 _PIECES = [
     "The router indexes its own content hash, never the engine's. ",
@@ -50,3 +56,63 @@ def test_chat_history_hits_the_cache(monkeypatch):
     # Only the new message's text was tokenized; the system prompt came from the cache.
     assert tokenizer.segments.misses - misses <= 2
     assert tokenizer.segments.hits >= 1
+
+
+# Text aimed at the chunk cuts' edges: ASCII letters around single and repeated spaces,
+# contractions, digits, punctuation, newlines, non-ASCII letters and combining marks next to
+# ASCII ones, tabs.
+_EDGES = st.lists(
+    st.sampled_from([*"ab Zs'tdlm ,.!?\n\t01", "  ", "é", "e\u0301", "日", "ß", "\u00a0"]),
+    max_size=300,
+).map("".join)
+
+
+@pytest.mark.parametrize("vocabulary", ["qwen", "qwen:qwen3.5-27b"])
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(text=_EDGES)
+def test_chunked_encoding_equals_whole_text(vocabulary, text, monkeypatch):
+    """Cut every few characters (both Qwen pre-tokenization patterns), the chunks' ids joined
+    are the whole text's."""
+    tokenizer = get_tokenizer(vocabulary)
+    monkeypatch.setattr(tokenizer, "CHUNK_CHARS", 3)
+    monkeypatch.setattr(tokenizer, "SEGMENT_MIN_CHARS", 0)
+    monkeypatch.setattr(tokenizer, "segments", SegmentCache(tokenizer._encode_ordinary))
+    chunks = tokenizer._chunks(text)
+    assert "".join(chunks) == text
+    assert np.array_equal(tokenizer.encode(text), _reference(tokenizer, text))
+
+
+def test_prose_is_cut_into_chunks_that_encode_as_the_whole(monkeypatch):
+    tokenizer = get_tokenizer("qwen")
+    monkeypatch.setattr(tokenizer, "segments", SegmentCache(tokenizer._encode_ordinary))
+    text = (REPO / "docs" / "benchmarks.md").read_text()
+    chunks = tokenizer._chunks(text)
+    assert len(chunks) > len(text) // (2 * tokenizer.CHUNK_CHARS)
+    assert all(len(c) >= tokenizer.CHUNK_CHARS for c in chunks[:-1])
+    assert np.array_equal(tokenizer.encode(text), _reference(tokenizer, text))
+
+
+def test_a_long_text_that_begins_like_an_earlier_one_encodes_only_where_they_part(monkeypatch):
+    """One long message with a shared beginning and a new end (a document with a new question,
+    the Mooncake trace's prompts): only the chunk where the texts part and what follows it are
+    encoded; the rest comes from the cache, with the ids of encoding the whole."""
+    tokenizer = get_tokenizer("qwen")
+    monkeypatch.setattr(tokenizer, "segments", SegmentCache(tokenizer._encode_ordinary))
+    shared = (REPO / "docs" / "benchmarks.md").read_text()[:40_000]
+    first, second = shared + " What changed first?", shared + " And which policy won?"
+    tokenizer.encode(first)
+    assert tokenizer.uncached_text_chars(first) == 0
+    new = tokenizer.uncached_text_chars(second)
+    assert 0 < new <= 2 * tokenizer.CHUNK_CHARS + len(" And which policy won?")
+    assert np.array_equal(tokenizer.encode(second), _reference(tokenizer, second))
+    assert tokenizer.uncached_text_chars(second) == 0
+
+
+def test_a_vocabulary_with_another_pattern_is_not_cut(monkeypatch):
+    tokenizer = get_tokenizer("qwen")
+    monkeypatch.setattr(tokenizer, "_chunked", False)
+    text = "word " * 2000
+    assert tokenizer._chunks(text) == [text]
+    assert tokenizer.uncached_text_chars(text) == len(text)

@@ -232,3 +232,35 @@ async def test_a_follow_up_turn_is_tokenized_on_the_loop(monkeypatch):
         assert threads[2].startswith("tokenize")  # an edited history is new text again
     finally:
         pipeline.close()
+
+
+async def test_a_completion_that_extends_a_seen_prompt_is_tokenized_on_the_loop(monkeypatch):
+    """A long /v1/completions prompt is tokenized on the tokenizing thread; the next one, the
+    same text plus a short question (a conversation sent as one growing prompt), finds all but
+    its last chunks in the segment cache and is tokenized on the event loop, with the ids of
+    tokenizing it afresh."""
+    import threading
+
+    pipeline = RequestPipeline(Router(RouterConfig(seed=1)))
+    for r in RECORDS[:3]:
+        assert pipeline.add_engine(r.config)
+    tokenizer = pipeline.load_tokenizer("qwen")
+    threads = []
+    prepare = pipeline.route_request
+
+    def route_request(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return prepare(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "route_request", route_request)
+    document = "A long document about prefix caches, chapter 41. " * 600  # ~30k characters
+    try:
+        for prompt in (document, document + "So what does a router cache?"):
+            body = {"model": MODEL, "prompt": prompt}
+            routed = await pipeline.decide("/v1/completions", body, request_id="c")
+            routed.decision.guard.free()
+            assert routed.prompt_tokens == len(tokenizer._ids(prompt))
+        assert threads[0].startswith("tokenize")
+        assert threads[1] == threading.main_thread().name
+    finally:
+        pipeline.close()
