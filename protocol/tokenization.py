@@ -547,7 +547,9 @@ class QwenTokenizer(_FastSwitch):
 
     def _encode_ordinary(self, text: str) -> np.ndarray:
         """Special-token text encoded as plain text (read-only: the segment cache shares it)."""
-        if len(text) >= LONG_SPACE_RUN and _LONG_SPACES in text:
+        # Looking for the 4,096 spaces costs ~60 µs a call whatever the text (the search
+        # prepares its long needle first); 64 spaces, ~2 µs, rule most text out before.
+        if len(text) >= LONG_SPACE_RUN and _SPACE_RUN_HINT in text and _LONG_SPACES in text:
             return _joined(self._split_space_runs(text))
         return self._ids(text, specials=False)
 
@@ -754,6 +756,7 @@ def _untokenizable(exc: BaseException) -> OpenAIError:
 # Runs of spaces at least this long are encoded without the pre-tokenizer regex (QwenTokenizer).
 LONG_SPACE_RUN = 4096
 _LONG_SPACES = " " * LONG_SPACE_RUN
+_SPACE_RUN_HINT = " " * 64
 _SPACES = re.compile(" +")
 
 
