@@ -6,6 +6,10 @@
 applies the plan (`reconcile`), computes the status
 (`status`), patches it when it changed and posts an Event when the graph newly becomes Degraded
 or its gateway newly rejects it.
+A graph being deleted, or whose namespace is being deleted, is left alone (`being_deleted`):
+the apiserver refuses every create in a namespace being deleted, and the namespace controller
+removes what is there. A pass the namespace's deletion overtakes stops at the first create so
+refused, writing no status and posting no Event.
 Idempotent: running it twice in a row changes nothing the second time. Passes for one graph are
 serialised by a lock, because the create handler, the timer and Deployment events can overlap.
 """
@@ -45,7 +49,17 @@ from .manifests import (
     kv_curve_secret_object,
     object_key,
 )
-from .reconcile import Action, Conflict, Create, Delete, Patch, merge_patch, owned_by, plan
+from .reconcile import (
+    Action,
+    Conflict,
+    Create,
+    Delete,
+    Patch,
+    being_deleted,
+    merge_patch,
+    owned_by,
+    plan,
+)
 from .status import (
     GATEWAY_GROUP,
     EndpointObservation,
@@ -211,6 +225,8 @@ async def _ensure_created_once(
     try:
         await api.create(secret)
     except ApiError as exc:
+        if exc.namespace_terminating:
+            raise  # no problem of the graph's: the pass stops (sync_graph)
         if exc.status != 409:
             return [Problem("ApplyFailed", f"create Secret {name}: {exc}")]
     else:
@@ -273,6 +289,8 @@ async def _apply_plan(
         try:
             await _apply(api, owner.namespace, action, live)
         except ApiError as exc:
+            if exc.namespace_terminating:
+                raise  # no problem of the graph's: the pass stops (sync_graph)
             if isinstance(action, Create) and exc.status == 409:
                 problem = await _adopt_if_ours(api, owner, object_key(action.obj), live)
             else:
@@ -424,9 +442,16 @@ async def sync_graph(
     async with operator.lock(namespace, name):
         operator.queued.discard(key)
         body = await operator.api.get(API_VERSION, KIND, namespace, name)
-        if body is None or body["metadata"].get("deletionTimestamp"):
-            return None  # gone or going: garbage collection takes its objects
-        outcome = await reconcile(operator.api, body, operator.config)
+        if body is None or being_deleted(body, await operator.api.namespace(namespace)):
+            return None  # gone or going: garbage collection or the namespace's deletion takes all
+        try:
+            outcome = await reconcile(operator.api, body, operator.config)
+        except ApiError as exc:
+            if not exc.namespace_terminating:
+                raise
+            # the namespace was deleted during this pass: nothing to write, nothing to retry
+            log.info("graph %s/%s: its namespace is being deleted", namespace, name)
+            return None
         previous = body.get("status") or {}
         patch = merge_patch(previous, outcome.status, previous)
         if patch:

@@ -48,17 +48,30 @@ RESOURCES: dict[tuple[str, str], str] = {
     (API_VERSION, KIND): PLURAL,
     # cluster-scoped: the operator applies its own CRD on start (operator/crd_upgrade.py)
     ("apiextensions.k8s.io/v1", "CustomResourceDefinition"): "customresourcedefinitions",
+    # cluster-scoped: a pass reads its graph's namespace (is it being deleted?)
+    ("v1", "Namespace"): "namespaces",
     # kopf's peering objects, read once at startup to say when one is missing.
     ("kopf.dev/v1", "ClusterKopfPeering"): "clusterkopfpeerings",
     ("kopf.dev/v1", "KopfPeering"): "kopfpeerings",
 }
 
 
+# The cause the apiserver's NamespaceLifecycle admission gives when it refuses a create in a
+# namespace being deleted (403 Forbidden, "... because it is being terminated").
+NAMESPACE_TERMINATING = "NamespaceTerminating"
+
+
 class ApiError(Exception):
-    def __init__(self, status: int, reason: str, message: str):
+    def __init__(self, status: int, reason: str, message: str, causes: tuple[str, ...] = ()):
         self.status = status
         self.reason = reason
+        self.causes = causes  # the reasons in the Status' details.causes
         super().__init__(f"{status} {reason}: {message}")
+
+    @property
+    def namespace_terminating(self) -> bool:
+        """A create refused because its namespace is being deleted (not RBAC's 403)."""
+        return self.status == 403 and NAMESPACE_TERMINATING in self.causes
 
 
 def collection_path(api_version: str, kind: str, namespace: str | None) -> str:
@@ -110,7 +123,8 @@ def _api_error(status: int, reason: str, payload: bytes) -> ApiError:
     """The apiserver's Status object (reason, message) when the body is one, else the raw text."""
     try:
         body = orjson.loads(payload)
-        return ApiError(status, body.get("reason", reason), body.get("message", ""))
+        causes = tuple(c.get("reason", "") for c in (body.get("details") or {}).get("causes", []))
+        return ApiError(status, body.get("reason", reason), body.get("message", ""), causes)
     except (orjson.JSONDecodeError, AttributeError):
         return ApiError(status, reason, payload[:200].decode(errors="replace"))
 
@@ -184,6 +198,15 @@ class KubeApi:
                 # List items carry no apiVersion/kind; the caller keys objects by them.
                 out.append({"apiVersion": api_version, "kind": kind, **item})
         return out
+
+    async def namespace(self, name: str) -> dict[str, Any] | None:
+        """The Namespace `name`, None if there is none. Listed by name, not read: the operator's
+        grant on namespaces is the list and watch kopf needs (charts/dynamograph rbac.yaml)."""
+        path = collection_path("v1", "Namespace", None)
+        result = await self._request("GET", path, params={"fieldSelector": f"metadata.name={name}"})
+        items = (result or {}).get("items") or []
+        # checked here too: not every server filters
+        return next((i for i in items if i.get("metadata", {}).get("name") == name), None)
 
     async def get(
         self, api_version: str, kind: str, namespace: str | None, name: str

@@ -132,6 +132,18 @@ def object_patch(actual: dict[str, Any], desired: dict[str, Any]) -> dict[str, A
     return patch
 
 
+def being_deleted(graph: dict[str, Any], namespace: dict[str, Any] | None) -> bool:
+    """Is the graph, or the namespace it lives in, being deleted? Then a pass leaves the graph's
+    objects alone: the garbage collector or the namespace controller is removing them, and in a
+    namespace being deleted the apiserver refuses every create. `namespace` None: no Namespace
+    was found, which says nothing (the apiserver sets a namespace's deletionTimestamp, with
+    phase Terminating, the moment it is deleted)."""
+    return bool(
+        graph.get("metadata", {}).get("deletionTimestamp")
+        or (namespace or {}).get("metadata", {}).get("deletionTimestamp")
+    )
+
+
 def owned_by(obj: dict[str, Any], uid: str) -> bool:
     refs = obj.get("metadata", {}).get("ownerReferences") or []
     return any(ref.get("uid") == uid and ref.get("controller") for ref in refs)

@@ -308,8 +308,8 @@ EXPECTED_UNUSED = {
     },
     # kopf's Events go to the core API; events.k8s.io is granted for kopf versions that use it.
     ("events.k8s.io", "events", "create"): "newer kopf posts through events.k8s.io",
-    # kopf lists namespaces only when given namespace patterns (-n), not with -A.
-    ("", "namespaces", "list"): "kopf with --namespace patterns",
+    # kopf watches namespaces only when given namespace patterns (-n), not with -A. (Listing
+    # them is called: every pass lists its graph's namespace, by name, to see it being deleted.)
     ("", "namespaces", "watch"): "kopf with --namespace patterns",
     # Always wanted while the graph exists; the garbage collector removes them with it. The
     # reconciler's generic "delete what is no longer wanted" could, were they ever dropped.

@@ -11,10 +11,13 @@ layer below (`ClusterEmulator`) adds only what the operator's behaviour depends 
 - a Deployment "controller": after a Deployment's spec changes, its status says the rollout
   finished (all replicas updated, ready, available) — unless `rollouts_complete` is off;
 - garbage collection: deleting an object deletes the objects whose ownerReferences name it;
-- authentication, when a test sets `required_token`: any other bearer token gets a 401.
+- authentication, when a test sets `required_token`: any other bearer token gets a 401;
+- the Namespace collection (`GET /api/v1/namespaces`, which kmock cannot route): an empty list.
+  No Namespace objects are kept; the operator, reading a graph's namespace to know whether it
+  is being deleted, finds none and goes on.
 
-Still missing, and not needed here: PUT, field selectors, namespace listing (the operator runs
-cluster-wide), admission/validation, server-side apply. Merge patches follow RFC 7386 in kmock.
+Still missing, and not needed here: PUT, field selectors, Namespace objects, admission/validation,
+server-side apply. Merge patches follow RFC 7386 in kmock.
 """
 
 import datetime
@@ -58,6 +61,15 @@ class ClusterEmulator(kmock_lib.KubernetesEmulator):
     rollouts_complete: bool = True
     required_token: str | None = None
     _versions = itertools.count(1000)
+
+    async def __call__(self, raw_request):
+        if raw_request.method == "GET" and raw_request.path == "/api/v1/namespaces":
+            if self.required_token is not None and not self._authenticated(raw_request):
+                return aiohttp.web.json_response(UNAUTHORIZED, status=401)
+            return aiohttp.web.json_response(
+                {"kind": "NamespaceList", "apiVersion": "v1", "items": []}
+            )
+        return await super().__call__(raw_request)
 
     async def _handle(self, request):
         if self.required_token is not None and not self._authenticated(request):

@@ -122,6 +122,84 @@ async def test_errors_carry_the_apiserver_reason(server):
     assert patch[1] == "/apis/apps/v1/namespaces/ns/deployments/d"
 
 
+# What kube-apiserver v1.36 answers a create in a namespace being deleted (NamespaceLifecycle
+# admission), as tests/cluster/test_namespace_deletion.py meets it.
+TERMINATING = {
+    "kind": "Status",
+    "apiVersion": "v1",
+    "metadata": {},
+    "status": "Failure",
+    "message": 'configmaps "c" is forbidden: unable to create new content in namespace x because '
+    "it is being terminated",
+    "reason": "Forbidden",
+    "details": {
+        "name": "c",
+        "kind": "configmaps",
+        "causes": [
+            {
+                "reason": "NamespaceTerminating",
+                "message": "namespace x is being terminated",
+                "field": "metadata.namespace",
+            }
+        ],
+    },
+    "code": 403,
+}
+# RBAC's refusal: also 403 Forbidden, without that cause.
+RBAC_FORBIDDEN = {
+    "kind": "Status",
+    "apiVersion": "v1",
+    "status": "Failure",
+    "message": 'configmaps is forbidden: User "system:serviceaccount:a:b" cannot create resource '
+    '"configmaps" in API group "" in the namespace "x"',
+    "reason": "Forbidden",
+    "details": {"kind": "configmaps"},
+    "code": 403,
+}
+
+
+async def test_a_create_refused_for_a_terminating_namespace_is_told_from_rbac(server):
+    state, url = server
+    answers = iter([TERMINATING, RBAC_FORBIDDEN])
+
+    async def respond(request):
+        return web.json_response(next(answers), status=403)
+
+    state["respond"] = respond
+    api = client(url, ["t"])
+    cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "c", "namespace": "x"}}
+    try:
+        with pytest.raises(ApiError) as terminating:
+            await api.create(cm)
+        with pytest.raises(ApiError) as rbac:
+            await api.create(cm)
+    finally:
+        await api.close()
+    assert terminating.value.status == 403 and terminating.value.namespace_terminating
+    assert rbac.value.status == 403 and not rbac.value.namespace_terminating
+
+
+async def test_a_namespace_is_listed_by_name(server):
+    state, url = server
+    namespaces = [{"metadata": {"name": "other"}}, {"metadata": {"name": "ns"}}]
+
+    async def respond(request):
+        # unfiltered, as from a server without field selectors: the client picks the one named
+        return web.json_response({"kind": "NamespaceList", "items": namespaces})
+
+    state["respond"] = respond
+    api = client(url, ["t"])
+    try:
+        assert await api.namespace("ns") == {"metadata": {"name": "ns"}}
+        assert await api.namespace("gone") is None
+    finally:
+        await api.close()
+    assert state["requests"][0][:2] == (
+        "GET",
+        "/api/v1/namespaces?fieldSelector=metadata.name%3Dns",
+    )
+
+
 async def test_unreachable_server_is_an_api_error():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

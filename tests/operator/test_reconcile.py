@@ -14,6 +14,7 @@ from dynamograph.operator.reconcile import (
     Create,
     Delete,
     Patch,
+    being_deleted,
     contains,
     merge_patch,
     object_patch,
@@ -185,3 +186,19 @@ def test_corrupt_last_applied_falls_back_to_two_way():
     obj["metadata"]["annotations"][LAST_APPLIED] = "{not json"
     patch = object_patch(obj, desired()[0])
     assert set(patch) == {"metadata"}  # only the annotation is rewritten
+
+
+def test_a_graph_or_its_namespace_being_deleted_is_left_alone():
+    graph = {"metadata": {"name": "g", "namespace": "ns", "uid": UID}}
+    namespace = {"metadata": {"name": "ns"}, "status": {"phase": "Active"}}
+    # as the apiserver stores a deleted namespace until its content is gone
+    terminating = {
+        "metadata": {"name": "ns", "deletionTimestamp": "2026-11-27T08:42:32Z"},
+        "status": {"phase": "Terminating"},
+    }
+    deleted_graph = {"metadata": {**graph["metadata"], "deletionTimestamp": "2026-11-27T08:42:32Z"}}
+    assert not being_deleted(graph, namespace)
+    assert not being_deleted(graph, None)  # no Namespace found says nothing
+    assert being_deleted(graph, terminating)
+    assert being_deleted(deleted_graph, namespace)
+    assert being_deleted(deleted_graph, None)
