@@ -100,6 +100,14 @@ POLICIES: dict[str, Policy] = {
             {"scorers": [s.model_dump() for s in ttft_scorers() if s.type != "queue-delay"]},
         ),
         Policy(
+            "kv-ttft-i0",
+            "epp",
+            "kv-ttft with every KV-event batch read as it arrives (the EPP's "
+            "--kv-ingest-interval=0: the freshest prefill-done marks, a wake-up per batch)",
+            {"scorers": [s.model_dump() for s in ttft_scorers()]},
+            epp_flags=("--kv-ingest-interval=0",),
+        ),
+        Policy(
             "kv-ttft-i50",
             "epp",
             "kv-ttft with the KV-event sockets read every 50 ms instead of 20 (the EPP's "
