@@ -642,17 +642,18 @@ class QwenTokenizer(_FastSwitch):
     def _chunks(self, text: str) -> list[str]:
         """Text without special tokens cut into chunks that encode independently: each cut is
         the first space at least `CHUNK_CHARS` after the previous one that has an ASCII letter
-        on both sides. In both Qwen patterns the letters before such a space end a pre-token
-        (a run of letters, or a contraction) and the space starts the next (" word"), which no
-        alternative reaches back across (there is no lookbehind), so the chunks' ids are the
-        whole text's (tested against it). The cuts depend only on the text before them: two
-        texts that begin alike share their chunks up to the last cut before they differ."""
+        on both sides (none within `_CUT_WINDOW` characters after that: no more cuts). In both
+        Qwen patterns the letters before such a space end a pre-token (a run of letters, or a
+        contraction) and the space starts the next (" word"), which no alternative reaches back
+        across (there is no lookbehind), so the chunks' ids are the whole text's (tested
+        against it). A cut depends only on the text up to the letter after it: two texts that
+        begin alike share their chunks up to the last cut before they differ."""
         step = self.CHUNK_CHARS
         if not self._chunked or len(text) < 2 * step:
             return [text]
         chunks = []
         start = 0
-        while (cut := _CHUNK_CUT.search(text, start + step)) is not None:
+        while cut := _CHUNK_CUT.search(text, start + step, start + step + _CUT_WINDOW):
             chunks.append(text[start : cut.start()])
             start = cut.start()
         chunks.append(text[start:])
@@ -762,7 +763,11 @@ _SPACES = re.compile(" +")
 
 # Where `QwenTokenizer._chunks` may cut: a space between two ASCII letters (ASCII, so that no
 # Unicode-version difference between Python and the encoders' regex tables can move a cut).
-_CHUNK_CUT = re.compile(r"(?<=[A-Za-z]) (?=[A-Za-z])")
+# The space comes first so that the search jumps from space to space; it looks for one only
+# within `_CUT_WINDOW` characters of where a cut is due (text without one, like words ending
+# in digits, would otherwise be scanned to its end at every turn).
+_CHUNK_CUT = re.compile(r" (?<=[A-Za-z] )(?=[A-Za-z])")
+_CUT_WINDOW = 1024
 
 
 def _chunk_safe(pattern: str) -> bool:

@@ -116,3 +116,14 @@ def test_a_vocabulary_with_another_pattern_is_not_cut(monkeypatch):
     text = "word " * 2000
     assert tokenizer._chunks(text) == [text]
     assert tokenizer.uncached_text_chars(text) == len(text)
+
+
+def test_no_cut_near_where_one_is_due_ends_the_cutting():
+    """Words ending in digits have no space between two letters: where no cut is found within
+    `_CUT_WINDOW` characters of where one is due, the rest of the text is one chunk (it is not
+    searched to its end at every request)."""
+    tokenizer = get_tokenizer("qwen")
+    digits = "word1 " * 3000  # 18,000 characters without a cut
+    assert tokenizer._chunks(digits + "plain words " * 2000) == [digits + "plain words " * 2000]
+    prose = "plain words " * 2000
+    assert len(tokenizer._chunks(prose + digits)) > 1
