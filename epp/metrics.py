@@ -89,7 +89,8 @@ class _SegmentCacheCollector(Collector):
     def collect(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:
         hits = CounterMetricFamily(
             PREFIX + "tokenizer_segment_cache_hits",
-            "prompt segments (text between special tokens: a chat message) found tokenized",
+            "prompt segments (text between special tokens, long text in chunks of ~8k characters) "
+            "found tokenized",
             labels=["tokenizer"],
         )
         misses = CounterMetricFamily(
