@@ -367,7 +367,9 @@ def _epp_process(
     cli: tuple[str, ...],
     run_dir: Path,
 ) -> ProcessSpec:
-    grpc, health, metrics = take_port(1), take_port(1), take_port(1)
+    grpc, health = take_port(1), take_port(1)
+    # with `--processes N` process i serves /metrics at the port + 1 + i: those are taken too
+    metrics = take_port(1 + router.processes if router.processes > 1 else 1)
     argv = [
         *cli,
         "epp",

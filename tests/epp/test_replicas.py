@@ -19,6 +19,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dynamograph.local.envoy import EnvoyNotFound, envoy_config, find_envoy, run_envoy
+from dynamograph.local.procs import PortPool
 from dynamograph.worker.testing import free_port
 from e2e.waiting import wait_for
 
@@ -36,19 +37,24 @@ except EnvoyNotFound:
 
 
 class EppProcess:
-    """`dynamograph epp` as a process of its own, with replica sync to `peers`."""
+    """`dynamograph epp` as a process of its own, with replica sync to `peers`. Its ports are
+    held until it starts, in blocks where `--processes` adds to them (each process's /metrics
+    at `--metrics-port + 1 + i`, its replica socket at `--replica-port + i`): ports merely
+    found free, one by one, could be handed out again meanwhile, to a neighbour of the block."""
 
-    def __init__(self, workers, replica_port: int, peers: list[int], processes: int = 1):
+    def __init__(self, workers, processes: int = 1):
         self.workers = workers
-        self.grpc_port, self.health_port = free_port(), free_port()
-        self.metrics_port = free_port()
-        self.replica_port = replica_port
-        self.peers = peers
+        self._ports = PortPool()
+        self.grpc_port, self.health_port = self._ports.take(), self._ports.take()
+        self.metrics_port = self._ports.take(processes + 1)
+        self.replica_port = self._ports.take(processes)
+        self.peers: list[int] = []  # the other replicas' replica ports
         self.processes = processes
         self.proc: asyncio.subprocess.Process | None = None
 
     async def start(self) -> None:
         worker_flags = [f"--worker={w.url}={endpoint_of(w)}" for w in self.workers]
+        self._ports.release()
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "dynamograph.cli", "epp", "--host", "127.0.0.1",
             "--grpc-port", str(self.grpc_port), "--health-port", str(self.health_port),
@@ -146,9 +152,8 @@ async def finish(stream) -> None:
 
 
 async def test_two_replicas_share_bookings_and_survive_a_sigkill(workers):
-    port_a, port_b = free_port(), free_port()
-    a = EppProcess(workers, port_a, [port_b])
-    b = EppProcess(workers, port_b, [port_a])
+    a, b = EppProcess(workers), EppProcess(workers)
+    a.peers, b.peers = [b.replica_port], [a.replica_port]
     async with epps(a, b):
         await a.wait_ready(peers=1)
         await b.wait_ready(peers=1)
@@ -190,9 +195,8 @@ async def test_two_replicas_share_bookings_and_survive_a_sigkill(workers):
 
 
 async def test_a_late_joiner_converges_from_the_snapshot(workers):
-    port_a, port_c = free_port(), free_port()
-    a = EppProcess(workers, port_a, [port_c])  # C is not up yet: ZMQ connects when it is
-    c = EppProcess(workers, port_c, [port_a])
+    a, c = EppProcess(workers), EppProcess(workers)
+    a.peers, c.peers = [c.replica_port], [a.replica_port]  # C is not up yet: ZMQ connects later
     async with epps(a):
         await a.wait_ready(peers=0)
         client = ExtProcClient(a.grpc_port)
@@ -212,7 +216,7 @@ async def test_a_late_joiner_converges_from_the_snapshot(workers):
 
 
 async def test_processes_share_one_port_and_their_bookings(workers):
-    group = EppProcess(workers, free_port(), [], processes=2)
+    group = EppProcess(workers, processes=2)
     async with epps(group):
         await group.wait_ready(peers=1)
         # Separate connections (own subchannel pools): the kernel spreads them over both.

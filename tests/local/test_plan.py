@@ -363,6 +363,12 @@ def test_epp_replicas_and_processes_run_active_active_behind_envoy():
     assert arg(epps[0].argv, "--replica-port") == str(first)
     assert arg(epps[0].argv, "--replica-peers") == f"127.0.0.1:{second},127.0.0.1:{second + 1}"
     assert arg(epps[1].argv, "--replica-peers") == f"127.0.0.1:{first},127.0.0.1:{first + 1}"
+    # each process of an EPP serves /metrics at --metrics-port + 1 + i: ports no one else gets
+    taken = {port for x in p.processes for port in x.ports.values()}
+    taken |= {port + 1 for port in (first, second)}  # the replica-sync blocks' second ports
+    for epp in epps:
+        children = {int(arg(epp.argv, "--metrics-port")) + 1 + i for i in range(2)}
+        assert not children & taken, (children, taken)
     envoy = next(x for x in p.processes if x.kind == "envoy")
     config = json.loads(p.files[arg(envoy.argv, "-c")])["envoy"]
     assert config["epp_address"] == f"127.0.0.1:{epps[0].ports['grpc']}"
