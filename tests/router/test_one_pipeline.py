@@ -1,6 +1,8 @@
 """The EPP and the frontend's kv mode route through one request pipeline: for the same requests
 and the same router state they make the same decisions (worker, rank, prefill leg, cache)."""
 
+import threading
+
 import orjson
 import pytest
 
@@ -194,17 +196,14 @@ async def test_long_prompts_are_tokenized_off_the_event_loop():
         pipeline.close()
 
 
-async def test_a_follow_up_turn_is_tokenized_on_the_loop(monkeypatch):
-    """A long conversation's first turn is tokenized on the tokenizing thread; its follow-up,
-    whose history is in the segment cache and whose new messages are short, on the event loop
-    (no hop to the thread and back), with the ids of tokenizing it afresh."""
-    import threading
-
+def _pipeline_noting_threads(monkeypatch):
+    """A pipeline over three engines, its Qwen tokenizer, and the names of the threads its
+    requests are tokenized on (one per `decide`, in order)."""
     pipeline = RequestPipeline(Router(RouterConfig(seed=1)))
     for r in RECORDS[:3]:
         assert pipeline.add_engine(r.config)
     tokenizer = pipeline.load_tokenizer("qwen")
-    threads = []
+    threads: list[str] = []
     prepare = pipeline.route_request
 
     def route_request(*args, **kwargs):
@@ -212,6 +211,14 @@ async def test_a_follow_up_turn_is_tokenized_on_the_loop(monkeypatch):
         return prepare(*args, **kwargs)
 
     monkeypatch.setattr(pipeline, "route_request", route_request)
+    return pipeline, tokenizer, threads
+
+
+async def test_a_follow_up_turn_is_tokenized_on_the_loop(monkeypatch):
+    """A long conversation's first turn is tokenized on the tokenizing thread; its follow-up,
+    whose history is in the segment cache and whose new messages are short, on the event loop
+    (no hop to the thread and back), with the ids of tokenizing it afresh."""
+    pipeline, tokenizer, threads = _pipeline_noting_threads(monkeypatch)
     document = "A long document about prefix caches, number 41. " * 400  # ~20k characters
     first = [{"role": "user", "content": document}]
     follow = [*first, {"role": "assistant", "content": "Noted."}, {"role": "user", "content": "?"}]
@@ -239,20 +246,7 @@ async def test_a_completion_that_extends_a_seen_prompt_is_tokenized_on_the_loop(
     same text plus a short question (a conversation sent as one growing prompt), finds all but
     its last chunks in the segment cache and is tokenized on the event loop, with the ids of
     tokenizing it afresh."""
-    import threading
-
-    pipeline = RequestPipeline(Router(RouterConfig(seed=1)))
-    for r in RECORDS[:3]:
-        assert pipeline.add_engine(r.config)
-    tokenizer = pipeline.load_tokenizer("qwen")
-    threads = []
-    prepare = pipeline.route_request
-
-    def route_request(*args, **kwargs):
-        threads.append(threading.current_thread().name)
-        return prepare(*args, **kwargs)
-
-    monkeypatch.setattr(pipeline, "route_request", route_request)
+    pipeline, tokenizer, threads = _pipeline_noting_threads(monkeypatch)
     document = "A long document about prefix caches, chapter 41. " * 600  # ~30k characters
     try:
         for prompt in (document, document + "So what does a router cache?"):
