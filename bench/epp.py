@@ -66,6 +66,7 @@ import orjson
 import yaml
 
 from dynamograph.local.procs import PortPool
+from dynamograph.worker.testing import free_port
 
 from . import kv_ingest
 from .report import add_output_argument, print_table, write_json
@@ -403,14 +404,6 @@ def _cpu_seconds(pid: int, *, main_thread: bool = False) -> float:
     stat = Path(f"/proc/{pid}/task/{pid}/stat" if main_thread else f"/proc/{pid}/stat")
     fields = stat.read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _start_epp(
@@ -778,7 +771,7 @@ async def _measure_through_envoy(args, workers_file: Path) -> list[dict] | None:
     rows = []
     try:
         for mode in ("FULL_DUPLEX_STREAMED", "NONE"):
-            config = envoy_config(_free_port(), _free_port(), f"127.0.0.1:{port}")
+            config = envoy_config(free_port(), free_port(), f"127.0.0.1:{port}")
             manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
             for http_filter in manager["typed_config"]["http_filters"]:
                 if http_filter["name"] == EXT_PROC_FILTER:
@@ -1055,7 +1048,7 @@ async def _measure_foreign(
     with tempfile.TemporaryDirectory(prefix="bench-epp-foreign-") as tmp:
         logs = Path(tmp)
         pods = [f"bench-epp-pod-{i}" for i in range(count)]
-        async with pool_of_pods("bench-epp", pods, _free_port(), logs) as pool:
+        async with pool_of_pods("bench-epp", pods, free_port(), logs) as pool:
             hosts = [pool.ips[pod] for pod in pods]
             async with _fleet(count, hosts, pool.target_port) as urls:
                 await _warm(urls, prefixes)
@@ -1071,7 +1064,7 @@ async def _measure_foreign(
                     proc.terminate()
                     await proc.wait()
                 for name in names:
-                    grpc_port, health, metrics = _free_port(), _free_port(), _free_port()
+                    grpc_port, health, metrics = free_port(), free_port(), free_port()
                     epp = await start_foreign_epp(
                         name, pool, grpc_port, health, metrics, logs / f"{name}.log"
                     )

@@ -53,7 +53,6 @@ from dynamograph.router.discovery import WorkerRecord
 from dynamograph.router.index import KvIndex, engine_keys
 from dynamograph.router.kv_events import INGEST_INTERVAL_S, KvEventIngest
 from dynamograph.router.scheduler import GapInfo, Router
-from dynamograph.worker.testing import free_port
 
 from .report import add_output_argument, print_table, write_json
 from .timing import percentiles
@@ -185,8 +184,8 @@ def measure(
         pub = context.socket(zmq.PUB)
         pub.setsockopt(zmq.SNDHWM, 0)
         pub.setsockopt(zmq.LINGER, 0)
-        endpoint = f"tcp://127.0.0.1:{free_port()}"
-        pub.bind(endpoint)
+        pub.bind("tcp://127.0.0.1:*")  # the kernel's pick, bound at once: no port to lose
+        endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
         pubs.append(pub)
         endpoints.append(endpoint)
     streams = [_Stream(rng, w) for w in range(workers)]

@@ -4,6 +4,8 @@ Every process `up` starts leads its own process group (pgid = pid), so a whole c
 including anything it spawned, is stopped with one `killpg`. A pid alone is not an identity —
 it may be reused after the process dies — so the state file records each process's kernel start
 time and nothing is signalled unless the pid still has that start time. Linux (`/proc`) only.
+
+The ports a plan's processes get come from `PortPool`, held until they start.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import socket
 import time
 from collections.abc import Iterable
 from pathlib import Path
+
+from dynamograph.protocol.ports import bind_ports
 
 PROC = Path("/proc")
 
@@ -107,45 +111,25 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
 
 
 class PortPool:
-    """Free TCP ports on 127.0.0.1, held open until `release()` so one plan never gets a port twice.
+    """TCP ports on 127.0.0.1 for one plan, held open until `release()` so it never gets one twice.
 
     `take(n)` returns the first of `n` consecutive free ports (a data-parallel worker publishes
-    KV events on `port + rank`). Ports are released just before the processes start; the window in
-    which another program could grab one is small, and a component that loses the race exits
-    with "address in use", which the supervisor reports with its log.
+    KV events on `port + rank`), from outside the kernel's ephemeral range
+    (`protocol.ports.bind_ports`), so no outgoing connection is given one meanwhile. The holding
+    sockets keep everyone else off the ports, the plan's own processes too: `release()` just
+    before they start. Only a program binding that very port in between can take it then, and a
+    component that loses that race exits with "address in use", which the supervisor reports
+    with its log.
     """
 
     def __init__(self, host: str = "127.0.0.1"):
         self.host = host
         self._held: list[socket.socket] = []
 
-    def _bind(self, port: int) -> socket.socket | None:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            sock.bind((self.host, port))
-        except OSError:
-            sock.close()
-            return None
-        return sock
-
     def take(self, n: int = 1) -> int:
-        for _ in range(200):
-            first = self._bind(0)
-            if first is None:  # pragma: no cover - the kernel always has an ephemeral port
-                continue
-            base = first.getsockname()[1]
-            block = [first]
-            for offset in range(1, n):
-                nxt = self._bind(base + offset) if base + offset < 65536 else None
-                if nxt is None:
-                    break
-                block.append(nxt)
-            if len(block) == n:
-                self._held.extend(block)
-                return base
-            for sock in block:
-                sock.close()
-        raise RuntimeError(f"found no {n} consecutive free ports on {self.host}")
+        block = bind_ports(n, self.host)
+        self._held.extend(block)
+        return block[0].getsockname()[1]
 
     def release(self) -> None:
         for sock in self._held:

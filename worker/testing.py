@@ -2,6 +2,7 @@
 
 - `mock_worker(**config)`: the real HTTP server + engine in this event loop, on a free port of
   127.0.0.1 with free ZMQ ports; yields a `RunningWorker` (url, EngineConfig, server).
+- `free_port()`: a port for a server started next, outside the kernel's ephemeral range.
 - `refusing_address()`: a 127.0.0.1 address that refuses connections while the block runs.
 - `worker_process(*args)`: the same through the CLI (`python -m dynamograph.cli worker ...`) as
   a subprocess; waits until `/v1/engine` answers and terminates it on exit.
@@ -15,7 +16,6 @@ import asyncio
 import contextlib
 import itertools
 import os
-import socket
 import sys
 import tempfile
 from collections.abc import AsyncIterator, Iterator
@@ -26,6 +26,7 @@ from typing import Any
 import aiohttp
 
 from dynamograph.protocol.engine import ENGINE_PATH, EngineConfig
+from dynamograph.protocol.ports import bind_ports
 
 from .mock import MockConfig, MockEngine
 from .server import SERVER_OPTIONS, WorkerServer
@@ -47,19 +48,24 @@ class RunningWorker:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port of `host` nothing listens on, for a server the caller starts next: outside the
+    kernel's ephemeral range (`protocol.ports`), so no outgoing connection is given it before
+    the server binds. Ports for servers started later are better held in a
+    `local.procs.PortPool` until then."""
+    (sock,) = bind_ports(1, host)
+    with sock:
+        return sock.getsockname()[1]
 
 
 @contextmanager
 def refusing_address(host: str = "127.0.0.1") -> Iterator[str]:
     """`host:port` where connections are refused for as long as the block runs. The socket
-    stays bound without listening: a port that was merely free can be handed to the next
-    server binding port 0 (a mock worker started later in the same test) and then answer."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        yield f"{host}:{s.getsockname()[1]}"
+    stays bound without listening: a port that was merely free can be bound by a server started
+    later in the same test and then answer. Outside the ephemeral range, as `free_port`: a
+    client dialling it is never given it as its own source port (and connected to itself)."""
+    (sock,) = bind_ports(1, host)
+    with sock:
+        yield f"{host}:{sock.getsockname()[1]}"
 
 
 @asynccontextmanager

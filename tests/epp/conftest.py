@@ -17,11 +17,12 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from dynamograph.epp.server import Epp, EppSettings
 from dynamograph.epp.tls import KeyPair
+from dynamograph.local.procs import PortPool
 from dynamograph.protocol.router_config import RouterConfig
 from dynamograph.protocol.tokenization import get_tokenizer
 from dynamograph.router.discovery import StaticSource, WorkerTarget
 from dynamograph.router.replicas import ReplicaSettings
-from dynamograph.worker.testing import free_port, mock_worker
+from dynamograph.worker.testing import mock_worker
 from e2e.waiting import wait_for
 
 MODEL = "Qwen/Qwen3-0.6B"
@@ -306,22 +307,31 @@ async def running_epp(workers, *, serving: dict[str, str] | None = None, **setti
 
 @contextlib.asynccontextmanager
 async def two_replicas(workers):
-    """Two real EPPs with replica sync to each other (free 127.0.0.1 ports, heartbeats every
-    0.2 s), once they have met."""
-    port_a, port_b = free_port(), free_port()
+    """Two real EPPs with replica sync to each other (heartbeats every 0.2 s), once they have
+    met. Each one's 127.0.0.1 replica port is held until just before it binds it: B's stays
+    taken while A starts."""
+    pools = {name: PortPool() for name in "ab"}
+    port = {name: pool.take() for name, pool in pools.items()}
 
-    def settings(own: int, peer: int) -> ReplicaSettings:
-        peers = [f"tcp://127.0.0.1:{peer}"]
-        return ReplicaSettings(f"tcp://127.0.0.1:{own}", peers, heartbeat_s=0.2, timeout_s=5.0)
-
-    async with (
-        running_epp(workers, replicas=settings(port_a, port_b)) as a,
-        running_epp(workers, replicas=settings(port_b, port_a)) as b,
-    ):
-        await wait_for(
-            lambda: a.replicas.live_peers() and b.replicas.live_peers(), "the replicas to meet"
+    @contextlib.asynccontextmanager
+    async def replica(own: str, peer: str):
+        pools[own].release()
+        peers = [f"tcp://127.0.0.1:{port[peer]}"]
+        settings = ReplicaSettings(
+            f"tcp://127.0.0.1:{port[own]}", peers, heartbeat_s=0.2, timeout_s=5.0
         )
-        yield a, b
+        async with running_epp(workers, replicas=settings) as epp:
+            yield epp
+
+    try:
+        async with replica("a", "b") as a, replica("b", "a") as b:
+            await wait_for(
+                lambda: a.replicas.live_peers() and b.replicas.live_peers(), "the replicas to meet"
+            )
+            yield a, b
+    finally:
+        for pool in pools.values():
+            pool.release()
 
 
 @pytest.fixture
