@@ -2,9 +2,10 @@
 
 It stands in for three parts of a cluster that the kmock emulator lacks: the ReplicaSet
 controller (Deployment replicas and template -> Pod objects), the kubelet (each Pod's
-containers -> local processes, readiness probes -> the Pod's Ready condition) and the
-Deployment status (replicas/readyReplicas/updatedReplicas, which the operator reports in the
-graph's status). Each pod gets its own loopback address 127.a.b.N with the container ports of
+containers -> local processes, its configMap, secret and emptyDir volumes -> directories,
+readiness probes -> the Pod's Ready condition) and the Deployment status
+(replicas/readyReplicas/updatedReplicas, which the operator reports in the graph's status).
+Each pod gets its own loopback address 127.a.b.N with the container ports of
 its spec (see `pods.py` for how a pod's network namespace is emulated).
 
 The components under test see a cluster: the operator writes Deployments, the EPP watches Pods
@@ -22,6 +23,7 @@ import logging
 import os
 import random
 import secrets
+import shutil
 import signal
 import socket
 import string
@@ -41,6 +43,7 @@ log = logging.getLogger(__name__)
 
 MAX_GRACE_S = 5.0
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)
+VOLUME_SOURCES = {"configMap": CONFIGMAPS, "secret": SECRETS}  # pods.volume_source's kinds
 
 
 @dataclass
@@ -185,9 +188,15 @@ class ProcessKubelet:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # keep running: the next round may succeed
-                self.errors.append(f"{time.strftime('%H:%M:%S')} {exc!r}"[:500])
-                log.warning("process kubelet: reconcile failed: %r", exc)
+                self._error(f"reconcile failed: {exc!r}")
             await asyncio.sleep(self.interval)
+
+    def _error(self, text: str) -> None:
+        """Keep `text` for diagnostics, once while it repeats round after round."""
+        text = text[:500]
+        if not self.errors or self.errors[-1].partition(" ")[2] != text:
+            self.errors.append(f"{time.strftime('%H:%M:%S')} {text}")
+            log.warning("process kubelet: %s", text)
 
     # ---- reconcile -----------------------------------------------------------------------
 
@@ -214,7 +223,12 @@ class ProcessKubelet:
         for deployment in deployments:
             meta = deployment["metadata"]
             live.add((meta.get("namespace", "default"), meta["name"]))
-            await self._reconcile_deployment(deployment)
+            try:
+                await self._reconcile_deployment(deployment)
+            except podlib.PodSpecError as exc:
+                # As on a node, a pod that cannot start (a Secret not there yet) holds up only
+                # its own Deployment; the next round tries again.
+                self._error(f"deployment {meta.get('namespace', 'default')}/{meta['name']}: {exc}")
         await asyncio.gather(
             *(
                 self._stop_pod(p, delete=True)
@@ -293,30 +307,12 @@ class ProcessKubelet:
         uid = str(uuid.uuid4())
         directory = self.workdir / namespace / name
         directory.mkdir(parents=True, exist_ok=True)
-        mounts = await self._volumes(namespace, spec, directory)
         refs = podlib.PodRefs(name, namespace, ip, uid, spec.get("serviceAccountName", "default"))
-        base_env = self._base_env()
-        secret_values = {}
-        for secret_name in podlib.secret_names(spec):
-            secret = await self.api.get(SECRETS, namespace, secret_name)
-            if secret is not None:  # a missing one: container_env names the variable
-                secret_values[secret_name] = podlib.secret_values(secret)
-        containers = []
-        for c in spec.get("containers") or []:
-            own_mounts = {
-                m["mountPath"]: str(Path(mounts[m["name"]]) / m.get("subPath", ""))
-                for m in c.get("volumeMounts") or []
-                if m["name"] in mounts
-            }
-            containers.append(
-                Container(
-                    name=c["name"],
-                    argv=podlib.container_argv(c, ip, own_mounts),
-                    env=podlib.container_env(c, refs, base_env, secret_values),
-                    log_path=directory / f"{c['name']}.log",
-                    probe=c.get("readinessProbe"),
-                )
-            )
+        try:
+            containers = await self._containers(spec, refs, directory)
+        except podlib.PodSpecError:
+            shutil.rmtree(directory)  # a pod that never started leaves nothing behind
+            raise
         pod = Pod(name, namespace, uid, ip, meta["name"], hash_, spec, containers, directory)
         await self.api.create(
             PODS, namespace, podlib.pod_manifest(deployment, name, ip, uid, hash_)
@@ -326,6 +322,31 @@ class ProcessKubelet:
             await self._spawn(pod, container)
         log.info("process kubelet: started pod %s/%s at %s", namespace, name, ip)
         return pod
+
+    async def _containers(
+        self, spec: dict[str, Any], refs: podlib.PodRefs, directory: Path
+    ) -> list[Container]:
+        """The pod's containers, ready to spawn: volumes materialised, argv and env resolved."""
+        volumes = await self._volumes(refs.namespace, spec, directory)
+        base_env = self._base_env()
+        secret_data = {}
+        for secret_name in podlib.secret_names(spec):
+            secret = await self.api.get(SECRETS, refs.namespace, secret_name)
+            if secret is not None:  # a missing one: container_env names the variable
+                secret_data[secret_name] = podlib.object_data("secret", secret)
+        containers = []
+        for c in spec.get("containers") or []:
+            mounts = podlib.container_mounts(c, volumes)
+            containers.append(
+                Container(
+                    name=c["name"],
+                    argv=podlib.container_argv(c, refs.ip, mounts),
+                    env=podlib.container_env(c, refs, base_env, secret_data, mounts),
+                    log_path=directory / f"{c['name']}.log",
+                    probe=c.get("readinessProbe"),
+                )
+            )
+        return containers
 
     def _base_env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
@@ -344,19 +365,20 @@ class ProcessKubelet:
     async def _volumes(
         self, namespace: str, spec: dict[str, Any], directory: Path
     ) -> dict[str, str]:
-        """Materialise configMap and emptyDir volumes as directories; name -> path."""
+        """Materialise the pod's configMap, secret and emptyDir volumes as directories; name ->
+        path. A missing ConfigMap or Secret the pod needs raises PodSpecError (not started)."""
         out = {}
         for name, volume in podlib.volume_dirs(spec).items():
             path = directory / "volumes" / name
             path.mkdir(parents=True, exist_ok=True)
-            if "configMap" in volume:
-                cm_name = volume["configMap"]["name"]
-                configmap = await self.api.get(CONFIGMAPS, namespace, cm_name)
-                if configmap is None:
-                    raise podlib.PodSpecError(f"volume {name!r}: configMap {cm_name!r} not found")
-                for file, content in podlib.configmap_files(volume, configmap).items():
+            source = podlib.volume_source(volume)
+            if source is not None:
+                kind, object_name = source
+                obj = await self.api.get(VOLUME_SOURCES[kind], namespace, object_name)
+                for file, (content, mode) in podlib.volume_files(volume, obj).items():
                     (path / file).parent.mkdir(parents=True, exist_ok=True)
-                    (path / file).write_text(content)
+                    (path / file).write_bytes(content)
+                    (path / file).chmod(mode)
             out[name] = str(path)
         return out
 

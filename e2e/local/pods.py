@@ -4,8 +4,10 @@ A real pod has its own network namespace: `127.0.0.1` inside it means the pod it
 containers bind `0.0.0.0` without colliding with other pods. Here each "pod" is a set of local
 processes sharing one loopback address 127.x.y.z (the whole 127/8 is loopback on Linux), so the
 kubelet rewrites loopback and wildcard hosts in the containers' arguments to the pod's address
-and makes `dynamograph worker|frontend|epp` bind it explicitly. Mounted ConfigMap and emptyDir
-volumes become per-pod directories, and paths under a mount point are rewritten to them.
+and makes `dynamograph worker|frontend|epp` bind it explicitly. Mounted configMap, secret and
+emptyDir volumes become per-pod directories (`volume_files`: the files of a configMap or secret
+volume, as the kubelet writes them), and paths under a mount point, in the arguments and in
+literal env values, are rewritten to them.
 """
 
 import base64
@@ -13,6 +15,7 @@ import hashlib
 import re
 import sys
 from dataclasses import dataclass
+from pathlib import PurePosixPath
 from typing import Any
 
 import orjson
@@ -24,6 +27,7 @@ _LOOPBACK = re.compile(r"(?<![\w.])(?:127\.0\.0\.1|localhost|0\.0\.0\.0)(?=:\d)"
 _ANY_HOST = frozenset({"0.0.0.0", "127.0.0.1", "localhost", "::", "[::]"})
 TEMPLATE_HASH_LABEL = "pod-template-hash"
 NODE_NAME = "process-kubelet"
+DEFAULT_MODE = 0o644  # a configMap or secret volume's file mode without defaultMode (as 420)
 
 
 class PodSpecError(ValueError):
@@ -155,22 +159,29 @@ def secret_names(spec: dict[str, Any]) -> set[str]:
     }
 
 
-def secret_values(secret: dict[str, Any]) -> dict[str, str]:
-    """A Secret's keys and values: `data` (base64, what an API server stores) and `stringData`
-    (what a client writes; an emulator may keep it as written)."""
-    values = {k: base64.b64decode(v).decode() for k, v in (secret.get("data") or {}).items()}
-    values.update(secret.get("stringData") or {})
-    return values
+def object_data(kind: str, obj: dict[str, Any]) -> dict[str, bytes]:
+    """The keys and bytes of a ConfigMap (`data` text, `binaryData` base64) or a Secret
+    (`data` base64, as an API server stores it, and `stringData`, what a client writes and an
+    emulator may keep as written; it wins over `data`, as the API server merges it)."""
+    if kind == "configMap":
+        text, encoded = obj.get("data") or {}, obj.get("binaryData") or {}
+    else:
+        encoded, text = obj.get("data") or {}, obj.get("stringData") or {}
+    out = {k: base64.b64decode(v) for k, v in encoded.items()}
+    out.update({k: v.encode() for k, v in text.items()})
+    return out
 
 
 def container_env(
     container: dict[str, Any],
     refs: PodRefs,
     base: dict[str, str],
-    secrets: dict[str, dict[str, str]] | None = None,
+    secrets: dict[str, dict[str, bytes]] | None = None,
+    mounts: dict[str, str] | None = None,
 ) -> dict[str, str]:
-    """`base` plus the container's env: literal values, downward-API fieldRefs and
-    secretKeyRefs into `secrets` (name -> values, the pod's namespace's Secrets)."""
+    """`base` plus the container's env: literal values (paths under the container's `mounts`
+    rewritten), downward-API fieldRefs and secretKeyRefs into `secrets` (name -> `object_data`
+    of the pod's namespace's Secrets)."""
     fields = {
         "metadata.name": refs.name,
         "metadata.namespace": refs.namespace,
@@ -183,7 +194,7 @@ def container_env(
     env = dict(base)
     for var in container.get("env") or []:
         if "value" in var:
-            env[var["name"]] = str(var["value"])
+            env[var["name"]] = _rewrite_path(str(var["value"]), mounts or {})
         elif "valueFrom" in var and "fieldRef" in var["valueFrom"]:
             path = var["valueFrom"]["fieldRef"]["fieldPath"]
             if path not in fields:
@@ -200,7 +211,8 @@ def container_env(
                 raise PodSpecError(
                     f"env {var['name']}: key {ref['key']!r} of Secret {ref['name']!r} not found"
                 )
-            env[var["name"]] = value
+            # os.environ's own encoding of bytes: the process gets the Secret's exact bytes.
+            env[var["name"]] = value.decode(errors="surrogateescape")
         elif "valueFrom" in var:
             raise PodSpecError(
                 f"env {var['name']}: only literal values, fieldRef and secretKeyRef are "
@@ -217,7 +229,11 @@ def _rewrite_arg(arg: str, ip: str, mounts: dict[str, str]) -> str:
     flag, eq, value = arg.partition("=")
     if eq and flag.startswith("-") and value in _ANY_HOST:
         return f"{flag}={ip}"
-    arg = _LOOPBACK.sub(ip, arg)
+    return _rewrite_path(_LOOPBACK.sub(ip, arg), mounts)
+
+
+def _rewrite_path(arg: str, mounts: dict[str, str]) -> str:
+    """A path under a mount point (the whole text, or after `=`) moved to the local directory."""
     # Longest mount point first, so /etc/a/b wins over /etc/a.
     for mount_path in sorted(mounts, key=len, reverse=True):
         local = mounts[mount_path]
@@ -267,31 +283,80 @@ def container_argv(
 
 
 def volume_dirs(spec: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Volumes this kubelet can provide: name -> volume, for configMap and emptyDir only."""
+    """Volumes this kubelet can provide: name -> volume, for configMap, secret and emptyDir."""
     out = {}
     for volume in spec.get("volumes") or []:
-        if "configMap" in volume or "emptyDir" in volume:
+        if "configMap" in volume or "secret" in volume or "emptyDir" in volume:
             out[volume["name"]] = volume
         else:
             kinds = sorted(k for k in volume if k != "name")
             raise PodSpecError(
-                f"volume {volume['name']!r}: only configMap and emptyDir volumes run under the "
-                f"process kubelet, got {kinds}"
+                f"volume {volume['name']!r}: only configMap, secret and emptyDir volumes run "
+                f"under the process kubelet, got {kinds}"
             )
     return out
 
 
-def configmap_files(volume: dict[str, Any], configmap: dict[str, Any]) -> dict[str, str]:
-    """File name -> content for a configMap volume (honouring `items` when given)."""
-    data = dict(configmap.get("data") or {})
-    items = volume["configMap"].get("items")
+def volume_source(volume: dict[str, Any]) -> tuple[str, str] | None:
+    """(kind, name) of the object whose keys fill a volume: ("configMap", name) or ("secret",
+    secretName); None for an emptyDir."""
+    if "configMap" in volume:
+        return "configMap", volume["configMap"]["name"]
+    if "secret" in volume:
+        return "secret", volume["secret"]["secretName"]
+    return None
+
+
+def _relative(path: str, what: str) -> str:
+    """A path inside a volume: relative, without `..` (the API server refuses others)."""
+    pure = PurePosixPath(path)
+    if not path or pure.is_absolute() or ".." in pure.parts:
+        raise PodSpecError(f"{what} {path!r}: must be a relative path without '..'")
+    return path
+
+
+def volume_files(
+    volume: dict[str, Any], obj: dict[str, Any] | None
+) -> dict[str, tuple[bytes, int]]:
+    """Path in the volume -> (content, file mode) for a configMap or secret volume whose object
+    is `obj` (None: not found), as the kubelet writes them: every key, or only `items` (key ->
+    path, each with an optional `mode`), with `defaultMode` (0644 unless given). A missing
+    object or item key stops the pod unless the volume is `optional` (then an empty volume, or
+    the key left out)."""
+    source = volume_source(volume)
+    assert source is not None, "volume_files: an emptyDir has no files"
+    kind, name = source
+    spec = volume[kind]
+    where = f"volume {volume['name']!r}: {kind} {name!r}"
+    if obj is None:
+        if spec.get("optional"):
+            return {}
+        raise PodSpecError(f"{where} not found")
+    data = object_data(kind, obj)
+    mode = int(spec.get("defaultMode", DEFAULT_MODE))
+    items = spec.get("items")
     if not items:
-        return data
+        return {_relative(key, "key"): (value, mode) for key, value in data.items()}
     out = {}
     for item in items:
         if item["key"] not in data:
-            raise PodSpecError(
-                f"configMap {configmap['metadata']['name']!r} has no key {item['key']!r}"
-            )
-        out[item["path"]] = data[item["key"]]
+            if spec.get("optional"):
+                continue
+            raise PodSpecError(f"{where} has no key {item['key']!r}")
+        path = _relative(item["path"], f"{where}: items path")
+        out[path] = (data[item["key"]], int(item.get("mode", mode)))
+    return out
+
+
+def container_mounts(container: dict[str, Any], volumes: dict[str, str]) -> dict[str, str]:
+    """The container's mount points -> local paths: its volume's directory (`volumes`, name ->
+    directory), or the `subPath` inside it."""
+    out = {}
+    for mount in container.get("volumeMounts") or []:
+        if mount["name"] not in volumes:
+            raise PodSpecError(f"volumeMount {mount['mountPath']!r}: no volume {mount['name']!r}")
+        local = volumes[mount["name"]]
+        if mount.get("subPath"):
+            local = f"{local}/{_relative(mount['subPath'], 'subPath')}"
+        out[mount["mountPath"]] = local
     return out

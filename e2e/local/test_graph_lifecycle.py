@@ -5,15 +5,27 @@ loopback processes under the process kubelet), send requests through Envoy, wher
 (discovering the pods by its Kubernetes watch) picks workers by KV overlap; scale a service
 and see the new pod take traffic; delete the graph and see every process gone.
 
-The same scenarios run on a real cluster in `e2e/kind`.
+The same scenarios run on a real cluster in `e2e/kind`. One more turns on what the pods get
+from Secret volumes: the EPP's TLS certificate from a Secret the user made, and CURVE keys for
+the KV-event stream from the Secret the operator makes.
 """
+
+import asyncio
+import base64
+import ssl
 
 import aiohttp
 import pytest
 import pytest_asyncio
+import zmq
+import zmq.asyncio
+from cryptography.hazmat.primitives import serialization
 
+from dynamograph.epp.tls import self_signed_pair
 from dynamograph.local.procs import is_live
 from dynamograph.protocol.identity import instance_id
+from dynamograph.protocol.kv_curve import CurveKeys
+from dynamograph.protocol.kv_events import END_SEQ, encode_seq
 
 from ..graphs import load_example, renamed, with_engine, with_replicas, without_gpus
 from ..traffic import (
@@ -29,10 +41,11 @@ from ..traffic import (
     send_until,
 )
 from ..waiting import wait_for
+from . import pods as podlib
 from .cluster import local_cluster
 from .conftest import ENVOY_MISSING, requires_loopback_range
 from .gateway import run_gateway
-from .kubeapi import DEPLOYMENTS, INFERENCEPOOLS, PODS
+from .kubeapi import DEPLOYMENTS, INFERENCEPOOLS, PODS, SECRETS
 
 pytestmark = [
     pytest.mark.e2e,
@@ -209,5 +222,111 @@ async def test_disaggregated_graph_scales_and_cleans_up(cluster, tmp_path):
         )
         status = await cluster.wait_graph_state(ns, name, "ready", 60)
         assert status["status"]["services"]["decode"]["readyReplicas"] == 3
+
+    await delete_and_wait_gone(cluster, ns, name)
+
+
+async def served_certificate(ip: str, port: int) -> bytes:
+    """The DER certificate a TLS connection to ip:port is shown (no verification: just look)."""
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    context.set_alpn_protocols(["h2"])
+    _, writer = await asyncio.open_connection(ip, port, ssl=context)
+    try:
+        return writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
+    finally:
+        writer.transport.abort()  # the server's HTTP/2 preface is unread: no TLS goodbye
+
+
+async def replayed_batches(endpoint: str, keys: CurveKeys) -> int:
+    """How many KV-event batches a worker's replay socket hands a CURVE client holding `keys`
+    (from the first on). A worker whose socket is not a CURVE server with the same keys
+    completes no handshake, and this times out."""
+    context = zmq.asyncio.Context()
+    dealer = context.socket(zmq.DEALER)
+    try:
+        keys.subscribe(dealer)
+        dealer.connect(endpoint)
+        await dealer.send_multipart([b"", encode_seq(0)])
+        count = 0
+        while True:
+            if not await dealer.poll(30_000):
+                raise AssertionError(f"no end of replay from {endpoint} after {count} batches")
+            parts = await dealer.recv_multipart()
+            if parts[-2] == END_SEQ:
+                return count
+            count += 1
+    finally:
+        dealer.close(linger=0)
+        context.term()
+
+
+async def test_secured_graph_serves_tls_from_a_secret_and_kv_events_over_curve(cluster, tmp_path):
+    ns, name = "e2e-secure", "secure"
+    # The EPP's certificate, as `kubectl create secret tls` stores it (base64 `data`); the
+    # operator expects the user to make it, and makes the CURVE Secret itself.
+    pair = self_signed_pair((f"{name}-epp.{ns}.svc",))
+    tls_data = {"tls.crt": pair.certificate_chain, "tls.key": pair.private_key}
+    await cluster.api.create(
+        SECRETS,
+        ns,
+        {
+            "metadata": {"name": "secure-epp-tls", "namespace": ns},
+            "type": "kubernetes.io/tls",
+            "data": {k: base64.b64encode(v).decode() for k, v in tls_data.items()},
+        },
+    )
+    manifest = with_engine(without_gpus(renamed(load_example("agg"), name, ns)), speedup=SPEEDUP)
+    manifest = with_replicas(manifest, "worker", 2)
+    manifest["spec"]["kvEvents"] = {"curve": True}
+    manifest["spec"]["services"]["epp"]["tls"] = {"mode": "Secret", "secretName": "secure-epp-tls"}
+    await cluster.apply_graph(manifest)
+    await cluster.wait_graph_state(ns, name, "ready", READY_S)
+
+    (epp,) = await service_pods(cluster, ns, name, "epp")
+    epp_ip = epp["status"]["podIP"]
+    # The EPP serves the Secret's certificate, not one of its own making.
+    assert await served_certificate(epp_ip, 9002) == pair.certificate.public_bytes(
+        serialization.Encoding.DER
+    )
+
+    curve = await cluster.api.get(SECRETS, ns, f"{name}-kv-curve")
+    assert curve is not None, "the operator made no CURVE Secret"
+    keys_dir = tmp_path / "kv-curve"
+    keys_dir.mkdir()
+    for file, content in podlib.object_data("secret", curve).items():
+        (keys_dir / file).write_bytes(content)
+
+    async with (
+        run_gateway(cluster.api, ns, name, tmp_path / "envoy") as envoy,
+        aiohttp.ClientSession() as http,
+    ):
+        await wait_epp_knows(cluster, http, ns, name, {"aggregated": 2})
+        # Through Envoy, whose ext_proc connection to the EPP is TLS with that certificate.
+        replies = await run_families(http, envoy.url, MODEL, prompt_families(3, variants=3))
+        flat = [r for family in replies for r in family]
+        assert not failures(flat), failures(flat)
+        assert not affinity_breaks(replies, lambda r: r.decode_worker)
+
+        async def indexed():
+            text = await scrape(http, f"http://{epp_ip}:9090/metrics")
+            batches = metric_sum(text, "dynamograph_epp_kv_event_batches_total")
+            blocks = metric_sum(text, "dynamograph_epp_index_blocks")
+            return (batches, blocks) if batches and blocks else None
+
+        # The EPP subscribed to the workers' KV events and indexed them ...
+        await wait_for(indexed, "the EPP to index KV events", within=30, detail=cluster.describe)
+
+        # ... which the workers publish only to CURVE clients holding the graph's keys: a
+        # replay with the Secret's keys gets the batches of every worker that served.
+        served = {r.decode_worker for r in flat}
+        for worker in await service_pods(cluster, ns, name, "worker"):
+            if instance_id(worker["metadata"]["name"]) not in served:
+                continue
+            async with http.get(f"http://{worker['status']['podIP']}:8000/v1/engine") as r:
+                engine = await r.json()
+            replay = engine["kv_events"]["replay_endpoint"]
+            assert await replayed_batches(replay, CurveKeys.load(keys_dir)) > 0, replay
 
     await delete_and_wait_gone(cluster, ns, name)

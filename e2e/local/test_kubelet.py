@@ -1,9 +1,13 @@
-"""The process kubelet against the emulator: real worker pods from the operator's manifests.
+"""The process kubelet against the emulator: real worker pods from the operator's manifests,
+and Secret volumes.
 
-The Deployment is exactly what the operator generates for `examples/agg.yaml` (engine plus
-frontend sidecar per pod, downward-API env, probes), so this pins the contract between the
+The worker Deployment is exactly what the operator generates for `examples/agg.yaml` (engine
+plus frontend sidecar per pod, downward-API env, probes), so this pins the contract between the
 operator's pod specs and the cluster-in-a-box that runs them.
 """
+
+import base64
+import stat
 
 import aiohttp
 import pytest
@@ -16,7 +20,7 @@ from dynamograph.protocol.identity import instance_id
 
 from ..graphs import load_example, renamed, with_engine, with_replicas, without_gpus
 from ..waiting import wait_for
-from .kubeapi import DEPLOYMENTS, PODS, SECRETS, write_kubeconfig
+from .kubeapi import CONFIGMAPS, DEPLOYMENTS, PODS, SECRETS, write_kubeconfig
 from .kubelet import ProcessKubelet
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -102,3 +106,93 @@ async def test_deployment_becomes_ready_loopback_pods_that_scale_and_go(api_serv
             lambda: ready_pods(0), "no pods, no processes", within=60, detail=kubelet.describe
         )
         assert not any(is_live(pid) for pid in kubelet.stopped_pids)
+
+
+def reader_deployment(namespace: str) -> dict:
+    """A pod mounting a required Secret (items with modes), an optional one that does not exist
+    and a ConfigMap; its env names a file inside the Secret's mount."""
+    mounts = [
+        {"name": "tls", "mountPath": "/etc/tls", "readOnly": True},
+        {"name": "extra", "mountPath": "/etc/extra"},
+        {"name": "cfg", "mountPath": "/etc/cfg"},
+    ]
+    items = [
+        {"key": "tls.key", "path": "private/key", "mode": 0o400},
+        {"key": "tls.crt", "path": "tls.crt"},
+    ]
+    spec = {
+        "containers": [
+            {
+                "name": "main",
+                "command": ["dynamograph"],
+                "args": ["--help"],  # exits at once: this test looks at what the pod was given
+                "env": [{"name": "KEY_FILE", "value": "/etc/tls/private/key"}],
+                "volumeMounts": mounts,
+            }
+        ],
+        "volumes": [
+            {"name": "tls", "secret": {"secretName": "tls", "defaultMode": 0o440, "items": items}},
+            {"name": "extra", "secret": {"secretName": "not-there", "optional": True}},
+            {"name": "cfg", "configMap": {"name": "cfg"}},
+        ],
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "reader", "namespace": namespace},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": {"app": "reader"}},
+            "template": {"metadata": {"labels": {"app": "reader"}}, "spec": spec},
+        },
+    }
+
+
+async def test_secret_volume_waits_for_its_secret_then_holds_its_bytes(api_server, tmp_path):
+    url, api, _ = api_server
+    ns = "secret-volumes"
+    key = bytes(range(256))  # not text: nothing on the way may decode it
+    kubelet = ProcessKubelet(api, tmp_path / "pods", write_kubeconfig(tmp_path / "kc.yaml", url))
+    try:
+        await api.create(
+            CONFIGMAPS, ns, {"metadata": {"name": "cfg", "namespace": ns}, "data": {"a": "1"}}
+        )
+        await api.create(DEPLOYMENTS, ns, reader_deployment(ns))
+        # Rounds driven by hand: each is one level-triggered pass of the kubelet's loop.
+        await kubelet.reconcile()
+        assert not kubelet.pods and await api.list(PODS, ns) == []
+        assert kubelet.errors[-1].endswith(
+            f"deployment {ns}/reader: volume 'tls': secret 'tls' not found"
+        ), kubelet.errors
+        assert list((tmp_path / "pods" / ns).iterdir()) == []  # nothing of the unstarted pod
+
+        # As `kubectl create secret tls` stores it: base64 `data`, type kubernetes.io/tls.
+        data = {"tls.crt": b"CERT", "tls.key": key}
+        await api.create(
+            SECRETS,
+            ns,
+            {
+                "metadata": {"name": "tls", "namespace": ns},
+                "type": "kubernetes.io/tls",
+                "data": {k: base64.b64encode(v).decode() for k, v in data.items()},
+            },
+        )
+        await kubelet.reconcile()
+        (pod,) = kubelet.pods.values()
+        assert [p["metadata"]["name"] for p in await api.list(PODS, ns)] == [pod.name]
+        volumes = pod.directory / "volumes"
+        files = {
+            str(f.relative_to(volumes)): (f.read_bytes(), stat.S_IMODE(f.stat().st_mode))
+            for f in volumes.rglob("*")
+            if f.is_file()
+        }
+        assert files == {
+            "tls/private/key": (key, 0o400),
+            "tls/tls.crt": (b"CERT", 0o440),
+            "cfg/a": (b"1", 0o644),
+        }
+        assert (volumes / "extra").is_dir()  # the optional Secret that is not there: empty
+        (container,) = pod.containers
+        assert container.env["KEY_FILE"] == str(volumes / "tls" / "private" / "key")
+    finally:
+        await kubelet.stop()

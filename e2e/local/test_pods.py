@@ -1,7 +1,9 @@
 """Unit tests of the cluster-in-a-box's pure parts: pod specs -> argv/env/files, gateway."""
 
 import base64
+import os
 import random
+import re
 
 import pytest
 
@@ -81,9 +83,11 @@ def test_env_resolves_the_downward_api():
     assert env == {"BASE": "1", "POD_NAME": "p-1", "POD_IP": IP, "N": "3"}
     secret = {"env": [{"name": "S", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]}
     assert podlib.secret_names({"containers": [secret]}) == {"s"}
-    stored = podlib.secret_values({"data": {"k": base64.b64encode(b"tok").decode()}})
+    stored = podlib.object_data("secret", {"data": {"k": base64.b64encode(b"tok").decode()}})
     assert podlib.container_env(secret, refs, {}, {"s": stored}) == {"S": "tok"}
-    assert podlib.secret_values({"stringData": {"k": "tok"}}) == {"k": "tok"}
+    # Bytes that are not UTF-8 reach the process as they are (os.environ's encoding).
+    env = podlib.container_env(secret, refs, {}, {"s": {"k": b"\xfftok"}})
+    assert os.fsencode(env["S"]) == b"\xfftok"
     with pytest.raises(podlib.PodSpecError, match="key 'k' of Secret 's' not found"):
         podlib.container_env(secret, refs, {})
     secret["env"][0]["valueFrom"]["secretKeyRef"]["optional"] = True
@@ -126,17 +130,120 @@ def test_pod_manifest_and_status():
         podlib.resolve_port("http", pod["spec"])
 
 
-def test_volumes_and_configmap_files():
+def _b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode()
+
+
+def test_volume_kinds():
     spec = {
-        "volumes": [{"name": "cfg", "configMap": {"name": "c"}}, {"name": "tmp", "emptyDir": {}}]
+        "volumes": [
+            {"name": "cfg", "configMap": {"name": "c"}},
+            {"name": "tls", "secret": {"secretName": "s"}},
+            {"name": "tmp", "emptyDir": {}},
+        ]
     }
-    assert set(podlib.volume_dirs(spec)) == {"cfg", "tmp"}
-    with pytest.raises(podlib.PodSpecError, match="only configMap and emptyDir"):
-        podlib.volume_dirs({"volumes": [{"name": "s", "secret": {"secretName": "x"}}]})
+    volumes = podlib.volume_dirs(spec)
+    assert set(volumes) == {"cfg", "tls", "tmp"}
+    assert podlib.volume_source(volumes["cfg"]) == ("configMap", "c")
+    assert podlib.volume_source(volumes["tls"]) == ("secret", "s")
+    assert podlib.volume_source(volumes["tmp"]) is None
+    claim = {"name": "m", "persistentVolumeClaim": {"claimName": "x"}}
+    with pytest.raises(podlib.PodSpecError, match="only configMap, secret and emptyDir"):
+        podlib.volume_dirs({"volumes": [claim]})
+
+
+def test_object_data_decodes_each_kind_as_the_api_server_stores_it():
+    binary = bytes(range(256))
+    secret = {"data": {"bin": _b64(binary), "k": _b64(b"old")}, "stringData": {"k": "new"}}
+    # stringData wins over data, as the API server merges it.
+    assert podlib.object_data("secret", secret) == {"bin": binary, "k": b"new"}
+    cm = {"data": {"a": "caf\u00e9"}, "binaryData": {"b": _b64(binary)}}
+    assert podlib.object_data("configMap", cm) == {"a": "caf\u00e9".encode(), "b": binary}
+
+
+def test_configmap_and_secret_volume_files():
     cm = {"metadata": {"name": "c"}, "data": {"a.yaml": "a: 1", "b": "2"}}
-    assert podlib.configmap_files({"configMap": {"name": "c"}}, cm) == cm["data"]
-    items = {"configMap": {"name": "c", "items": [{"key": "b", "path": "sub/b.txt"}]}}
-    assert podlib.configmap_files(items, cm) == {"sub/b.txt": "2"}
+    whole = {"name": "cfg", "configMap": {"name": "c"}}
+    assert podlib.volume_files(whole, cm) == {"a.yaml": (b"a: 1", 0o644), "b": (b"2", 0o644)}
+    items = {"name": "cfg", "configMap": {"name": "c", "items": [{"key": "b", "path": "sub/b"}]}}
+    assert podlib.volume_files(items, cm) == {"sub/b": (b"2", 0o644)}
+
+    binary = b"\x00\xff\x80key"
+    secret = {
+        "metadata": {"name": "s"},
+        "type": "kubernetes.io/tls",
+        "data": {"tls.crt": _b64(b"CERT"), "tls.key": _b64(binary)},
+    }
+    volume = {"name": "tls", "secret": {"secretName": "s", "defaultMode": 0o440}}
+    assert podlib.volume_files(volume, secret) == {
+        "tls.crt": (b"CERT", 0o440),
+        "tls.key": (binary, 0o440),
+    }
+    volume["secret"]["items"] = [
+        {"key": "tls.key", "path": "private/key.pem", "mode": 0o400},
+        {"key": "tls.crt", "path": "cert.pem"},
+    ]
+    assert podlib.volume_files(volume, secret) == {
+        "private/key.pem": (binary, 0o400),
+        "cert.pem": (b"CERT", 0o440),
+    }
+
+
+def test_missing_objects_and_keys_stop_the_pod_unless_optional():
+    volume = {"name": "keys", "secret": {"secretName": "s"}}
+    with pytest.raises(podlib.PodSpecError, match="volume 'keys': secret 's' not found"):
+        podlib.volume_files(volume, None)
+    cm_volume = {"name": "cfg", "configMap": {"name": "c"}}
+    with pytest.raises(podlib.PodSpecError, match="volume 'cfg': configMap 'c' not found"):
+        podlib.volume_files(cm_volume, None)
+    secret = {"metadata": {"name": "s"}, "stringData": {"a": "1"}}
+    volume["secret"]["items"] = [{"key": "a", "path": "a"}, {"key": "b", "path": "b"}]
+    with pytest.raises(podlib.PodSpecError, match="secret 's' has no key 'b'"):
+        podlib.volume_files(volume, secret)
+    volume["secret"]["optional"] = True
+    assert podlib.volume_files(volume, None) == {}  # an empty directory
+    assert podlib.volume_files(volume, secret) == {"a": (b"1", 0o644)}
+
+
+def test_volume_paths_stay_inside_the_volume():
+    secret = {"metadata": {"name": "s"}, "stringData": {"a": "1"}}
+    for path in ("/etc/passwd", "../a", "x/../../a", ""):
+        volume = {"name": "v", "secret": {"secretName": "s", "items": [{"key": "a", "path": path}]}}
+        with pytest.raises(podlib.PodSpecError, match="must be a relative path"):
+            podlib.volume_files(volume, secret)
+    container = {"volumeMounts": [{"name": "v", "mountPath": "/m", "subPath": "../x"}]}
+    with pytest.raises(podlib.PodSpecError, match=re.escape("subPath '../x'")):
+        podlib.container_mounts(container, {"v": "/tmp/v"})
+
+
+def test_mounts_with_subpath_rewrite_argv_and_env():
+    container = {
+        "name": "epp",
+        "command": ["dynamograph"],
+        "args": ["epp", "--cert-path", "/etc/tls", "--key=/etc/key.pem"],
+        "env": [
+            {"name": "KEYS", "value": "/etc/keys"},
+            {"name": "CERT", "value": "/etc/tls/tls.crt"},
+            {"name": "OTHER", "value": "/etc/keysmith"},
+        ],
+        "volumeMounts": [
+            {"name": "tls", "mountPath": "/etc/tls", "readOnly": True},
+            {"name": "tls", "mountPath": "/etc/key.pem", "subPath": "tls.key"},
+            {"name": "keys", "mountPath": "/etc/keys"},
+        ],
+    }
+    mounts = podlib.container_mounts(container, {"tls": "/v/tls", "keys": "/v/keys"})
+    assert mounts == {
+        "/etc/tls": "/v/tls",
+        "/etc/key.pem": "/v/tls/tls.key",
+        "/etc/keys": "/v/keys",
+    }
+    argv = podlib.container_argv(container, IP, mounts, python="/py")
+    assert argv[3:] == ["epp", "--host", IP, "--cert-path", "/v/tls", "--key=/v/tls/tls.key"]
+    env = podlib.container_env(container, podlib.PodRefs("p", "ns", IP, "u"), {}, {}, mounts)
+    assert env == {"KEYS": "/v/keys", "CERT": "/v/tls/tls.crt", "OTHER": "/etc/keysmith"}
+    with pytest.raises(podlib.PodSpecError, match="no volume 'gone'"):
+        podlib.container_mounts({"volumeMounts": [{"name": "gone", "mountPath": "/g"}]}, {})
 
 
 def test_address_pool_never_repeats_and_stays_in_loopback():
