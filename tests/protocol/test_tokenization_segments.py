@@ -2,6 +2,7 @@
 encoding the whole text at once."""
 
 import random
+import re
 import unicodedata
 from pathlib import Path
 
@@ -82,6 +83,62 @@ def test_chunked_encoding_equals_whole_text(vocabulary, text, monkeypatch):
     chunks = tokenizer._chunks(text)
     assert "".join(chunks) == text
     assert np.array_equal(tokenizer.encode(text), _reference(tokenizer, text))
+
+
+# Text aimed at the special tokens' edges: whole ones, ones that begin like another (extra_1,
+# extra_10, extra_100), their beginnings and ends cut apart, and the marker's characters alone.
+_SPECIAL_EDGES = st.lists(
+    st.sampled_from(
+        [
+            *("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|extra_1|>", "<|extra_10|>"),
+            *(
+                "<|extra_100|>",
+                "<|extra_1",
+                "0|>",
+                "<|im_",
+                "start|>",
+                "<|",
+                "|>",
+                "<",
+                "|",
+                "a",
+                " ",
+            ),
+        ]
+    ),
+    max_size=60,
+).map("".join)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=_SPECIAL_EDGES)
+def test_special_tokens_are_split_out_as_a_regex_alternation_would(text):
+    """`_parts` finds special tokens by their first character; it splits as the regex of every
+    special token, longest first (what tiktoken honours), and the ids are tiktoken's."""
+    tokenizer = get_tokenizer("qwen")
+    specials = sorted(tokenizer._specials, key=len, reverse=True)
+    pieces = re.split("(" + "|".join(map(re.escape, specials)) + ")", text)
+    expected = [(piece, bool(i % 2)) for i, piece in enumerate(pieces) if piece]
+    assert tokenizer._parts(text) == (expected or [(text, False)])
+    assert np.array_equal(tokenizer.encode(text * 20), _reference(tokenizer, text * 20))
+
+
+def test_encoding_after_asking_its_cost_gives_the_same_ids(monkeypatch):
+    """The pipeline asks what a prompt costs, then encodes the same text (the second pass reuses
+    the first's split): the ids are the whole text's, and a text equal to it but new, or the
+    first text again after another, is encoded alike."""
+    tokenizer = get_tokenizer("qwen")
+    monkeypatch.setattr(tokenizer, "segments", SegmentCache(tokenizer._encode_ordinary))
+    doc = (REPO / "docs" / "benchmarks.md").read_text()[:30_000]
+    text = f"<|im_start|>user\n{doc}<|im_end|>\n<|im_start|>assistant\n"
+    expected = _reference(tokenizer, text)
+    assert tokenizer.uncached_text_chars(text) == len(doc) + len("user\n\nassistant\n")
+    assert np.array_equal(tokenizer.encode(text), expected)
+    assert tokenizer.uncached_text_chars(text) == 0
+    other = f"<|im_start|>user\nWhat changed?<|im_end|>\n<|im_start|>assistant\n{doc}"
+    assert np.array_equal(tokenizer.encode(other), _reference(tokenizer, other))
+    assert np.array_equal(tokenizer.encode("".join([text])), expected)
+    assert np.array_equal(tokenizer.encode(text[:-1] + text[-1]), expected)
 
 
 def test_prose_is_cut_into_chunks_that_encode_as_the_whole(monkeypatch):
