@@ -395,6 +395,33 @@ async def test_while_the_event_loop_runs_behind_new_requests_get_429_at_once():
             await client.close()
 
 
+async def test_one_long_pause_of_the_event_loop_refuses_nobody():
+    """One long pause of the loop (a collection, a slow import: here 1.5 s in one callback) is
+    not a backlog: the request that waited through it and the ones after it are admitted, and
+    the lag the EPP reports stays under its bound (it read 0.7 s, and refused them, when every
+    delay counted)."""
+    async with (
+        mock_worker(model=MODEL, name="epp-loop-pause") as worker,
+        running_epp([worker], max_loop_lag_s=0.05) as epp,
+    ):
+        client = ExtProcClient(epp.grpc_port)
+        loop = asyncio.get_running_loop()
+        try:
+            admitted, _, _ = await client.stream().request(chat_body("before"))
+            assert not admitted.HasField("immediate_response")
+            loop.call_soon(time.sleep, 1.5)
+            waited = asyncio.ensure_future(client.stream().request(chat_body("during")))
+            first, _, _ = await waited
+            assert not first.HasField("immediate_response"), "refused after one pause"
+            for i in range(5):
+                after, _, _ = await client.stream().request(chat_body(f"after {i}"))
+                assert not after.HasField("immediate_response"), "refused after one pause"
+                await asyncio.sleep(0.02)
+            assert epp.loop_lag.behind() < 0.05
+        finally:
+            await client.close()
+
+
 @pytest.mark.parametrize("filler", ["a", " "], ids=["no-whitespace", "whitespace"])
 async def test_a_10_mb_prompt_does_not_hold_up_small_requests(filler):
     """A ~10 MB prompt (BPE's worst case without whitespace, or all spaces) is answered, and
