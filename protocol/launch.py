@@ -26,8 +26,7 @@ from .router_config import ttft_scorers
 # Contract ports (docs/contracts.md).
 HTTP_PORT = 8080  # frontend; the InferencePool targetPort
 ENGINE_PORT = 8000  # engine HTTP API, also its /metrics
-KV_EVENTS_PORT = 5557
-KV_REPLAY_PORT = 5558
+KV_EVENTS_PORT = 5557  # DP rank 0's; its replay port: `kv_replay_port`
 EPP_GRPC_PORT = 9002
 EPP_HEALTH_PORT = 9003
 EPP_METRICS_PORT = 9090
@@ -81,10 +80,12 @@ _ROLES = {
 }
 
 
-def kv_replay_port(data_parallel_size: int) -> int:
-    """Rank r publishes on 5557 + r and replays on the replay port + r: with several ranks the
-    replay ports start after the last events port (5558 for one rank, as the contract says)."""
-    return KV_EVENTS_PORT + max(data_parallel_size, KV_REPLAY_PORT - KV_EVENTS_PORT)
+def kv_replay_port(data_parallel_size: int, events_port: int = KV_EVENTS_PORT) -> int:
+    """Rank r publishes on events_port + r and replays on the replay port + r, so the replay
+    ports start after the last events port: 5558 for one rank on the contract's 5557, 5559 for
+    two. The one rule for the operator and `dynamograph worker`'s default; an events port of 0
+    (free ports, the mock's) leaves the replay port free too."""
+    return 0 if events_port == 0 else events_port + max(data_parallel_size, 1)
 
 
 def worker_args(graph: DynamoGraph, spec: ServiceSpec) -> list[str]:

@@ -15,7 +15,7 @@ import sys
 from dynamograph.protocol.engine import Role
 from dynamograph.protocol.identity import default_worker_name
 from dynamograph.protocol.kv_curve import add_kv_curve_argument, kv_curve_from_args
-from dynamograph.protocol.launch import ADMIN_TOKEN_ENV
+from dynamograph.protocol.launch import ADMIN_TOKEN_ENV, kv_replay_port
 from dynamograph.protocol.tokenization import tokenizer_for_model
 
 from .cost import CostModel
@@ -130,8 +130,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-replay-port",
         type=int,
-        default=5558,
-        help="ZMQ ROUTER replay port of DP rank 0; rank r uses port + r",
+        default=None,
+        help="ZMQ ROUTER replay port of DP rank 0; rank r uses port + r (default: the port "
+        "after the last rank's events port, 5558 for one rank; 0 when --kv-events-port is 0)",
     )
     add_kv_curve_argument(p)
     p.add_argument(
@@ -238,14 +239,14 @@ def mock_config(args: argparse.Namespace):
     return MockConfig(
         model=args.model,
         served_model_name=args.served_model_name,
-        tokenizer=args.tokenizer or tokenizer_for_model(args.model),
+        tokenizer=args.tokenizer or tokenizer_for_model(args.model, simulated=True),
         role=Role(args.role),
         name=args.name or default_worker_name(),
         host=args.host,
         advertise_host=args.advertise_host or os.environ.get("POD_IP") or None,
         port=args.port,
         kv_events_port=args.kv_events_port,
-        kv_replay_port=args.kv_replay_port,
+        kv_replay_port=replay_port(args),
         kv_events_layout=args.kv_events_layout,
         block_size=args.block_size,
         num_gpu_blocks=args.num_gpu_blocks or 8192,
@@ -268,7 +269,27 @@ def mock_config(args: argparse.Namespace):
     )
 
 
+def replay_port(args: argparse.Namespace) -> int:
+    """--kv-replay-port, else the operator's rule (`protocol.launch.kv_replay_port`)."""
+    if args.kv_replay_port is not None:
+        return int(args.kv_replay_port)
+    return kv_replay_port(args.data_parallel_size, args.kv_events_port)
+
+
+def kv_ports_problem(args: argparse.Namespace) -> str | None:
+    """Events and replay ports that some two ranks would share (each rank adds its rank)."""
+    events, replay, ranks = args.kv_events_port, replay_port(args), args.data_parallel_size
+    if 0 in (events, replay) or abs(events - replay) >= ranks:
+        return None
+    return (f"--kv-events-port {events} and --kv-replay-port {replay} overlap with "
+            f"{ranks} data parallel ranks (rank r uses port + r on both)")  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> int:
+    problem = kv_ports_problem(args)
+    if problem is not None:
+        print(f"dynamograph worker: {problem}", file=sys.stderr)
+        return 2
     if args.engine == "vllm":
         if args.kv_curve_dir:
             print(

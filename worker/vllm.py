@@ -23,6 +23,7 @@ from typing import Any
 from dynamograph.protocol.engine import Role
 from dynamograph.protocol.identity import default_worker_name, instance_id
 
+from .cli import replay_port
 from .lora import LoraModule, adapter_ids
 from .vllm_engine import ENV as ENGINE_DOC_ENV
 from .vllm_engine import EngineDocument
@@ -30,24 +31,37 @@ from .vllm_engine import EngineDocument
 MIDDLEWARE = f"{EngineDocument.__module__}.{EngineDocument.__qualname__}"
 
 
-def kv_events_config(
-    args: argparse.Namespace, env: Mapping[str, str] | None = None
-) -> dict[str, Any]:
-    """vLLM's KV-events publisher: it binds `endpoint` (and the replay one), so they name the
-    advertised pod IP when there is one (not every interface of the node), else --host."""
-    env = os.environ if env is None else env
-    host = "*" if args.host in ("0.0.0.0", "", "::") else args.host
-    advertised = args.advertise_host or env.get("POD_IP")
-    with contextlib.suppress(ValueError):
-        host = str(ipaddress.ip_address(advertised or ""))
-        host = f"[{host}]" if ":" in host else host
+def kv_events_config(args: argparse.Namespace) -> dict[str, Any]:
+    """vLLM's KV-event publisher, listening where the EPP connects (the engine document's
+    endpoints, on the advertised host).
+
+    vLLM's `ZmqEventPublisher._socket_setup` (vllm/distributed/kv_events.py, every release from
+    0.9.0 to 0.33.0) BINDS the PUB endpoint only when it contains `*` or `::` or is ipc:// /
+    inproc://, and CONNECTS to any other: `tcp://<pod IP>:5557` would dial out to nobody. So
+    both endpoints are `tcp://*:PORT` (the replay ROUTER, always bound, alike: one rule), every
+    interface of the pod. Each DP rank adds its rank to both ports (`offset_endpoint_port`),
+    as `endpoint_for_rank` reads them. vLLM sets no IPV6 option on these sockets: they listen
+    on IPv4 only (`launch_problems` refuses an IPv6 advertise address)."""
     return {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": f"tcp://{host}:{args.kv_events_port}",
-        "replay_endpoint": f"tcp://{host}:{args.kv_replay_port}",
+        "endpoint": f"tcp://*:{args.kv_events_port}",
+        "replay_endpoint": f"tcp://*:{replay_port(args)}",
         "topic": "",
     }
+
+
+def launch_problems(args: argparse.Namespace, env: Mapping[str, str]) -> list[str]:
+    """Why vLLM's KV events could not reach the EPP with these flags (empty: they can)."""
+    problems = []
+    if 0 in (args.kv_events_port, replay_port(args)):
+        problems.append("--kv-events-port / --kv-replay-port 0 (free ports) are mock-only: "
+                        "the engine document must name the ports vLLM binds")  # fmt: skip
+    with contextlib.suppress(ValueError):
+        if ipaddress.ip_address(_advertised_host(args, env)).version == 6:
+            problems.append("vLLM's KV-event sockets listen on IPv4 only (no IPV6 socket "
+                            "option): give an IPv4 --advertise-host")  # fmt: skip
+    return problems
 
 
 def kv_transfer_config(role: Role) -> dict[str, Any] | None:
@@ -126,7 +140,7 @@ def engine_document(
         "tokenizer": tokenizer,
         "kv_events": {
             "endpoint": f"tcp://{advertise}:{args.kv_events_port}",
-            "replay_endpoint": f"tcp://{advertise}:{args.kv_replay_port}",
+            "replay_endpoint": f"tcp://{advertise}:{replay_port(args)}",
             "topic": kv_events_config(args)["topic"],
         },
         "engine": "vllm",
@@ -134,7 +148,7 @@ def engine_document(
     }
 
 
-def _advertised_host(args: argparse.Namespace, env: dict[str, str]) -> str:
+def _advertised_host(args: argparse.Namespace, env: Mapping[str, str]) -> str:
     """Where other pods reach this one (KV events, the NIXL side channel)."""
     return args.advertise_host or env.get("POD_IP") or args.host
 
@@ -160,6 +174,10 @@ def missing() -> list[str]:
 
 
 def run_vllm(args: argparse.Namespace) -> int:
+    problems = launch_problems(args, os.environ)
+    if problems:
+        print("dynamograph worker --engine vllm: " + "; ".join(problems), file=sys.stderr)
+        return 2
     problems = missing()
     if problems:
         print(

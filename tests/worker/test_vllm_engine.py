@@ -16,7 +16,6 @@ from dynamograph.worker import cli as worker_cli
 from dynamograph.worker.vllm import (
     MIDDLEWARE,
     engine_document,
-    kv_events_config,
     vllm_argv,
     vllm_env,
 )
@@ -65,21 +64,6 @@ def test_document_from_the_flags_vllm_gets():
     assert argv[argv.index("--middleware") + 1] == MIDDLEWARE
     module, _, name = MIDDLEWARE.rpartition(".")
     assert getattr(importlib.import_module(module), name) is EngineDocument  # vLLM imports it
-
-
-def test_vllms_kv_event_sockets_bind_the_pod_ip_not_every_interface():
-    def endpoints(*argv: str, env: dict[str, str]) -> tuple[str, str]:
-        config = kv_events_config(worker_args("--kv-events-port", "5600", *argv), env)
-        return config["endpoint"], config["replay_endpoint"]
-
-    assert endpoints(env={"POD_IP": "10.1.2.3"}) == ("tcp://10.1.2.3:5600", "tcp://10.1.2.3:5558")
-    assert endpoints("--advertise-host", "fd00::7", env={}) == (
-        "tcp://[fd00::7]:5600",
-        "tcp://[fd00::7]:5558",
-    )
-    # No address to bind (or a host name, which ZMQ cannot bind): --host, every interface.
-    assert endpoints(env={}) == ("tcp://*:5600", "tcp://*:5558")
-    assert endpoints("--advertise-host", "worker.local", env={})[0] == "tcp://*:5600"
 
 
 def test_without_a_gpu_block_override_vllm_decides_the_cache_size():
