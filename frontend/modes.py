@@ -9,13 +9,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from dynamograph.protocol.engine import Role
-from dynamograph.protocol.headers import PREFILL_INSTANCE_ID
 from dynamograph.protocol.nvext import NvExt
 from dynamograph.protocol.openai import OpenAIError
 from dynamograph.router.discovery import WorkerRecord
 
 from .directory import DECODE_ROLES, WorkerDirectory
-from .routing import PREFILL_WORKER_ID_REQUIRED, Mode, Pins, Target, check_pins
+from .routing import Mode, Pins, Target, check_pins
 
 NO_PREFILL_WORKERS = (
     "disaggregated serving is enforced (--enforce-disagg) but no prefill workers are "
@@ -83,13 +82,12 @@ class DirectMode:
         self.enforce_disagg = enforce_disagg
 
     async def pick(self, pins: Pins, nvext: NvExt | None, path: str, body: dict[str, Any]) -> Route:
+        # No prefill pin means aggregated, even with prefill workers discovered here: the picker
+        # routes aggregated when it has no ready one (it drops a worker whose scrapes fail, which
+        # this discovery does not see), and decode engines prefill themselves without
+        # kv_transfer_params. Graphs whose decode engines must not prefill run --enforce-disagg.
         check_pins(pins, self.mode, enforce_disagg=self.enforce_disagg)
-        route = pinned_route(self.directory, pins)
-        if pins.prefill is None and self.directory.with_roles((Role.PREFILL,)):
-            # Dynamo's direct routing: with prefill workers present, the picker must name one
-            # (serving aggregated instead would silently skip the disaggregated path)
-            raise OpenAIError(400, PREFILL_WORKER_ID_REQUIRED, param=PREFILL_INSTANCE_ID)
-        return route
+        return pinned_route(self.directory, pins)
 
     async def start(self) -> None:
         pass

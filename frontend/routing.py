@@ -54,11 +54,6 @@ WORKER_ID_REQUIRED = (
     "body); send the request through the gateway, or start the frontend with --mode kv or "
     "--mode round-robin to pick a worker itself"
 )
-PREFILL_WORKER_ID_REQUIRED = (
-    "Prefill worker ID required in direct routing mode but none found in the request: prefill "
-    f"workers are discovered, so the endpoint picker must set {PREFILL_INSTANCE_ID} (or "
-    "nvext.prefill_worker_id in the body)"
-)
 PREFILL_ID_REQUIRED = (
     "disaggregated serving is enforced (--enforce-disagg) but the request names no prefill "
     f"worker: expected {PREFILL_INSTANCE_ID} set by the endpoint picker (or "

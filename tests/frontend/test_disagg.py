@@ -2,6 +2,7 @@
 worker ran a one-token, non-streamed leg with do_remote_decode; the decode worker consumed its
 kv_transfer_params and reports the prompt's KV as cached (pulled, not recomputed)."""
 
+import openai
 import pytest
 
 from dynamograph.frontend.routing import Mode
@@ -91,3 +92,43 @@ async def test_round_robin_mode_disaggregates_when_prefill_workers_exist(model):
         out = await client(fe).completions.create(model=model, prompt=PROMPT, max_tokens=2)
         assert out.usage.prompt_tokens_details.cached_tokens > 0
         assert (await served(prefill))["total"] == 1 and (await served(decode))["total"] == 1
+
+
+async def test_a_request_routed_without_a_prefill_worker_is_served_aggregated(model):
+    """The endpoint picker routes aggregated when it has no ready prefill worker (it drops one
+    whose scrapes fail) while this sidecar may still discover it: no x-prefill-instance-id
+    means aggregated (docs/frontend.md), as in the picking modes. Only `--enforce-disagg`,
+    for decode engines that must not prefill, refuses it."""
+    async with (
+        mock_worker(role=Role.PREFILL) as prefill,
+        mock_worker(role=Role.DECODE) as decode,
+        run_frontend(decode, [prefill, decode]) as fe,
+    ):
+        out = await client(fe).completions.create(
+            model=model,
+            prompt=PROMPT,
+            max_tokens=3,
+            extra_headers=route(decode),
+            extra_body={"nvext": {"extra_fields": ["worker_id"]}, "ignore_eos": True},
+        )
+        assert out.usage.completion_tokens == 3
+        assert (await served(prefill))["total"] == 0
+        (d,) = (await served(decode))["recent"]
+        assert not d["kv_transfer"] and d["cached_tokens"] == 0  # prefilled by the decode worker
+        assert out.model_extra["nvext"]["worker_id"] == {
+            "decode_worker_id": decode.config.instance_id
+        }
+        assert await frontend_metric(fe, "dynamograph_frontend_requests_total", disagg="false") == 1
+
+    async with (
+        mock_worker(role=Role.PREFILL) as prefill,
+        mock_worker(role=Role.DECODE) as decode,
+        run_frontend(decode, [prefill, decode], enforce_disagg=True) as fe,
+    ):
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client(fe).completions.create(
+                model=model, prompt=PROMPT, max_tokens=3, extra_headers=route(decode)
+            )
+        assert "--enforce-disagg" in refused.value.message
+        assert "x-prefill-instance-id" in refused.value.message
+        assert (await served(prefill))["total"] == 0 and (await served(decode))["total"] == 0

@@ -279,22 +279,6 @@ async def test_expected_output_length_is_booked_load(model):
                 await long_running
 
 
-async def test_direct_mode_with_prefill_workers_requires_a_prefill_id(model):
-    """Dynamo's direct routing: prefill workers exist, the request names none → error (it was
-    served aggregated, silently)."""
-    async with (
-        mock_worker(role=Role.PREFILL) as prefill,
-        mock_worker(role=Role.DECODE) as decode,
-        run_frontend(decode, [prefill, decode]) as fe,
-    ):
-        body = {"model": model, "prompt": PROMPT, "max_tokens": 1}
-        status, out, _ = await post(fe, body, route(decode))
-        assert status == 400 and "Prefill worker ID required" in out["error"]["message"]
-        assert (await served(decode))["total"] == 0
-        status, out, _ = await post(fe, body, route(decode, prefill=prefill))
-        assert status == 200, out
-
-
 async def health(fe) -> tuple[int, dict[str, Any]]:
     async with aiohttp.ClientSession() as session, session.get(fe.url + "/health") as r:
         return r.status, await r.json()

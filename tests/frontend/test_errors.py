@@ -96,13 +96,6 @@ async def test_request_errors(model):
             "kv_transfer_params",
             "may not come from the client",
         )
-        # A prefill worker is discovered: the picker must name one (Dynamo's direct routing).
-        await expect_error(
-            api.completions.create(**completion, extra_headers=route(local)),
-            400,
-            "Prefill worker ID required",
-            "x-prefill-instance-id",
-        )
         # On the prefill leg it is named as the prefill worker's refusal.
         await expect_error(
             api.completions.create(
@@ -124,7 +117,7 @@ async def test_request_errors(model):
             )
             for outcome in ("client_error", "unavailable", "ok")
         }
-        assert counted == {"client_error": 9, "unavailable": 2, "ok": 0}
+        assert counted == {"client_error": 8, "unavailable": 2, "ok": 0}
 
 
 async def test_the_engines_refusal_passes_through_unchanged(model):
