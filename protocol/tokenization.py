@@ -991,12 +991,26 @@ def _load_tokenizer(spec: str, fast: bool) -> Tokenizer:
     )
 
 
-def tokenizer_for_model(model: str) -> str:
-    """The embedded default's tokenizer spec for a model name (Qwen vocabularies offline)."""
+def tokenizer_for_model(model: str, *, simulated: bool = False) -> str:
+    """The tokenizer spec of a model whose vocabulary ships with dynamograph: Qwen3.5 and 3.6
+    have their own, the other Qwen models (2, 2.5, 3) share `qwen`. `simulated`: for the mock
+    engine, which computes nothing with the model it is named after and tokenizes with the
+    embedded default whatever that is.
+
+    A real engine serving any other model needs its own tokenizer named (`--tokenizer`,
+    `model.tokenizer`, `tokenizer` in an engine document): ValueError saying so. A guess would
+    hash prompts into other token ids than the engine's KV events carry, and KV routing would
+    find no overlap, silently."""
     lowered = model.lower()
     if "qwen3.5" in lowered or "qwen3.6" in lowered:
         return "qwen:qwen3.5-27b"
-    return DEFAULT_TOKENIZER
+    if simulated or "qwen" in lowered:
+        return DEFAULT_TOKENIZER
+    raise ValueError(
+        f"model {model!r}: its tokenizer is not one dynamograph ships (Qwen only); name it: "
+        "the path of the model's tokenizer.json, readable by the engine and the EPP "
+        "(`--tokenizer`, or `model.tokenizer` in the DynamoGraph)"
+    )
 
 
 def request_tokens(tokenizer: Tokenizer, path: str, body: Mapping[str, Any]) -> np.ndarray:

@@ -15,6 +15,7 @@ import sys
 from dynamograph.protocol.engine import Role
 from dynamograph.protocol.identity import default_worker_name
 from dynamograph.protocol.kv_curve import add_kv_curve_argument, kv_curve_from_args
+from dynamograph.protocol.kv_events import ARRAY, LAYOUTS
 from dynamograph.protocol.launch import ADMIN_TOKEN_ENV, kv_replay_port
 from dynamograph.protocol.tokenization import tokenizer_for_model
 
@@ -137,9 +138,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_kv_curve_argument(p)
     p.add_argument(
         "--kv-events-layout",
-        choices=["array", "map"],
-        default="array",
-        help="mock: KV event encoding, vLLM's array layout or vLLM >= 0.28's tagged maps",
+        choices=LAYOUTS,
+        default=ARRAY,
+        help="mock: KV event encoding: array (vLLM 0.9-0.23), map (events as tagged maps, vLLM "
+        "0.24-0.33) or map-batch (the batch a map too, vLLM's source after 0.33; default array)",
     )
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
     p.add_argument(

@@ -57,13 +57,17 @@ def test_engine_config_round_trip_and_validation():
 
 
 def test_engine_config_needs_only_the_model():
-    """Dynamo's EngineConfig requires only `model`; the rest is filled (docs/nvext.md)."""
+    """Dynamo's EngineConfig requires only `model`; the rest is filled (docs/nvext.md), the
+    tokenizer only for a model whose vocabulary ships with dynamograph."""
     config = EngineConfig.model_validate_json('{"model": "Qwen/Qwen3-0.6B"}', context={"name": "p"})
     assert (config.served_model_name, config.name) == ("Qwen/Qwen3-0.6B", "p")
     assert config.instance_id == instance_id("p") and config.tokenizer == "qwen"
     assert config.kv_cache_block_size == 16 and "kv_cache_block_size" not in config.model_fields_set
     assert config.total_kv_blocks is None and config.role == Role.AGGREGATED
-    assert EngineConfig.model_validate({"model": "m"}).name == "m"  # no context: the served name
+    named = EngineConfig.model_validate({"model": "m", "tokenizer": "qwen"})
+    assert named.name == "m"  # no context: the served name
+    with pytest.raises(ValidationError, match="'m': its tokenizer is not one dynamograph ships"):
+        EngineConfig.model_validate({"model": "m"})  # not a Qwen model: its tokenizer is named
     with pytest.raises(ValidationError, match="model"):
         EngineConfig.model_validate({"served_model_name": "m"})
 

@@ -4,7 +4,9 @@ import json
 
 import numpy as np
 import pytest
+from pydantic import ValidationError
 
+from dynamograph.protocol.engine import EngineConfig
 from dynamograph.protocol.openai import OpenAIError
 from dynamograph.protocol.tokenization import get_tokenizer, request_tokens, tokenizer_for_model
 
@@ -93,7 +95,21 @@ def test_unknown_tokenizer_spec():
 
 def test_model_names_map_to_offline_vocabularies():
     assert tokenizer_for_model("Qwen/Qwen3-0.6B") == "qwen"
+    assert tokenizer_for_model("Qwen/Qwen2.5-72B-Instruct") == "qwen"
     assert tokenizer_for_model("Qwen/Qwen3.5-27B") == "qwen:qwen3.5-27b"
+
+
+def test_another_models_tokenizer_is_never_guessed():
+    """A real engine serving Llama tokenizes with Llama's vocabulary: hashing its prompts with
+    Qwen's ids would find no overlap with its KV events, so the tokenizer must be named. The mock
+    engine, which simulates any model with the embedded vocabulary, still gets the default."""
+    with pytest.raises(ValueError, match=r"Llama-3\.3-70B-Instruct.*tokenizer\.json"):
+        tokenizer_for_model("meta-llama/Llama-3.3-70B-Instruct")
+    assert tokenizer_for_model("meta-llama/Llama-3.3-70B-Instruct", simulated=True) == "qwen"
+    with pytest.raises(ValidationError, match="its tokenizer is not one dynamograph ships"):
+        EngineConfig(model="meta-llama/Llama-3.3-70B-Instruct", name="w")
+    named = EngineConfig(model="meta-llama/Llama-3.3-70B-Instruct", name="w", tokenizer="/t.json")
+    assert named.tokenizer == "/t.json"
 
 
 def test_concurrent_first_loads_share_one_tokenizer(monkeypatch):
