@@ -441,7 +441,11 @@ async def fetch_engine_config(
                 ENGINE_PATH,
             )
         response.raise_for_status()
-        config = EngineConfig.model_validate_json(await response.read(), context={"name": name})
+        try:
+            config = EngineConfig.model_validate_json(await response.read(), context={"name": name})
+        except ValidationError as exc:  # unlike an engine still starting, not fixed by waiting
+            log.warning("engine %s: its %s cannot be used: %s", engine_url, ENGINE_PATH, exc)
+            raise
         if "kv_cache_block_size" not in config.model_fields_set:
             log.warning(
                 "engine %s does not say its KV block size; assuming %d (vLLM's default)",

@@ -62,6 +62,7 @@ def test_template_fills_each_worker_from_its_address(tmp_path):
         ("model: m\ntokenizer: qwen\nkv_events: {endpoint: 'tcp://{pod}:1'}\n", "{host}"),
         ("model: m\ntokenizer: qwen\nkv_cache_block_size: 0\n", "kv_cache_block_size"),
         ("model: m\ntokenizer: qwen\nbogus: 1\n", "bogus"),
+        ("model: meta-llama/Llama-3.1-8B\n", "tokenizer"),  # not a vocabulary we ship
     ],
 )
 def test_a_wrong_document_is_refused_when_loaded(tmp_path, doc, error):
@@ -165,6 +166,35 @@ async def test_without_a_document_a_foreign_worker_stays_undiscovered():
         await discovery.start()
         with pytest.raises(TimeoutError):
             await discovery.wait_for(lambda: len(discovery.records) > 0, within=0.5)
+    finally:
+        await discovery.stop()
+        await runner.cleanup()
+
+
+@pytest.mark.integration
+async def test_an_engine_document_without_its_models_tokenizer_is_not_routed_and_says_why(caplog):
+    """An engine serving Llama whose /v1/engine names no tokenizer would be routed with Qwen's
+    token ids: it stays undiscovered, and the log says what its document lacks."""
+    app = web.Application()
+    doc = {"model": "meta-llama/Llama-3.1-8B", "kv_cache_block_size": 16}
+
+    async def engine(_: web.Request) -> web.Response:
+        return web.json_response(doc)
+
+    app.router.add_get("/v1/engine", engine)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    discovery = Discovery(
+        StaticSource([parse_worker_flag(f"http://127.0.0.1:{port}")]), retry_interval=0.05
+    )
+    try:
+        await discovery.start()
+        with pytest.raises(TimeoutError):
+            await discovery.wait_for(lambda: len(discovery.records) > 0, within=0.5)
+        warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert any("cannot be used" in m and "tokenizer" in m for m in warned), warned
     finally:
         await discovery.stop()
         await runner.cleanup()
