@@ -1,21 +1,27 @@
 """vLLM's KV cache events on ZMQ: the wire format the mock engine publishes and the EPP reads.
 
-Matches vLLM's `ZmqEventPublisher`:
+Matches vLLM's `ZmqEventPublisher` (vllm/distributed/kv_events.py):
 - PUB socket, multipart `[topic, seq (8-byte big-endian), payload]`;
-- payload = msgpack `EventBatch` as an array `[ts, [event, ...], dp_rank | nil]`;
-- events are tagged arrays: `["BlockStored", block_hashes, parent_block_hash | nil, token_ids,
-  block_size, lora_id | nil, medium]`, `["BlockRemoved", block_hashes, medium]`,
-  `["AllBlocksCleared"]`; trailing default fields may be omitted (msgspec `omit_defaults`);
-  engine hashes may be ints or bytes; vLLM >= 0.28 sends the same events as maps tagged by a
-  `type` field (`{"type": "BlockStored", "block_hashes": ...}`): `decode_batch` reads both,
-  `encode_batch` writes the array layout unless asked for maps;
+- payload = msgpack `EventBatch` of `ts`, `events` and `data_parallel_rank` (vLLM >= 0.10),
+  the events `BlockStored` (block_hashes, parent_block_hash | nil, token_ids, block_size,
+  lora_id | nil, medium, then what newer vLLMs add: lora_name, extra_keys, group_idx, ...),
+  `BlockRemoved` (block_hashes, medium, ...) and `AllBlocksCleared`; trailing fields with
+  defaults may be omitted (msgspec `omit_defaults`); engine hashes may be ints or bytes;
+- three `LAYOUTS` of those msgspec Structs, which `decode_batch` all reads: `ARRAY`, vLLM
+  0.9.0 to 0.23.0 (batch and events `array_like`): `[ts, [event, ...], dp_rank]` with tagged
+  arrays `["BlockStored", block_hashes, ...]`; `MAP`, vLLM 0.24.0 to 0.33.0 (the events dropped
+  `array_like`, vLLM PR #42892; the batch kept it): the same outer array, each event a map
+  tagged by its `type` field (`{"type": "BlockStored", "block_hashes": ...}`); `MAP_BATCH`,
+  the batch a map too (`{"ts", "events", "data_parallel_rank"}`), as vLLM's source has it at
+  commit 0181ea31 (no release up to 0.33.0 ships it);
 - replay: a DEALER sends `[b"", start_seq]` to the ROUTER socket, which answers one
-  `[b"", seq, payload]` per buffered batch from `start_seq` on and ends with `[b"", -1, b""]`;
+  `[b"", seq, payload]` per buffered batch from `start_seq` on and ends with `[b"", -1, b""]`
+  (vLLM >= 0.26 puts its topic frame before the seq);
 - with data parallelism every rank publishes on its own port: base port + rank.
 
 Two decoders, one meaning. `decode_batch` builds Python lists (msgpack.unpackb) and reads every
-layout. `parse_batch`, after `warm_up()` (the routers' index warm-up calls it), reads vLLM's
-ordinary array layout with a compiled parser (`kv_events_kernel`) into numpy arrays: a
+layout. `parse_batch`, after `warm_up()` (the routers' index warm-up calls it), reads the
+`ARRAY` layout with a compiled parser (`kv_events_kernel`) into numpy arrays: a
 BlockStored's `token_ids` a u32 array (what the block hasher takes as is), its and a
 BlockRemoved's `block_hashes` views of one uint64 buffer (int64 when the engine sent negative
 ints, so the values are the engine's); everything else equal to `decode_batch`'s, and `None`
@@ -99,7 +105,8 @@ def _event_to_wire(event: KvEvent) -> list[Any]:
 
 
 def _event_to_map(event: KvEvent) -> dict[str, Any]:
-    """vLLM >= 0.28's layout: the event's fields by name, tagged by `type`."""
+    """An event as vLLM >= 0.24 encodes it: its fields by name, tagged by `type` (`lora_name`
+    has no default there, so it is always sent)."""
     if isinstance(event, BlockStored):
         return {
             "type": "BlockStored", "block_hashes": _plain(event.block_hashes),
@@ -115,12 +122,22 @@ def _event_to_map(event: KvEvent) -> dict[str, Any]:
     return {"type": "AllBlocksCleared"}
 
 
-def encode_batch(batch: EventBatch, *, map_layout: bool = False) -> bytes:
-    """vLLM's array layout by default; `map_layout` writes vLLM >= 0.28's maps."""
-    to_wire = _event_to_map if map_layout else _event_to_wire
-    data: bytes = msgpack.packb(
-        [batch.ts, [to_wire(e) for e in batch.events], batch.data_parallel_rank]
-    )
+ARRAY, MAP, MAP_BATCH = "array", "map", "map-batch"  # the layouts (module docstring)
+LAYOUTS = (ARRAY, MAP, MAP_BATCH)
+
+
+def encode_batch(batch: EventBatch, *, layout: str = ARRAY) -> bytes:
+    """`batch` in one of vLLM's `LAYOUTS` (module docstring)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"KV event layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
+    to_wire = _event_to_wire if layout == ARRAY else _event_to_map
+    events = [to_wire(e) for e in batch.events]
+    raw: Any = [batch.ts, events, batch.data_parallel_rank]
+    if layout == MAP_BATCH:
+        raw = {"ts": batch.ts, "events": events}
+        if batch.data_parallel_rank is not None:  # msgspec's omit_defaults
+            raw["data_parallel_rank"] = batch.data_parallel_rank
+    data: bytes = msgpack.packb(raw)
     return data
 
 
@@ -132,7 +149,7 @@ _MAP_FIELDS = {
 
 
 def _event_from_map(raw: dict[str, Any]) -> KvEvent:
-    """vLLM >= 0.28 drops `array_like`: an event is a map tagged by its `type` field."""
+    """vLLM >= 0.24 drops the events' `array_like`: an event is a map tagged by `type`."""
     tag = raw.get("type")
     if tag not in _MAP_FIELDS:
         raise KvEventDecodeError(f"unknown KV event type {tag!r}")
@@ -173,11 +190,18 @@ def decode_batch(payload: bytes) -> EventBatch:
         raw = msgpack.unpackb(payload, strict_map_key=False)
     except (msgpack.UnpackException, ValueError) as exc:
         raise KvEventDecodeError(f"payload is not msgpack: {exc}") from None
-    if not isinstance(raw, list | tuple) or len(raw) < 2:
-        raise KvEventDecodeError(f"EventBatch must be [ts, events, dp_rank], got {raw!r:.80}")
-    dp_rank = raw[2] if len(raw) > 2 else None
+    if isinstance(raw, dict) and "ts" in raw and "events" in raw:  # MAP_BATCH
+        ts, events, dp_rank = raw["ts"], raw["events"], raw.get("data_parallel_rank")
+    elif isinstance(raw, list | tuple) and len(raw) >= 2:
+        ts, events, dp_rank = raw[0], raw[1], raw[2] if len(raw) > 2 else None
+    else:
+        raise KvEventDecodeError(
+            f"EventBatch must be [ts, events, dp_rank] or a map of them, got {raw!r:.80}"
+        )
+    if not isinstance(events, list | tuple):
+        raise KvEventDecodeError(f"EventBatch events must be an array, got {events!r:.80}")
     return EventBatch(
-        ts=raw[0], events=[_event_from_wire(e) for e in raw[1]], data_parallel_rank=dp_rank
+        ts=ts, events=[_event_from_wire(e) for e in events], data_parallel_rank=dp_rank
     )
 
 

@@ -14,7 +14,7 @@ It reads only what it can turn into exactly the objects `msgpack.unpackb` + `dec
 would give (see `kv_events.parse_batch`): ints of every width, nil, float32/64 (the timestamp),
 arrays, strings (tags, medium; ASCII only, so no UTF-8 to validate), and — in the trailing
 fields a newer vLLM may add, which the decoder ignores — also booleans, floats, bins and
-arrays of those nested up to `SKIP_DEPTH` deep. Anything else (maps: vLLM >= 0.28's events;
+arrays of those nested up to `SKIP_DEPTH` deep. Anything else (maps: vLLM >= 0.24's events;
 bytes hashes; ext types; token ids outside u32; an event whose hashes mix negative ints with
 ints of 2^63 and more; malformed or truncated data; bytes after the batch) returns `NOT_MINE`,
 and the caller decodes the payload the ordinary way (which raises what it raises today).

@@ -141,7 +141,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=LAYOUTS,
         default=ARRAY,
         help="mock: KV event encoding: array (vLLM 0.9-0.23), map (events as tagged maps, vLLM "
-        "0.24-0.33) or map-batch (the batch a map too, vLLM's source after 0.33; default array)",
+        "0.24-0.33) or map-batch (the batch a map too, as vLLM's source has it at one commit; "
+        "no release); default array",
     )
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
     p.add_argument(

@@ -1,8 +1,8 @@
 """KV event publisher for one engine rank: vLLM's ZmqEventPublisher, byte for byte.
 
 - PUB socket: every batch goes out as `[topic, seq (8 bytes big-endian), msgpack EventBatch]`,
-  with seq increasing by one per batch from 0; events in the array layout, or in vLLM >= 0.28's
-  `type`-tagged maps when asked.
+  with seq increasing by one per batch from 0; the batch in one of the layouts vLLM has used
+  (`protocol.kv_events.LAYOUTS`: the array layout unless asked).
 - ROUTER replay socket: a DEALER sends `[b"", start_seq]`; the publisher answers one
   `[b"", seq, payload]` per buffered batch with seq >= start_seq, then `[b"", END_SEQ, b""]`.
   The buffer keeps the last `buffer_steps` batches (vLLM's default: 10,000).
@@ -24,6 +24,7 @@ import zmq.asyncio
 
 from dynamograph.protocol.kv_curve import CurveKeys
 from dynamograph.protocol.kv_events import (
+    ARRAY,
     DEFAULT_TOPIC,
     END_SEQ,
     EventBatch,
@@ -58,10 +59,10 @@ class KvEventPublisher:
         dp_rank: int,
         topic: str = DEFAULT_TOPIC,
         buffer_steps: int = BUFFER_STEPS,
-        map_layout: bool = False,
+        layout: str = ARRAY,
     ):
         self._pub = pub
-        self._map_layout = map_layout
+        self._layout = layout
         self._replay = replay
         self.dp_rank = dp_rank
         self.topic = topic.encode()
@@ -75,7 +76,7 @@ class KvEventPublisher:
         self.next_seq += 1
         payload = encode_batch(
             EventBatch(ts=time.time(), events=events, data_parallel_rank=self.dp_rank),
-            map_layout=self._map_layout,
+            layout=self._layout,
         )
         self.buffer.append((seq, payload))
         try:
@@ -113,7 +114,7 @@ def bind_publishers(
     ranks: int,
     topic: str = DEFAULT_TOPIC,
     attempts: int = 20,
-    map_layout: bool = False,
+    layout: str = ARRAY,
     buffer_steps: int = BUFFER_STEPS,
     curve: CurveKeys | None = None,
 ) -> tuple[list[KvEventPublisher], int, int]:
@@ -157,7 +158,7 @@ def bind_publishers(
                     dp_rank=r,
                     topic=topic,
                     buffer_steps=buffer_steps,
-                    map_layout=map_layout,
+                    layout=layout,
                 )
                 for r in range(ranks)
             ]

@@ -23,7 +23,7 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 
 from dynamograph.protocol.engine import BOOTSTRAP_ROOM, EngineConfig, KvEventsEndpoint, Role
 from dynamograph.protocol.kv_curve import CurveKeys
-from dynamograph.protocol.kv_events import DEFAULT_TOPIC
+from dynamograph.protocol.kv_events import ARRAY, DEFAULT_TOPIC, LAYOUTS
 from dynamograph.protocol.tokenization import get_tokenizer
 
 from .cost import CostModel
@@ -67,7 +67,7 @@ class MockConfig:
     kv_events_port: int = 5557
     kv_replay_port: int = 5558
     kv_events: bool = True
-    kv_events_layout: str = "array"  # or "map": vLLM >= 0.28's event encoding
+    kv_events_layout: str = ARRAY  # one of protocol.kv_events.LAYOUTS: vLLM's encodings
     block_size: int = 16
     num_gpu_blocks: int = 8192
     max_num_seqs: int = 256
@@ -123,6 +123,8 @@ class MockConfig:
             raise ValueError("--max-loras must be positive")
         if self.scheduling_policy not in ("priority", "fcfs"):
             raise ValueError("--scheduling-policy must be priority or fcfs")
+        if self.kv_events_layout not in LAYOUTS:
+            raise ValueError(f"--kv-events-layout must be one of {', '.join(LAYOUTS)}")
         check_modules(self.lora_modules, self.served)
 
     @property
@@ -176,7 +178,7 @@ class MockEngine(LLMEngine):
             bind = functools.partial(
                 bind_publishers, self._zmq, events_port=cfg.kv_events_port,
                 replay_port=cfg.kv_replay_port, ranks=cfg.data_parallel_size,
-                topic=DEFAULT_TOPIC, map_layout=cfg.kv_events_layout == "map",
+                topic=DEFAULT_TOPIC, layout=cfg.kv_events_layout,
                 curve=cfg.kv_curve,
             )  # fmt: skip
             try:

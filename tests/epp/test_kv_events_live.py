@@ -9,6 +9,7 @@ import orjson
 import pytest
 
 from dynamograph.protocol.hashing import block_hashes
+from dynamograph.protocol.kv_events import LAYOUTS
 from dynamograph.protocol.tokenization import get_tokenizer, request_tokens
 from dynamograph.worker.testing import mock_worker, worker_process
 from e2e.waiting import wait_for
@@ -183,3 +184,27 @@ async def test_joining_a_worker_whose_replay_lost_the_start_indexes_what_comes_n
             assert "joined worker" in caplog.text
             assert not [r for r in caplog.records if r.levelname == "WARNING"]
             assert _held(epp, wid, _hashes(epp, old)) == 0  # its history is unknown, not guessed
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+async def test_every_layout_vllm_publishes_reaches_the_index(layout):
+    """The mock publishing in each of vLLM's layouts (`protocol.kv_events.LAYOUTS`): what the
+    EPP replays (a batch from before it joined) and what it gets live both land in the index."""
+    async with (
+        mock_worker(model=MODEL, name=f"kv-{layout}", kv_events_layout=layout) as worker,
+        aiohttp.ClientSession() as http,
+    ):
+        early = _chat(f"{layout} layout, sent before the EPP joined " * 100)
+        await _complete(http, worker, early)
+        async with running_epp([worker]) as epp:
+            wid = worker.config.instance_id
+            late = _chat(f"{layout} layout, sent live " * 100)
+            await _complete(http, worker, late)
+            for body in (early, late):
+                hashes = _hashes(epp, body)
+                await wait_for(
+                    lambda h=hashes: _held(epp, wid, h) >= len(h) - 1,
+                    "the index to hold the prompt's blocks",
+                )
+            assert epp.metrics.kv_batches.labels("replay")._value.get() >= 1
+            assert epp.metrics.kv_batches.labels("live")._value.get() >= 1

@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 from dynamograph.protocol import kv_events
 from dynamograph.protocol.hashing import as_token_array, block_hash_array
 from dynamograph.protocol.kv_events import (
+    MAP,
+    MAP_BATCH,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -218,9 +220,10 @@ def test_what_the_parser_reads_and_what_it_leaves():
         "extra batch field": [1.0, [], None, [1, 2.5, True]],
     }
     left = {
-        "maps (vLLM >= 0.28)": encode_batch(
-            EventBatch(1.0, [BlockStored([1, 2], None, tokens, 16)]), map_layout=True
+        "maps (vLLM >= 0.24)": encode_batch(
+            EventBatch(1.0, [BlockStored([1, 2], None, tokens, 16)]), layout=MAP
         ),
+        "a map batch": encode_batch(EventBatch(1.0, [AllBlocksCleared()], 0), layout=MAP_BATCH),
         "bytes hashes": _packb([1.0, [["BlockRemoved", [b"\x01"]]], None]),
         "negative and >= 2^63 in one event": _packb([1.0, [["BlockRemoved", [-1, 1 << 63]]], None]),
         "token id above u32": _packb([1.0, [["BlockStored", [1], None, [1 << 32], 1]], None]),

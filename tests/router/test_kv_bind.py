@@ -10,7 +10,7 @@ import zmq.asyncio
 
 from dynamograph.protocol.engine import EngineConfig, KvEventsEndpoint
 from dynamograph.protocol.hashing import block_hash_array
-from dynamograph.protocol.kv_events import BlockStored, EventBatch, encode_batch, encode_seq
+from dynamograph.protocol.kv_events import MAP, BlockStored, EventBatch, encode_batch, encode_seq
 from dynamograph.router.discovery import WorkerRecord
 from dynamograph.router.kv_events import KvEventIngest
 from dynamograph.router.scheduler import Router
@@ -34,8 +34,8 @@ def worker(wid: int, host: str, endpoint: str) -> WorkerRecord:
 def frame(topic: str, seq: int, tokens: np.ndarray, first_hash: int) -> list[bytes]:
     n = tokens.size // BS
     event = BlockStored(list(range(first_hash, first_hash + n)), None, tokens.tolist(), BS)
-    # llm-d's simulator writes map-form events: what vLLM >= 0.28 sends
-    payload = encode_batch(EventBatch(0.0, [event], 0), map_layout=True)
+    # llm-d's simulator writes map-form events: what vLLM >= 0.24 sends
+    payload = encode_batch(EventBatch(0.0, [event], 0), layout=MAP)
     return [topic.encode(), encode_seq(seq), payload]
 
 

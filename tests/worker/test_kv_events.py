@@ -193,8 +193,8 @@ async def test_data_parallel_ranks_publish_on_consecutive_ports():
     ctx.term()
 
 
-async def test_map_layout_of_vllm_028():
-    """`--kv-events-layout map`: events as vLLM >= 0.28 encodes them, `type`-tagged maps."""
+async def test_map_layout_of_vllm_024_to_033():
+    """`--kv-events-layout map`: events as vLLM 0.24 to 0.33 encode them, `type`-tagged maps."""
     ctx = zmq.asyncio.Context()
     async with mock_worker(model=MODEL, kv_events_layout="map") as w:
         prompt = "a prompt long enough to fill a few blocks of sixteen tokens " * 4

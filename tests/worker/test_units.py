@@ -228,8 +228,8 @@ def test_vllm_engine_explains_what_is_missing(capsys):
     assert "vllm" in err and "--engine mock" in err
 
 
-def test_protocol_decodes_vllm_028_map_layout_too():
-    """vLLM >= 0.28 encodes events as `type`-tagged maps; the shared decoder reads both layouts."""
+def test_protocol_decodes_vllm_024_map_layout_too():
+    """vLLM >= 0.24 encodes events as `type`-tagged maps; the shared decoder reads every layout."""
     import msgpack
 
     from dynamograph.protocol.kv_events import decode_batch
@@ -249,11 +249,11 @@ def test_protocol_decodes_vllm_028_map_layout_too():
     stored, removed, cleared = batch.events
     assert stored == BlockStored([7, 8], None, list(range(32)), 16, None, "GPU")
     assert removed == BlockRemoved([7], "GPU") and isinstance(cleared, AllBlocksCleared)
-    from dynamograph.protocol.kv_events import EventBatch, encode_batch
+    from dynamograph.protocol.kv_events import LAYOUTS, EventBatch, encode_batch
 
     again = EventBatch(1.5, [stored, removed, cleared], 0)
-    assert decode_batch(encode_batch(again, map_layout=True)) == again
-    assert decode_batch(encode_batch(again)) == again
+    for layout in LAYOUTS:
+        assert decode_batch(encode_batch(again, layout=layout)) == again, layout
     with pytest.raises(ValueError, match="lacks token_ids"):
         decode_batch(msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": [1],
                                            "parent_block_hash": None, "block_size": 16}], 0]))  # fmt: skip
