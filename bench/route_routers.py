@@ -58,6 +58,13 @@ POLICIES: dict[str, Policy] = {
             "least-loaded", "epp", "EPP, fewest active blocks", {"picker": {"type": "least-loaded"}}
         ),
         Policy(
+            "epp-floor",
+            "epp",
+            "EPP answering with any ready worker, body unread, no KV events (--endpoint-picker "
+            "random): the gateway and ext_proc path alone, what the routing policies add to",
+            epp_flags=("--endpoint-picker=random", "--kv-events=off"),
+        ),
+        Policy(
             "approx-kv",
             "epp",
             "EPP, KV cost from its own routing history (no KV events, TTL 120 s)",
