@@ -5,16 +5,27 @@
 #   docker build -t dynamograph:dev .
 #   docker run --rm dynamograph:dev worker --engine mock --model Qwen/Qwen3-0.6B --port 8000
 #
-# It carries the simulated engine (`--engine mock`); `--engine vllm` needs vLLM in the image
-# (build FROM a vLLM image with --build-arg BASE=...).
+# Built as above it carries the simulated engine (`--engine mock`) but no vLLM. The image of a
+# graph's `backend: vllm` engine pods (the service's `image`, docs/operator.md "A real vLLM
+# graph") is this one on vLLM's official image, where Hub downloads stay on:
+#
+#   docker build -t REGISTRY/dynamograph-vllm:v0.33.0 \
+#       --build-arg BASE=vllm/vllm-openai:v0.33.0 --build-arg HF_HUB_OFFLINE=0 .
+#
+# HF_HUB_OFFLINE=1 (the default) keeps every component off the Hub: the mock, the frontend and
+# the EPP need nothing from it (the embedded vocabulary, or a tokenizer.json they are given),
+# while vLLM loads the model's weights (and its tokenizer) from it at first start unless the
+# model cache already holds them; 0 is huggingface_hub's "off". (The vLLM build has not been run
+# here: the development machine has no Docker daemon and no GPU.)
 ARG BASE=python:3.11-slim
 FROM ${BASE}
+ARG HF_HUB_OFFLINE=1
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    HF_HUB_OFFLINE=1
+    HF_HUB_OFFLINE=${HF_HUB_OFFLINE}
 
 WORKDIR /src
 COPY pyproject.toml README.md ./
@@ -27,9 +38,10 @@ COPY worker/ worker/
 COPY operator/ operator/
 COPY local/ local/
 COPY bench/ bench/
-# A regular (not editable) install; then leave /src so that no source folder (operator/ above
-# all) is ever on the import path of the running process.
-RUN pip install . && rm -rf /src \
+# A regular (not editable) install into python3 (in vLLM's image, the interpreter vLLM is in);
+# then leave /src so that no source folder (operator/ above all) is ever on the import path of
+# the running process.
+RUN python3 -m pip install . && rm -rf /src \
     && useradd --system --uid 10001 --create-home --home-dir /home/dynamograph dynamograph
 
 USER 10001

@@ -287,3 +287,19 @@ def test_status_scale_is_the_targets_deployment_and_selector():
     assert scale_status(None, "disagg", live) is None  # an invalid spec
     body["spec"]["services"]["decode2"] = {"componentType": "decode"}
     assert scale_status(load_graph(body), "disagg", live) is None  # no single target
+
+
+def test_the_engine_pods_run_the_vllm_image_the_example_names():
+    """The project image has no vLLM: the example's worker service names an image that has it
+    (docs/operator.md, "A real vLLM graph"); its sidecar runs there too, the EPP keeps ours."""
+    body = example()
+    vllm_image = body["spec"]["services"]["worker"]["image"]
+    assert vllm_image != CONFIG.image
+    rendered = deployments(body)
+    pod = rendered["llama70b-worker"]["spec"]["template"]["spec"]
+    assert {c["name"]: c["image"] for c in pod["containers"]} == {
+        "engine": vllm_image,
+        "frontend": vllm_image,
+    }
+    epp = next(d for name, d in rendered.items() if name.endswith("-epp"))
+    assert {c["image"] for c in epp["spec"]["template"]["spec"]["containers"]} == {CONFIG.image}
