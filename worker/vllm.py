@@ -35,13 +35,14 @@ def kv_events_config(args: argparse.Namespace) -> dict[str, Any]:
     """vLLM's KV-event publisher, listening where the EPP connects (the engine document's
     endpoints, on the advertised host).
 
-    vLLM's `ZmqEventPublisher._socket_setup` (vllm/distributed/kv_events.py, every release from
-    0.9.0 to 0.33.0) BINDS the PUB endpoint only when it contains `*` or `::` or is ipc:// /
-    inproc://, and CONNECTS to any other: `tcp://<pod IP>:5557` would dial out to nobody. So
-    both endpoints are `tcp://*:PORT` (the replay ROUTER, always bound, alike: one rule), every
-    interface of the pod. Each DP rank adds its rank to both ports (`offset_endpoint_port`),
-    as `endpoint_for_rank` reads them. vLLM sets no IPV6 option on these sockets: they listen
-    on IPv4 only (`launch_problems` refuses an IPv6 advertise address)."""
+    vLLM's `ZmqEventPublisher._socket_setup` (vllm/distributed/kv_events.py; the releases
+    checked, 0.9.0 to 0.33.0, agree) BINDS the PUB endpoint only when it contains `*` or `::`
+    or is ipc:// / inproc://, and CONNECTS to any other: `tcp://<pod IP>:5557` would dial out
+    to nobody. So both endpoints are `tcp://*:PORT` (the replay ROUTER, always bound, alike:
+    one rule), every interface of the pod. Each DP rank adds its rank to both ports
+    (`offset_endpoint_port`), as `endpoint_for_rank` reads them. vLLM sets no IPV6 option on
+    these sockets: they listen on IPv4 only (`launch_problems` refuses an IPv6 advertise
+    address)."""
     return {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
