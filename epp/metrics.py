@@ -197,6 +197,12 @@ class EppMetrics:
         self.scrape_failures = Counter(
             PREFIX + "scrape_failures", "failed /metrics scrapes of workers", registry=r
         )
+        self.tokenizer_load_failures = Counter(
+            PREFIX + "tokenizer_load_failures",
+            "failed loads of a tokenizer workers publish (its workers are not routed to meanwhile)",
+            ["tokenizer"],
+            registry=r,
+        )
         # Label children of the per-request counters, bound once: `labels()` costs a lock and
         # a dict lookup on every call.
         self.routed = self.requests.labels(ROUTED)

@@ -135,7 +135,15 @@ class RequestPipeline:
             raise OpenAIError(503, "no workers are registered yet; they are still being discovered")
         model = require_model(body)
         lora_name = lora_for_model(model, self._lora_by_model)  # 404 when nobody serves it
-        tokenizer = self.load_tokenizer(self._tokenizer_by_model[model])
+        spec = self._tokenizer_by_model[model]
+        try:
+            tokenizer = self.load_tokenizer(spec)
+        except (OSError, ValueError) as exc:  # a worker pinned past the ready filter (EPP)
+            raise OpenAIError(
+                503,
+                f"the tokenizer of model {model!r} ({spec}) cannot be loaded: {exc}",
+                retry_after_s=self.router.config.retry_after_s,
+            ) from None
         prefix, cut = prompt_prefix(path, body, self.router.config.max_prompt_chars)
         tokens = request_tokens(tokenizer, path, prefix)
         isl_tokens = len(tokens)

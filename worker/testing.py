@@ -6,6 +6,8 @@
 - `refusing_address()`: a 127.0.0.1 address that refuses connections while the block runs.
 - `worker_process(*args)`: the same through the CLI (`python -m dynamograph.cli worker ...`) as
   a subprocess; waits until `/v1/engine` answers and terminates it on exit.
+- `word_level_tokenizer(directory)`: a small Hugging Face `tokenizer.json` (one token a word) for
+  a worker that publishes a tokenizer of its own (`hf:<path>`).
 
 Both default to a high `speedup` so suites stay fast (override with `speedup=...`) and serve
 the debug endpoints (`/debug/requests`, `/reset_prefix_cache`), which a worker does not by
@@ -165,3 +167,18 @@ async def wait_for_engine(
             if asyncio.get_running_loop().time() > deadline:
                 raise TimeoutError(f"worker at {url} did not come up in {within} s")
             await asyncio.sleep(0.1)
+
+
+def word_level_tokenizer(directory: str | os.PathLike[str]) -> list[str]:
+    """Write a word-level `tokenizer.json` into `directory` (150 words in GPT-2's byte-level
+    form, plus <s> and </s>); returns the words, each one token after a space."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    words = [a + b + c for a in "klmnop" for b in "aeiou" for c in "rstvz"]
+    vocab = {w: i for i, w in enumerate(["[UNK]", "<s>", "</s>", *(f"Ġ{w}" for w in words)])}
+    hf = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    hf.decoder = decoders.ByteLevel()
+    hf.add_special_tokens(["<s>", "</s>"])
+    hf.save(os.path.join(directory, "tokenizer.json"))
+    return words

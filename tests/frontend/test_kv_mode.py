@@ -11,7 +11,7 @@ from dynamograph.frontend.routing import Mode
 from dynamograph.protocol.engine import Role
 from dynamograph.protocol.hashing import block_hashes
 from dynamograph.protocol.tokenization import get_tokenizer
-from dynamograph.worker.testing import mock_worker
+from dynamograph.worker.testing import mock_worker, word_level_tokenizer
 from e2e.waiting import wait_for
 
 from .conftest import client, route, run_frontend, served
@@ -106,16 +106,7 @@ async def test_busy_workers_refuse_with_503_and_retry_after(model):
 async def test_kv_mode_with_a_hugging_face_tokenizer(tmp_path):
     """A worker publishing a Hugging Face tokenizer (`hf:<path>`) is routed in kv mode (it was a
     500: the frontend loaded the published identity as a path)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    # A word-level vocabulary in GPT-2's byte-level form ("Ġ" is a leading space).
-    words = [a + b + c for a in "klmnop" for b in "aeiou" for c in "rstvz"]  # 150 words
-    vocab = {w: i for i, w in enumerate(["[UNK]", "<s>", "</s>", *(f"Ġ{w}" for w in words)])}
-    hf = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
-    hf.decoder = decoders.ByteLevel()
-    hf.add_special_tokens(["<s>", "</s>"])
-    hf.save(str(tmp_path / "tokenizer.json"))
+    words = word_level_tokenizer(tmp_path)
     prompt = " ".join(words[i % len(words)] for i in range(80))
     async with (
         mock_worker(tokenizer=str(tmp_path)) as worker,
