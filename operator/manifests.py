@@ -442,28 +442,49 @@ def _engine_volumes(graph: DynamoGraph, spec: ServiceSpec) -> list[dict[str, Any
     shm = _shared_memory(graph, spec)
     if shm is not None:
         volumes.append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": shm}})
+    return volumes + _model_cache_volume(graph) + _kv_curve_parts(graph, opens_kv_sockets=True)[0]
+
+
+def _model_cache_volume(graph: DynamoGraph, *, read_only: bool = False) -> list[dict[str, Any]]:
+    """The model cache's volume, if the graph names one (`read_only`: whatever the spec says)."""
     cache = graph.spec.model.cache
+    if cache is None:
+        return []
     # `readOnly: false` only when true: the apiserver omits a false one, and a field the live
     # object lacks would be patched on every pass.
-    read_only = {"readOnly": True} if cache is not None and cache.read_only else {}
-    if cache is not None and cache.claim_name is not None:
-        claim = {"claimName": cache.claim_name, **read_only}
-        volumes.append({"name": MODEL_CACHE_VOLUME, "persistentVolumeClaim": claim})
-    elif cache is not None:
-        host = {"path": cache.host_path, "type": "DirectoryOrCreate"}
-        volumes.append({"name": MODEL_CACHE_VOLUME, "hostPath": host})
-    return volumes + _kv_curve_parts(graph, opens_kv_sockets=True)[0]
+    flag = {"readOnly": True} if cache.read_only or read_only else {}
+    if cache.claim_name is not None:
+        claim = {"claimName": cache.claim_name, **flag}
+        return [{"name": MODEL_CACHE_VOLUME, "persistentVolumeClaim": claim}]
+    return [
+        {
+            "name": MODEL_CACHE_VOLUME,
+            "hostPath": {"path": cache.host_path, "type": "DirectoryOrCreate"},
+        }
+    ]
+
+
+def _model_cache_mount(graph: DynamoGraph, *, read_only: bool = False) -> list[dict[str, Any]]:
+    cache = graph.spec.model.cache
+    if cache is None:
+        return []
+    mount: dict[str, Any] = {"name": MODEL_CACHE_VOLUME, "mountPath": MODEL_CACHE_DIR}
+    return [{**mount, "readOnly": True} if cache.read_only or read_only else mount]
+
+
+def _tokenizer_in_model_cache(graph: DynamoGraph) -> bool:
+    """Whether the graph's tokenizer is a file in its model cache: then the EPP, which
+    tokenizes every prompt, mounts the cache too (read-only)."""
+    tokenizer = graph.spec.model.tokenizer or ""
+    path = tokenizer.removeprefix("hf:")
+    return graph.spec.model.cache is not None and path.startswith(MODEL_CACHE_DIR + "/")
 
 
 def _engine_mounts(graph: DynamoGraph, spec: ServiceSpec) -> list[dict[str, Any]]:
     mounts: list[dict[str, Any]] = []
     if _shared_memory(graph, spec) is not None:
         mounts.append({"name": SHM_VOLUME, "mountPath": "/dev/shm"})
-    cache = graph.spec.model.cache
-    if cache is not None:
-        mount: dict[str, Any] = {"name": MODEL_CACHE_VOLUME, "mountPath": MODEL_CACHE_DIR}
-        mounts.append({**mount, "readOnly": True} if cache.read_only else mount)
-    return mounts + _kv_curve_parts(graph, opens_kv_sockets=True)[1]
+    return mounts + _model_cache_mount(graph) + _kv_curve_parts(graph, opens_kv_sockets=True)[1]
 
 
 def _placement(spec: ServiceSpec) -> dict[str, Any]:
@@ -607,6 +628,8 @@ def _epp_container(
         )
     if tls.mode == EppTlsMode.SECRET:
         mounts.append({"name": EPP_TLS_VOLUME, "mountPath": EPP_TLS_DIR, "readOnly": True})
+    if _tokenizer_in_model_cache(graph):
+        mounts += _model_cache_mount(graph, read_only=True)
     _, curve_mounts, curve_env = _kv_curve_parts(graph, opens_kv_sockets=True)
     return _container(
         "epp",
@@ -801,6 +824,8 @@ def _deployment(
         if tls.mode == EppTlsMode.SECRET:
             # No subPath mounts: the kubelet only updates whole Secret volumes on rotation.
             volumes.append({"name": EPP_TLS_VOLUME, "secret": {"secretName": tls.secret_name}})
+        if _tokenizer_in_model_cache(graph):
+            volumes += _model_cache_volume(graph, read_only=True)
         volumes += _kv_curve_parts(graph, opens_kv_sockets=True)[0]
     else:  # standalone frontend
         containers = [_frontend_container(graph, owner, spec, image, config, sidecar=False)]

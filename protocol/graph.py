@@ -263,7 +263,10 @@ class ModelSpec(_Model):
         default=None,
         min_length=1,
         description="tokenizer spec shared by EPP, frontend and engine: `qwen`, `qwen:<vocabulary>` "
-        "or a path to a tokenizer.json; defaults to the model's own",
+        "or a path to a tokenizer.json; defaults to the Qwen vocabulary of a Qwen model (the "
+        "mock backend: for any model). With backend vllm any other model needs it: the path of "
+        f"its tokenizer.json, e.g. in the model cache (under {MODEL_CACHE_DIR}, which is then "
+        "mounted read-only into the EPP too)",
     )
     cache: ModelCacheSpec | None = Field(
         default=None,
@@ -936,6 +939,13 @@ class DynamoGraphSpec(_Model):
                     f"GPUs, not {spec.resources.gpu}; leave resources.gpu out, or set it to "
                     f"{want} or to 0 (vLLM's CPU backend)"
                 )
+        if self.backend == Backend.VLLM and self.model.tokenizer is None:
+            from .tokenization import tokenizer_for_model  # heavy: only when needed
+
+            try:
+                tokenizer_for_model(self.model.name)
+            except ValueError as exc:
+                raise ValueError(f"model.tokenizer: {exc}") from None
         if self.backend == Backend.VLLM and self.kv_events.curve:
             raise ValueError(_VLLM_CURVE)
         if self.scale_target is not None and self.scale_target not in self.services:

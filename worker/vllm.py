@@ -192,11 +192,11 @@ def run_vllm(args: argparse.Namespace) -> int:
     from dynamograph.protocol.tokenization import get_tokenizer, tokenizer_for_model
 
     name = args.name or default_worker_name()
-    spec = args.tokenizer or tokenizer_for_model(args.model)
     try:
+        spec = args.tokenizer or tokenizer_for_model(args.model)  # never guessed for others
         tokenizer = get_tokenizer(spec).identity
     except (OSError, ValueError) as exc:
-        print(f"dynamograph worker --engine vllm: tokenizer {spec!r}: {exc}", file=sys.stderr)
+        print(f"dynamograph worker --engine vllm: tokenizer: {exc}", file=sys.stderr)
         return 2
     document = engine_document(args, name, tokenizer, dict(os.environ))
     argv = vllm_argv(args)

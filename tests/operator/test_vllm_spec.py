@@ -303,3 +303,39 @@ def test_the_engine_pods_run_the_vllm_image_the_example_names():
     }
     epp = next(d for name, d in rendered.items() if name.endswith("-epp"))
     assert {c["image"] for c in epp["spec"]["template"]["spec"]["containers"]} == {CONFIG.image}
+
+
+def test_the_epp_reads_the_tokenizer_the_example_keeps_in_the_model_cache():
+    """Llama's tokenizer is a file in the model cache: the EPP, which tokenizes every prompt with
+    it, mounts the cache read-only; the engines keep their writable mount."""
+    rendered = deployments(example())
+    epp = rendered["llama70b-epp"]["spec"]["template"]["spec"]
+    cache = next(v for v in epp["volumes"] if v["name"] == "model-cache")
+    assert cache["persistentVolumeClaim"] == {"claimName": "hf-cache", "readOnly": True}
+    (container,) = epp["containers"]
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "model-cache")
+    assert mount == {"name": "model-cache", "mountPath": MODEL_CACHE_DIR, "readOnly": True}
+    engine = engine_of(rendered["llama70b-worker"])
+    assert [m for m in engine["volumeMounts"] if m["name"] == "model-cache"] == [
+        {"name": "model-cache", "mountPath": MODEL_CACHE_DIR}
+    ]
+    kubernetes_validate.validate(rendered["llama70b-epp"], K8S_VERSION, strict=True)
+    # a tokenizer elsewhere (or a Qwen vocabulary) leaves the EPP without the cache
+    body = example()
+    body["spec"]["model"]["tokenizer"] = "qwen"
+    epp = deployments(body)["llama70b-epp"]["spec"]["template"]["spec"]
+    assert all(v["name"] != "model-cache" for v in epp["volumes"])
+
+
+def test_a_vllm_graph_names_the_tokenizer_of_a_model_we_do_not_ship():
+    """Qwen ids would match none of Llama's KV events: the graph says so rather than route
+    without overlap; a Qwen model, or the mock backend (which simulates any model), needs none."""
+    body = example()
+    del body["spec"]["model"]["tokenizer"]
+    errors = refused(body)
+    assert [m for _, m in errors if "model.tokenizer" in m and "tokenizer.json" in m], errors
+    body["spec"]["model"]["name"] = "Qwen/Qwen2.5-72B-Instruct"
+    load_graph(body)
+    mock = yaml.safe_load((EXAMPLES / "agg.yaml").read_text())
+    mock["spec"]["model"]["name"] = "meta-llama/Llama-3.1-8B-Instruct"
+    load_graph(mock)
