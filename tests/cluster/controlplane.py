@@ -30,7 +30,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -41,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dynamograph.bench.counterparts import read_versions
+from dynamograph.worker.testing import free_port  # below the ephemeral range: no client takes it
 
 REPO = Path(__file__).resolve().parents[2]
 VERSIONS_FILE = REPO / "scripts" / "control-plane.versions"
@@ -100,12 +100,6 @@ def _die_with_parent() -> None:
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --- certificates ---------------------------------------------------------------------------

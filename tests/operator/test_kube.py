@@ -1,12 +1,11 @@
 """The operator's REST client against a small real HTTP server on 127.0.0.1."""
 
-import socket
-
 import kopf
 import pytest
 from aiohttp import web
 
 from dynamograph.operator.kube import ApiError, KubeApi, collection_path
+from dynamograph.worker.testing import refusing_address
 
 pytestmark = pytest.mark.integration
 
@@ -201,15 +200,13 @@ async def test_a_namespace_is_listed_by_name(server):
 
 
 async def test_unreachable_server_is_an_api_error():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    api = client(f"http://127.0.0.1:{port}", ["t"])
-    try:
-        with pytest.raises(ApiError) as info:
-            await api.get("v1", "Service", "ns", "s")
-    finally:
-        await api.close()
+    with refusing_address() as address:
+        api = client(f"http://{address}", ["t"])
+        try:
+            with pytest.raises(ApiError) as info:
+                await api.get("v1", "Service", "ns", "s")
+        finally:
+            await api.close()
     assert info.value.status == 0 and info.value.reason == "Unreachable"
 
 
