@@ -19,7 +19,9 @@ writes results/kv_decode.json) times decoding a batch of that stream in this pro
 pure-Python `decode_batch` against the compiled parser the subscribers use
 (`decode_batch_arrays`), batch by batch in turns: decoding alone; decoding plus the arrays
 `KvIndex.apply_events` makes of the events (block hashes of the tokens, engine hashes as u64);
-decoding plus applying to an index (one index per decoder, each fed the whole stream).
+decoding plus applying to an index (one index per decoder, each fed the whole stream). The
+same stream is encoded in vLLM's array layout (up to 0.23) and its map layout (0.24 on: events
+as `type`-tagged maps, `kv_events.MAP`), and the four (layout, decoder) pairs take turns.
 """
 
 import argparse
@@ -38,6 +40,8 @@ import zmq
 from dynamograph.protocol.engine import EngineConfig, KvEventsEndpoint
 from dynamograph.protocol.hashing import block_hash_array
 from dynamograph.protocol.kv_events import (
+    ARRAY,
+    MAP,
     BlockRemoved,
     BlockStored,
     EngineHash,
@@ -134,7 +138,7 @@ class _Stream:
         self.held: list[EngineHash] = []
         self.seq = 0
 
-    def frame(self) -> list[bytes]:
+    def frame(self, layout: str = ARRAY) -> list[bytes]:
         n = int(self.rng.integers(1, 64))
         hashes: list[EngineHash] = list(range(self.next_hash, self.next_hash + n))
         parent = self.held[-1] if self.held else None
@@ -146,7 +150,8 @@ class _Stream:
             evicted, self.held = self.held[:n], self.held[n:]
             events.append(BlockRemoved(evicted))
         self.seq += 1
-        return [b"", _seq(self.seq), encode_batch(EventBatch(time.time(), events, 0))]
+        batch = EventBatch(time.time(), events, 0)
+        return [b"", _seq(self.seq), encode_batch(batch, layout=layout)]
 
 
 def _run_phase(
@@ -256,64 +261,85 @@ def _index_arrays(batch: EventBatch) -> None:
             engine_keys(event.block_hashes)
 
 
-def decode_costs(*, batches: int, workers: int = 4, seed: int = 0) -> dict[str, Any]:
+def decode_costs(
+    *, batches: int, workers: int = 4, seed: int = 0, layouts: tuple[str, ...] = (ARRAY, MAP)
+) -> dict[str, Any]:
     """µs per batch of each decoder in each stage (module docstring), on `batches` of the
-    stream, the decoders taking turns batch by batch (who goes first alternates)."""
+    stream in each of `layouts` (the same batches), every (layout, decoder) pair taking its
+    turn batch by batch (who goes first alternates)."""
     kernels.warm_up()  # the index's kernels, the block hasher and the parser, as in the EPP
-    rng = np.random.default_rng(seed)
-    streams = [_Stream(rng, w) for w in range(workers)]
-    frames = [(w % workers, streams[w % workers].frame()[2]) for w in range(batches)]
-    indexes = {name: KvIndex() for name in DECODERS}
-    stages: dict[str, Callable[[str, int, bytes], object]] = {
-        "decode": lambda name, _w, payload: DECODERS[name](payload),
-        "decode + the index's arrays": lambda name, _w, payload: _index_arrays(
+    frames: dict[str, list[tuple[int, bytes]]] = {}
+    for layout in layouts:
+        rng = np.random.default_rng(seed)
+        streams = [_Stream(rng, w) for w in range(workers)]
+        frames[layout] = [
+            (w % workers, streams[w % workers].frame(layout)[2]) for w in range(batches)
+        ]
+    names = list(DECODERS)
+    pairs = [(layout, name) for layout in layouts for name in names]
+    indexes = {pair: KvIndex() for pair in pairs}
+    stages: dict[str, Callable[[str, str, int, bytes], object]] = {
+        "decode": lambda _l, name, _w, payload: DECODERS[name](payload),
+        "decode + the index's arrays": lambda _l, name, _w, payload: _index_arrays(
             DECODERS[name](payload)
         ),
-        "decode + apply to an index": lambda name, w, payload: indexes[name].apply_events(
-            (w, 0), DECODERS[name](payload).events
-        ),
+        "decode + apply to an index": lambda layout, name, w, payload: indexes[
+            layout, name
+        ].apply_events((w, 0), DECODERS[name](payload).events),
     }
-    names = list(DECODERS)
-    samples = {(stage, name): np.empty(batches) for stage in stages for name in names}
-    for i, (worker, payload) in enumerate(frames):
+    samples = {(stage, *pair): np.empty(batches) for stage in stages for pair in pairs}
+    for i in range(batches):
         for stage, fn in stages.items():
-            for name in names if i % 2 else names[::-1]:
+            for layout, name in pairs if i % 2 else pairs[::-1]:
+                worker, payload = frames[layout][i]
                 start = time.perf_counter()
-                fn(name, worker, payload)
-                samples[stage, name][i] = time.perf_counter() - start
+                fn(layout, name, worker, payload)
+                samples[stage, layout, name][i] = time.perf_counter() - start
     old, new = names
     rows = []
     for stage in stages:
-        a, b = percentiles(samples[stage, old]), percentiles(samples[stage, new])
-        rows.append(
-            {
-                "stage": stage, "old_p50_us": a["p50"], "new_p50_us": b["p50"],
-                "old_mean_us": a["mean"], "new_mean_us": b["mean"],
-                "old_p99_us": a["p99"], "new_p99_us": b["p99"], "speedup_mean": a["mean"] / b["mean"],
-            }
-        )  # fmt: skip
-    sizes = [len(payload) for _, payload in frames]
+        for layout in layouts:
+            a = percentiles(samples[stage, layout, old])
+            b = percentiles(samples[stage, layout, new])
+            rows.append(
+                {
+                    "stage": stage, "layout": layout,
+                    "old_p50_us": a["p50"], "new_p50_us": b["p50"],
+                    "old_mean_us": a["mean"], "new_mean_us": b["mean"],
+                    "old_p99_us": a["p99"], "new_p99_us": b["p99"],
+                    "speedup_mean": a["mean"] / b["mean"],
+                }
+            )  # fmt: skip
     return {
         "batches": batches,
         "workers": workers,
         "old": old,
         "new": new,
-        "mean_payload_bytes": float(np.mean(sizes)),
-        "parsed_by_the_compiled_parser": sum(parse_batch(p) is not None for _, p in frames),
+        "layouts": list(layouts),
+        "mean_payload_bytes": {
+            layout: float(np.mean([len(p) for _, p in frames[layout]])) for layout in layouts
+        },
+        "parsed_by_the_compiled_parser": {
+            layout: sum(parse_batch(p) is not None for _, p in frames[layout]) for layout in layouts
+        },
         "rows": rows,
     }
 
 
 def print_decode_costs(costs: dict[str, Any]) -> None:
+    per_layout = "; ".join(
+        f"{layout}: mean {costs['mean_payload_bytes'][layout]:,.0f} bytes, "
+        f"{costs['parsed_by_the_compiled_parser'][layout]:,} read by the compiled parser"
+        for layout in costs["layouts"]
+    )
     print_table(
         f"KV-event batch decoding, µs per batch: {costs['old']} against {costs['new']}, in turns "
-        f"on {costs['batches']:,} batches of the stream (mean {costs['mean_payload_bytes']:,.0f} "
-        f"bytes; {costs['parsed_by_the_compiled_parser']:,} read by the compiled parser)",
-        ["stage", "old p50", "new p50", "old mean", "new mean", "old p99", "new p99",
+        f"on {costs['batches']:,} batches of the stream in each of vLLM's layouts ({per_layout})",
+        ["stage", "layout", "old p50", "new p50", "old mean", "new mean", "old p99", "new p99",
          "old / new (mean)"],
         [
-            [r["stage"], r["old_p50_us"], r["new_p50_us"], r["old_mean_us"], r["new_mean_us"],
-             r["old_p99_us"], r["new_p99_us"], r["speedup_mean"]]
+            [r["stage"], r["layout"], r["old_p50_us"], r["new_p50_us"], r["old_mean_us"],
+             r["new_mean_us"], r["old_p99_us"], r["new_p99_us"], r["speedup_mean"]]
             for r in costs["rows"]
         ],
     )  # fmt: skip

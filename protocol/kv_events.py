@@ -21,11 +21,12 @@ Matches vLLM's `ZmqEventPublisher` (vllm/distributed/kv_events.py):
 
 Two decoders, one meaning. `decode_batch` builds Python lists (msgpack.unpackb) and reads every
 layout. `parse_batch`, after `warm_up()` (the routers' index warm-up calls it), reads the
-`ARRAY` layout with a compiled parser (`kv_events_kernel`) into numpy arrays: a
+`ARRAY` and `MAP` layouts with a compiled parser (`kv_events_kernel`) into numpy arrays: a
 BlockStored's `token_ids` a u32 array (what the block hasher takes as is), its and a
 BlockRemoved's `block_hashes` views of one uint64 buffer (int64 when the engine sent negative
 ints, so the values are the engine's); everything else equal to `decode_batch`'s, and `None`
-for any payload it leaves to `decode_batch` (maps, bytes hashes, ext types, malformed data...).
+for any payload it leaves to `decode_batch` (a map batch, bytes hashes, ext types, malformed
+data...).
 `decode_batch_arrays` is the two together: what the EPP's subscribers decode with.
 """
 

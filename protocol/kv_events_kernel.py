@@ -1,24 +1,30 @@
-"""The compiled reader behind `kv_events.parse_batch`: one vLLM KV-event batch in msgpack's array
-layout read straight into flat numpy arrays, instead of the Python lists and ints
-`msgpack.unpackb` builds (which the index then turns back into arrays).
+"""The compiled reader behind `kv_events.parse_batch`: one vLLM KV-event batch read straight
+into flat numpy arrays, instead of the Python lists and ints `msgpack.unpackb` builds (which the
+index then turns back into arrays).
 
-`read_batch(payload, hashes, tokens, meta)` walks `[ts, [event, ...], dp_rank, ...]` where each
-event is `["BlockStored", block_hashes, parent, token_ids, block_size, lora_id?, medium?, ...]`,
-`["BlockRemoved", block_hashes, medium?, ...]` or `["AllBlocksCleared", ...]`. It appends every
-event's engine hashes to `hashes` (their 64-bit patterns), its token ids to `tokens` (u32, as
-the block hasher reads them) and writes one row of `meta` per event (the columns and codes are
-`kv_events`'s, which turns the rows into events); it returns (events, ts kind, ts offset,
-dp_rank kind, dp_rank).
+`read_batch(payload, hashes, tokens, meta)` walks `[ts, [event, ...], dp_rank, ...]` with the
+events in either of vLLM's event layouts (`kv_events.ARRAY`, `kv_events.MAP`), even mixed: a
+tagged array, `["BlockStored", block_hashes, parent, token_ids, block_size, lora_id?, medium?,
+...]`, `["BlockRemoved", block_hashes, medium?, ...]` or `["AllBlocksCleared", ...]`; or a map
+of the same fields by name, tagged by `type` (`{"type": "BlockStored", "block_hashes": ...}`),
+its keys in any order, `lora_id` and `medium` optional, keys it does not know (what newer vLLMs
+add) skipped. One walker (`_event`) reads both: a field is known by its key in a map, by its
+place after the tag in an array (`_ORDER`). It appends every event's engine hashes to `hashes`
+(their 64-bit patterns), its token ids to `tokens` (u32, as the block hasher reads them) and
+writes one row of `meta` per event (the columns and codes are `kv_events`'s, which turns the
+rows into events); it returns (events, ts kind, ts offset, dp_rank kind, dp_rank).
 
 It reads only what it can turn into exactly the objects `msgpack.unpackb` + `decode_batch`
 would give (see `kv_events.parse_batch`): ints of every width, nil, float32/64 (the timestamp),
-arrays, strings (tags, medium; ASCII only, so no UTF-8 to validate), and — in the trailing
-fields a newer vLLM may add, which the decoder ignores — also booleans, floats, bins and
-arrays of those nested up to `SKIP_DEPTH` deep. Anything else (maps: vLLM >= 0.24's events;
-bytes hashes; ext types; token ids outside u32; an event whose hashes mix negative ints with
-ints of 2^63 and more; malformed or truncated data; bytes after the batch) returns `NOT_MINE`,
-and the caller decodes the payload the ordinary way (which raises what it raises today).
-Imported only by `kv_events.warm_up()` (it imports numba).
+arrays, maps keyed by strings, strings (tags, keys, medium; ASCII only, so no UTF-8 to
+validate), and — in what the decoder ignores (an array event's trailing fields, a map event's
+unknown keys, the batch's trailing fields) — also booleans, floats, bins, and arrays and maps of
+those nested up to `SKIP_DEPTH` deep. Anything else (a map batch: `kv_events.MAP_BATCH`; bytes
+hashes; ext types; a map event's key that is not an ASCII string or comes twice; token ids
+outside u32; an event whose hashes mix negative ints with ints of 2^63 and more; malformed or
+truncated data; bytes after the batch) returns `NOT_MINE`, and the caller decodes the payload
+the ordinary way (which raises what it raises today). Imported only by `kv_events.warm_up()`
+(it imports numba).
 """
 
 import numba
@@ -66,7 +72,7 @@ SIGNATURE = types.Tuple((types.int64,) * 5)(
 )
 
 # what `_head` found
-_UINT, _SINT, _NIL, _BOOL, _FLOAT32, _FLOAT64, _STR, _BIN, _ARRAY, _OTHER = range(10)
+_UINT, _SINT, _NIL, _BOOL, _FLOAT32, _FLOAT64, _STR, _BIN, _ARRAY, _MAP, _OTHER = range(11)
 _BAD = -1  # truncated
 _TOP = np.uint64(1 << 63)
 _U32_MAX = np.uint64(0xFFFFFFFF)
@@ -74,6 +80,32 @@ _TAG_STORED = np.frombuffer(b"BlockStored", np.uint8)
 _TAG_REMOVED = np.frombuffer(b"BlockRemoved", np.uint8)
 _TAG_CLEARED = np.frombuffer(b"AllBlocksCleared", np.uint8)
 _GPU = np.frombuffer(b"GPU", np.uint8)
+
+# An event's fields, by their key in a map event (`_NAMES`, indexed by field) or their place
+# after the tag in an array event (`_ORDER`); bits of the masks below. _F_OTHER: what the
+# decoder drops (unknown keys, trailing fields, fields the event's kind does not have).
+_F_TYPE, _F_HASHES, _F_PARENT, _F_TOKENS, _F_SIZE, _F_LORA, _F_MEDIUM, _F_OTHER = range(8)
+_NAMES = (
+    b"type", b"block_hashes", b"parent_block_hash", b"token_ids", b"block_size", b"lora_id",
+    b"medium",
+)  # fmt: skip
+# the names differ in length, so a key's length picks the one name it may be: one compare a key
+assert len({len(name) for name in _NAMES}) == len(_NAMES)
+_KEYS = np.array([list(name.ljust(max(map(len, _NAMES)), b"\0")) for name in _NAMES], np.uint8)
+_NAMED = np.full(_KEYS.shape[1] + 1, _F_OTHER, np.int64)  # [length]: the field of that name
+_NAMED[[len(name) for name in _NAMES]] = range(len(_NAMES))
+_UNKNOWN = 0  # no KIND: a tag the decoder does not know
+_STORED_FIELDS = (_F_HASHES, _F_PARENT, _F_TOKENS, _F_SIZE, _F_LORA, _F_MEDIUM)
+_REMOVED_FIELDS = (_F_HASHES, _F_MEDIUM)
+_ORDER = np.full((4, len(_STORED_FIELDS) + 1), _F_OTHER, np.int64)  # [KIND, place - 1]
+_ORDER[STORED, : len(_STORED_FIELDS)] = _STORED_FIELDS
+_ORDER[REMOVED, : len(_REMOVED_FIELDS)] = _REMOVED_FIELDS
+_HAS = np.zeros(4, np.int64)  # [KIND]: the fields the decoder reads
+_HAS[STORED] = sum(1 << f for f in _STORED_FIELDS)
+_HAS[REMOVED] = sum(1 << f for f in _REMOVED_FIELDS)
+_NEEDS = np.zeros(4, np.int64)  # [KIND]: the fields the decoder requires
+_NEEDS[STORED] = sum(1 << f for f in (_F_HASHES, _F_PARENT, _F_TOKENS, _F_SIZE))
+_NEEDS[REMOVED] = 1 << _F_HASHES
 
 # Helpers are plain njit functions, called per event: numba-IR inlining all of them
 # (`inline="always"`) made the first compile cost 87 s of CPU here. But a call passes the
@@ -135,7 +167,7 @@ def _int(buf, pos):
 def _head(buf, pos):
     """(what, value, position after the header) of the msgpack object at `pos`. value: an int's
     64-bit pattern (the data read), a float's bits, the byte length of a str or bin (its bytes
-    follow, unchecked), an array's element count."""
+    follow, unchecked), an array's element count, a map's pair count."""
     what, value, after = _int(buf, pos)
     if what != _OTHER:
         return what, value, after
@@ -164,7 +196,12 @@ def _head(buf, pos):
     if b == 0xDC or b == 0xDD:
         what, value, pos = _number(buf, pos, 2 if b == 0xDC else 4, _UINT)
         return (_ARRAY if what != _BAD else _BAD), value, pos
-    return _OTHER, np.uint64(0), pos  # maps, ext types, 0xc1 (never used)
+    if 0x80 <= b <= 0x8F:
+        return _MAP, np.uint64(b & 0x0F), pos
+    if b == 0xDE or b == 0xDF:
+        what, value, pos = _number(buf, pos, 2 if b == 0xDE else 4, _UINT)
+        return (_MAP if what != _BAD else _BAD), value, pos
+    return _OTHER, np.uint64(0), pos  # ext types, 0xc1 (never used)
 
 
 @_helper
@@ -223,22 +260,26 @@ def _ints(buf, pos, out, start, top):
 @numba.njit(nogil=True)
 def _skip(buf, pos, count):
     """Past `count` objects at `pos` that the decoder reads and drops: scalars, ASCII strings,
-    bins, arrays of them up to `SKIP_DEPTH` deep; -1 at anything else."""
-    left = np.empty(SKIP_DEPTH + 1, np.int64)  # elements still to skip per open array
+    bins, and arrays and maps of them up to `SKIP_DEPTH` deep, the maps keyed by scalars or
+    strings (what a dict takes); -1 at anything else."""
+    # per open array or map: objects still to skip (a map's keys and values), whether a map
+    left = np.empty((SKIP_DEPTH + 1, 2), np.int64)
     depth = 0
-    left[0] = count
+    left[0, 0], left[0, 1] = count, False
     while True:
-        while left[depth] == 0:
+        while left[depth, 0] == 0:
             if depth == 0:
                 return pos
             depth -= 1
-        left[depth] -= 1
+        key = left[depth, 1] != 0 and left[depth, 0] % 2 == 0
+        left[depth, 0] -= 1
         what, value, pos = _head(buf, pos)
-        if what == _ARRAY:
-            if depth == SKIP_DEPTH:
+        if what in (_ARRAY, _MAP):
+            if key or depth == SKIP_DEPTH:  # an array or map key: unhashable for the decoder
                 return -1
             depth += 1
-            left[depth] = np.int64(value)
+            left[depth, 0] = np.int64(value) * (2 if what == _MAP else 1)
+            left[depth, 1] = what == _MAP
         elif what in (_STR, _BIN):
             size = np.int64(value)
             if pos + size > len(buf) or (what == _STR and not _ascii(buf, pos, size)):
@@ -263,47 +304,117 @@ def _medium(buf, pos, row):
     return pos + size
 
 
+@_helper
+def _tag(buf, pos):
+    """(the KIND the event tag at `pos` names, the position after it); _UNKNOWN if none."""
+    what, value, pos = _head(buf, pos)
+    size = np.int64(value)
+    if what != _STR:
+        return _UNKNOWN, pos
+    if _equals(buf, pos, size, _TAG_STORED):
+        return STORED, pos + size
+    if _equals(buf, pos, size, _TAG_REMOVED):
+        return REMOVED, pos + size
+    if _equals(buf, pos, size, _TAG_CLEARED):
+        return CLEARED, pos + size
+    return _UNKNOWN, pos
+
+
+@_helper
+def _key(buf, pos):
+    """(the field a map event's key at `pos` names, or _F_OTHER; the position after it);
+    position -1 for a key that is not an ASCII string (UTF-8 to check, or a key to compare as
+    Python would: vLLM sends neither)."""
+    what, value, pos = _head(buf, pos)
+    size = np.int64(value)
+    if what != _STR or not _ascii(buf, pos, size):
+        return _F_OTHER, -1
+    field = _NAMED[size] if size < _NAMED.shape[0] else _F_OTHER
+    if field != _F_OTHER and _equals(buf, pos, size, _KEYS[field, :size]):
+        return field, pos + size
+    return _F_OTHER, pos + size
+
+
 @numba.njit(nogil=True)
-def _stored(buf, pos, fields, row, hashes, nh, tokens, nt):
-    """A BlockStored's fields at `pos` into `row`: (position after them, hashes and tokens
-    used), position -1 when the decoder must read it."""
-    if fields < 4:
+def _field(buf, pos, field, row, hashes, nh, tokens, nt):
+    """The value of an event's `field` (not _F_TYPE) at `pos` into `row`, its ints appended to
+    `hashes` from `nh` or `tokens` from `nt`: (position after it, hashes and tokens used);
+    position -1 when the decoder must read it."""
+    if field == _F_OTHER:
+        return _skip(buf, pos, 1), nh, nt
+    if field == _F_MEDIUM:
+        return _medium(buf, pos, row), nh, nt
+    if field == _F_HASHES:
+        pos, end, negative, high = _ints(buf, pos, hashes, nh, ~np.uint64(0))
+        if pos < 0 or (negative and high):  # no one dtype holds both as the decoder's ints
+            return -1, nh, nt
+        row[HASH_START], row[HASH_END], row[SIGNED] = nh, end, negative
+        return pos, end, nt
+    if field == _F_TOKENS:
+        pos, end, _, _ = _ints(buf, pos, tokens, nt, _U32_MAX)
+        if pos < 0:
+            return -1, nh, nt
+        row[TOKEN_START], row[TOKEN_END] = nt, end
+        return pos, nh, end
+    what, value, pos = _head(buf, pos)  # parent, block size, lora id: ints (but the size) or nil
+    if field == _F_PARENT:
+        if what == _NIL:
+            row[PARENT] = NONE
+        elif what == _UINT:
+            row[PARENT] = UNSIGNED
+        elif what == _SINT:
+            row[PARENT] = INT
+        else:
+            return -1, nh, nt
+        row[PARENT_VALUE] = np.int64(value)
+    elif field == _F_LORA and what == _NIL:
+        row[LORA] = NONE
+    elif not _small_int(what, value):
         return -1, nh, nt
-    pos, end, negative, high = _ints(buf, pos, hashes, nh, ~np.uint64(0))
-    if pos < 0 or (negative and high):
-        return -1, nh, nt
-    row[HASH_START], row[HASH_END], row[SIGNED] = nh, end, negative
-    nh = end
-    what, value, pos = _head(buf, pos)
-    if what == _NIL:
-        row[PARENT] = NONE
-    elif what == _UINT:
-        row[PARENT] = UNSIGNED
-    elif what == _SINT:
-        row[PARENT] = INT
+    elif field == _F_LORA:
+        row[LORA], row[LORA_VALUE] = INT, np.int64(value)
     else:
-        return -1, nh, nt
-    row[PARENT_VALUE] = np.int64(value)
-    pos, end, _, _ = _ints(buf, pos, tokens, nt, _U32_MAX)
-    if pos < 0:
-        return -1, nh, nt
-    row[TOKEN_START], row[TOKEN_END] = nt, end
-    nt = end
+        row[BLOCK_SIZE] = np.int64(value)
+    return pos, nh, nt
+
+
+@numba.njit(nogil=True)
+def _event(buf, pos, row, hashes, nh, tokens, nt):
+    """The event at `pos`, a tagged array or a `type`-tagged map, into meta `row`: (position
+    after it, hashes and tokens used); position -1 when the decoder must read it."""
     what, value, pos = _head(buf, pos)
-    if not _small_int(what, value):
+    if what not in (_ARRAY, _MAP):
         return -1, nh, nt
-    row[BLOCK_SIZE] = np.int64(value)
-    row[LORA], row[MEDIUM] = NONE, MEDIUM_ABSENT
-    if fields >= 5:
-        what, value, pos = _head(buf, pos)
-        if what != _NIL:
-            if not _small_int(what, value):
+    is_map = what == _MAP
+    kind, seen = _UNKNOWN, 0
+    row[LORA], row[MEDIUM] = NONE, MEDIUM_ABSENT  # the defaults of omitted fields
+    for place in range(np.int64(value)):
+        if is_map:
+            field, pos = _key(buf, pos)
+            if pos < 0:
                 return -1, nh, nt
-            row[LORA], row[LORA_VALUE] = INT, np.int64(value)
-    if fields >= 6:
-        pos = _medium(buf, pos, row)
-    if fields > 6 and pos >= 0:
-        pos = _skip(buf, pos, fields - 6)
+        elif place == 0:
+            field = _F_TYPE
+        else:
+            field = _ORDER[kind, min(place - 1, _ORDER.shape[1] - 1)]
+        if field != _F_OTHER:
+            if seen >> field & 1:  # a map's key twice: the decoder keeps the last
+                return -1, nh, nt
+            seen |= 1 << field
+        if field == _F_TYPE:
+            kind, pos = _tag(buf, pos)
+            if kind == _UNKNOWN:
+                return -1, nh, nt
+        else:
+            if kind != _UNKNOWN and not _HAS[kind] >> field & 1:
+                field = _F_OTHER  # a map key of another kind of event (an array has none)
+            pos, nh, nt = _field(buf, pos, field, row, hashes, nh, tokens, nt)
+            if pos < 0:
+                return -1, nh, nt
+    # a map may name its type after the fields: those of another kind were read, and are unused
+    if kind == _UNKNOWN or seen & _NEEDS[kind] != _NEEDS[kind]:
+        return -1, nh, nt
+    row[KIND] = kind
     return pos, nh, nt
 
 
@@ -325,36 +436,7 @@ def read_batch(buf, hashes, tokens, meta):  # typed by SIGNATURE (kv_events: _Re
         return mine
     nh = nt = 0
     for e in range(events):
-        row = meta[e]
-        what, value, pos = _head(buf, pos)
-        rest = np.int64(value) - 1  # the fields after the tag
-        if what != _ARRAY or rest < 0:
-            return mine
-        what, value, tag = _head(buf, pos)
-        size = np.int64(value)
-        if what != _STR:
-            return mine
-        pos = tag + size
-        if _equals(buf, tag, size, _TAG_STORED):
-            row[KIND] = STORED
-            pos, nh, nt = _stored(buf, pos, rest, row, hashes, nh, tokens, nt)
-        elif _equals(buf, tag, size, _TAG_REMOVED) and rest >= 1:
-            row[KIND] = REMOVED
-            pos, end, negative, high = _ints(buf, pos, hashes, nh, ~np.uint64(0))
-            if pos < 0 or (negative and high):
-                return mine
-            row[HASH_START], row[HASH_END], row[SIGNED] = nh, end, negative
-            nh = end
-            row[MEDIUM] = MEDIUM_ABSENT
-            if rest >= 2:
-                pos = _medium(buf, pos, row)
-            if rest > 2 and pos >= 0:
-                pos = _skip(buf, pos, rest - 2)
-        elif _equals(buf, tag, size, _TAG_CLEARED):
-            row[KIND] = CLEARED
-            pos = _skip(buf, pos, rest)
-        else:
-            return mine
+        pos, nh, nt = _event(buf, pos, meta[e], hashes, nh, tokens, nt)
         if pos < 0:
             return mine
     dp_kind, dp = NONE, np.int64(0)

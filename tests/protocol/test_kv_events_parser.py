@@ -1,7 +1,8 @@
 """The compiled KV-event batch parser (`kv_events.parse_batch`, after `warm_up`) against the
 pure-Python decoder (`decode_batch`): on any payload it either gives exactly the batch the
 decoder gives (arrays where the decoder gives lists) or leaves the payload to the decoder; and
-it does read vLLM's ordinary layout itself."""
+it does read vLLM's ordinary layouts itself: tagged array events (vLLM <= 0.23) and `type`-tagged
+map events (vLLM >= 0.24)."""
 
 import math
 import struct
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 from dynamograph.protocol import kv_events
 from dynamograph.protocol.hashing import as_token_array, block_hash_array
 from dynamograph.protocol.kv_events import (
+    ARRAY,
     MAP,
     MAP_BATCH,
     AllBlocksCleared,
@@ -51,6 +53,22 @@ EXTRA = st.recursive(
 )
 MEDIUM = st.sampled_from(["GPU", "CPU", None])
 ODD_MEDIUM = st.one_of(st.text(max_size=5), ANY_INT)
+# a map event's keys for the fields, in the array layout's order
+KEYS = {
+    "BlockStored": ["block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                    "medium"],
+    "BlockRemoved": ["block_hashes", "medium"],
+}  # fmt: skip
+KNOWN_KEYS = ["type", *KEYS["BlockStored"]]
+# what newer vLLMs add to a map event, and what a publisher may put there
+NEWER_KEYS = st.sampled_from(["lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind", "x"])
+ODD_KEYS = st.one_of(
+    st.sampled_from(KNOWN_KEYS), st.text(max_size=4), ANY_INT, st.binary(max_size=2)
+)
+
+
+class Pairs(list):
+    """A map as its (key, value) pairs, packed in this order and duplicates kept (`_packb`)."""
 
 
 @st.composite
@@ -62,8 +80,10 @@ def mostly(draw, ordinary, odd):
 
 @st.composite
 def wire_event(draw):
-    """An event in the array layout, as lists, with what a publisher may vary: every int form,
-    bytes hashes, trailing fields omitted or added, odd field types, unknown tags."""
+    """An event in the array or the map layout, as lists or `Pairs`, with what a publisher may
+    vary: every int form, bytes hashes, trailing fields (or optional keys) omitted or added, odd
+    field types, unknown tags; map keys in any order, unknown keys with nested values, odd keys
+    (required ones missing, a key twice, keys that are not strings)."""
     tags = st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared"])
     kind = draw(mostly(tags, st.one_of(st.just("Bogus"), ANY_INT)))
     hashes = draw(mostly(st.lists(st.sampled_from([I64, U64, st.integers(-40, 300)]).flatmap(
@@ -85,9 +105,19 @@ def wire_event(draw):
         fields, least = [hashes, draw(mostly(MEDIUM, ODD_MEDIUM))], 1
     else:
         fields, least = [], 0
-    kept = draw(mostly(st.integers(least, len(fields)), st.integers(0, len(fields))))
-    extras = draw(mostly(st.just([]), st.lists(EXTRA, max_size=2)))
-    return [kind, *fields[:kept], *(extras if kept == len(fields) else [])]
+    if draw(st.booleans()):  # the array layout
+        kept = draw(mostly(st.integers(least, len(fields)), st.integers(0, len(fields))))
+        extras = draw(mostly(st.just([]), st.lists(EXTRA, max_size=2)))
+        return [kind, *fields[:kept], *(extras if kept == len(fields) else [])]
+    pairs = [
+        (key, value)
+        for i, (key, value) in enumerate(zip(KEYS.get(kind, []), fields, strict=False))
+        if draw(mostly(st.just(True) if i < least else st.booleans(), st.booleans()))
+    ]
+    if draw(mostly(st.just(True), st.booleans())):
+        pairs.append(("type", kind))
+    pairs += draw(st.lists(st.tuples(mostly(NEWER_KEYS, ODD_KEYS), EXTRA), max_size=3))
+    return Pairs(draw(st.permutations(pairs)))
 
 
 @st.composite
@@ -146,7 +176,24 @@ def _same_as_decoder(payload: bytes) -> bool:
 
 
 def _packb(obj, single_float: bool = False) -> bytes:
-    return msgpack.packb(obj, use_single_float=single_float)
+    """`obj` packed as msgpack.packb would, `Pairs` as maps."""
+    packer = msgpack.Packer(use_single_float=single_float, autoreset=False)
+
+    def pack(value):
+        if isinstance(value, Pairs):
+            packer.pack_map_header(len(value))
+            for pair in value:
+                pack(pair[0])
+                pack(pair[1])
+        elif isinstance(value, list):
+            packer.pack_array_header(len(value))
+            for item in value:
+                pack(item)
+        else:
+            packer.pack(value)
+
+    pack(obj)
+    return packer.bytes()
 
 
 @settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -195,10 +242,48 @@ def vllm_batch(draw):
     return EventBatch(ts, events, draw(st.one_of(st.none(), st.integers(0, 1 << 20))))
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(vllm_batch())
-def test_vllm_ordinary_layout_is_read_by_the_parser(batch):
-    payload = encode_batch(batch)
+ASCII = st.text(st.characters(max_codepoint=0x7F), max_size=8)
+# the keys vLLM 0.24-0.33 add to its map events, with values of their types
+NEWER_VLLM_KEYS = {
+    "lora_name": st.one_of(st.none(), ASCII),
+    "extra_keys": st.one_of(
+        st.none(),
+        st.lists(
+            st.one_of(st.none(), st.lists(st.one_of(ASCII, st.integers(0, 1 << 40)), max_size=3)),
+            max_size=3,
+        ),
+    ),
+    "group_idx": st.integers(0, 8),
+    "kv_cache_spec_kind": st.sampled_from(["full_attention", "sliding_window", "mamba"]),
+}
+
+
+@st.composite
+def vllm_map_batch(draw):
+    """What vLLM >= 0.24 sends: the batch an array, its events `type`-tagged maps, `lora_id` and
+    `medium` left out at their defaults (msgspec's omit_defaults) or not, the keys newer vLLMs
+    add present or not, all in any order (msgspec writes the tag first, then the fields in
+    declaration order; a publisher need not)."""
+    ts, events, dp_rank = msgpack.unpackb(encode_batch(draw(vllm_batch()), layout=MAP))
+    maps = []
+    for event in events:
+        defaults = {"lora_id": None, "medium": "GPU", "lora_name": None}
+        pairs = [
+            (key, value)
+            for key, value in event.items()
+            if not (key in defaults and value == defaults[key] and draw(st.booleans()))
+        ]
+        if event["type"] != "AllBlocksCleared":
+            for key, values in NEWER_VLLM_KEYS.items():
+                if key not in event and draw(st.booleans()):
+                    pairs.append((key, draw(values)))
+        maps.append(Pairs(draw(st.permutations(pairs))))
+    return [ts, maps, dp_rank]
+
+
+def _read_as_arrays(payload: bytes) -> None:
+    """The parser reads `payload` (no fallback to the decoder) into the decoder's batch, with
+    u32 token ids and 64-bit engine hashes."""
     assert _same_as_decoder(payload), "the parser left an ordinary batch to the decoder"
     for event in parse_batch(payload).events:
         if isinstance(event, BlockStored):
@@ -207,9 +292,30 @@ def test_vllm_ordinary_layout_is_read_by_the_parser(batch):
             assert event.block_hashes.dtype in (np.uint64, np.int64)
 
 
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(vllm_batch(), st.sampled_from([ARRAY, MAP]))
+def test_vllm_ordinary_layouts_are_read_by_the_parser(batch, layout):
+    _read_as_arrays(encode_batch(batch, layout=layout))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(vllm_map_batch())
+def test_vllm_map_events_in_any_key_order_with_newer_keys_are_read_by_the_parser(batch):
+    _read_as_arrays(_packb(batch))
+
+
 def test_what_the_parser_reads_and_what_it_leaves():
     tokens = list(range(32))
     stored = ["BlockStored", [1, 2], None, tokens, 16]
+    stored_map = {
+        "type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None,
+        "token_ids": tokens, "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None,
+    }  # fmt: skip
+    removed_map = {"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU"}
+    type_twice = Pairs([
+        ("type", "BlockRemoved"), ("token_ids", [b"x"]), ("block_hashes", [1]),
+        ("parent_block_hash", None), ("block_size", 16), ("type", "BlockStored"),
+    ])  # fmt: skip
     read = {
         "omitted defaults": [1.0, [stored], None],
         "all fields": [1.0, [[*stored, 7, "CPU"]], 3],
@@ -218,16 +324,60 @@ def test_what_the_parser_reads_and_what_it_leaves():
         "hashes from 2^63": [1.0, [["BlockRemoved", [(1 << 64) - 1, 1 << 63]]], None],
         "no dp_rank": [1.0, [["AllBlocksCleared"]]],
         "extra batch field": [1.0, [], None, [1, 2.5, True]],
+        "a map in a trailing field": [1.0, [[*stored, None, "GPU", {"k": 1, 2: [b"x"]}]], None],
+        "map events (vLLM >= 0.24)": [
+            1.0,
+            [stored_map, removed_map, {"type": "AllBlocksCleared"}],
+            0,
+        ],
+        "map keys in any order, defaults omitted": [
+            1.0,
+            [
+                {
+                    "token_ids": tokens,
+                    "block_size": 16,
+                    "type": "BlockStored",
+                    "lora_id": 3,
+                    "parent_block_hash": (1 << 64) - 1,
+                    "block_hashes": [1, 2],
+                }
+            ],
+            None,
+        ],
+        "newer vLLM's keys": [
+            1.0,
+            [
+                stored_map
+                | {
+                    "extra_keys": [None, [["mm", 3]]],
+                    "group_idx": 0,
+                    "kv_cache_spec_kind": "full",
+                    "future": {"k": [1.5, b"x", True, None], 7: {}},
+                }
+            ],
+            1,
+        ],
+        "a key another kind of event has": [1.0, [removed_map | {"token_ids": [b"x"]}], None],
+        "array and map events in one batch": [1.0, [stored, removed_map], None],
     }
     left = {
-        "maps (vLLM >= 0.24)": encode_batch(
-            EventBatch(1.0, [BlockStored([1, 2], None, tokens, 16)]), layout=MAP
-        ),
         "a map batch": encode_batch(EventBatch(1.0, [AllBlocksCleared()], 0), layout=MAP_BATCH),
         "bytes hashes": _packb([1.0, [["BlockRemoved", [b"\x01"]]], None]),
+        "bytes hashes in a map": _packb([1.0, [removed_map | {"block_hashes": [b"\x01"]}], 0]),
         "negative and >= 2^63 in one event": _packb([1.0, [["BlockRemoved", [-1, 1 << 63]]], None]),
         "token id above u32": _packb([1.0, [["BlockStored", [1], None, [1 << 32], 1]], None]),
-        "a map in a trailing field": _packb([1.0, [[*stored, None, "GPU", {"k": 1}]], None]),
+        "a map's key twice": _packb([1.0, [Pairs([*removed_map.items(), ("medium", "CPU")])], 0]),
+        # the decoder keeps the last type: a BlockStored whose token ids the first type skipped
+        "a map's type twice": _packb([1.0, [type_twice], 0]),
+        "a map key not a string": _packb([1.0, [removed_map | {7: 1}], None]),
+        "a map key not ASCII": _packb([1.0, [removed_map | {"grüße": 1}], None]),
+        "an array as a nested key": _packb(
+            [1.0, [Pairs([("type", "AllBlocksCleared"), ("x", Pairs([([1], 2)]))])], None]
+        ),
+        "a map without a type": _packb([1.0, [{"block_hashes": [1]}], None]),
+        "a map lacking a field": _packb(
+            [1.0, [{k: v for k, v in stored_map.items() if k != "parent_block_hash"}], None]
+        ),
         "int timestamp": _packb([1, [], None]),
         "truncated": _packb([1.0, [stored], None])[:-3],
         "trailing bytes": _packb([1.0, [], None]) + b"\x00",
@@ -239,8 +389,13 @@ def test_what_the_parser_reads_and_what_it_leaves():
     assert _same_as_decoder(_packb(read["all fields"], single_float=True))  # float32 ts
     for name, payload in left.items():
         assert not _same_as_decoder(payload), name
+    assert _same_as_decoder(encode_batch(EventBatch(1.0, [BlockRemoved([1])], 0), layout=MAP))
     with pytest.raises(KvEventDecodeError, match="unknown KV event tag"):
         decode_batch_arrays(left["unknown tag"])
+    with pytest.raises(KvEventDecodeError, match="lacks parent_block_hash"):
+        decode_batch_arrays(left["a map lacking a field"])
+    with pytest.raises(TypeError, match="unhashable"):  # msgpack's own error, as before
+        decode_batch_arrays(left["an array as a nested key"])
 
 
 def test_arrays_go_to_hashing_and_the_index_without_a_copy():

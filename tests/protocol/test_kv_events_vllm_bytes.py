@@ -11,6 +11,7 @@ kv_cache_spec_kind="full_attention" where the version has them), `BlockRemoved([
 dependency here: the bytes are data, so these tests pin the wire format itself.
 """
 
+import numpy as np
 import pytest
 
 from dynamograph.protocol.kv_events import (
@@ -98,9 +99,29 @@ def test_vllms_own_bytes_decode_to_the_same_batch(version):
     assert isinstance(cleared, AllBlocksCleared)
 
 
-def test_the_compiled_parser_takes_the_array_layout_and_leaves_maps():
+def test_the_compiled_parser_reads_every_released_layout_and_leaves_the_map_batch():
     warm_up()
-    for version in ("0.11.0", "0.23.0"):
-        assert parse_batch(bytes.fromhex(VLLM_PAYLOADS[version])) is not None, version
-    for version in ("0.24.0", "0.33.0", "main@0181ea31"):
-        assert parse_batch(bytes.fromhex(VLLM_PAYLOADS[version])) is None, version
+    for version in ("0.11.0", "0.23.0", "0.24.0", "0.33.0"):
+        payload = bytes.fromhex(VLLM_PAYLOADS[version])
+        parsed = parse_batch(payload)  # None: left to decode_batch
+        assert parsed is not None, version
+        stored, removed, _ = parsed.events
+        assert stored.block_hashes.dtype == np.uint64 and stored.token_ids.dtype == np.uint32
+        assert [stored.block_hashes.tolist(), stored.token_ids.tolist()] == [
+            [7, 8],
+            list(range(32)),
+        ]
+        assert removed.block_hashes.tolist() == [7]
+        lists = EventBatch(
+            parsed.ts,
+            [
+                BlockStored(stored.block_hashes.tolist(), stored.parent_block_hash,
+                            stored.token_ids.tolist(), stored.block_size, stored.lora_id,
+                            stored.medium),
+                BlockRemoved(removed.block_hashes.tolist(), removed.medium),
+                parsed.events[2],
+            ],
+            parsed.data_parallel_rank,
+        )  # fmt: skip
+        assert lists == decode_batch(payload) == EXPECTED, version
+    assert parse_batch(bytes.fromhex(VLLM_PAYLOADS["main@0181ea31"])) is None
