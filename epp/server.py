@@ -40,6 +40,7 @@ from dynamograph.router.pipeline import RequestPipeline
 from dynamograph.router.replicas import ReplicaCollector, ReplicaSettings, ReplicaSync
 from dynamograph.router.scheduler import Router
 from dynamograph.router.tasks import cancel_all
+from dynamograph.router.tokenizers import TokenizerLoads
 from dynamograph.router.waiting import QueueCollector
 
 from .extproc import (
@@ -59,7 +60,6 @@ log = logging.getLogger(__name__)
 
 LIVENESS = "liveness"
 READINESS = "readiness"
-TOKENIZER_RETRY_S = 10.0  # a tokenizer that failed to load is tried again this often
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -167,9 +167,12 @@ class Epp:
         self._health_server: grpc.aio.Server | None = None
         self._metrics_runner: web.AppRunner | None = None
         self._background: set[asyncio.Task] = set()
-        self._loading: set[str] = set()  # tokenizer specs being loaded: not ready until done
-        # workers held out of routing because their tokenizer failed to load, by its spec
-        self._held: dict[str, set[int]] = {}
+        self.tokenizers = TokenizerLoads(
+            self.router,
+            self.pipeline.load_tokenizer,
+            on_change=self._tokenizers_changed,
+            on_failure=lambda spec: self.metrics.tokenizer_load_failures.labels(spec).inc(),
+        )
         self._draining = False  # once draining, nothing turns readiness back on
         self._freeze: asyncio.TimerHandle | None = None
         self.certificates: CertificateSource | None = None  # the pair served, with tls
@@ -184,20 +187,14 @@ class Epp:
             return
         self.view.added(record)
         if isinstance(self.picker, KvEndpointPicker):
-            spec = config.tokenizer
-            if spec in self._held:  # its tokenizer failed to load: routed once it does
-                self._held[spec].add(config.instance_id)
-                self.router.set_ready(config.instance_id, False)
-            elif spec not in self._loading:
-                self._loading.add(spec)
-                self._spawn(self._preload_tokenizer(spec))
+            self.tokenizers.added(config.instance_id, config.tokenizer)
         self.load.add(record)
         if self.kv is not None:
             self.kv.add(record)
         self._update_readiness()
 
     def _removed(self, record: WorkerRecord) -> None:
-        self._held.get(record.config.tokenizer, set()).discard(record.instance_id)
+        self.tokenizers.removed(record.instance_id)
         self.view.removed(record)
         self.load.remove(record)
         if self.kv is not None:
@@ -208,9 +205,9 @@ class Epp:
     def _update_readiness(self) -> None:
         # A vocabulary still loading would make the first requests wait seconds for it; a worker
         # whose tokenizer cannot be loaded serves nothing.
-        held = set().union(*self._held.values())
+        held = self.tokenizers.held_workers()
         routable = any(worker not in held for worker in self.view.endpoints)
-        ready = not self._draining and not self._loading and routable
+        ready = not self._draining and not self.tokenizers.loading and routable
         status = _SERVING if ready else _NOT_SERVING
         self._spawn(self.health.set(READINESS, status))
 
@@ -219,56 +216,9 @@ class Epp:
         self._background.add(task)  # keep a reference until it ran
         task.add_done_callback(self._background.discard)
 
-    async def _preload_tokenizer(self, spec: str) -> None:
-        """Load a tokenizer workers publish, off the loop. One that cannot be loaded (a path
-        this pod cannot read, a vocabulary we do not ship) holds its workers out of routing, as
-        not ready, and is tried again every `TOKENIZER_RETRY_S` (a volume mounted later): its
-        prompts cannot be tokenized, so every request routed there would fail."""
-        while True:
-            try:
-                await asyncio.to_thread(self.pipeline.load_tokenizer, spec)
-            except (OSError, ValueError) as exc:
-                self.metrics.tokenizer_load_failures.labels(spec).inc()
-                if spec not in self._held:
-                    log.error(
-                        "tokenizer %r cannot be loaded: %s; its workers are not routed to until "
-                        "it can (retried every %g s)",
-                        spec,
-                        exc,
-                        TOKENIZER_RETRY_S,
-                    )
-                    self._hold(spec)
-            except Exception:  # a background task: say what broke, then try again
-                self.metrics.tokenizer_load_failures.labels(spec).inc()
-                log.exception("loading tokenizer %r failed", spec)
-                self._hold(spec)
-            else:
-                self._release(spec)
-                self._schedule_freeze()  # a vocabulary is a large long-lived heap of its own
-                return
-            finally:
-                self._loading.discard(spec)
-                self._update_readiness()
-            await asyncio.sleep(TOKENIZER_RETRY_S)
-
-    def _publishers(self, spec: str) -> set[int]:
-        return {
-            r.instance_id for r in self.discovery.records.values() if r.config.tokenizer == spec
-        }
-
-    def _hold(self, spec: str) -> None:
-        held = self._held.setdefault(spec, set())
-        for worker in self._publishers(spec) - held:
-            held.add(worker)
-            self.router.set_ready(worker, False)
-
-    def _release(self, spec: str) -> None:
-        held = self._held.pop(spec, None)
-        if held is None:
-            return
-        log.info("tokenizer %r loaded: its workers are routed to again", spec)
-        for worker in held & self._publishers(spec):
-            self.router.set_ready(worker, True)
+    def _tokenizers_changed(self) -> None:
+        self._update_readiness()
+        self._schedule_freeze()  # a vocabulary is a large long-lived heap of its own
 
     def _schedule_freeze(self, delay: float = 1.0) -> None:
         """Freeze the heap once things settle (one freeze for a burst of discoveries)."""
@@ -375,6 +325,7 @@ class Epp:
             self._grpc = None
         await self.discovery.stop()
         await self.loop_lag.close()
+        await self.tokenizers.close()
         if self._objective_watch is not None:
             await cancel_all([self._objective_watch])
             self._objective_watch = None

@@ -8,9 +8,7 @@ check, tokenization with the workers' tokenizer, block hashing, scheduling. The 
 released when the request ends.
 """
 
-import asyncio
 import itertools
-import logging
 from typing import Any
 
 from dynamograph.protocol.kv_curve import CurveKeys
@@ -23,12 +21,11 @@ from dynamograph.router.kv_events import KvEventIngest
 from dynamograph.router.load import LoadScraper
 from dynamograph.router.pipeline import RequestPipeline, query_answer
 from dynamograph.router.scheduler import Router
+from dynamograph.router.tokenizers import TokenizerLoads
 
 from .directory import WorkerDirectory
 from .modes import Route
 from .routing import Mode, Pins, Target
-
-log = logging.getLogger(__name__)
 
 
 class KvMode:
@@ -58,7 +55,7 @@ class KvMode:
         self._ids = itertools.count()
         self.load: LoadScraper | None = None
         self.events: KvEventIngest | None = None
-        self._preloads: set[asyncio.Task] = set()
+        self.tokenizers = TokenizerLoads(self.router, self.pipeline.load_tokenizer)
 
     async def start(self) -> None:
         # Created here: they bind to the running event loop.
@@ -70,8 +67,7 @@ class KvMode:
         self.directory.add_listener(self._added, self._removed)
 
     async def stop(self) -> None:
-        for task in self._preloads:
-            task.cancel()
+        await self.tokenizers.close()
         self.pipeline.close()
         if self.events is not None:
             await self.events.close()
@@ -87,16 +83,7 @@ class KvMode:
             self.load.add(record)
         if self.events is not None:
             self.events.add(record)
-        # Off the event loop, so no request waits seconds for a vocabulary to load.
-        task = asyncio.get_running_loop().create_task(self._preload(record.config.tokenizer))
-        self._preloads.add(task)
-        task.add_done_callback(self._preloads.discard)
-
-    async def _preload(self, spec: str) -> None:
-        try:
-            await asyncio.to_thread(self.pipeline.load_tokenizer, spec)
-        except (OSError, ValueError) as exc:  # requests meet the same error
-            log.error("tokenizer %r of a worker cannot be loaded: %s", spec, exc)
+        self.tokenizers.added(record.instance_id, record.config.tokenizer)
 
     def _removed(self, record: WorkerRecord) -> None:
         if self.directory.get(record.instance_id) is not None:
@@ -105,6 +92,7 @@ class KvMode:
             self.load.remove(record)
         if self.events is not None:
             self.events.remove(record)
+        self.tokenizers.removed(record.instance_id)
         self.pipeline.remove_engine(record.instance_id)
 
     async def pick(self, pins: Pins, nvext: NvExt | None, path: str, body: dict[str, Any]) -> Route:

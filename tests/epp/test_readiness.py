@@ -44,7 +44,9 @@ async def test_ready_only_once_the_workers_tokenizer_is_loaded(workers, monkeypa
                 assert await _readiness(epp.health_port) == NOT_SERVING
                 await asyncio.sleep(0.05)
             release.set()
-            await wait_for(lambda: not epp._loading, "the tokenizer loads to finish", within=30)
+            await wait_for(
+                lambda: not epp.tokenizers.loading, "the tokenizer loads to finish", within=30
+            )
             assert await _readiness(epp.health_port) == SERVING
 
             await epp.health.set("readiness", NOT_SERVING)  # what drain() starts with

@@ -9,7 +9,7 @@ import orjson
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from dynamograph.epp import server
+from dynamograph.router import tokenizers
 from dynamograph.worker.testing import mock_worker, word_level_tokenizer, worker_process
 from e2e.waiting import wait_for
 
@@ -35,7 +35,7 @@ async def _readiness_becomes(port: int, status: int) -> None:
 async def test_a_worker_whose_tokenizer_cannot_be_loaded_is_held_until_it_can(
     tmp_path, monkeypatch
 ):
-    monkeypatch.setattr(server, "TOKENIZER_RETRY_S", 0.2)
+    monkeypatch.setattr(tokenizers, "RETRY_S", 0.2)
     vocabulary = tmp_path / "words"
     vocabulary.mkdir()
     words = word_level_tokenizer(vocabulary)
@@ -71,7 +71,7 @@ async def test_a_worker_whose_tokenizer_cannot_be_loaded_is_held_until_it_can(
 
 
 async def test_readiness_is_not_serving_when_no_worker_can_be_routed(tmp_path, monkeypatch):
-    monkeypatch.setattr(server, "TOKENIZER_RETRY_S", 0.2)
+    monkeypatch.setattr(tokenizers, "RETRY_S", 0.2)
     vocabulary = tmp_path / "words"
     vocabulary.mkdir()
     word_level_tokenizer(vocabulary)

@@ -11,7 +11,8 @@ from dynamograph.frontend.routing import Mode
 from dynamograph.protocol.engine import Role
 from dynamograph.protocol.hashing import block_hashes
 from dynamograph.protocol.tokenization import get_tokenizer
-from dynamograph.worker.testing import mock_worker, word_level_tokenizer
+from dynamograph.router import tokenizers
+from dynamograph.worker.testing import mock_worker, word_level_tokenizer, worker_process
 from e2e.waiting import wait_for
 
 from .conftest import client, route, run_frontend, served
@@ -119,3 +120,31 @@ async def test_kv_mode_with_a_hugging_face_tokenizer(tmp_path):
         )
         assert answer.usage.prompt_tokens == 80  # one token a word: the worker's tokenizer
     assert fe.routing.router.active.total_requests() == 0
+
+
+async def test_kv_mode_holds_a_worker_whose_tokenizer_it_cannot_load(tmp_path, monkeypatch):
+    """The worker (a process of its own) publishes a tokenizer.json the frontend cannot read:
+    its requests get 503 saying so instead of a failed tokenization, and once the file is
+    there the worker is routed again (the same `router.tokenizers` as the EPP's)."""
+    monkeypatch.setattr(tokenizers, "RETRY_S", 0.2)
+    vocabulary = tmp_path / "words"
+    vocabulary.mkdir()
+    words = word_level_tokenizer(vocabulary)
+    async with worker_process("--tokenizer", str(vocabulary)) as worker:
+        hidden = tmp_path / "elsewhere"
+        vocabulary.rename(hidden)
+        async with run_frontend(None, [worker], mode=Mode.KV) as fe:
+            loads = fe.routing.tokenizers
+            await wait_for(lambda: worker.config.instance_id in loads.held_workers(), "a hold")
+            api = client(fe)
+            with pytest.raises(openai.APIStatusError) as refused:
+                await api.completions.create(
+                    model=worker.config.served_model_name, prompt=" ".join(words), max_tokens=1
+                )
+            assert refused.value.status_code == 503
+            hidden.rename(vocabulary)
+            await wait_for(lambda: not loads.held_workers(), "the worker to be released")
+            answer = await api.completions.create(
+                model=worker.config.served_model_name, prompt=" ".join(words), max_tokens=1
+            )
+            assert answer.usage.prompt_tokens == len(words)
