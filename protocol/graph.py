@@ -836,6 +836,15 @@ class DynamoGraphSpec(_Model):
                     ".kvEvents",
                 ),
                 _cel(
+                    # `tokenization.tokenizer_for_model`'s rule: a Qwen model's vocabulary ships
+                    "self.backend != 'vllm' || has(self.model.tokenizer) "
+                    "|| self.model.name.matches('(?i)qwen')",
+                    "model.tokenizer: with backend vllm a model other than Qwen's names its "
+                    "tokenizer (the path of its tokenizer.json): dynamograph ships only Qwen's "
+                    "vocabularies",
+                    ".model.tokenizer",
+                ),
+                _cel(
                     "!has(self.engineConfig) || " + _services_with("'epp'"),
                     _EPP_DOCUMENT,
                     ".engineConfig",

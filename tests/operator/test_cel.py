@@ -145,6 +145,7 @@ def _vllm_worker(b):
             "spec.services.worker.tolerations[1].key",
         ),
         (lambda b: b["spec"].update(scaleTarget="nope"), "scaleTarget:", "spec.scaleTarget"),
+        (lambda b: b["spec"]["model"].pop("tokenizer"), "tokenizer", "spec.model.tokenizer"),
         (
             lambda b: b["spec"]["services"].update(more={"componentType": "worker"}),
             "replicas:",
