@@ -130,6 +130,11 @@ INVALID = [
         "are vllm settings; the mock backend simulates one device per rank",
     ),
     (
+        "a Llama model without its tokenizer",
+        lambda b: b["spec"]["model"].pop("tokenizer"),
+        "model.tokenizer: with backend vllm a model other than Qwen's names its tokenizer",
+    ),
+    (
         "two model caches",
         lambda b: b["spec"]["model"]["cache"].update(hostPath="/mnt/hf"),
         "claimName: set exactly one of claimName and hostPath",
