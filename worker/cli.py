@@ -42,8 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tokenizer",
         default=None,
-        help="tokenizer spec: qwen, qwen:<vocabulary> or a tokenizer.json path "
-        "(default: derived from --model)",
+        help="tokenizer spec: qwen, qwen:<vocabulary> or a tokenizer.json path (default: a Qwen "
+        "model's vocabulary; the mock simulates any model with the embedded one; --engine vllm "
+        "with another model needs it)",
     )
     p.add_argument("--role", choices=[r.value for r in Role], default=Role.AGGREGATED.value)
     p.add_argument(
