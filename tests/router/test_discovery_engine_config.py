@@ -152,9 +152,9 @@ async def test_discovery_uses_the_document_only_for_workers_without_one():
             await runner.cleanup()
 
 
-@pytest.mark.integration
-async def test_without_a_document_a_foreign_worker_stays_undiscovered():
-    app = web.Application()
+async def _stays_undiscovered(app: web.Application) -> None:
+    """Serve `app` as a worker's engine on 127.0.0.1: discovery (without `--engine-config`)
+    finds no worker there within half a second."""
     runner = web.AppRunner(app)
     await runner.setup()
     port = free_port()
@@ -169,6 +169,11 @@ async def test_without_a_document_a_foreign_worker_stays_undiscovered():
     finally:
         await discovery.stop()
         await runner.cleanup()
+
+
+@pytest.mark.integration
+async def test_without_a_document_a_foreign_worker_stays_undiscovered():
+    await _stays_undiscovered(web.Application())
 
 
 @pytest.mark.integration
@@ -182,19 +187,6 @@ async def test_an_engine_document_without_its_models_tokenizer_is_not_routed_and
         return web.json_response(doc)
 
     app.router.add_get("/v1/engine", engine)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    discovery = Discovery(
-        StaticSource([parse_worker_flag(f"http://127.0.0.1:{port}")]), retry_interval=0.05
-    )
-    try:
-        await discovery.start()
-        with pytest.raises(TimeoutError):
-            await discovery.wait_for(lambda: len(discovery.records) > 0, within=0.5)
-        warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-        assert any("cannot be used" in m and "tokenizer" in m for m in warned), warned
-    finally:
-        await discovery.stop()
-        await runner.cleanup()
+    await _stays_undiscovered(app)
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("cannot be used" in m and "tokenizer" in m for m in warned), warned
