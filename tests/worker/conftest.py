@@ -1,11 +1,13 @@
 """Shared fixtures: real mock workers on 127.0.0.1 (in-process unless a test needs the CLI)."""
 
+import argparse
 import asyncio
 import contextlib
 
 import orjson
 import pytest
 
+from dynamograph.worker import cli as worker_cli
 from dynamograph.worker.testing import mock_worker
 from e2e.waiting import wait_for
 
@@ -58,3 +60,10 @@ async def serve_asgi(app):
     finally:
         server.should_exit = True
         await task
+
+
+def worker_args(*argv: str) -> argparse.Namespace:
+    """`dynamograph worker`'s flags as its parser reads them."""
+    parser = argparse.ArgumentParser()
+    worker_cli.add_arguments(parser)
+    return parser.parse_args(list(argv))

@@ -9,7 +9,6 @@ ROUTER is always bound; DP rank r adds r to both ports. A subscriber then connec
 EPP does: the engine document's endpoints.
 """
 
-import argparse
 import asyncio
 import os
 import sys
@@ -33,13 +32,9 @@ from dynamograph.worker import cli as worker_cli
 from dynamograph.worker.testing import free_port, stop_process, wait_for_engine
 from dynamograph.worker.vllm import engine_document, kv_events_config
 
+from .conftest import worker_args
+
 pytestmark = pytest.mark.integration
-
-
-def worker_args(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    worker_cli.add_arguments(parser)
-    return parser.parse_args(list(argv))
 
 
 def vllm_binds(endpoint: str) -> bool:

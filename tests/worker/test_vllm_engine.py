@@ -12,7 +12,6 @@ import pytest
 
 from dynamograph.protocol.engine import ENGINE_PATH, EngineConfig, Role
 from dynamograph.protocol.identity import instance_id
-from dynamograph.worker import cli as worker_cli
 from dynamograph.worker.vllm import (
     MIDDLEWARE,
     engine_document,
@@ -22,14 +21,13 @@ from dynamograph.worker.vllm import (
 from dynamograph.worker.vllm_engine import ENV, EngineDocument
 
 from .conftest import serve_asgi
+from .conftest import worker_args as parse_worker_args
 
 pytestmark = pytest.mark.integration
 
 
 def worker_args(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    worker_cli.add_arguments(parser)
-    return parser.parse_args(["--engine", "vllm", *argv])
+    return parse_worker_args("--engine", "vllm", *argv)
 
 
 def test_document_from_the_flags_vllm_gets():
