@@ -40,7 +40,6 @@ from dynamograph.router.pipeline import RequestPipeline
 from dynamograph.router.replicas import ReplicaCollector, ReplicaSettings, ReplicaSync
 from dynamograph.router.scheduler import Router
 from dynamograph.router.tasks import cancel_all
-from dynamograph.router.tokenizers import TokenizerLoads
 from dynamograph.router.waiting import QueueCollector
 
 from .extproc import (
@@ -167,12 +166,11 @@ class Epp:
         self._health_server: grpc.aio.Server | None = None
         self._metrics_runner: web.AppRunner | None = None
         self._background: set[asyncio.Task] = set()
-        self.tokenizers = TokenizerLoads(
-            self.router,
-            self.pipeline.load_tokenizer,
-            on_change=self._tokenizers_changed,
-            on_failure=lambda spec: self.metrics.tokenizer_load_failures.labels(spec).inc(),
-        )
+        self.tokenizers = self.pipeline.tokenizers
+        self.tokenizers.on_change = self._tokenizers_changed
+        self.tokenizers.on_failure = lambda spec: self.metrics.tokenizer_load_failures.labels(
+            spec
+        ).inc()
         self._draining = False  # once draining, nothing turns readiness back on
         self._freeze: asyncio.TimerHandle | None = None
         self.certificates: CertificateSource | None = None  # the pair served, with tls

@@ -21,7 +21,6 @@ from dynamograph.router.kv_events import KvEventIngest
 from dynamograph.router.load import LoadScraper
 from dynamograph.router.pipeline import RequestPipeline, query_answer
 from dynamograph.router.scheduler import Router
-from dynamograph.router.tokenizers import TokenizerLoads
 
 from .directory import WorkerDirectory
 from .modes import Route
@@ -55,7 +54,7 @@ class KvMode:
         self._ids = itertools.count()
         self.load: LoadScraper | None = None
         self.events: KvEventIngest | None = None
-        self.tokenizers = TokenizerLoads(self.router, self.pipeline.load_tokenizer)
+        self.tokenizers = self.pipeline.tokenizers
 
     async def start(self) -> None:
         # Created here: they bind to the running event loop.

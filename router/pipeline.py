@@ -41,6 +41,7 @@ from dynamograph.protocol.tokenization import (
 
 from .errors import Overloaded, RoutingError
 from .scheduler import Decision, Router, RouteRequest
+from .tokenizers import TokenizerLoads
 from .waiting import WaitQueue, shed
 
 _CHARS_PER_TOKEN = 4  # English prose with a BPE vocabulary; only estimates a cut prompt's length
@@ -69,6 +70,8 @@ class RequestPipeline:
         self._configs: dict[int, EngineConfig] = {}
         self._lora_by_model: dict[str, str | None] = {}  # served name → None, adapter → itself
         self._tokenizer_by_model: dict[str, str] = {}
+        # the workers' tokenizers, loaded as they appear; one that fails holds its workers back
+        self.tokenizers = TokenizerLoads(router, self.load_tokenizer)
         self._thread: ThreadPoolExecutor | None = None  # tokenizes long prompts off the loop
         self._all_loaded = False  # every published tokenizer loaded (until a worker is added)
         self.preparing = 0  # requests being tokenized off the loop now
@@ -136,14 +139,14 @@ class RequestPipeline:
         model = require_model(body)
         lora_name = lora_for_model(model, self._lora_by_model)  # 404 when nobody serves it
         spec = self._tokenizer_by_model[model]
-        try:
-            tokenizer = self.load_tokenizer(spec)
-        except (OSError, ValueError) as exc:  # a worker pinned past the ready filter (EPP)
+        if spec in self.tokenizers.held:  # failed to load: not tried again per request
             raise OpenAIError(
                 503,
-                f"the tokenizer of model {model!r} ({spec}) cannot be loaded: {exc}",
+                f"the tokenizer of model {model!r} ({spec}) cannot be loaded; its workers are "
+                "not routed to until it can (the router's log says why)",
                 retry_after_s=self.router.config.retry_after_s,
-            ) from None
+            )
+        tokenizer = self.load_tokenizer(spec)
         prefix, cut = prompt_prefix(path, body, self.router.config.max_prompt_chars)
         tokens = request_tokens(tokenizer, path, prefix)
         isl_tokens = len(tokens)
@@ -243,8 +246,8 @@ class RequestPipeline:
             return chars  # cut before tokenizing: not what the cache holds, nor worth a look
         model = body.get("model")
         spec = self._tokenizer_by_model.get(model) if isinstance(model, str) else None
-        if spec is None:
-            return chars
+        if spec is None or spec in self.tokenizers.held:
+            return chars  # held: refused before tokenizing
         tokenizer = get_tokenizer(spec)  # loaded (`_tokenizers_loaded`): a dict read
         messages, prompt = body.get("messages"), body.get("prompt")
         if path == CHAT_COMPLETIONS and isinstance(messages, list):
@@ -254,11 +257,15 @@ class RequestPipeline:
         return chars
 
     def _tokenizers_loaded(self) -> bool:
-        """Whether every published tokenizer is loaded: loading one takes seconds, which a
-        request must then wait for on the tokenizing thread, not on the event loop."""
+        """Whether every published tokenizer is loaded (or held, its requests refused): loading
+        one takes seconds, which a request must then wait for on the tokenizing thread, not on
+        the event loop."""
         if self._all_loaded:
             return True
-        self._all_loaded = all(map(is_loaded, self._tokenizer_by_model.values()))
+        held = self.tokenizers.held
+        self._all_loaded = all(
+            is_loaded(spec) or spec in held for spec in self._tokenizer_by_model.values()
+        )
         return self._all_loaded
 
     def schedule(self, request: RouteRequest) -> Routed:

@@ -31,8 +31,8 @@ class TokenizerLoads:
     ):
         self.router = router
         self._load = load
-        self._on_change = on_change  # a first load ended, or workers were held or released
-        self._on_failure = on_failure  # every failed load, by tokenizer spec
+        self.on_change = on_change  # a first load ended, or workers were held or released
+        self.on_failure = on_failure  # every failed load, by tokenizer spec
         self.loading: set[str] = set()  # tokenizers whose first load is under way
         self.held: dict[str, set[int]] = {}  # workers held out of routing, by their tokenizer
         self._workers: dict[int, str] = {}  # the tokenizer each worker publishes
@@ -62,7 +62,7 @@ class TokenizerLoads:
             try:
                 await asyncio.to_thread(self._load, spec)
             except Exception as exc:
-                self._on_failure(spec)
+                self.on_failure(spec)
                 if spec not in self.held:
                     log.error(
                         "tokenizer %r cannot be loaded: %s; its workers are not routed to until "
@@ -78,7 +78,7 @@ class TokenizerLoads:
                 return
             finally:
                 self.loading.discard(spec)
-                self._on_change()
+                self.on_change()
             await asyncio.sleep(RETRY_S)
 
     def _hold(self, spec: str) -> None:
