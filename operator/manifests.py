@@ -446,7 +446,8 @@ def _engine_volumes(graph: DynamoGraph, spec: ServiceSpec) -> list[dict[str, Any
 
 
 def _model_cache_volume(graph: DynamoGraph, *, read_only: bool = False) -> list[dict[str, Any]]:
-    """The model cache's volume, if the graph names one (`read_only`: whatever the spec says)."""
+    """The model cache's volume, if the graph names one (`read_only`: read-only even where the
+    spec lets the engines write)."""
     cache = graph.spec.model.cache
     if cache is None:
         return []
