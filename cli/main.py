@@ -8,9 +8,10 @@ module exposes `add_arguments(parser)` and `run(args) -> int`.
 import argparse
 import importlib
 import importlib.metadata
+import os
 import sys
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from types import ModuleType
 
 from .logs import add_logging_arguments, configure_logging
@@ -20,13 +21,28 @@ from .logs import add_logging_arguments, configure_logging
 class Command:
     module: str
     help: str
+    # Set before the module is imported (libraries that read their settings when they load),
+    # unless the user's environment has the variable already: theirs wins.
+    environment: Mapping[str, str] = field(default_factory=dict)
+
+
+# gRPC reads and writes the EPP's sockets on the thread that polls its completion queue
+# instead of handing each read to an EventEngine thread: one thread wake-up fewer per ext_proc
+# message, ~15 % less EPP CPU per routed request (docs/epp.md, "gRPC transport").
+EPP_ENVIRONMENT = {
+    "GRPC_EXPERIMENTS": "-event_engine_listener,-event_engine_for_all_other_endpoints"
+}
 
 
 COMMANDS = {
     "operator": Command(
         "dynamograph.operator.cli", "run the kopf operator for DynamoGraph resources"
     ),
-    "epp": Command("dynamograph.epp.cli", "run the endpoint picker (Envoy ext_proc, KV-aware)"),
+    "epp": Command(
+        "dynamograph.epp.cli",
+        "run the endpoint picker (Envoy ext_proc, KV-aware)",
+        EPP_ENVIRONMENT,
+    ),
     "frontend": Command("dynamograph.frontend.cli", "run the direct-routing OpenAI frontend"),
     "worker": Command("dynamograph.worker.cli", "run an engine: the simulated GPU engine or vLLM"),
     "up": Command("dynamograph.local.up", "run a DynamoGraph on this machine behind a real Envoy"),
@@ -45,6 +61,8 @@ class NotBuilt(Exception):
 
 def load(command: Command) -> ModuleType:
     """Import a subcommand's module; NotBuilt when that component is not part of this build."""
+    for name, value in command.environment.items():
+        os.environ.setdefault(name, value)
     try:
         return importlib.import_module(command.module)
     except ModuleNotFoundError as exc:
