@@ -24,6 +24,7 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 from dynamograph.protocol.engine import BOOTSTRAP_ROOM, EngineConfig, KvEventsEndpoint, Role
 from dynamograph.protocol.kv_curve import CurveKeys
 from dynamograph.protocol.kv_events import ARRAY, DEFAULT_TOPIC, LAYOUTS
+from dynamograph.protocol.launch import KV_EVENTS_PORT, kv_replay_port
 from dynamograph.protocol.tokenization import get_tokenizer
 
 from .cost import CostModel
@@ -64,8 +65,8 @@ class MockConfig:
     host: str = "127.0.0.1"
     advertise_host: str | None = None
     port: int = 8000  # the HTTP port (named in hand-off params and the engine document)
-    kv_events_port: int = 5557
-    kv_replay_port: int = 5558
+    kv_events_port: int = KV_EVENTS_PORT
+    kv_replay_port: int | None = None  # None: after the last rank's events port (`replay_port`)
     kv_events: bool = True
     kv_events_layout: str = ARRAY  # one of protocol.kv_events.LAYOUTS: vLLM's encodings
     block_size: int = 16
@@ -97,6 +98,14 @@ class MockConfig:
     @property
     def served(self) -> str:
         return self.served_model_name or self.model
+
+    @property
+    def replay_port(self) -> int:
+        """`kv_replay_port`, else the operator's rule (`protocol.launch.kv_replay_port`): rank
+        r replays on it + r, clear of every rank's events port."""
+        if self.kv_replay_port is not None:
+            return self.kv_replay_port
+        return kv_replay_port(self.data_parallel_size, self.kv_events_port)
 
     @property
     def public_host(self) -> str:
@@ -177,7 +186,7 @@ class MockEngine(LLMEngine):
                 self._zap = cfg.kv_curve.admit_subscribers(self._zmq)
             bind = functools.partial(
                 bind_publishers, self._zmq, events_port=cfg.kv_events_port,
-                replay_port=cfg.kv_replay_port, ranks=cfg.data_parallel_size,
+                replay_port=cfg.replay_port, ranks=cfg.data_parallel_size,
                 topic=DEFAULT_TOPIC, layout=cfg.kv_events_layout,
                 curve=cfg.kv_curve,
             )  # fmt: skip

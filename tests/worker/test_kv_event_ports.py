@@ -29,7 +29,8 @@ from dynamograph.protocol.kv_events import (
 from dynamograph.protocol.launch import KV_EVENTS_PORT, kv_replay_port
 from dynamograph.protocol.ports import bind_ports
 from dynamograph.worker import cli as worker_cli
-from dynamograph.worker.testing import free_port, stop_process, wait_for_engine
+from dynamograph.worker.mock import MockConfig
+from dynamograph.worker.testing import free_port, mock_worker, stop_process, wait_for_engine
 from dynamograph.worker.vllm import engine_document, kv_events_config
 
 from .conftest import worker_args
@@ -148,3 +149,17 @@ async def test_a_two_rank_worker_starts_on_default_style_ports():
     finally:
         ctx.destroy(linger=0)
         await stop_process(proc)
+
+
+async def test_a_mock_config_built_directly_takes_the_same_default_replay_port():
+    """`MockConfig` without a replay port (no CLI in between) replays after its last rank's
+    events port too: 5558 used to be rank 1's events port with two ranks."""
+    assert MockConfig(data_parallel_size=2).replay_port == kv_replay_port(2) == 5559
+    held = bind_ports(4)
+    base = held[0].getsockname()[1]
+    for sock in held:
+        sock.close()
+    overrides = {"data_parallel_size": 2, "kv_events_port": base, "kv_replay_port": None}
+    async with mock_worker(**overrides) as worker:
+        assert worker.config.kv_events.endpoint.endswith(f":{base}")
+        assert worker.config.kv_events.replay_endpoint.endswith(f":{base + 2}")
