@@ -16,13 +16,21 @@ The chart grants `get` and `patch` on this one CRD only (`resourceNames`), not `
 CRD must exist (helm install) for the operator to have anything to reconcile. With the grant
 withheld (chart value `manageCRD: false`, for clusters whose CRDs are managed elsewhere) the
 operator says so and runs with the CRD as it is; no failure here stops it.
+
+Then, before kopf watches, the operator waits (at most `SERVED_WITHIN_S`) until the apiserver
+lists DynamoGraphs: a CRD just changed (by this start, or by anyone) makes the apiserver rebuild
+the resource's storage, and meanwhile it answers 429 "storage is (re)initializing", which
+kopf's first watch would log as an ERROR.
 """
 
+import asyncio
 import importlib.metadata
 import logging
 from typing import Any
 
 from packaging.version import InvalidVersion, Version
+
+from dynamograph.protocol.graph import API_VERSION, KIND
 
 from .crds import CRD_NAME, build_crd
 from .kube import ApiError, KubeApi
@@ -33,6 +41,8 @@ FIELD_MANAGER = "dynamograph-operator"
 VERSION_ANNOTATION = "dynamograph.io/operator-version"
 CRD_API_VERSION = "apiextensions.k8s.io/v1"
 CRD_KIND = "CustomResourceDefinition"
+SERVED_WITHIN_S = 30.0
+_SERVED_POLL_S = 0.1
 
 
 def operator_version() -> str:
@@ -86,3 +96,22 @@ async def upgrade_crd(api: KubeApi, version: str | None = None) -> bool:
         return False
     log.info("CRD %s applied (operator %s)", CRD_NAME, version)
     return True
+
+
+async def wait_until_served(api: KubeApi, within_s: float = SERVED_WITHIN_S) -> bool:
+    """True once the apiserver answers a list of DynamoGraphs (all namespaces, as kopf watches)
+    with anything but 429, the answer while it (re)builds the resource's storage; False, logged,
+    when it still does after `within_s` (kopf retries its watches anyway)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while True:
+        try:
+            await api.list(API_VERSION, KIND, None, {})
+            return True
+        except ApiError as exc:
+            if exc.status != 429:
+                return True  # served, or not for us to wait on (not installed, not allowed)
+            if loop.time() >= deadline:
+                log.warning("%s storage still rebuilding after %.0f s: %s", KIND, within_s, exc)
+                return False
+        await asyncio.sleep(_SERVED_POLL_S)

@@ -31,7 +31,7 @@ from dynamograph.protocol.graph import GROUP, PLURAL, VERSION
 
 from .config import OperatorConfig
 from .controller import Operator, sync_graph, sync_owner_of
-from .crd_upgrade import upgrade_crd
+from .crd_upgrade import upgrade_crd, wait_until_served
 from .kube import ApiError, KubeApi, login
 from .manifests import LABEL_MANAGED_BY, MANAGED_BY, POOL_GROUP
 from .status import GATEWAY_GROUP
@@ -102,6 +102,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         memo.operator = Operator(api=KubeApi(lambda: login(settings)), config=config)
         # before any watch starts: graphs are read with the schema this operator was built for
         await upgrade_crd(memo.operator.api)
+        await wait_until_served(memo.operator.api)
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(memo: kopf.Memo, **_: Any) -> None:

@@ -185,9 +185,10 @@ class KubeApi:
         raise ApiError(401, "Unauthorized", f"{method} {path}: refused after logging in again")
 
     async def list(
-        self, api_version: str, kind: str, namespace: str, selector: dict[str, str]
+        self, api_version: str, kind: str, namespace: str | None, selector: dict[str, str]
     ) -> list[dict[str, Any]]:
-        """Objects matching the label selector (checked here too: not every server filters)."""
+        """Objects matching the label selector (checked here too: not every server filters);
+        namespace None: in every namespace, or a cluster-scoped kind's."""
         path = collection_path(api_version, kind, namespace)
         query = ",".join(f"{k}={v}" for k, v in selector.items())
         result = await self._request("GET", path, params={"labelSelector": query})

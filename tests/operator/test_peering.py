@@ -43,14 +43,24 @@ def named(r) -> str:
     return f"{r.method.name} {r.url.path} {(data.get('metadata') or {}).get('name', '')}".strip()
 
 
+def _startup_read(r) -> bool:
+    """What every replica reads when it starts (operator/crd_upgrade.py): the CRD it upgrades,
+    then one list of all graphs until the apiserver serves them (a leader's kopf lists them
+    too, but then watches, `?watch=true`, which this keeps)."""
+    if r.url.path.startswith("/apis/apiextensions.k8s.io/"):
+        return True
+    return r.method == "GET" and r.url.path == f"/apis/{GRAPHS}" and "watch" not in r.url.query
+
+
 def graph_work(requests: list) -> list:
     """The requests that do an operator's work (all but kopf's peering keep-alives, API
-    discovery and the CRD upgrade every replica makes when it starts, operator/crd_upgrade.py),
-    as "METHOD path [name of a created object]"."""
+    discovery and the reads every replica makes when it starts), as "METHOD path [name of a
+    created object]"."""
     return [
         named(r)
         for r in requests
-        if not r.url.path.startswith(("/apis/kopf.dev/", "/apis/apiextensions.k8s.io/"))
+        if not r.url.path.startswith("/apis/kopf.dev/")
+        and not _startup_read(r)
         and (r.method != "GET" or "/namespaces/" in r.url.path or "dynamographs" in r.url.path)
     ]
 
