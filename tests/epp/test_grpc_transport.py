@@ -23,9 +23,10 @@ from .conftest import MODEL, ExtProcClient, chat_body, endpoint_of
 REQUESTS = 40
 
 
-def _event_engine_wakeups(pid: int) -> int:
-    """Context switches of the process's gRPC EventEngine threads so far."""
-    total = 0
+def _event_engine_wakeups(pid: int) -> dict[str, int]:
+    """Context switches so far of each of the process's gRPC EventEngine threads (by thread id:
+    the pool may end threads and start others)."""
+    counts = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             if (task / "comm").read_text().strip() != "event_engine":
@@ -33,10 +34,17 @@ def _event_engine_wakeups(pid: int) -> int:
             status = (task / "status").read_text()
         except FileNotFoundError:  # the thread ended meanwhile
             continue
-        for line in status.splitlines():
-            if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
-                total += int(line.split()[1])
-    return total
+        counts[task.name] = sum(
+            int(line.split()[1])
+            for line in status.splitlines()
+            if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches"))
+        )
+    return counts
+
+
+def _since(before: dict[str, int], after: dict[str, int]) -> int:
+    """Switches between the two readings of the threads alive at the second."""
+    return sum(n - before.get(tid, 0) for tid, n in after.items())
 
 
 async def _wakeups_per_request(worker, environment: dict[str, str]) -> float:
@@ -71,7 +79,7 @@ async def _wakeups_per_request(worker, environment: dict[str, str]) -> float:
             assert first.HasField("request_headers"), first
             await stream.finish_response()
             await stream.call.done_writing()
-        return (_event_engine_wakeups(proc.pid) - before) / REQUESTS
+        return _since(before, _event_engine_wakeups(proc.pid)) / REQUESTS
     finally:
         await client.close()
         proc.kill()
