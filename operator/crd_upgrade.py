@@ -18,9 +18,11 @@ withheld (chart value `manageCRD: false`, for clusters whose CRDs are managed el
 operator says so and runs with the CRD as it is; no failure here stops it.
 
 Then, before kopf watches, the operator waits (at most `SERVED_WITHIN_S`) until the apiserver
-lists DynamoGraphs: a CRD just changed (by this start, or by anyone) makes the apiserver rebuild
-the resource's storage, and meanwhile it answers 429 "storage is (re)initializing", which
-kopf's first watch would log as an ERROR.
+lists DynamoGraphs: a CRD whose spec just changed (by this start, or by anyone) makes the
+apiserver rebuild the resource's storage, and meanwhile it answers 429 "storage is
+(re)initializing", which kopf's first watch would log as an ERROR. The apiserver drops the old
+storage a moment after the change, not with it: after changing the spec itself, the operator
+waits for that rebuild to come and go (`REBUILD_WITHIN_S`), not just for one list answered.
 """
 
 import asyncio
@@ -42,6 +44,7 @@ VERSION_ANNOTATION = "dynamograph.io/operator-version"
 CRD_API_VERSION = "apiextensions.k8s.io/v1"
 CRD_KIND = "CustomResourceDefinition"
 SERVED_WITHIN_S = 30.0
+REBUILD_WITHIN_S = 5.0  # how long a spec change may take to reach the apiserver's storage
 _SERVED_POLL_S = 0.1
 
 
@@ -65,7 +68,8 @@ def desired_crd(version: str) -> dict[str, Any]:
 
 
 async def upgrade_crd(api: KubeApi, version: str | None = None) -> bool:
-    """Apply our CRD unless a newer operator's is there; True when it was applied."""
+    """Apply our CRD unless a newer operator's is there; True when that changed its spec (a new
+    `metadata.generation`: the apiserver rebuilds the resource's storage)."""
     version = version or operator_version()
     try:
         live = await api.get(CRD_API_VERSION, CRD_KIND, None, CRD_NAME)
@@ -83,7 +87,7 @@ async def upgrade_crd(api: KubeApi, version: str | None = None) -> bool:
                 "CRD %s was applied by operator %s, newer than %s: kept", CRD_NAME, newer, version
             )
             return False
-        await api.apply(desired_crd(version), FIELD_MANAGER)
+        applied = await api.apply(desired_crd(version), FIELD_MANAGER)
     except ApiError as exc:
         if exc.status == 403:
             log.info(
@@ -95,23 +99,39 @@ async def upgrade_crd(api: KubeApi, version: str | None = None) -> bool:
             log.warning("could not update CRD %s: %s; running with it as installed", CRD_NAME, exc)
         return False
     log.info("CRD %s applied (operator %s)", CRD_NAME, version)
-    return True
+    return _generation(applied) != _generation(live)
 
 
-async def wait_until_served(api: KubeApi, within_s: float = SERVED_WITHIN_S) -> bool:
+def _generation(obj: dict[str, Any] | None) -> int | None:
+    return ((obj or {}).get("metadata") or {}).get("generation")
+
+
+async def wait_until_served(
+    api: KubeApi,
+    *,
+    spec_changed: bool = False,
+    within_s: float = SERVED_WITHIN_S,
+    rebuild_within_s: float = REBUILD_WITHIN_S,
+) -> bool:
     """True once the apiserver answers a list of DynamoGraphs (all namespaces, as kopf watches)
-    with anything but 429, the answer while it (re)builds the resource's storage; False, logged,
-    when it still does after `within_s` (kopf retries its watches anyway)."""
+    with anything but 429, its answer while it (re)builds the resource's storage. After a spec
+    change of ours (`spec_changed`), the old storage may still answer at first: then also until
+    a rebuild has been seen and is over, or `rebuild_within_s` passed without one (it was over
+    between two lists). False, logged, when the apiserver still answers 429 after `within_s`
+    (kopf retries its watches anyway)."""
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + within_s
+    start = loop.time()
+    rebuilding_seen = False
     while True:
         try:
             await api.list(API_VERSION, KIND, None, {})
-            return True
+            if rebuilding_seen or not spec_changed or loop.time() - start >= rebuild_within_s:
+                return True
         except ApiError as exc:
             if exc.status != 429:
                 return True  # served, or not for us to wait on (not installed, not allowed)
-            if loop.time() >= deadline:
+            rebuilding_seen = True
+            if loop.time() - start >= within_s:
                 log.warning("%s storage still rebuilding after %.0f s: %s", KIND, within_s, exc)
                 return False
         await asyncio.sleep(_SERVED_POLL_S)

@@ -101,8 +101,8 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         configure(settings)
         memo.operator = Operator(api=KubeApi(lambda: login(settings)), config=config)
         # before any watch starts: graphs are read with the schema this operator was built for
-        await upgrade_crd(memo.operator.api)
-        await wait_until_served(memo.operator.api)
+        spec_changed = await upgrade_crd(memo.operator.api)
+        await wait_until_served(memo.operator.api, spec_changed=spec_changed)
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(memo: kopf.Memo, **_: Any) -> None:
