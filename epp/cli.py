@@ -150,10 +150,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-ingest-interval",
         type=float,
         default=_env_float("DYNAMOGRAPH_EPP_KV_INGEST_INTERVAL", INGEST_INTERVAL_S),
-        help="seconds between reads of the KV-event sockets while batches keep coming (a "
-        "batch after a quiet spell is read at once): longer costs less CPU per batch, and a "
-        "batch, with the prefill-done signal it carries, waits up to that long; 0: every batch "
-        f"as it arrives (default {INGEST_INTERVAL_S:g})",
+        help="seconds between background reads of the KV-event sockets while batches keep "
+        "coming and no request reads them (each routing decision reads what is queued first; "
+        "a batch after a quiet spell is read at once): longer costs less CPU per batch, and "
+        "without requests a batch waits up to that long; 0: every batch as it arrives "
+        f"(default {INGEST_INTERVAL_S:g})",
     )
     parser.add_argument(
         "--max-loop-lag",

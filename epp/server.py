@@ -133,6 +133,8 @@ class Epp:
             if settings.kv_events
             else None
         )
+        if self.kv is not None:
+            self.pipeline.read_events = self.kv.read_queued
         self.picker = (
             RandomEndpointPicker(self.view, self.router)
             if settings.endpoint_picker == "random"

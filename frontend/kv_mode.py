@@ -63,12 +63,14 @@ class KvMode:
             self.events = KvEventIngest(
                 self.router, on_disconnect=self.load.probe_now, curve=self.kv_curve
             )
+            self.pipeline.read_events = self.events.read_queued
         self.directory.add_listener(self._added, self._removed)
 
     async def stop(self) -> None:
         await self.tokenizers.close()
         self.pipeline.close()
         if self.events is not None:
+            self.pipeline.read_events = None
             await self.events.close()
             self.events = None
         if self.load is not None:

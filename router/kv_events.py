@@ -2,15 +2,18 @@
 
 Each subscriber connects to the PUB endpoint the worker published at `/v1/engine` (rank r at
 `endpoint_for_rank(endpoint, r)`), decodes vLLM's frames `[topic, seq, payload]` with
-`protocol.kv_events` and feeds the router in order (`Router.apply_kv_batch`). Missed batches
-are asked again from the worker's replay socket (DEALER → ROUTER, `[b"", start_seq]` → `[b"",
-seq, payload]`… `[b"", -1, b""]`):
+`protocol.kv_events` and feeds the router in order (`Router.apply_kv_batch`). The sockets are
+read before every routing decision (`KvEventIngest.read_queued`, called by the request
+pipeline) and in the ticker's background rounds (`Ticker`). Missed batches are asked again from
+the worker's replay socket (DEALER → ROUTER, `[b"", start_seq]` → `[b"", seq, payload]`…
+`[b"", -1, b""]`), in a task of the subscriber's own; its later batches wait in its socket
+meanwhile, so they are applied in order:
 - on connect and every reconnect, from the next expected sequence (0 the first time): a late
   joiner or a restarted EPP gets the worker's buffered history before live batches (ZMQ drops
   what a PUB sends before the subscription arrives);
 - on a sequence gap reported by the router; when the replay cannot fill the gap, the router
   clears that slot (`Router.replay_failed`).
-A worker that goes away (discovery) has its subscribers cancelled; the router drops its state.
+A worker that goes away (discovery) has its subscribers closed; the router drops its state.
 With `curve` (protocol.kv_curve) both sockets are CURVE clients that trust only the graph's
 workers; a failed handshake is logged (the keys are wrong on one side) and nothing is received.
 
@@ -26,7 +29,7 @@ stays bound until the ingest closes (a worker that comes back reconnects to it).
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, Protocol, cast
 
 import zmq
@@ -54,8 +57,11 @@ log = logging.getLogger(__name__)
 _NOBLOCK = int(zmq.NOBLOCK)  # plain ints: building the Flag enums per read costs as much as it
 _POLLIN = int(zmq.POLLIN)
 RECEIVE_QUEUE = 100_000  # batches a SUB socket holds for us (vLLM's publisher sends up to as many)
-DRAIN_MAX = 1024  # batches handled per wake-up before other tasks get the loop
-INGEST_INTERVAL_S = 0.02  # KV-event sockets are read at most this often (`Ticker`)
+ROUND_SHARE = 1024  # batches a socket gives a background round before requests get the loop
+# batches a socket gives a routing decision; a burst beyond it (a restart's history) is left to
+# the rounds, so no request waits for it
+DECISION_SHARE = 32
+INGEST_INTERVAL_S = 0.05  # background rounds, while batches keep coming, at most this often
 REPLAY_PIECES = 8  # asks after a replay that came with holes (each must bring the missing one)
 REPLAY_ATTEMPTS = 3  # replay timeouts 1 s, 2 s, 4 s (the default) before the slot is cleared
 _HANDSHAKE_FAILED = (
@@ -71,59 +77,101 @@ def readable(socket: zmq.Socket[bytes]) -> bool:
     return bool(cast(int, socket.getsockopt(zmq.EVENTS)) & _POLLIN)
 
 
-async def read_batches(
-    socket: zmq.Socket[bytes],
-    dispatch: Callable[[list[bytes]], Awaitable[None]],
-    endpoint: str,
-) -> None:
-    """Every batch queued (up to `DRAIN_MAX`) in one wake-up: behind under load, a subscriber
-    then catches up in few loop turns instead of one turn a batch."""
-    for _ in range(DRAIN_MAX):
+def read_batches(
+    socket: zmq.Socket[bytes], handle: Callable[[list[bytes]], bool], endpoint: str, limit: int
+) -> int:
+    """Up to `limit` batches queued on `socket`, each given to `handle` (False: read no further
+    now, the reader waits for a replay); how many were read."""
+    read = 0
+    while read < limit:
         try:
             frames = socket.recv_multipart(_NOBLOCK)
         except zmq.Again:
-            return
+            break
+        read += 1
         if len(frames) < 3:
             log.warning("KV event frame with %d parts at %s", len(frames), endpoint)
-            continue
-        await dispatch(frames)
-    await asyncio.sleep(0)  # more queued: let requests in before the next run
+        elif not handle(frames):
+            break
+    return read
+
+
+class Reader(Protocol):
+    """What the ticker reads: a subscriber's socket or a bound endpoint's."""
+
+    endpoint: str
+
+    def read(self, limit: int) -> int:
+        """Apply up to `limit` queued batches; how many were read."""
+        ...
 
 
 class Ticker:
-    """When the readers of an ingest's KV-event sockets read: rounds, each waking every reader
-    waiting in `next_round` to drain what its sockets hold.
+    """When an ingest's KV-event sockets are read: before every routing decision (`read`), and
+    in background rounds while batches keep coming and no decision reads them.
 
     Engines publish a batch per engine step on each rank, and on this kind of machine a
-    process woken from a wait pays 0.05–0.25 ms of CPU whatever it then does, more than
+    process woken from a wait pays 0.1–0.25 ms of CPU whatever it then does, more than
     applying a batch (~0.06 ms): woken per batch, ingestion would cost the EPP more than
-    routing does. So a batch arriving after a quiet spell starts a round at once (the sockets'
-    descriptors are watched), and while batches keep coming the descriptors are not watched:
-    a round every `interval_s` reads what arrived meanwhile, whatever the number of workers,
-    until one finds nothing queued. A batch so waits at most `interval_s` (its lag is exported).
+    routing does. A routing decision needs the freshest index and runs in a process awake
+    anyway, so it reads what is queued first, at no wake-up's cost. Between decisions, a batch
+    arriving after a quiet spell starts a round at once (the sockets' descriptors are watched),
+    and while batches keep coming the descriptors are not watched: a round every `interval_s`
+    reads what the decisions did not, whatever the number of workers, until a round finds
+    nothing queued and no decision read anything since the one before. With requests coming,
+    the index is as fresh as ZMQ's queues at each decision; without, a batch waits at most
+    `interval_s` (its lag is exported).
     """
 
     def __init__(self, interval_s: float):
         self.interval_s = interval_s
         self._loop = asyncio.get_running_loop()
-        self._sockets: set[zmq.Socket[bytes]] = set()
+        self._readers: dict[Reader, tuple[zmq.Socket[bytes], ...]] = {}
         self._armed = False  # the descriptors are watched
+        self._decided = 0  # batches the decisions read since the last round
         self._signal = asyncio.Event()
-        self._round = asyncio.Event()
         self._task = asyncio.create_task(self._run(), name="kv-events ticker")
 
-    def watch(self, socket: zmq.Socket[bytes]) -> None:
-        self._sockets.add(socket)
+    def add(self, reader: Reader, *sockets: zmq.Socket[bytes]) -> None:
+        """Read `reader` from now on; `sockets` are what it reads (their descriptors watched)."""
+        self._readers[reader] = sockets
         if self._armed:
-            self._loop.add_reader(socket.FD, self._changed)
+            for socket in sockets:
+                self._loop.add_reader(socket.FD, self._changed)
 
-    def unwatch(self, socket: zmq.Socket[bytes]) -> None:
-        self._sockets.discard(socket)
+    def remove(self, reader: Reader) -> None:
+        sockets = self._readers.pop(reader, ())
         if self._armed:
-            self._loop.remove_reader(socket.FD)
+            for socket in sockets:
+                self._loop.remove_reader(socket.FD)
 
-    async def next_round(self) -> None:
-        await self._round.wait()
+    def poke(self) -> None:
+        """A reader can read again (its replay ended): a round now, if none is coming."""
+        if self._armed:
+            self._changed()
+
+    def read(self, limit: int = DECISION_SHARE) -> int:
+        """What every reader holds, up to `limit` batches each (a routing decision's read)."""
+        read, more = self._read_all(limit)
+        self._decided += read
+        if more and self._armed:
+            # the reads took the descriptors' signal: no wake-up would come for the rest
+            self._changed()
+        return read
+
+    def _read_all(self, limit: int) -> tuple[int, bool]:
+        """Batches read, and whether a reader had more than `limit`."""
+        total, more = 0, False
+        for reader in list(self._readers):
+            try:
+                read = reader.read(limit)
+            except Exception:  # a bug: that reader stops, the others go on
+                log.exception("KV events from %s failed; no longer read", reader.endpoint)
+                self.remove(reader)
+                continue
+            total += read
+            more |= read >= limit
+        return total, more
 
     def _changed(self) -> None:
         self._disarm()  # the rounds take over until the sockets are quiet
@@ -134,26 +182,30 @@ class Ticker:
         says yes): asking re-arms its descriptor, which otherwise stays readable from a
         message already read (and would wake us for nothing)."""
         queued = False
-        for socket in list(self._sockets):
-            try:
-                queued |= readable(socket)
-            except zmq.ZMQError as exc:  # closed without `unwatch`: a reader's bug, not ours
-                log.warning("KV-event socket left the ticker: %s", exc)
-                self._sockets.discard(socket)
+        for reader, sockets in list(self._readers.items()):
+            for socket in sockets:
+                try:
+                    queued |= readable(socket)
+                except zmq.ZMQError as exc:  # closed without `remove`: a reader's bug, not ours
+                    log.warning("KV events from %s left the ticker: %s", reader.endpoint, exc)
+                    self._readers.pop(reader, None)
+                    break
         return queued
 
     def _arm(self) -> None:
         queued = self._queued()
-        for socket in self._sockets:
-            self._loop.add_reader(socket.FD, self._changed)
+        for sockets in self._readers.values():
+            for socket in sockets:
+                self._loop.add_reader(socket.FD, self._changed)
         self._armed = True
         if queued:
             self._changed()
 
     def _disarm(self) -> None:
         if self._armed:
-            for socket in self._sockets:
-                self._loop.remove_reader(socket.FD)
+            for sockets in self._readers.values():
+                for socket in sockets:
+                    self._loop.remove_reader(socket.FD)
             self._armed = False
 
     async def _run(self) -> None:
@@ -162,11 +214,14 @@ class Ticker:
             await self._signal.wait()
             self._signal.clear()
             while True:
-                current, self._round = self._round, asyncio.Event()
-                current.set()
-                await asyncio.sleep(self.interval_s)
-                if not self._queued():
+                read, more = self._read_all(ROUND_SHARE)
+                if more:
+                    await asyncio.sleep(0)  # let requests in before the rest
+                    continue
+                if not read and not self._decided:
                     break
+                self._decided = 0
+                await asyncio.sleep(self.interval_s)
 
     async def close(self) -> None:
         await cancel_all([self._task])
@@ -217,8 +272,11 @@ class RankSubscriber:
         self.synced = False  # next_seq is known (a batch applied or a complete replay)
         self.replays = 0
         self.applied = 0
+        self.task: asyncio.Task[None] | None = None  # a replay under way: reading waits for it
+        self._sockets: tuple[zmq.asyncio.Socket, ...] = ()  # the SUB and its monitor (`open`)
 
-    async def run(self) -> None:
+    def open(self) -> None:
+        """Subscribe at `endpoint` (a bound endpoint's subscribers are fed by it instead)."""
         sub = self.context.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         # A router busy with requests must fall behind, not lose batches: ZMQ's I/O thread keeps
@@ -230,34 +288,47 @@ class RankSubscriber:
         monitor = sub.get_monitor_socket(
             zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
         )
+        self._sockets = (sub, monitor)
         sub.connect(self.endpoint)
-        # Read through plain (blocking-API) shadows of the sockets, on the ticker's rounds:
-        # zmq.asyncio's poller costs ~0.5 ms of CPU a wake-up (futures, enum flags,
-        # re-registration) on top of the wake-up itself.
-        plain: zmq.Socket[bytes] = zmq.Socket.shadow(sub.underlying)
-        events: zmq.Socket[bytes] = zmq.Socket.shadow(monitor.underlying)
-        ticker = self.ticker
-        ticker.watch(plain)
-        ticker.watch(events)
-        try:
-            while True:
-                # Connection events first: catch up before reading live batches (they queue in
-                # the SUB meanwhile).
-                while readable(events):
-                    await self._on_monitor(parse_monitor_message(events.recv_multipart()))
-                while readable(plain):
-                    await read_batches(plain, self._dispatch, self.endpoint)
-                await ticker.next_round()
-        finally:
-            ticker.unwatch(plain)
-            ticker.unwatch(events)
+        # Read through plain (blocking-API) shadows of the sockets, non-blocking, when the
+        # ticker says: zmq.asyncio's poller costs ~0.5 ms of CPU a wake-up (futures, enum
+        # flags, re-registration) on top of the wake-up itself.
+        self._plain: zmq.Socket[bytes] = zmq.Socket.shadow(sub.underlying)
+        self._events: zmq.Socket[bytes] = zmq.Socket.shadow(monitor.underlying)
+        self.ticker.add(self, self._plain, self._events)
+
+    def close(self) -> asyncio.Task[None] | None:
+        """Stop reading and close the sockets; the replay under way, cancelled, to be awaited
+        (its socket closes when it ends)."""
+        if self._sockets:
+            self.ticker.remove(self)
+            sub, monitor = self._sockets
+            self._sockets = ()
             sub.disable_monitor()
             monitor.close(linger=0)
             sub.close(linger=0)
+        task, self.task = self.task, None
+        if task is not None:
+            task.cancel()
+        return task
 
-    async def _on_monitor(self, event: Mapping[str, Any]) -> None:
+    def read(self, limit: int) -> int:
+        """Connection events first (catch up before reading live batches: they queue in the
+        SUB meanwhile), then up to `limit` batches; none while a replay is under way."""
+        if self.task is not None:
+            return 0
+        while readable(self._events):
+            self._on_monitor(parse_monitor_message(self._events.recv_multipart()))
+            if self.task is not None:
+                return 0
+        return read_batches(self._plain, self._on_frames, self.endpoint, limit)
+
+    def _on_frames(self, frames: list[bytes]) -> bool:
+        return self.handle(decode_seq(frames[1]), frames[2])
+
+    def _on_monitor(self, event: Mapping[str, Any]) -> None:
         if event["event"] == zmq.EVENT_CONNECTED:
-            await self.catch_up()
+            self._start(self.catch_up(), "catch-up")
         elif event["event"] == zmq.EVENT_DISCONNECTED and self.on_disconnect:
             self.on_disconnect(self.worker_id)
         elif event["event"] & _HANDSHAKE_FAILED:
@@ -268,8 +339,21 @@ class RankSubscriber:
                 self.endpoint,
             )
 
-    async def _dispatch(self, frames: list[bytes]) -> None:
-        await self.handle(decode_seq(frames[1]), frames[2])
+    def _start(self, replay: Coroutine[Any, Any, None], what: str) -> None:
+        """Run a replay; this subscriber reads nothing more until it ends."""
+        self.task = asyncio.create_task(
+            self._replaying(replay), name=f"kv-events {what} {self.worker_id}/{self.dp_rank}"
+        )
+
+    async def _replaying(self, replay: Coroutine[Any, Any, None]) -> None:
+        try:
+            await replay
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("KV event replay for worker %s failed", self.worker_id)
+        self.task = None
+        self.ticker.poke()  # what queued meanwhile is read now, not at the next decision
 
     def _decode(self, seq: int, payload: bytes) -> EventBatch | None:
         try:
@@ -296,17 +380,19 @@ class RankSubscriber:
             self.synced = True
         return gap
 
-    async def handle(self, seq: int, payload: bytes, source: str = "live") -> None:
+    def handle(self, seq: int, payload: bytes) -> bool:
+        """Apply a live batch in order; False when batches before it are missing: a replay
+        fills the gap, then applies this one (`task`)."""
         batch = self._decode(seq, payload)
         if batch is None:
-            return
+            return True
         if self.synced and seq > self.next_seq:
             # We know what comes next even when the router has not seen this slot yet.
             start = self.next_seq
         else:
-            gap = self._apply(seq, batch, source)
+            gap = self._apply(seq, batch, "live")
             if gap is None:
-                return
+                return True
             start = gap.start_seq
         log.info(
             "KV event gap on worker %s rank %s: expected %d, got %d; replaying",
@@ -317,6 +403,12 @@ class RankSubscriber:
         )
         if self.metrics is not None:
             self.metrics.kv_gaps.inc()
+        self._start(self.fill_gap(start, seq, batch), "replay")
+        return False
+
+    async def fill_gap(self, start: int, seq: int, batch: EventBatch) -> None:
+        """Replay `start`..`seq - 1`, then apply `batch` (`seq`); when the replay cannot,
+        start this slot over from `batch`."""
         frames, _ = await self.replay_patiently(start)
         if frames and frames[0][0] == start:
             for replayed_seq, replayed in frames:
@@ -462,8 +554,13 @@ class BoundEndpoint:
         self.socket = context.socket(zmq.SUB)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)
-        self.socket.bind(endpoint)
-        self.task = asyncio.create_task(self._run(), name=f"kv-events bound {endpoint}")
+        try:
+            self.socket.bind(endpoint)
+        except zmq.ZMQError:
+            self.socket.close(linger=0)  # else the context's term() would wait for it forever
+            raise
+        self._plain: zmq.Socket[bytes] = zmq.Socket.shadow(self.socket.underlying)
+        ticker.add(self, self._plain)
 
     def add(self, subscriber: RankSubscriber) -> None:
         topic = subscriber.topic.encode()
@@ -482,35 +579,26 @@ class BoundEndpoint:
             del self.subscribers[topic]
             self.socket.setsockopt(zmq.UNSUBSCRIBE, topic)
 
-    async def _run(self) -> None:
-        plain: zmq.Socket[bytes] = zmq.Socket.shadow(self.socket.underlying)
-        self.ticker.watch(plain)
-        try:
-            while True:
-                while readable(plain):
-                    await read_batches(plain, self._dispatch, self.endpoint)
-                await self.ticker.next_round()
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("KV events bound at %s failed", self.endpoint)
-        finally:
-            self.ticker.unwatch(plain)
+    def read(self, limit: int) -> int:
+        # one socket for every worker: while one replays, the frames behind it wait (in order)
+        if any(s.task is not None for s in self.subscribers.values()):
+            return 0
+        return read_batches(self._plain, self._on_frames, self.endpoint, limit)
 
-    async def _dispatch(self, frames: list[bytes]) -> None:
+    def _on_frames(self, frames: list[bytes]) -> bool:
         subscriber = self.subscribers.get(frames[0]) or self.subscribers.get(b"")
-        if subscriber is not None:  # else a topic only prefix-matching a subscription
-            await subscriber.handle(decode_seq(frames[1]), frames[2])
+        if subscriber is None:  # a topic only prefix-matching a subscription
+            return True
+        return subscriber.handle(decode_seq(frames[1]), frames[2])
 
-    async def close(self) -> None:
-        # the socket is closed here, not by the task: a task cancelled before it first ran
-        # would never close it (and the context's term() would wait for it forever)
-        await cancel_all([self.task])
+    def close(self) -> None:
+        self.ticker.remove(self)
         self.socket.close(linger=0)
 
 
 class KvEventIngest:
-    """Subscribers for every worker discovery reports; `add`/`remove` are discovery listeners."""
+    """Subscribers for every worker discovery reports; `add`/`remove` are discovery listeners,
+    `read_queued` what a routing decision calls first."""
 
     def __init__(
         self,
@@ -531,8 +619,13 @@ class KvEventIngest:
         self._ticker: Ticker | None = None  # made in the event loop, with the first worker
         self.context = zmq.asyncio.Context()
         self.subscribers: dict[int, list[RankSubscriber]] = {}
-        self._tasks: dict[int, list[asyncio.Task[None]]] = {}
         self.bound: dict[str, BoundEndpoint] = {}  # endpoint → the SUB bound there
+        self._stopping: set[asyncio.Task[None]] = set()  # removed workers' replays, cancelled
+
+    def read_queued(self) -> None:
+        """Apply what the sockets hold now (a share of it each): before a routing decision."""
+        if self._ticker is not None:
+            self._ticker.read()
 
     def add(self, record: WorkerRecord) -> None:
         events = record.config.kv_events
@@ -568,48 +661,35 @@ class KvEventIngest:
             for rank in range(record.config.data_parallel_size)
         ]
         self.subscribers[record.instance_id] = subs
-        if events.bind:
+        try:
             for sub in subs:
-                try:
+                if events.bind:
                     bound = self.bound.get(sub.endpoint)
                     if bound is None:
                         bound = BoundEndpoint(self.context, sub.endpoint, self._ticker)
                         self.bound[sub.endpoint] = bound
                     bound.add(sub)
-                except (ValueError, zmq.ZMQError) as exc:  # a shared topic; a port in use
-                    log.error("worker %s: %s; routing it on load only", record.name, exc)
-                    self.remove(record)
-                    return
-            return
-        self._tasks[record.instance_id] = [
-            asyncio.create_task(self._run(s), name=f"kv-events {record.name}/{s.dp_rank}")
-            for s in subs
-        ]
-
-    async def _run(self, subscriber: RankSubscriber) -> None:
-        try:
-            await subscriber.run()
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("KV event subscriber for worker %s failed", subscriber.worker_id)
+                else:
+                    sub.open()
+        except (ValueError, zmq.ZMQError) as exc:  # a shared topic; a port in use; a bad address
+            log.error("worker %s: %s; routing it on load only", record.name, exc)
+            self.remove(record)
 
     def remove(self, record: WorkerRecord) -> None:
         for sub in self.subscribers.pop(record.instance_id, []):
             if (bound := self.bound.get(sub.endpoint)) is not None:
                 bound.remove(sub)
-        for task in self._tasks.pop(record.instance_id, []):
-            task.cancel()
+            if (task := sub.close()) is not None:
+                self._stopping.add(task)
+                task.add_done_callback(self._stopping.discard)
 
     async def close(self) -> None:
-        tasks = [t for ts in self._tasks.values() for t in ts]
-        bound = list(self.bound.values())
-        self._tasks.clear()
+        tasks = [t for subs in self.subscribers.values() for s in subs if (t := s.close())]
         self.subscribers.clear()
+        await cancel_all([*tasks, *self._stopping])
+        for endpoint in self.bound.values():
+            endpoint.close()
         self.bound.clear()
-        await cancel_all(tasks)
-        for endpoint in bound:
-            await endpoint.close()
         if self._ticker is not None:
             await self._ticker.close()
             self._ticker = None

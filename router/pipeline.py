@@ -19,7 +19,7 @@ The catalog of models and tokenizers is fed by the same worker add/remove calls 
 import asyncio
 import functools
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -75,6 +75,9 @@ class RequestPipeline:
         self._thread: ThreadPoolExecutor | None = None  # tokenizes long prompts off the loop
         self._all_loaded = False  # every published tokenizer loaded (until a worker is added)
         self.preparing = 0  # requests being tokenized off the loop now
+        # what brings the router's index up to date before a decision: the KV-event ingest's
+        # `read_queued` (the index as fresh as the queued events; no wake-up of its own)
+        self.read_events: Callable[[], None] | None = None
         # every worker busy: requests wait here, by priority (`waiting`), when configured
         config = router.config
         self.queue: WaitQueue[Routed] | None = None
@@ -277,6 +280,8 @@ class RequestPipeline:
 
     def _attempt(self, request: RouteRequest) -> Routed:
         """`schedule`, leaving `Overloaded` (every worker busy) as it is, for the queue."""
+        if self.read_events is not None:
+            self.read_events()
         try:
             decision = self.router.schedule(request)
         except Overloaded:

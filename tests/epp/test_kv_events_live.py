@@ -104,11 +104,11 @@ async def test_injected_sequence_gap_triggers_replay():
         original = subscriber.handle
         dropped: list[int] = []
 
-        async def lossy(seq, payload, source="live"):
-            if source == "live" and not dropped:
+        def lossy(seq, payload):  # live batches only: a replay applies what it fetched itself
+            if not dropped:
                 dropped.append(seq)  # this frame "never arrived"
-                return
-            await original(seq, payload, source)
+                return True
+            return original(seq, payload)
 
         subscriber.handle = lossy
         replays_before = subscriber.replays

@@ -107,10 +107,10 @@ async def test_subscribers_hand_the_router_parsed_batches():
     sub = RankSubscriber(context, router, 7, 0, "tcp://127.0.0.1:9", None, ticker=ticker)
     tokens = list(range(2 * BS))
     try:
-        await sub.handle(
+        assert sub.handle(
             0, encode_batch(EventBatch(1.0, [BlockStored([101, 102], None, tokens, BS)]))
         )
-        await sub.handle(1, b"\xc1")  # malformed: logged and dropped, as ever
+        assert sub.handle(1, b"\xc1")  # malformed: logged and dropped, as ever
     finally:
         await ticker.close()
         context.destroy(linger=0)

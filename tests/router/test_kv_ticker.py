@@ -1,13 +1,14 @@
 """The KV-event ticker: readers of several sockets share its rounds. A steady stream is read in
 rounds at most every interval (not once per batch), a batch after a quiet spell is read at
-once, and nothing is lost either way. `bench epp` measures what this saves."""
+once, a routing decision reads what is queued itself (and the rounds go on while decisions
+find batches), and nothing is lost either way. `bench epp` measures what this saves."""
 
 import asyncio
 
 import pytest
 import zmq
 
-from dynamograph.router.kv_events import Ticker, read_batches, readable
+from dynamograph.router.kv_events import Ticker, read_batches
 from dynamograph.worker.testing import free_port
 from e2e.waiting import wait_for
 
@@ -17,26 +18,25 @@ WARM_UP = b"warm-up"
 
 
 class Reader:
-    """What a subscriber does on the ticker's rounds: drain its socket, count what it read."""
+    """What a subscriber does when the ticker reads it: drain its socket, count what it read
+    and when (a background round, or a decision's `Ticker.read`)."""
 
     def __init__(self, ticker: Ticker, socket: zmq.Socket[bytes]):
-        self.ticker, self.socket = ticker, socket
-        self.read = 0  # every batch
+        self.socket = socket
+        self.endpoint = "test"
+        self.read_batches = 0  # every batch
         self.streamed = 0  # the stream's batches, not `subscribed`'s warm-ups
-        self.rounds = 0
-        ticker.watch(socket)
-        self.task = asyncio.create_task(self._run())
+        self.reads = 0  # times the ticker read it
+        ticker.add(self, socket)
 
-    async def _dispatch(self, frames: list[bytes]) -> None:
-        self.read += 1
+    def _handle(self, frames: list[bytes]) -> bool:
+        self.read_batches += 1
         self.streamed += frames[2] != WARM_UP
+        return True
 
-    async def _run(self) -> None:
-        while True:
-            while readable(self.socket):
-                await read_batches(self.socket, self._dispatch, "test")
-            await self.ticker.next_round()
-            self.rounds += 1
+    def read(self, limit: int) -> int:
+        self.reads += 1
+        return read_batches(self.socket, self._handle, self.endpoint, limit)
 
 
 async def pairs(context: zmq.Context, n: int) -> list[tuple[zmq.Socket, zmq.Socket]]:
@@ -55,7 +55,7 @@ async def subscribed(pub: zmq.Socket, reader: Reader) -> None:
     """A PUB drops what it sends before the subscription reached it: send until one arrives."""
 
     async def arrived() -> bool:
-        if reader.read:
+        if reader.read_batches:
             return True
         # on a loaded machine several may be in flight: later ones arrive after the first
         pub.send_multipart([b"", b"0", WARM_UP])
@@ -72,7 +72,7 @@ async def test_a_steady_stream_is_read_in_rounds_not_batch_by_batch():
     try:
         for (pub, _), reader in zip(sockets, readers, strict=True):
             await subscribed(pub, reader)
-        rounds = [r.rounds for r in readers]
+        reads = [r.reads for r in readers]
         loop = asyncio.get_running_loop()
         start = loop.time()
         sent = 400
@@ -86,18 +86,15 @@ async def test_a_steady_stream_is_read_in_rounds_not_batch_by_batch():
             within=20,
         )
         elapsed = loop.time() - start
-        for reader, before in zip(readers, rounds, strict=True):
+        for reader, before in zip(readers, reads, strict=True):
             # a slower machine only makes fewer rounds; per-batch reading would make ~400
-            assert reader.rounds - before <= elapsed / ticker.interval_s + 3, (
-                reader.rounds - before,
+            assert reader.reads - before <= elapsed / ticker.interval_s + 3, (
+                reader.reads - before,
                 elapsed,
             )
     finally:
         for reader in readers:
-            reader.task.cancel()
-        await asyncio.gather(*(r.task for r in readers), return_exceptions=True)
-        for _, sub in sockets:
-            ticker.unwatch(sub)
+            ticker.remove(reader)
         await ticker.close()
         context.destroy(linger=0)
 
@@ -110,8 +107,53 @@ async def test_a_batch_after_a_quiet_spell_is_read_at_once_not_after_the_interva
     try:
         await subscribed(pub, reader)
     finally:
-        reader.task.cancel()
-        await asyncio.gather(reader.task, return_exceptions=True)
-        ticker.unwatch(sub)
+        ticker.remove(reader)
+        await ticker.close()
+        context.destroy(linger=0)
+
+
+async def test_a_decision_reads_what_is_queued_and_the_rounds_wait_for_their_interval():
+    context = zmq.Context()
+    ticker = Ticker(interval_s=60.0)
+    [(pub, sub)] = await pairs(context, 1)
+    reader = Reader(ticker, sub)
+    try:
+        await subscribed(pub, reader)  # the first batch starts a round; the next waits 60 s
+        await asyncio.sleep(0.05)  # that round's read done: the rounds now wait their interval
+        before = reader.read_batches
+        for i in range(5):
+            pub.send_multipart([b"", str(i).encode(), b"x"])
+        await wait_for(lambda: sub.poll(0), "the batches to reach the SUB", within=10)
+        await asyncio.sleep(0.05)  # every one of them arrived by now, on loopback
+        assert reader.read_batches == before  # no round read them: the next is a minute away
+        assert ticker.read() == 5  # the decision's read takes them all, on the spot
+        assert reader.read_batches == before + 5
+    finally:
+        ticker.remove(reader)
+        await ticker.close()
+        context.destroy(linger=0)
+
+
+async def test_a_decision_takes_a_share_of_a_burst_and_the_rounds_read_the_rest():
+    context = zmq.Context()
+    ticker = Ticker(interval_s=0.01)
+    [(pub, sub)] = await pairs(context, 1)
+    reader = Reader(ticker, sub)
+    try:
+        await subscribed(pub, reader)
+        ticker.remove(reader)  # no rounds while the burst queues up
+        before = reader.read_batches
+        burst = 200
+        for i in range(burst):
+            pub.send_multipart([b"", str(i).encode(), b"x"])
+        await wait_for(lambda: sub.poll(0), "the burst to reach the SUB", within=10)
+        await asyncio.sleep(0.1)
+        ticker.add(reader, sub)
+        assert ticker.read(limit=16) == 16  # a decision waits for its share only
+        await wait_for(
+            lambda: reader.read_batches == before + burst, "the rounds to read the rest", within=10
+        )
+    finally:
+        ticker.remove(reader)
         await ticker.close()
         context.destroy(linger=0)

@@ -172,6 +172,35 @@ async def test_a_prompt_past_the_budget_is_routed_by_its_prefix():
     assert cut.isl_tokens > 100_000 // 4 and len(cut.block_hashes) <= 4096 // BS
 
 
+async def test_the_kv_events_queued_at_a_decision_are_read_before_it():
+    """The pipeline reads the KV events queued (`read_events`, the ingest's `read_queued`)
+    before each decision: a worker that stored the prompt's blocks a moment ago is found, with
+    no background round in between."""
+    pipeline = RequestPipeline(Router(RouterConfig(seed=1)))
+    for r in RECORDS[:3]:
+        assert pipeline.add_engine(r.config)
+    body = {"model": MODEL, "prompt": "The quick brown fox jumps over the lazy dog. " * 40}
+    reads: list[int] = []
+
+    def read_events() -> None:  # what the ingest finds queued: worker 1002 stored the prompt
+        reads.append(pipeline.router.index.block_count((1002, 0)))
+        if len(reads) == 1:
+            store(pipeline.router, 1002, "/v1/completions", body)
+
+    pipeline.read_events = read_events
+    decided = []
+    try:
+        for request_id in ("a", "b"):
+            routed = await pipeline.decide("/v1/completions", body, request_id=request_id)
+            routed.decision.guard.free()
+            decided.append(routed.decision.decode)
+    finally:
+        pipeline.close()
+    assert reads[0] == 0 and reads[1] > 0  # read once per decision, the first before any event
+    for pick in decided:
+        assert (pick.worker_id, pick.overlap_blocks) == (1002, reads[1])
+
+
 async def test_long_prompts_are_tokenized_off_the_event_loop():
     """While one long prompt is tokenized, the loop keeps routing short ones."""
     import asyncio
