@@ -83,7 +83,8 @@ def read_batches(
     """Up to `limit` batches queued on `socket`, each given to `handle` (False: read no further
     now, the reader waits for a replay); how many were read."""
     read = 0
-    while read < limit:
+    # asking first: an empty socket costs a 2 µs question, not a 6 µs zmq.Again raised
+    while read < limit and readable(socket):
         try:
             frames = socket.recv_multipart(_NOBLOCK)
         except zmq.Again:
