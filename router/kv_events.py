@@ -62,6 +62,7 @@ ROUND_SHARE = 1024  # batches a socket gives a background round before requests 
 # the rounds, so no request waits for it
 DECISION_SHARE = 32
 INGEST_INTERVAL_S = 0.05  # background rounds, while batches keep coming, at most this often
+ROUND_BACKOFF = 8  # while requests come, rounds come down to 1 per 8 intervals
 REPLAY_PIECES = 8  # asks after a replay that came with holes (each must bring the missing one)
 REPLAY_ATTEMPTS = 3  # replay timeouts 1 s, 2 s, 4 s (the default) before the slot is cleared
 _HANDSHAKE_FAILED = (
@@ -109,7 +110,7 @@ class Reader(Protocol):
 
 class Ticker:
     """When an ingest's KV-event sockets are read: before every routing decision (`read`), and
-    in background rounds while batches keep coming and no decision reads them.
+    in background rounds while batches keep coming.
 
     Engines publish a batch per engine step on each rank, and on this kind of machine a
     process woken from a wait pays 0.1–0.25 ms of CPU whatever it then does, more than
@@ -119,9 +120,12 @@ class Ticker:
     arriving after a quiet spell starts a round at once (the sockets' descriptors are watched),
     and while batches keep coming the descriptors are not watched: a round every `interval_s`
     reads what the decisions did not, whatever the number of workers, until a round finds
-    nothing queued and no decision read anything since the one before. With requests coming,
-    the index is as fresh as ZMQ's queues at each decision; without, a batch waits at most
-    `interval_s` (its lag is exported).
+    nothing queued and no decision read anything since the one before. While requests come,
+    the rounds matter less: each round with a decision since the one before waits twice as
+    long for the next, up to `ROUND_BACKOFF` intervals; a round with none goes back to
+    `interval_s`. The index is so as fresh as ZMQ's queues at each decision; between them, a
+    batch waits at most `ROUND_BACKOFF` intervals while requests come and `interval_s` while
+    none do (its lag is exported).
     """
 
     def __init__(self, interval_s: float):
@@ -129,7 +133,8 @@ class Ticker:
         self._loop = asyncio.get_running_loop()
         self._readers: dict[Reader, tuple[zmq.Socket[bytes], ...]] = {}
         self._armed = False  # the descriptors are watched
-        self._decided = 0  # batches the decisions read since the last round
+        self._decisions = 0  # decisions since the last round
+        self._decided = 0  # batches they read
         self._signal = asyncio.Event()
         self._task = asyncio.create_task(self._run(), name="kv-events ticker")
 
@@ -154,6 +159,7 @@ class Ticker:
     def read(self, limit: int = DECISION_SHARE) -> int:
         """What every reader holds, up to `limit` batches each (a routing decision's read)."""
         read, more = self._read_all(limit)
+        self._decisions += 1
         self._decided += read
         if more and self._armed:
             # the reads took the descriptors' signal: no wake-up would come for the rest
@@ -214,6 +220,7 @@ class Ticker:
             self._arm()
             await self._signal.wait()
             self._signal.clear()
+            wait = self.interval_s
             while True:
                 read, more = self._read_all(ROUND_SHARE)
                 if more:
@@ -221,8 +228,12 @@ class Ticker:
                     continue
                 if not read and not self._decided:
                     break
-                self._decided = 0
-                await asyncio.sleep(self.interval_s)
+                if self._decisions:  # requests are coming and keep the index fresh: back off
+                    wait = min(2 * wait, ROUND_BACKOFF * self.interval_s)
+                else:
+                    wait = self.interval_s
+                self._decisions = self._decided = 0
+                await asyncio.sleep(wait)
 
     async def close(self) -> None:
         await cancel_all([self._task])

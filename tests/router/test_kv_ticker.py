@@ -157,3 +157,34 @@ async def test_a_decision_takes_a_share_of_a_burst_and_the_rounds_read_the_rest(
         ticker.remove(reader)
         await ticker.close()
         context.destroy(linger=0)
+
+
+async def test_while_decisions_read_the_rounds_back_off():
+    """Requests keep the index fresh themselves: while decisions read, each round waits twice
+    as long as the one before (up to `ROUND_BACKOFF` intervals), so a steady stream costs
+    far fewer rounds than one per interval. Nothing is lost."""
+    context = zmq.Context()
+    ticker = Ticker(interval_s=0.02)
+    [(pub, sub)] = await pairs(context, 1)
+    reader = Reader(ticker, sub)
+    try:
+        await subscribed(pub, reader)
+        before, decisions = reader.reads, 0
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        sent = 160
+        for i in range(sent):  # a batch every ~10 ms, a decision every ~50 ms
+            pub.send_multipart([b"", str(i).encode(), b"x"])
+            await asyncio.sleep(0.01)
+            if i % 5 == 4:
+                ticker.read()
+                decisions += 1
+        elapsed = loop.time() - start
+        rounds = reader.reads - before - decisions
+        # one per interval would be ~80 on an idle machine; backed off, ~15
+        assert rounds <= elapsed / ticker.interval_s / 3, (rounds, elapsed)
+        await wait_for(lambda: reader.streamed == sent, "every batch read", within=10)
+    finally:
+        ticker.remove(reader)
+        await ticker.close()
+        context.destroy(linger=0)
