@@ -374,7 +374,8 @@ class WorkerServer:
                 raise OpenAIError(400, str(exc), param="nvext") from None
             tokens = await asyncio.to_thread(request_tokens, self.engine.tokenizer, path, body)
             prefix = "chatcmpl" if path == CHAT_COMPLETIONS else "cmpl"
-            request_id = _client_request_id(request) or f"{prefix}-{uuid.uuid4().hex}"
+            client_id = _client_request_id(request)
+            request_id = client_id or f"{prefix}-{uuid.uuid4().hex}"
             if self.engine.has_request(request_id):  # a client reusing an id: keep ours unique
                 request_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
             gen = build_request(
@@ -394,7 +395,9 @@ class WorkerServer:
             DP_RANK_HEADER: str(gen.dp_rank),
             REQUEST_ID_HEADER: gen.request_id,
         }
-        builder = ResponseBuilder(path, gen.request_id, body["model"])
+        # the body's id as vLLM's: the endpoint's prefix before the client's x-request-id
+        response_id = f"{prefix}-{gen.request_id}" if client_id else gen.request_id
+        builder = ResponseBuilder(path, response_id, body["model"])
         ctx = RequestContext(gen.request_id)
         stream = self.engine.generate(gen, ctx)
         entry = {

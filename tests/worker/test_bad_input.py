@@ -152,7 +152,7 @@ async def test_non_utf8_request_id_is_400_and_debug_requests_keeps_answering(sma
     status, _ = await raw_post(small.url, "/v1/completions", body, {"x-request-id": "x" * 257})
     assert status == 400
     status, resp = await raw_post(small.url, "/v1/completions", body, {"x-request-id": "ok-1"})
-    assert status == 200 and resp["id"] == "ok-1"
+    assert status == 200 and resp["id"] == "cmpl-ok-1"
     async with aiohttp.ClientSession() as http, http.get(small.url + "/debug/requests") as r:
         assert r.status == 200
         assert [e["request_id"] for e in (await r.json())["recent"]] == ["ok-1"]

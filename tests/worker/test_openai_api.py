@@ -98,13 +98,13 @@ async def test_reused_request_ids_do_not_collide(worker):
             model=MODEL, prompt="long", max_tokens=30000, stream=True, extra_headers=headers
         )
         first = await anext(aiter(running))  # "same-id" is now in flight
-        assert first.id == "same-id"
+        assert first.id == "cmpl-same-id"  # vLLM's: its endpoint's prefix, then the header
         second = await c.completions.create(
             model=MODEL, prompt="short", max_tokens=3, extra_headers=headers
         )
         await running.close()
     assert second.usage.completion_tokens == 3
-    assert second.id.startswith("same-id-")  # made unique while the first one runs
+    assert second.id.startswith("cmpl-same-id-")  # made unique while the first one runs
 
 
 async def test_draining_worker_fails_health_and_refuses_work():
