@@ -226,7 +226,9 @@ class Ticker:
                 if more:
                     await asyncio.sleep(0)  # let requests in before the rest
                     continue
-                if not read and not self._decided:
+                # quiet: watch the descriptors again (but while a reader waits for its replay,
+                # what its socket holds stays queued: rounds go on, or arming would fire at once)
+                if not read and not self._decided and not self._queued():
                     break
                 if self._decisions:  # requests are coming and keep the index fresh: back off
                     wait = min(2 * wait, ROUND_BACKOFF * self.interval_s)

@@ -188,3 +188,29 @@ async def test_while_decisions_read_the_rounds_back_off():
         ticker.remove(reader)
         await ticker.close()
         context.destroy(linger=0)
+
+
+async def test_a_reader_waiting_for_its_replay_holds_its_batches_without_spinning_the_loop():
+    """A subscriber replaying reads nothing meanwhile, its socket's batches left queued: the
+    ticker then checks back every interval (it must not arm, find them queued and fire again
+    at once, round after round, never letting the replay run), and reads them after."""
+    context = zmq.Context()
+    ticker = Ticker(interval_s=0.02)
+    [(pub, sub)] = await pairs(context, 1)
+    reader = Reader(ticker, sub)
+    try:
+        await subscribed(pub, reader)
+        before, busy_read, calls = reader.read_batches, reader.read, []
+        reader.read = lambda limit: calls.append(limit) or 0  # replaying: reads nothing
+        for i in range(3):
+            pub.send_multipart([b"", str(i).encode(), b"x"])
+        await asyncio.sleep(0.3)  # a spinning ticker would never give this sleep back
+        assert reader.read_batches == before
+        assert 1 <= len(calls) <= 0.3 / ticker.interval_s + 5  # rounds, not a spin
+        reader.read = busy_read  # the replay ended
+        ticker.poke()
+        await wait_for(lambda: reader.read_batches == before + 3, "the held batches", within=10)
+    finally:
+        ticker.remove(reader)
+        await ticker.close()
+        context.destroy(linger=0)
