@@ -1,6 +1,8 @@
 """KV-event ingestion keeps up: a burst far larger than ZMQ's default queues, published while
 the router's event loop is busy, ends with every batch applied and nothing cleared."""
 
+import asyncio
+
 import numpy as np
 import pytest
 import zmq.asyncio
@@ -58,6 +60,42 @@ async def test_a_burst_beyond_the_queues_is_applied_without_a_clear():
         assert cleared == []
         hashes = block_hash_array(tokens, BS)
         assert router.index.find_matches(hashes) == {(7, 0): BURST}
+    finally:
+        await ingest.close()
+        await publisher.close()
+        ctx.destroy(linger=0)
+
+
+async def test_joining_a_worker_that_publishes_all_along_catches_up_and_keeps_up():
+    """The subscriber connects while the worker publishes a batch every few milliseconds: its
+    catch-up replay runs while live batches queue behind it, then it reads on, in order, with
+    nothing cleared (a ticker that spun while the replay held the queue would hang here)."""
+    ctx = zmq.asyncio.Context()
+    (publisher,), events_port, replay_port = bind_publishers(ctx, "127.0.0.1", 0, 0, 1)
+    router = Router()
+    router.add_worker(7, block_size=BS, total_blocks=1 << 20)
+    ingest = KvEventIngest(router, interval_s=0.01)
+    cleared = []
+    router.replay_failed = lambda *a: cleared.append(a)  # type: ignore[method-assign]
+
+    async def publish_all_along(n: int) -> None:
+        parent = None
+        for i in range(n):
+            chunk = list(range(i * BS, (i + 1) * BS))
+            publisher.publish([BlockStored([ENGINE_HASH + i], parent, chunk, BS, None)])
+            parent = ENGINE_HASH + i
+            await asyncio.sleep(0.002)
+
+    try:
+        publishing = asyncio.create_task(publish_all_along(600))
+        await asyncio.sleep(0.1)  # the worker has a history by the time the EPP joins
+        ingest.add(worker(f"tcp://127.0.0.1:{events_port}", f"tcp://127.0.0.1:{replay_port}"))
+        (subscriber,) = ingest.subscribers[7]
+        await publishing
+        await wait_for(lambda: subscriber.next_seq == 600, "every batch applied", within=30)
+        assert cleared == [] and subscriber.replays >= 1
+        hashes = block_hash_array(np.arange(600 * BS, dtype="<u4"), BS)
+        assert router.index.find_matches(hashes) == {(7, 0): 600}
     finally:
         await ingest.close()
         await publisher.close()
