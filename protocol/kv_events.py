@@ -4,7 +4,7 @@ Matches vLLM's `ZmqEventPublisher` (vllm/distributed/kv_events.py):
 - PUB socket, multipart `[topic, seq (8-byte big-endian), payload]`;
 - payload = msgpack `EventBatch` of `ts`, `events` and `data_parallel_rank` (vLLM >= 0.10),
   the events `BlockStored` (block_hashes, parent_block_hash | nil, token_ids, block_size,
-  lora_id | nil, medium, then what newer vLLMs add: lora_name, extra_keys, group_idx, ...),
+  lora_id | nil, medium, lora_name | nil, then what newer vLLMs add: extra_keys, group_idx, ...),
   `BlockRemoved` (block_hashes, medium, ...) and `AllBlocksCleared`; trailing fields with
   defaults may be omitted (msgspec `omit_defaults`); engine hashes may be ints or bytes;
 - three `LAYOUTS` of those msgspec Structs, which `decode_batch` all reads: `ARRAY`, vLLM
@@ -57,6 +57,9 @@ class BlockStored:
     block_size: int
     lora_id: int | None = None
     medium: str | None = MEDIUM_GPU
+    # the LoRA adapter's name (vLLM sends it with `lora_id` since its events carry names); the
+    # router hashes the blocks under it, with no need to know vLLM's ids for the adapters
+    lora_name: str | None = None
 
 
 @dataclass(slots=True)
@@ -91,7 +94,7 @@ def _plain(values: Sequence[Any] | np.ndarray) -> Sequence[Any]:
 
 def _event_to_wire(event: KvEvent) -> list[Any]:
     if isinstance(event, BlockStored):
-        return [
+        fields = [
             "BlockStored",
             _plain(event.block_hashes),
             event.parent_block_hash,
@@ -100,6 +103,8 @@ def _event_to_wire(event: KvEvent) -> list[Any]:
             event.lora_id,
             event.medium,
         ]
+        # msgspec's omit_defaults: a trailing field at its default is not sent
+        return fields if event.lora_name is None else [*fields, event.lora_name]
     if isinstance(event, BlockRemoved):
         return ["BlockRemoved", _plain(event.block_hashes), event.medium]
     return ["AllBlocksCleared"]
@@ -113,7 +118,7 @@ def _event_to_map(event: KvEvent) -> dict[str, Any]:
             "type": "BlockStored", "block_hashes": _plain(event.block_hashes),
             "parent_block_hash": event.parent_block_hash, "token_ids": _plain(event.token_ids),
             "block_size": event.block_size, "lora_id": event.lora_id, "medium": event.medium,
-            "lora_name": None,
+            "lora_name": event.lora_name,
         }  # fmt: skip
     if isinstance(event, BlockRemoved):
         return {
@@ -160,11 +165,17 @@ def _event_from_map(raw: dict[str, Any]) -> KvEvent:
     if tag == "BlockStored":
         return BlockStored(
             raw["block_hashes"], raw["parent_block_hash"], raw["token_ids"], raw["block_size"],
-            raw.get("lora_id"), raw.get("medium", MEDIUM_GPU),
+            raw.get("lora_id"), raw.get("medium", MEDIUM_GPU), _lora_name(raw.get("lora_name")),
         )  # fmt: skip
     if tag == "BlockRemoved":
         return BlockRemoved(raw["block_hashes"], raw.get("medium", MEDIUM_GPU))
     return AllBlocksCleared()
+
+
+def _lora_name(value: object) -> str | None:
+    """An event's `lora_name`: a string, else none (what else a publisher puts there is
+    ignored, as fields the decoder does not know are)."""
+    return value if isinstance(value, str) else None
 
 
 def _event_from_wire(raw: object) -> KvEvent:
@@ -176,7 +187,9 @@ def _event_from_wire(raw: object) -> KvEvent:
     if tag == "BlockStored":
         if len(fields) < 4:
             raise KvEventDecodeError(f"BlockStored needs at least 4 fields, got {len(fields)}")
-        return BlockStored(*fields[:6])
+        stored = BlockStored(*fields[:6])
+        stored.lora_name = _lora_name(fields[6] if len(fields) > 6 else None)
+        return stored
     if tag == "BlockRemoved":
         if not fields:
             raise KvEventDecodeError("BlockRemoved needs block_hashes")
@@ -211,11 +224,13 @@ NOT_MINE = -1  # read_batch's event count for a payload it leaves to `decode_bat
 KIND, HASH_START, HASH_END, TOKEN_START, TOKEN_END = 0, 1, 2, 3, 4  # meta columns
 PARENT, PARENT_VALUE, BLOCK_SIZE, LORA, LORA_VALUE = 5, 6, 7, 8, 9
 MEDIUM, MEDIUM_START, MEDIUM_END, SIGNED = 10, 11, 12, 13  # SIGNED: the hashes had a negative
-META_FIELDS = 14
+LORA_NAME, LORA_NAME_START, LORA_NAME_END = 14, 15, 16
+META_FIELDS = 17
 STORED, REMOVED, CLEARED = 1, 2, 3  # KIND
-# PARENT, LORA and the dp_rank: nil or absent; an int (the value, within int64); an int sent in
-# an unsigned format (PARENT only: the value's 64 bits, which may stand for 2^63 or more)
-NONE, INT, UNSIGNED = 0, 1, 2
+# PARENT, LORA, LORA_NAME and the dp_rank: nil or absent (or, LORA_NAME, anything but a string);
+# an int (the value, within int64); an int sent in an unsigned format (PARENT only: the value's
+# 64 bits, which may stand for 2^63 or more); text (LORA_NAME: its bytes, ASCII)
+NONE, INT, UNSIGNED, TEXT = 0, 1, 2, 3
 MEDIUM_ABSENT, MEDIUM_NIL, MEDIUM_IS_GPU, MEDIUM_TEXT = 0, 1, 2, 3  # MEDIUM; TEXT: its bytes
 TS_F64, TS_F32 = 1, 2
 MIN_EVENT_BYTES = 15  # `["BlockRemoved", []]`, the shortest event: bounds the rows needed
@@ -273,8 +288,13 @@ def _read(reader: _ReadBatch, payload: bytes) -> EventBatch | None:
         elif row[PARENT] == UNSIGNED:
             parent = row[PARENT_VALUE] & _U64
         lora = row[LORA_VALUE] if row[LORA] == INT else None
+        name = None
+        if row[LORA_NAME] == TEXT:
+            name = payload[row[LORA_NAME_START] : row[LORA_NAME_END]].decode("ascii")
         token_ids = tokens[row[TOKEN_START] : row[TOKEN_END]]
-        events.append(BlockStored(block_hashes, parent, token_ids, row[BLOCK_SIZE], lora, medium))
+        events.append(
+            BlockStored(block_hashes, parent, token_ids, row[BLOCK_SIZE], lora, medium, name)
+        )
     ts: float = _TS[ts_kind](payload, ts_at)[0]
     return EventBatch(ts, events, dp if dp_kind == INT else None)
 

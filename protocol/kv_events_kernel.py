@@ -5,10 +5,10 @@ index then turns back into arrays).
 `read_batch(payload, hashes, tokens, meta)` walks `[ts, [event, ...], dp_rank, ...]` with the
 events in either of vLLM's event layouts (`kv_events.ARRAY`, `kv_events.MAP`), even mixed: a
 tagged array, `["BlockStored", block_hashes, parent, token_ids, block_size, lora_id?, medium?,
-...]`, `["BlockRemoved", block_hashes, medium?, ...]` or `["AllBlocksCleared", ...]`; or a map
-of the same fields by name, tagged by `type` (`{"type": "BlockStored", "block_hashes": ...}`),
-its keys in any order, `lora_id` and `medium` optional, keys it does not know (what newer vLLMs
-add) skipped. One walker (`_event`) reads both: a field is known by its key in a map, by its
+lora_name?, ...]`, `["BlockRemoved", block_hashes, medium?, ...]` or `["AllBlocksCleared",
+...]`; or a map of the same fields by name, tagged by `type` (`{"type": "BlockStored",
+"block_hashes": ...}`), its keys in any order, `lora_id`, `medium` and `lora_name` optional,
+keys it does not know (what newer vLLMs add) skipped. One walker (`_event`) reads both: a field is known by its key in a map, by its
 place after the tag in an array (`_ORDER`). It appends every event's engine hashes to `hashes`
 (their 64-bit patterns), its token ids to `tokens` (u32, as the block hasher reads them) and
 writes one row of `meta` per event (the columns and codes are `kv_events`'s, which turns the
@@ -16,8 +16,8 @@ rows into events); it returns (events, ts kind, ts offset, dp_rank kind, dp_rank
 
 It reads only what it can turn into exactly the objects `msgpack.unpackb` + `decode_batch`
 would give (see `kv_events.parse_batch`): ints of every width, nil, float32/64 (the timestamp),
-arrays, maps keyed by strings, strings (tags, keys, medium; ASCII only, so no UTF-8 to
-validate), and — in what the decoder ignores (an array event's trailing fields, a map event's
+arrays, maps keyed by strings, strings (tags, keys, medium, lora_name; ASCII only, so no UTF-8
+to validate), and — in what the decoder ignores (an array event's trailing fields, a map event's
 unknown keys, the batch's trailing fields) — also booleans, floats, bins, and arrays and maps of
 those nested up to `SKIP_DEPTH` deep. Anything else (a map batch: `kv_events.MAP_BATCH`; bytes
 hashes; ext types; a map event's key that is not an ASCII string or comes twice; token ids
@@ -39,6 +39,9 @@ from .kv_events import (
     INT,
     KIND,
     LORA,
+    LORA_NAME,
+    LORA_NAME_END,
+    LORA_NAME_START,
     LORA_VALUE,
     MEDIUM,
     MEDIUM_ABSENT,
@@ -54,6 +57,7 @@ from .kv_events import (
     REMOVED,
     SIGNED,
     STORED,
+    TEXT,
     TOKEN_END,
     TOKEN_START,
     TS_F32,
@@ -84,18 +88,16 @@ _GPU = np.frombuffer(b"GPU", np.uint8)
 # An event's fields, by their key in a map event (`_NAMES`, indexed by field) or their place
 # after the tag in an array event (`_ORDER`); bits of the masks below. _F_OTHER: what the
 # decoder drops (unknown keys, trailing fields, fields the event's kind does not have).
-_F_TYPE, _F_HASHES, _F_PARENT, _F_TOKENS, _F_SIZE, _F_LORA, _F_MEDIUM, _F_OTHER = range(8)
+_F_TYPE, _F_HASHES, _F_PARENT, _F_TOKENS, _F_SIZE, _F_LORA, _F_MEDIUM, _F_LORA_NAME = range(8)
+_F_OTHER = 8
 _NAMES = (
     b"type", b"block_hashes", b"parent_block_hash", b"token_ids", b"block_size", b"lora_id",
-    b"medium",
+    b"medium", b"lora_name",
 )  # fmt: skip
-# the names differ in length, so a key's length picks the one name it may be: one compare a key
-assert len({len(name) for name in _NAMES}) == len(_NAMES)
 _KEYS = np.array([list(name.ljust(max(map(len, _NAMES)), b"\0")) for name in _NAMES], np.uint8)
-_NAMED = np.full(_KEYS.shape[1] + 1, _F_OTHER, np.int64)  # [length]: the field of that name
-_NAMED[[len(name) for name in _NAMES]] = range(len(_NAMES))
+_LENGTHS = np.array([len(name) for name in _NAMES], np.int64)
 _UNKNOWN = 0  # no KIND: a tag the decoder does not know
-_STORED_FIELDS = (_F_HASHES, _F_PARENT, _F_TOKENS, _F_SIZE, _F_LORA, _F_MEDIUM)
+_STORED_FIELDS = (_F_HASHES, _F_PARENT, _F_TOKENS, _F_SIZE, _F_LORA, _F_MEDIUM, _F_LORA_NAME)
 _REMOVED_FIELDS = (_F_HASHES, _F_MEDIUM)
 _ORDER = np.full((4, len(_STORED_FIELDS) + 1), _F_OTHER, np.int64)  # [KIND, place - 1]
 _ORDER[STORED, : len(_STORED_FIELDS)] = _STORED_FIELDS
@@ -304,6 +306,21 @@ def _medium(buf, pos, row):
     return pos + size
 
 
+@numba.njit(nogil=True)
+def _lora_name(buf, pos, row):
+    """The lora_name field at `pos` into meta `row`; the position after it, -1 for a string
+    that is not ASCII (UTF-8 the decoder checks). What is not a string the decoder ignores."""
+    what, length, end = _head(buf, pos)
+    if what != _STR:
+        row[LORA_NAME] = NONE
+        return _skip(buf, pos, 1)
+    size = np.int64(length)
+    if not _ascii(buf, end, size):
+        return -1
+    row[LORA_NAME], row[LORA_NAME_START], row[LORA_NAME_END] = TEXT, end, end + size
+    return end + size
+
+
 @_helper
 def _tag(buf, pos):
     """(the KIND the event tag at `pos` names, the position after it); _UNKNOWN if none."""
@@ -329,9 +346,9 @@ def _key(buf, pos):
     size = np.int64(value)
     if what != _STR or not _ascii(buf, pos, size):
         return _F_OTHER, -1
-    field = _NAMED[size] if size < _NAMED.shape[0] else _F_OTHER
-    if field != _F_OTHER and _equals(buf, pos, size, _KEYS[field, :size]):
-        return field, pos + size
+    for field in range(_LENGTHS.shape[0]):  # a length compare rules out all but one or two
+        if _LENGTHS[field] == size and _equals(buf, pos, size, _KEYS[field, :size]):
+            return field, pos + size
     return _F_OTHER, pos + size
 
 
@@ -344,6 +361,8 @@ def _field(buf, pos, field, row, hashes, nh, tokens, nt):
         return _skip(buf, pos, 1), nh, nt
     if field == _F_MEDIUM:
         return _medium(buf, pos, row), nh, nt
+    if field == _F_LORA_NAME:
+        return _lora_name(buf, pos, row), nh, nt
     if field == _F_HASHES:
         pos, end, negative, high = _ints(buf, pos, hashes, nh, ~np.uint64(0))
         if pos < 0 or (negative and high):  # no one dtype holds both as the decoder's ints
@@ -387,7 +406,7 @@ def _event(buf, pos, row, hashes, nh, tokens, nt):
         return -1, nh, nt
     is_map = what == _MAP
     kind, seen = _UNKNOWN, 0
-    row[LORA], row[MEDIUM] = NONE, MEDIUM_ABSENT  # the defaults of omitted fields
+    row[LORA], row[MEDIUM], row[LORA_NAME] = NONE, MEDIUM_ABSENT, NONE  # omitted fields'
     for place in range(np.int64(value)):
         if is_map:
             field, pos = _key(buf, pos)

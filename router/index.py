@@ -200,15 +200,16 @@ class KvIndex:
     def apply_events(
         self, slot: Slot, events: Sequence[KvEvent], lora_names: Mapping[int, str] | None = None
     ) -> list[np.ndarray]:
-        """Apply vLLM events of one slot, in order. `lora_names` maps vLLM lora ids to adapter
-        names (an id missing there hashes as `lora-<id>`, so it matches no request). Returns the
+        """Apply vLLM events of one slot, in order. A BlockStored's blocks hash under its
+        `lora_name`; from engines that send only `lora_id`, under the name `lora_names` maps it
+        to (an id missing there hashes as `lora-<id>`, so it matches no request). Returns the
         prefix keys of each BlockStored the slot now holds, as requests name them (what the
         prefills waiting on those blocks need, without looking the engine hashes up again)."""
         stored: list[np.ndarray] = []
         for event in events:
             if isinstance(event, BlockStored):
-                lora = None
-                if event.lora_id:
+                lora = event.lora_name  # the engine's own name for the adapter, when it sends one
+                if lora is None and event.lora_id:
                     lora = (lora_names or {}).get(event.lora_id) or f"lora-{event.lora_id}"
                 hashes = block_hash_array(event.token_ids, event.block_size, lora)
                 engine = event.block_hashes

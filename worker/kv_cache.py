@@ -143,6 +143,7 @@ class KvCache:
         start: int,
         parent: int | None,
         lora_id: int | None = None,
+        lora_name: str | None = None,
     ) -> None:
         """Cache full blocks `start..len(hashes)` of a sequence (its `blocks`, edited in place).
 
@@ -170,14 +171,19 @@ class KvCache:
                 blocks[i] = twin
                 self.release([b])
             if stored_hashes:  # keep each event's blocks one contiguous chain
-                self._stored(stored_hashes, first_parent, stored_tokens, lora_id)
+                self._stored(stored_hashes, first_parent, stored_tokens, lora_id, lora_name)
                 stored_hashes, stored_tokens = [], []
             first_parent = h
         if stored_hashes:
-            self._stored(stored_hashes, first_parent, stored_tokens, lora_id)
+            self._stored(stored_hashes, first_parent, stored_tokens, lora_id, lora_name)
 
     def _stored(
-        self, hashes: list[EngineHash], parent: int | None, tokens: list[int], lora_id: int | None
+        self,
+        hashes: list[EngineHash],
+        parent: int | None,
+        tokens: list[int],
+        lora_id: int | None,
+        lora_name: str | None,
     ) -> None:
         self.events.append(
             BlockStored(
@@ -186,6 +192,7 @@ class KvCache:
                 token_ids=tokens,
                 block_size=self.block_size,
                 lora_id=lora_id,
+                lora_name=lora_name,
             )
         )
 

@@ -315,6 +315,7 @@ class Scheduler:
         if full > seq.num_committed:
             parent = seq.hashes[seq.num_committed - 1] if seq.num_committed else None
             self.cache.commit(
-                seq.blocks, seq.hashes[:full], seq.buf, seq.num_committed, parent, seq.lora_id
-            )
+                seq.blocks, seq.hashes[:full], seq.buf, seq.num_committed, parent, seq.lora_id,
+                seq.lora_name,
+            )  # fmt: skip
             seq.num_committed = full

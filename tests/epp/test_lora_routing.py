@@ -82,6 +82,23 @@ async def test_repeated_adapter_prompt_is_cached_only_for_that_adapter(pool):
     assert await predicted_cached(epp, MODEL) == 0
 
 
+async def test_the_adapters_name_in_its_events_needs_no_id_mapping(pool):
+    """The worker's events name the adapter (`lora_name`, as vLLM's do): its blocks are found
+    for that adapter's requests even when the EPP cannot map the engine's lora ids (a vLLM pod
+    whose adapters were loaded at run time, their ids unknown to the pool's config)."""
+    epp, _, a, _ = pool
+    epp.router._lora_ids[a.config.instance_id] = {}  # no id → name mapping for this worker
+    body = {"model": "sql", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 1}
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(a.url + "/v1/chat/completions", json=body) as resp,
+    ):
+        assert resp.status == 200
+    await wait_for(
+        lambda: predicted_cached(epp, "sql"), "the adapter's blocks in the index", within=20
+    )
+
+
 @pytest.mark.parametrize("model", ["no-such-model", "chat"])
 async def test_models_nobody_serves_are_a_404(pool, model):
     _, client, _, _ = pool

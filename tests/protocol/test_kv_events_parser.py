@@ -56,12 +56,16 @@ ODD_MEDIUM = st.one_of(st.text(max_size=5), ANY_INT)
 # a map event's keys for the fields, in the array layout's order
 KEYS = {
     "BlockStored": ["block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
-                    "medium"],
+                    "medium", "lora_name"],
     "BlockRemoved": ["block_hashes", "medium"],
 }  # fmt: skip
 KNOWN_KEYS = ["type", *KEYS["BlockStored"]]
 # what newer vLLMs add to a map event, and what a publisher may put there
-NEWER_KEYS = st.sampled_from(["lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind", "x"])
+NEWER_KEYS = st.sampled_from(["extra_keys", "group_idx", "kv_cache_spec_kind", "x"])
+# an adapter's name, ASCII or not (the parser leaves UTF-8 to the decoder), or what else may be
+# there (the decoder ignores it)
+LORA_NAME = st.one_of(st.none(), st.text(max_size=8), st.sampled_from(["sql", "lora-7"]))
+ODD_LORA_NAME = st.one_of(ANY_INT, st.binary(max_size=3), EXTRA)
 ODD_KEYS = st.one_of(
     st.sampled_from(KNOWN_KEYS), st.text(max_size=4), ANY_INT, st.binary(max_size=2)
 )
@@ -99,6 +103,7 @@ def wire_event(draw):
             draw(mostly(st.just(size), st.one_of(ANY_INT, st.booleans(), st.none()))),
             draw(mostly(st.one_of(st.none(), st.integers(0, 1 << 31)), st.one_of(U64, st.text()))),
             draw(mostly(MEDIUM, ODD_MEDIUM)),
+            draw(mostly(LORA_NAME, ODD_LORA_NAME)),
         ]
         least = 4
     elif kind == "BlockRemoved":
@@ -233,7 +238,8 @@ def vllm_batch(draw):
             parent = draw(st.one_of(st.none(), I64, U64))
             lora = draw(st.one_of(st.none(), st.integers(0, 1 << 31)))
             medium = draw(st.sampled_from(["GPU", "CPU", None]))
-            events.append(BlockStored(hashes, parent, tokens, size, lora, medium))
+            name = draw(st.none() if lora is None else st.sampled_from(["sql", "lora-7", None]))
+            events.append(BlockStored(hashes, parent, tokens, size, lora, medium, name))
         else:
             events.append(BlockRemoved(hashes, draw(st.sampled_from(["GPU", "CPU", None]))))
     if draw(st.booleans()):
@@ -358,6 +364,9 @@ def test_what_the_parser_reads_and_what_it_leaves():
             1,
         ],
         "a key another kind of event has": [1.0, [removed_map | {"token_ids": [b"x"]}], None],
+        "an adapter's name": [1.0, [stored_map | {"lora_id": 1, "lora_name": "sql"}], 0],
+        "an adapter's name, array": [1.0, [[*stored, 1, "GPU", "sql"]], 0],
+        "a lora_name not a string": [1.0, [stored_map | {"lora_name": [5, b"x"]}], 0],
         "array and map events in one batch": [1.0, [stored, removed_map], None],
     }
     left = {
@@ -371,6 +380,7 @@ def test_what_the_parser_reads_and_what_it_leaves():
         "a map's type twice": _packb([1.0, [type_twice], 0]),
         "a map key not a string": _packb([1.0, [removed_map | {7: 1}], None]),
         "a map key not ASCII": _packb([1.0, [removed_map | {"grüße": 1}], None]),
+        "a lora_name not ASCII": _packb([1.0, [stored_map | {"lora_name": "grüße"}], None]),
         "an array as a nested key": _packb(
             [1.0, [Pairs([("type", "AllBlocksCleared"), ("x", Pairs([([1], 2)]))])], None]
         ),
@@ -390,6 +400,11 @@ def test_what_the_parser_reads_and_what_it_leaves():
     for name, payload in left.items():
         assert not _same_as_decoder(payload), name
     assert _same_as_decoder(encode_batch(EventBatch(1.0, [BlockRemoved([1])], 0), layout=MAP))
+    for name in ("an adapter's name", "an adapter's name, array"):
+        (event,) = parse_batch(_packb(read[name])).events
+        assert (event.lora_id, event.lora_name) == (1, "sql"), name
+    assert parse_batch(_packb(read["a lora_name not a string"])).events[0].lora_name is None
+    assert decode_batch_arrays(left["a lora_name not ASCII"]).events[0].lora_name == "grüße"
     with pytest.raises(KvEventDecodeError, match="unknown KV event tag"):
         decode_batch_arrays(left["unknown tag"])
     with pytest.raises(KvEventDecodeError, match="lacks parent_block_hash"):

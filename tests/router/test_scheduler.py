@@ -56,13 +56,12 @@ def request(toks, rid="r", lora=None, **kw) -> RouteRequest:
 _seq: Counter = Counter()
 
 
-def cache(router: Router, worker: int, toks, rank: int = 0, lora_id=None) -> None:
+def cache(router: Router, worker: int, toks, rank: int = 0, lora_id=None, lora_name=None) -> None:
     """Worker `worker` reports the full blocks of `toks` as stored (one chain, from the root)."""
     n = len(toks) // BS
     engine = [hash((worker, rank, tuple(toks[: (i + 1) * BS]))) & (2**63 - 1) for i in range(n)]
-    batch = EventBatch(
-        0.0, [BlockStored(engine, None, toks[: n * BS], BS, lora_id)], data_parallel_rank=rank
-    )
+    stored = BlockStored(engine, None, toks[: n * BS], BS, lora_id, lora_name=lora_name)
+    batch = EventBatch(0.0, [stored], data_parallel_rank=rank)
     seq = _seq[(id(router), worker, rank)]
     _seq[(id(router), worker, rank)] += 1
     assert router.apply_kv_batch(worker, seq, batch) is None
@@ -612,6 +611,20 @@ def test_lora_blocks_match_only_requests_for_that_adapter():
     cache(router, 2, prompt, lora_id=3)
     assert router.schedule(request(prompt, lora="sql", query_only=True)).decode.overlap_blocks == 8
     assert router.index.find_matches(block_hashes(prompt, BS)) == {}
+
+
+def test_an_engine_naming_the_adapter_needs_no_id_mapping():
+    """vLLM's events name the adapter (`lora_name`): its blocks match that adapter's requests
+    whatever id vLLM gave it, and the name wins over a stale mapping of the id."""
+    router = make_router(workers=(1, 2))
+    router.add_worker(2, block_size=BS, total_blocks=1000, lora_names={3: "old", 4: "sql"})
+    prompt = tokens(32)
+    cache(router, 2, prompt, lora_id=9, lora_name="sql")  # an id the mapping does not know
+    assert router.schedule(request(prompt, lora="sql", query_only=True)).decode.overlap_blocks == 8
+    other = tokens(48, start=1000)
+    cache(router, 2, other, lora_id=3, lora_name="sql")  # the mapping says "old": stale
+    assert router.schedule(request(other, lora="sql", query_only=True)).decode.overlap_blocks == 12
+    assert router.index.find_matches(block_hashes(other, BS, "old")) == {}
 
 
 # -- policies --------------------------------------------------------------------------------
