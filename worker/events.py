@@ -4,7 +4,9 @@
   with seq increasing by one per batch from 0; the batch in one of the layouts vLLM has used
   (`protocol.kv_events.LAYOUTS`: the array layout unless asked).
 - ROUTER replay socket: a DEALER sends `[b"", start_seq]`; the publisher answers one
-  `[b"", seq, payload]` per buffered batch with seq >= start_seq, then `[b"", END_SEQ, b""]`.
+  `[b"", seq, payload]` per buffered batch with seq >= start_seq, then `[b"", END_SEQ, b""]`;
+  with the map layouts, as vLLM 0.26 on, each answer has the topic before the seq
+  (`[b"", topic, seq, payload]`, ending with `[b"", b"", END_SEQ, b""]`).
   The buffer keeps the last `buffer_steps` batches (vLLM's default: 10,000).
 - With `curve` (protocol.kv_curve), both sockets are CURVE servers: encrypted, and only
   subscribers holding the graph's client key complete a handshake (the caller runs ZAP).
@@ -66,6 +68,10 @@ class KvEventPublisher:
         self._replay = replay
         self.dp_rank = dp_rank
         self.topic = topic.encode()
+        # the frames a replay answer starts with: vLLM's since 0.26 (in the map layouts' era)
+        # carry the topic
+        self._replay_head = [b""] if layout == ARRAY else [b"", self.topic]
+        self._replay_end = [b""] if layout == ARRAY else [b"", b""]
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self.next_seq = 0
         self._task = asyncio.get_running_loop().create_task(self._serve_replay())
@@ -95,8 +101,10 @@ class KvEventPublisher:
             start = decode_seq(raw)
             for seq, payload in list(self.buffer):
                 if seq >= start:
-                    await self._replay.send_multipart([client, b"", encode_seq(seq), payload])
-            await self._replay.send_multipart([client, b"", END_SEQ, b""])
+                    await self._replay.send_multipart(
+                        [client, *self._replay_head, encode_seq(seq), payload]
+                    )
+            await self._replay.send_multipart([client, *self._replay_end, END_SEQ, b""])
 
     async def close(self) -> None:
         self._task.cancel()

@@ -31,8 +31,10 @@ def decode(frames):
     return int.from_bytes(seq, "big"), events, dp_rank
 
 
-async def replay(ctx, endpoint, start, pause=0.0):
-    """Batches from `start` on; `pause` seconds pass before the first is read."""
+async def replay(ctx, endpoint, start, pause=0.0, topic=None):
+    """Batches from `start` on; `pause` seconds pass before the first is read. `topic`: the
+    frame vLLM 0.26 on puts before each seq (the end's is empty), None for the older answers."""
+    head, end = ([b""], [b""]) if topic is None else ([b"", topic], [b"", b""])
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
@@ -41,11 +43,11 @@ async def replay(ctx, endpoint, start, pause=0.0):
         await asyncio.sleep(pause)
         out = []
         while True:
-            empty, seq, payload = await asyncio.wait_for(sock.recv_multipart(), 10)
-            assert empty == b""
+            *first, seq, payload = await asyncio.wait_for(sock.recv_multipart(), 10)
             if int.from_bytes(seq, "big", signed=True) == -1:
-                assert payload == b""
+                assert first == end and payload == b""
                 return out
+            assert first == head
             out.append(decode([b"", seq, payload]))
     finally:
         sock.close()
@@ -194,7 +196,8 @@ async def test_data_parallel_ranks_publish_on_consecutive_ports():
 
 
 async def test_map_layout_of_vllm_024_to_033():
-    """`--kv-events-layout map`: events as vLLM 0.24 to 0.33 encode them, `type`-tagged maps."""
+    """`--kv-events-layout map`: events as vLLM 0.24 to 0.33 encode them, `type`-tagged maps;
+    the replay's answers carry the topic before the seq, as vLLM 0.26 on."""
     ctx = zmq.asyncio.Context()
     async with mock_worker(model=MODEL, kv_events_layout="map") as w:
         prompt = "a prompt long enough to fill a few blocks of sixteen tokens " * 4
@@ -202,7 +205,7 @@ async def test_map_layout_of_vllm_024_to_033():
             w.url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2}
         )
         await wait_idle(w.engine)
-        history = await replay(ctx, w.config.kv_events.replay_endpoint, 0)
+        history = await replay(ctx, w.config.kv_events.replay_endpoint, 0, topic=b"")
         stored = history[0][1][0]
         assert stored["type"] == "BlockStored" and stored["medium"] == "GPU"
         assert stored["block_size"] == 16 and len(stored["token_ids"]) == 16 * len(
