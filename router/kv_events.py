@@ -61,6 +61,9 @@ ROUND_SHARE = 1024  # batches a socket gives a background round before requests 
 # batches a socket gives a routing decision; a burst beyond it (a restart's history) is left to
 # the rounds, so no request waits for it
 DECISION_SHARE = 32
+# decisions within this long of a read share it: under load, asking every socket (~2 µs each,
+# two per worker) happens at most 200 times a second, however many requests come
+DECISION_READ_S = 0.005
 INGEST_INTERVAL_S = 0.05  # background rounds, while batches keep coming, at most this often
 ROUND_BACKOFF = 8  # while requests come, rounds come down to 1 per 8 intervals
 REPLAY_PIECES = 8  # asks after a replay that came with holes (each must bring the missing one)
@@ -135,6 +138,7 @@ class Ticker:
         self._armed = False  # the descriptors are watched
         self._decisions = 0  # decisions since the last round
         self._decided = 0  # batches they read
+        self._next_read = 0.0  # when a decision next reads (`DECISION_READ_S`)
         self._signal = asyncio.Event()
         self._task = asyncio.create_task(self._run(), name="kv-events ticker")
 
@@ -157,9 +161,14 @@ class Ticker:
             self._changed()
 
     def read(self, limit: int = DECISION_SHARE) -> int:
-        """What every reader holds, up to `limit` batches each (a routing decision's read)."""
-        read, more = self._read_all(limit)
+        """What every reader holds, up to `limit` batches each (a routing decision's read; none
+        within `DECISION_READ_S` of the last one)."""
         self._decisions += 1
+        now = time.monotonic()
+        if now < self._next_read:
+            return 0
+        self._next_read = now + DECISION_READ_S
+        read, more = self._read_all(limit)
         self._decided += read
         if more and self._armed:
             # the reads took the descriptors' signal: no wake-up would come for the rest

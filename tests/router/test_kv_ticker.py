@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import zmq
 
-from dynamograph.router.kv_events import Ticker, read_batches
+from dynamograph.router.kv_events import DECISION_READ_S, Ticker, read_batches
 from dynamograph.worker.testing import free_port
 from e2e.waiting import wait_for
 
@@ -113,6 +113,7 @@ async def test_a_batch_after_a_quiet_spell_is_read_at_once_not_after_the_interva
 
 
 async def test_a_decision_reads_what_is_queued_and_the_rounds_wait_for_their_interval():
+    """Decisions read the queued batches themselves; decisions close together share a read."""
     context = zmq.Context()
     ticker = Ticker(interval_s=60.0)
     [(pub, sub)] = await pairs(context, 1)
@@ -126,7 +127,10 @@ async def test_a_decision_reads_what_is_queued_and_the_rounds_wait_for_their_int
         await wait_for(lambda: sub.poll(0), "the batches to reach the SUB", within=10)
         await asyncio.sleep(0.05)  # every one of them arrived by now, on loopback
         assert reader.read_batches == before  # no round read them: the next is a minute away
-        assert ticker.read() == 5  # the decision's read takes them all, on the spot
+        assert ticker.read(limit=2) == 2  # the decision's read takes them, on the spot
+        assert ticker.read() == 0  # one right after shares that read (DECISION_READ_S)
+        await asyncio.sleep(DECISION_READ_S * 2)
+        assert ticker.read() == 3  # a later one reads again
         assert reader.read_batches == before + 5
     finally:
         ticker.remove(reader)
