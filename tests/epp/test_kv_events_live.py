@@ -198,13 +198,23 @@ async def test_every_layout_vllm_publishes_reaches_the_index(layout):
         await _complete(http, worker, early)
         async with running_epp([worker]) as epp:
             wid = worker.config.instance_id
-            late = _chat(f"{layout} layout, sent live " * 100)
-            await _complete(http, worker, late)
-            for body in (early, late):
+            live = epp.metrics.kv_batches.labels("live")
+            late: list[dict] = []
+
+            async def arrived_live() -> bool:
+                # the subscription reaches the PUB a moment after the connection: a batch sent
+                # before then comes by the catch-up's replay only; send until one comes live
+                if live._value.get() >= 1:
+                    return True
+                late.append(_chat(f"{layout} layout, sent live, {len(late)} " * 100))
+                await _complete(http, worker, late[-1])
+                return False
+
+            await wait_for(arrived_live, "a batch to arrive live")
+            for body in (early, *late):
                 hashes = _hashes(epp, body)
                 await wait_for(
                     lambda h=hashes: _held(epp, wid, h) >= len(h) - 1,
                     "the index to hold the prompt's blocks",
                 )
             assert epp.metrics.kv_batches.labels("replay")._value.get() >= 1
-            assert epp.metrics.kv_batches.labels("live")._value.get() >= 1
