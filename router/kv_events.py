@@ -119,7 +119,8 @@ class Ticker:
     process woken from a wait pays 0.1–0.25 ms of CPU whatever it then does, more than
     applying a batch (~0.06 ms): woken per batch, ingestion would cost the EPP more than
     routing does. A routing decision needs the freshest index and runs in a process awake
-    anyway, so it reads what is queued first, at no wake-up's cost. Between decisions, a batch
+    anyway, so it reads what is queued first, at no wake-up's cost (nothing while the sockets
+    are quiet: their descriptors are watched then). Between decisions, a batch
     arriving after a quiet spell starts a round at once (the sockets' descriptors are watched),
     and while batches keep coming the descriptors are not watched: a round every `interval_s`
     reads what the decisions did not, whatever the number of workers, until a round finds
@@ -161,18 +162,17 @@ class Ticker:
             self._changed()
 
     def read(self, limit: int = DECISION_SHARE) -> int:
-        """What every reader holds, up to `limit` batches each (a routing decision's read; none
-        within `DECISION_READ_S` of the last one)."""
+        """What every reader holds, up to `limit` batches each (a routing decision's read).
+        None while the descriptors are watched (the sockets were empty when last asked, and an
+        arrival since wakes the rounds at the next loop turn) or within `DECISION_READ_S` of
+        the last read."""
         self._decisions += 1
         now = time.monotonic()
-        if now < self._next_read:
+        if self._armed or now < self._next_read:
             return 0
         self._next_read = now + DECISION_READ_S
-        read, more = self._read_all(limit)
+        read = self._read_all(limit)[0]
         self._decided += read
-        if more and self._armed:
-            # the reads took the descriptors' signal: no wake-up would come for the rest
-            self._changed()
         return read
 
     def _read_all(self, limit: int) -> tuple[int, bool]:

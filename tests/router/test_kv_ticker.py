@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import zmq
 
-from dynamograph.router.kv_events import DECISION_READ_S, Ticker, read_batches
+from dynamograph.router.kv_events import DECISION_READ_S, DECISION_SHARE, Ticker, read_batches
 from dynamograph.worker.testing import free_port
 from e2e.waiting import wait_for
 
@@ -138,25 +138,48 @@ async def test_a_decision_reads_what_is_queued_and_the_rounds_wait_for_their_int
         context.destroy(linger=0)
 
 
-async def test_a_decision_takes_a_share_of_a_burst_and_the_rounds_read_the_rest():
+async def test_a_decision_takes_a_share_of_a_burst_and_later_reads_the_rest():
+    context = zmq.Context()
+    ticker = Ticker(interval_s=60.0)
+    [(pub, sub)] = await pairs(context, 1)
+    reader = Reader(ticker, sub)
+    try:
+        await subscribed(pub, reader)  # a round reads it; the next is a minute away
+        await asyncio.sleep(0.05)
+        before = reader.read_batches
+        burst = 100
+        for i in range(burst):
+            pub.send_multipart([b"", str(i).encode(), b"x"])
+        await wait_for(lambda: sub.poll(0), "the burst to reach the SUB", within=10)
+        await asyncio.sleep(0.1)
+        assert ticker.read(limit=16) == 16  # a decision waits for its share only
+        while reader.read_batches < before + burst:
+            await asyncio.sleep(DECISION_READ_S)
+            assert ticker.read() <= DECISION_SHARE
+        assert reader.read_batches == before + burst
+    finally:
+        ticker.remove(reader)
+        await ticker.close()
+        context.destroy(linger=0)
+
+
+async def test_while_the_sockets_are_quiet_a_decision_asks_none_of_them():
+    """Once a round found every socket empty, their descriptors are watched: a batch arriving
+    wakes the rounds, so decisions meanwhile have nothing to read and ask no socket."""
     context = zmq.Context()
     ticker = Ticker(interval_s=0.01)
     [(pub, sub)] = await pairs(context, 1)
     reader = Reader(ticker, sub)
     try:
         await subscribed(pub, reader)
-        ticker.remove(reader)  # no rounds while the burst queues up
-        before = reader.read_batches
-        burst = 200
-        for i in range(burst):
-            pub.send_multipart([b"", str(i).encode(), b"x"])
-        await wait_for(lambda: sub.poll(0), "the burst to reach the SUB", within=10)
-        await asyncio.sleep(0.1)
-        ticker.add(reader, sub)
-        assert ticker.read(limit=16) == 16  # a decision waits for its share only
-        await wait_for(
-            lambda: reader.read_batches == before + burst, "the rounds to read the rest", within=10
-        )
+        await asyncio.sleep(0.2)  # the rounds found nothing more and stopped
+        reads = reader.reads
+        for _ in range(3):
+            assert ticker.read() == 0
+            await asyncio.sleep(DECISION_READ_S * 2)
+        assert reader.reads == reads
+        pub.send_multipart([b"", b"1", b"x"])  # an arrival is still read, by a round
+        await wait_for(lambda: reader.streamed == 1, "the new batch", within=10)
     finally:
         ticker.remove(reader)
         await ticker.close()
