@@ -55,6 +55,19 @@ async def predicted_cached(epp, model: str) -> int:
     return route.predicted_cached_tokens
 
 
+async def serve_adapter_prompt(epp, worker) -> None:
+    """`worker` serves PROMPT for adapter `sql`; returns once the EPP scores it as cached."""
+    body = {"model": "sql", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 1}
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(worker.url + "/v1/chat/completions", json=body) as resp,
+    ):
+        assert resp.status == 200
+    await wait_for(
+        lambda: predicted_cached(epp, "sql"), "the adapter's blocks in the index", within=20
+    )  # (an awaitable probe: wait_for awaits it; 0 cached tokens is falsy)
+
+
 async def test_adapter_requests_always_go_to_the_worker_serving_it(pool):
     epp, client, a, _ = pool
     check_adapters_registered(epp, a)
@@ -68,16 +81,8 @@ async def test_repeated_adapter_prompt_is_cached_only_for_that_adapter(pool):
     epp, _, a, _ = pool
     check_adapters_registered(epp, a)
     assert await predicted_cached(epp, "sql") == 0
-    body = {"model": "sql", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 1}
-    # the worker serves it and publishes its blocks (tagged with the adapter's lora id)
-    async with (
-        aiohttp.ClientSession() as http,
-        http.post(a.url + "/v1/chat/completions", json=body) as resp,
-    ):
-        assert resp.status == 200
-    await wait_for(
-        lambda: predicted_cached(epp, "sql"), "the adapter's blocks in the index", within=20
-    )  # (an awaitable probe: wait_for awaits it; 0 cached tokens is falsy)
+    # the worker serves it and publishes its blocks (tagged with the adapter)
+    await serve_adapter_prompt(epp, a)
     # the same tokens for the base model hash differently: nothing cached anywhere
     assert await predicted_cached(epp, MODEL) == 0
 
@@ -88,15 +93,7 @@ async def test_the_adapters_name_in_its_events_needs_no_id_mapping(pool):
     whose adapters were loaded at run time, their ids unknown to the pool's config)."""
     epp, _, a, _ = pool
     epp.router._lora_ids[a.config.instance_id] = {}  # no id → name mapping for this worker
-    body = {"model": "sql", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 1}
-    async with (
-        aiohttp.ClientSession() as http,
-        http.post(a.url + "/v1/chat/completions", json=body) as resp,
-    ):
-        assert resp.status == 200
-    await wait_for(
-        lambda: predicted_cached(epp, "sql"), "the adapter's blocks in the index", within=20
-    )
+    await serve_adapter_prompt(epp, a)
 
 
 @pytest.mark.parametrize("model", ["no-such-model", "chat"])

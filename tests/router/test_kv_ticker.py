@@ -4,6 +4,8 @@ once, a routing decision reads what is queued itself (and the rounds go on while
 find batches), and nothing is lost either way. `bench epp` measures what this saves."""
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import pytest
 import zmq
@@ -49,6 +51,23 @@ async def pairs(context: zmq.Context, n: int) -> list[tuple[zmq.Socket, zmq.Sock
         sub.connect(endpoint)
         out.append((pub, sub))
     return out
+
+
+@contextlib.asynccontextmanager
+async def one_reader(
+    interval_s: float,
+) -> AsyncIterator[tuple[Ticker, zmq.Socket, zmq.Socket, Reader]]:
+    """A ticker reading one SUB socket fed by its PUB: (ticker, pub, sub, reader)."""
+    context = zmq.Context()
+    ticker = Ticker(interval_s=interval_s)
+    [(pub, sub)] = await pairs(context, 1)
+    reader = Reader(ticker, sub)
+    try:
+        yield ticker, pub, sub, reader
+    finally:
+        ticker.remove(reader)
+        await ticker.close()
+        context.destroy(linger=0)
 
 
 async def subscribed(pub: zmq.Socket, reader: Reader) -> None:
@@ -100,25 +119,14 @@ async def test_a_steady_stream_is_read_in_rounds_not_batch_by_batch():
 
 
 async def test_a_batch_after_a_quiet_spell_is_read_at_once_not_after_the_interval():
-    context = zmq.Context()
-    ticker = Ticker(interval_s=60.0)  # were the first batch held for the interval: a timeout
-    [(pub, sub)] = await pairs(context, 1)
-    reader = Reader(ticker, sub)
-    try:
+    # were the first batch held for the interval: a timeout
+    async with one_reader(interval_s=60.0) as (_, pub, _, reader):
         await subscribed(pub, reader)
-    finally:
-        ticker.remove(reader)
-        await ticker.close()
-        context.destroy(linger=0)
 
 
 async def test_a_decision_reads_what_is_queued_and_the_rounds_wait_for_their_interval():
     """Decisions read the queued batches themselves; decisions close together share a read."""
-    context = zmq.Context()
-    ticker = Ticker(interval_s=60.0)
-    [(pub, sub)] = await pairs(context, 1)
-    reader = Reader(ticker, sub)
-    try:
+    async with one_reader(interval_s=60.0) as (ticker, pub, sub, reader):
         await subscribed(pub, reader)  # the first batch starts a round; the next waits 60 s
         await asyncio.sleep(0.05)  # that round's read done: the rounds now wait their interval
         before = reader.read_batches
@@ -132,18 +140,10 @@ async def test_a_decision_reads_what_is_queued_and_the_rounds_wait_for_their_int
         await asyncio.sleep(DECISION_READ_S * 2)
         assert ticker.read() == 3  # a later one reads again
         assert reader.read_batches == before + 5
-    finally:
-        ticker.remove(reader)
-        await ticker.close()
-        context.destroy(linger=0)
 
 
 async def test_a_decision_takes_a_share_of_a_burst_and_later_reads_the_rest():
-    context = zmq.Context()
-    ticker = Ticker(interval_s=60.0)
-    [(pub, sub)] = await pairs(context, 1)
-    reader = Reader(ticker, sub)
-    try:
+    async with one_reader(interval_s=60.0) as (ticker, pub, sub, reader):
         await subscribed(pub, reader)  # a round reads it; the next is a minute away
         await asyncio.sleep(0.05)
         before = reader.read_batches
@@ -157,20 +157,12 @@ async def test_a_decision_takes_a_share_of_a_burst_and_later_reads_the_rest():
             await asyncio.sleep(DECISION_READ_S)
             assert ticker.read() <= DECISION_SHARE
         assert reader.read_batches == before + burst
-    finally:
-        ticker.remove(reader)
-        await ticker.close()
-        context.destroy(linger=0)
 
 
 async def test_while_the_sockets_are_quiet_a_decision_asks_none_of_them():
     """Once a round found every socket empty, their descriptors are watched: a batch arriving
     wakes the rounds, so decisions meanwhile have nothing to read and ask no socket."""
-    context = zmq.Context()
-    ticker = Ticker(interval_s=0.01)
-    [(pub, sub)] = await pairs(context, 1)
-    reader = Reader(ticker, sub)
-    try:
+    async with one_reader(interval_s=0.01) as (ticker, pub, _, reader):
         await subscribed(pub, reader)
         await asyncio.sleep(0.2)  # the rounds found nothing more and stopped
         reads = reader.reads
@@ -180,21 +172,13 @@ async def test_while_the_sockets_are_quiet_a_decision_asks_none_of_them():
         assert reader.reads == reads
         pub.send_multipart([b"", b"1", b"x"])  # an arrival is still read, by a round
         await wait_for(lambda: reader.streamed == 1, "the new batch", within=10)
-    finally:
-        ticker.remove(reader)
-        await ticker.close()
-        context.destroy(linger=0)
 
 
 async def test_while_decisions_read_the_rounds_back_off():
     """Requests keep the index fresh themselves: while decisions read, each round waits twice
     as long as the one before (up to `ROUND_BACKOFF` intervals), so a steady stream costs
     far fewer rounds than one per interval. Nothing is lost."""
-    context = zmq.Context()
-    ticker = Ticker(interval_s=0.02)
-    [(pub, sub)] = await pairs(context, 1)
-    reader = Reader(ticker, sub)
-    try:
+    async with one_reader(interval_s=0.02) as (ticker, pub, _, reader):
         await subscribed(pub, reader)
         before, decisions = reader.reads, 0
         loop = asyncio.get_running_loop()
@@ -211,21 +195,13 @@ async def test_while_decisions_read_the_rounds_back_off():
         # one per interval would be ~80 on an idle machine; backed off, ~15
         assert rounds <= elapsed / ticker.interval_s / 3, (rounds, elapsed)
         await wait_for(lambda: reader.streamed == sent, "every batch read", within=10)
-    finally:
-        ticker.remove(reader)
-        await ticker.close()
-        context.destroy(linger=0)
 
 
 async def test_a_reader_waiting_for_its_replay_holds_its_batches_without_spinning_the_loop():
     """A subscriber replaying reads nothing meanwhile, its socket's batches left queued: the
     ticker then checks back every interval (it must not arm, find them queued and fire again
     at once, round after round, never letting the replay run), and reads them after."""
-    context = zmq.Context()
-    ticker = Ticker(interval_s=0.02)
-    [(pub, sub)] = await pairs(context, 1)
-    reader = Reader(ticker, sub)
-    try:
+    async with one_reader(interval_s=0.02) as (ticker, pub, _, reader):
         await subscribed(pub, reader)
         before, busy_read, calls = reader.read_batches, reader.read, []
         reader.read = lambda limit: calls.append(limit) or 0  # replaying: reads nothing
@@ -237,7 +213,3 @@ async def test_a_reader_waiting_for_its_replay_holds_its_batches_without_spinnin
         reader.read = busy_read  # the replay ended
         ticker.poke()
         await wait_for(lambda: reader.read_batches == before + 3, "the held batches", within=10)
-    finally:
-        ticker.remove(reader)
-        await ticker.close()
-        context.destroy(linger=0)
