@@ -8,11 +8,12 @@ tagged array, `["BlockStored", block_hashes, parent, token_ids, block_size, lora
 lora_name?, ...]`, `["BlockRemoved", block_hashes, medium?, ...]` or `["AllBlocksCleared",
 ...]`; or a map of the same fields by name, tagged by `type` (`{"type": "BlockStored",
 "block_hashes": ...}`), its keys in any order, `lora_id`, `medium` and `lora_name` optional,
-keys it does not know (what newer vLLMs add) skipped. One walker (`_event`) reads both: a field is known by its key in a map, by its
-place after the tag in an array (`_ORDER`). It appends every event's engine hashes to `hashes`
-(their 64-bit patterns), its token ids to `tokens` (u32, as the block hasher reads them) and
-writes one row of `meta` per event (the columns and codes are `kv_events`'s, which turns the
-rows into events); it returns (events, ts kind, ts offset, dp_rank kind, dp_rank).
+keys it does not know (what newer vLLMs add) skipped. One walker (`_event`) reads both: a
+field is known by its key in a map, by its place after the tag in an array (`_ORDER`). It
+appends every event's engine hashes to `hashes` (their 64-bit patterns), its token ids to
+`tokens` (u32, as the block hasher reads them) and writes one row of `meta` per event (the
+columns and codes are `kv_events`'s, which turns the rows into events); it returns (events,
+ts kind, ts offset, dp_rank kind, dp_rank).
 
 It reads only what it can turn into exactly the objects `msgpack.unpackb` + `decode_batch`
 would give (see `kv_events.parse_batch`): ints of every width, nil, float32/64 (the timestamp),
