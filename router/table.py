@@ -5,7 +5,10 @@ Python dict spends ~100 bytes per int → int entry, these arrays 12 per cell. T
 kernels (`kernels.py`) read and write the cells directly; this class owns the arrays: it sizes
 them (a power of two of cells, at most `max_load` of them used, tombstones included) and
 rebuilds them when an insert of `n` keys could pass that (`reserve`), which is the caller's
-job before any kernel inserts. The batch methods here are for callers outside the kernels.
+job before any kernel inserts. A rebuild leaves at least `REBUILD_ROOM` of the usable cells
+free, so a table whose keys come and go (an engine's cache, full, storing as it evicts) is
+rebuilt once per that many inserts, not after every few. The batch methods here are for
+callers outside the kernels.
 
 Layout and probing are described in `kernels.py`. Keys 0 and 1 are reserved (EMPTY, TOMB):
 callers pass keys ≥ 2 (`MIN_KEY`).
@@ -22,6 +25,10 @@ from .kernels import LIMIT, LIVE, MIN_KEY, MISSING, USED
 __all__ = ["MIN_KEY", "MISSING", "U64Table"]
 
 _MIN_CELLS = 8
+# Rebuilt to the smallest size that fits, a table whose live keys sit just under its limit
+# (where a power of two happens to fall) would be full again after a few inserts, and every
+# rebuild copies all its cells: in the KV index that was one rebuild per ~12 event batches.
+REBUILD_ROOM = 0.25
 
 
 def _cells_for(keys: int, max_load: float) -> int:
@@ -54,8 +61,8 @@ class U64Table:
 
     def reserve(self, n: int) -> bool:
         """Make room for `n` more keys; True when the arrays were replaced (rebuilt into the
-        smallest table holding the live keys plus `n`: growth doubles, and a table full of
-        tombstones does not grow)."""
+        smallest table holding the live keys plus `n` with `REBUILD_ROOM` to spare: growth
+        doubles, and a table full of tombstones does not grow)."""
         if self.meta[USED] + n <= self.meta[LIMIT]:
             return False
         old_keys, old_vals = self._compact(n)
@@ -75,13 +82,13 @@ class U64Table:
 
     def _compact(self, n: int, cells: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Copy out the live cells (or `cells`), then replace the arrays with empty ones big
-        enough for them plus `n` keys: the old arrays (at 50% load, twice the copy) are freed
+        enough for them plus `n` keys and `REBUILD_ROOM` more: the old arrays (at 50% load, twice the copy) are freed
         before the new ones fill, which at 25 M keys is ~400 MB less at the peak."""
         if cells is None:
             cells = self.keys >= MIN_KEY
         old_keys, old_vals = self.keys[cells], self.vals[cells]
         del self.keys, self.vals, self.parts
-        self._alloc(_cells_for(old_keys.size + n, self._max_load))
+        self._alloc(_cells_for(old_keys.size + n, self._max_load * (1 - REBUILD_ROOM)))
         return old_keys, old_vals
 
     def clear(self) -> None:

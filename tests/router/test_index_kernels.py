@@ -70,7 +70,7 @@ def test_query_stages_end_anywhere(length):
 
 def test_rows_are_recycled():
     index = KvIndex()
-    cells = index._keys.keys.size
+    cells = []
     for round_ in range(20):
         blocks = chain(900, 100 + round_)
         engine = engine_of(blocks)
@@ -78,7 +78,10 @@ def test_rows_are_recycled():
         assert index.distinct_blocks() == 900
         index.remove((1, 0), engine[::-1])
         assert index.distinct_blocks() == 0 and index.total_blocks() == 0
-    assert index._keys.keys.size == cells  # 18,000 blocks went through the same cells
+        cells.append(index._keys.keys.size)
+    # the tombstones' first rebuild sized the table with room to spare; the next 16,200 blocks
+    # went through the same cells
+    assert len(set(cells[2:])) == 1
 
 
 def test_more_than_64_slots_share_rows():

@@ -1,12 +1,14 @@
 """The flat uint64 hash table (probed by the compiled kernels) behaves like a dict under any mix
 of put / pop / get, through growth, tombstones and rebuilds."""
 
+from itertools import pairwise
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynamograph.router.table import MISSING, U64Table
+from dynamograph.router.table import MISSING, REBUILD_ROOM, U64Table
 
 pytestmark = pytest.mark.unit
 
@@ -78,6 +80,30 @@ def test_a_table_full_of_tombstones_is_rebuilt_without_growing():
     assert table.keys.size == 8 and table.meta[1] == 0
     assert table.put(np.array([99], np.uint64), np.array([7], np.int32)).tolist() == [MISSING]
     assert table.get(keys).tolist() == [MISSING] * 12
+
+
+def test_a_table_whose_keys_come_and_go_is_rebuilt_once_per_quarter_of_its_room():
+    # 2,000 live keys at load 0.5 fit 4,096 cells (2,048 usable) with 48 to spare: rebuilt to
+    # that size, a cache storing as it evicts would fill it again every 6 batches of 8
+    table = U64Table(capacity=8, max_load=0.5)
+    live = np.arange(2, 2002, dtype=np.uint64)
+    table.put(live, np.zeros(live.size, np.int32))
+    arrays, inserted, rebuilds = table.keys, 0, [(0, int(table.meta[3]))]
+    end = 2002 + 600 * 8
+    for start in range(2002, end, 8):
+        new = np.arange(start, start + 8, dtype=np.uint64)
+        table.put(new, np.ones(8, np.int32))
+        inserted += 8
+        table.pop(np.arange(start - 2000, start - 1992, dtype=np.uint64))  # the oldest 8
+        if table.keys is not arrays:
+            rebuilds.append((inserted, int(table.meta[3])))  # inserts so far, its new limit
+            arrays = table.keys
+        assert len(table) == 2000
+    assert len(rebuilds) >= 2, "tombstones never filled the table"
+    for (at, limit), (next_at, _) in pairwise(rebuilds):
+        assert next_at - at >= REBUILD_ROOM * limit - 8
+    assert len(rebuilds) <= 4  # 4,800 inserts, each rebuild leaving ≥ 1,024 cells to spare
+    assert table.get(np.arange(end - 2000, end, dtype=np.uint64)).tolist() == [1] * 2000
 
 
 def test_reserved_keys_are_refused():
