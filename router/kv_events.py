@@ -289,6 +289,11 @@ class RankSubscriber:
         self.replay_endpoint = replay_endpoint
         self.topic = topic
         self.metrics = metrics
+        # the counters' children by source, looked up once: `labels()` costs more per batch
+        # (~2 µs) than the increment itself
+        self._batch_counts: dict[str, Counter] = {}
+        if metrics is not None:
+            self._batch_counts = {s: metrics.kv_batches.labels(s) for s in ("live", "replay")}
         self.replay_timeout = replay_timeout
         self.on_disconnect = on_disconnect
         self.next_seq = 0  # the sequence we expect next (for replay after reconnects)
@@ -394,7 +399,7 @@ class RankSubscriber:
         gap = self.router.apply_kv_batch(self.worker_id, seq, batch)
         self.applied += 1
         if self.metrics is not None:
-            self.metrics.kv_batches.labels(source).inc()
+            self._batch_counts[source].inc()
             self.metrics.kv_event_lag.observe(max(0.0, time.time() - float(batch.ts)))
         if gap is None:
             # Sequence 0 after others: the publisher restarted (the router cleared the slot).
@@ -636,6 +641,11 @@ class KvEventIngest:
         self.router = router
         self.curve = curve
         self.metrics = metrics
+        # the counters' children by source, looked up once: `labels()` costs more per batch
+        # (~2 µs) than the increment itself
+        self._batch_counts: dict[str, Counter] = {}
+        if metrics is not None:
+            self._batch_counts = {s: metrics.kv_batches.labels(s) for s in ("live", "replay")}
         self.replay_timeout = replay_timeout
         self.on_disconnect = on_disconnect
         self.interval_s = interval_s
