@@ -19,9 +19,12 @@ same run.
 `decode_costs` (also alone: `python -m dynamograph.bench.kv_ingest`, which prints its table and
 writes results/kv_decode.json) times decoding a batch of that stream in this process, the
 pure-Python `decode_batch` against the compiled parser the subscribers use
-(`decode_batch_arrays`), batch by batch in turns: decoding alone; decoding plus the arrays
-`KvIndex.apply_events` makes of the events (block hashes of the tokens, engine hashes as u64);
-decoding plus applying to an index (one index per decoder, each fed the whole stream). The
+(`decode_batch_arrays`), batch by batch in turns: decoding alone (the compiled parser's events
+are objects only once asked for); decoding plus the events and the arrays
+`KvIndex.apply_events` makes of them (block hashes of the tokens, engine hashes as u64);
+decoding plus applying to an index as the EPP does (`KvIndex.apply_batch`: the compiled
+parser's rows in one kernel call, the decoder's events one by one; one index per decoder, each
+fed the whole stream). The
 same stream is encoded in vLLM's array layout (up to 0.23) and its map layout (0.24 on: events
 as `type`-tagged maps, `kv_events.MAP`), and the four (layout, decoder) pairs take turns.
 """
@@ -44,6 +47,7 @@ from dynamograph.protocol.hashing import block_hash_array
 from dynamograph.protocol.kv_events import (
     ARRAY,
     MAP,
+    Batch,
     BlockRemoved,
     BlockStored,
     EngineHash,
@@ -77,7 +81,7 @@ class _TimedRouter(Router):
         self.expected = 0
         self.all_applied = asyncio.Event()  # `expected` batches applied (no polling: no wake-ups)
 
-    def apply_kv_batch(self, worker_id: int, seq: int, batch: EventBatch) -> GapInfo | None:
+    def apply_kv_batch(self, worker_id: int, seq: int, batch: Batch) -> GapInfo | None:
         now = time.time()
         if not self.lags:
             self.first_at = now
@@ -247,13 +251,13 @@ def run(*, workers: int, rate: float, seconds: float, burst: int, seed: int) -> 
     ]
 
 
-DECODERS: dict[str, Callable[[bytes], EventBatch]] = {
+DECODERS: dict[str, Callable[[bytes], Batch]] = {
     "decode_batch (msgpack → lists)": decode_batch,
     "decode_batch_arrays (compiled)": decode_batch_arrays,
 }
 
 
-def _index_arrays(batch: EventBatch) -> None:
+def _index_arrays(batch: Batch) -> None:
     """What `KvIndex.apply_events` makes of a batch's events before its kernels run."""
     for event in batch.events:
         if isinstance(event, BlockStored):
@@ -287,7 +291,7 @@ def decode_costs(
         ),
         "decode + apply to an index": lambda layout, name, w, payload: indexes[
             layout, name
-        ].apply_events((w, 0), DECODERS[name](payload).events),
+        ].apply_batch((w, 0), DECODERS[name](payload), BLOCK_SIZE),
     }
     samples = {(stage, *pair): np.empty(batches) for stage in stages for pair in pairs}
     for i in range(batches):

@@ -82,7 +82,7 @@ _kernel_lock = threading.Lock()
 
 
 @functools.lru_cache(maxsize=64)
-def _kernel_constants(
+def kernel_constants(
     block_size: int, seed: int
 ) -> tuple[NDArray[np.int64], NDArray[np.uint64], NDArray[np.uint64], np.uint64]:
     """Per 16-byte lane XXH3 mixes for this length: the lane's u32 offset in the block and the
@@ -128,7 +128,7 @@ def _kernel_hash(tokens: np.ndarray, block_size: int, seed: int) -> np.ndarray:
     if not tokens.flags.writeable:  # numba types read-only arrays apart; compiled for one
         tokens = tokens.copy()
     out = np.empty(len(tokens) // block_size, np.uint64)
-    kernel(tokens, block_size, *_kernel_constants(block_size, seed), out)
+    kernel(tokens, block_size, *kernel_constants(block_size, seed), out)
     return out
 
 

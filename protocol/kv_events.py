@@ -27,7 +27,10 @@ BlockRemoved's `block_hashes` views of one uint64 buffer (int64 when the engine 
 ints, so the values are the engine's); everything else equal to `decode_batch`'s, and `None`
 for any payload it leaves to `decode_batch` (a map batch, bytes hashes, ext types, malformed
 data...).
-`decode_batch_arrays` is the two together: what the EPP's subscribers decode with.
+Its batch is a `ParsedBatch`: the events as rows of an int64 matrix over the flat hash and
+token arrays, which the router's index applies in one compiled call (no object per event), and
+as the same `events` (built on first use). `decode_batch_arrays` is the two together: what the
+EPP's subscribers decode with.
 """
 
 import struct
@@ -38,6 +41,7 @@ from typing import Any
 
 import msgpack
 import numpy as np
+from numpy.typing import NDArray
 
 from .compiled import compile_ahead
 
@@ -81,6 +85,65 @@ class EventBatch:
     ts: float
     events: list[KvEvent] = field(default_factory=list)
     data_parallel_rank: int | None = None
+
+
+class ParsedBatch:
+    """A batch as the compiled parser read it: one row of `meta` per event (the columns above)
+    over the flat `hashes` (their 64-bit patterns) and `tokens` arrays, for the index to apply
+    without an object per event; `events` are the objects `decode_batch` gives, with arrays
+    for the lists (views of `hashes` and `tokens`), built on first use."""
+
+    __slots__ = ("_events", "data_parallel_rank", "hashes", "meta", "payload", "tokens", "ts")
+
+    def __init__(
+        self,
+        payload: bytes,
+        hashes: NDArray[np.uint64],
+        tokens: NDArray[np.uint32],
+        meta: NDArray[np.int64],
+        ts: float,
+        data_parallel_rank: int | None,
+    ):
+        self.payload, self.hashes, self.tokens, self.meta = payload, hashes, tokens, meta
+        self.ts, self.data_parallel_rank = ts, data_parallel_rank
+        self._events: list[KvEvent] | None = None
+
+    @property
+    def events(self) -> list[KvEvent]:
+        if self._events is None:
+            self._events = [self._event(row) for row in self.meta.tolist()]
+        return self._events
+
+    def event(self, index: int) -> KvEvent:
+        """The event of row `index`."""
+        if self._events is not None:
+            return self._events[index]
+        return self._event(self.meta[index].tolist())
+
+    def _event(self, row: list[int]) -> KvEvent:
+        kind = row[KIND]
+        if kind == CLEARED:
+            return AllBlocksCleared()
+        block_hashes: NDArray[Any] = self.hashes[row[HASH_START] : row[HASH_END]]
+        if row[SIGNED]:
+            block_hashes = block_hashes.view(np.int64)
+        medium = _medium(self.payload, row)
+        if kind == REMOVED:
+            return BlockRemoved(block_hashes, medium)
+        parent: int | None = row[PARENT_VALUE]
+        if row[PARENT] == NONE:
+            parent = None
+        elif row[PARENT] == UNSIGNED:
+            parent = row[PARENT_VALUE] & _U64
+        lora = row[LORA_VALUE] if row[LORA] == INT else None
+        name = None
+        if row[LORA_NAME] == TEXT:
+            name = self.payload[row[LORA_NAME_START] : row[LORA_NAME_END]].decode("ascii")
+        token_ids = self.tokens[row[TOKEN_START] : row[TOKEN_END]]
+        return BlockStored(block_hashes, parent, token_ids, row[BLOCK_SIZE], lora, medium, name)
+
+
+Batch = EventBatch | ParsedBatch  # what the decoders give: the same attributes
 
 
 class KvEventDecodeError(ValueError):
@@ -132,7 +195,7 @@ ARRAY, MAP, MAP_BATCH = "array", "map", "map-batch"  # the layouts (module docst
 LAYOUTS = (ARRAY, MAP, MAP_BATCH)
 
 
-def encode_batch(batch: EventBatch, *, layout: str = ARRAY) -> bytes:
+def encode_batch(batch: Batch, *, layout: str = ARRAY) -> bytes:
     """`batch` in one of vLLM's `LAYOUTS` (module docstring)."""
     if layout not in LAYOUTS:
         raise ValueError(f"KV event layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
@@ -259,9 +322,9 @@ def warm_up() -> None:
                 _reader = reader
 
 
-def _read(reader: _ReadBatch, payload: bytes) -> EventBatch | None:
-    """The parser's rows as events over fresh arrays (the events keep views of them: an int
-    takes at least a byte of the payload, so `size` cells always suffice)."""
+def _read(reader: _ReadBatch, payload: bytes) -> ParsedBatch | None:
+    """The parser's rows over fresh arrays (events keep views of them: an int takes at least a
+    byte of the payload, so `size` cells always suffice)."""
     size = len(payload)
     hashes = np.empty(size, np.uint64)
     tokens = np.empty(size, np.uint32)
@@ -269,34 +332,8 @@ def _read(reader: _ReadBatch, payload: bytes) -> EventBatch | None:
     count, ts_kind, ts_at, dp_kind, dp = reader(payload, hashes, tokens, meta)
     if count == NOT_MINE:
         return None
-    events: list[KvEvent] = []
-    for row in meta[:count].tolist():
-        kind = row[KIND]
-        if kind == CLEARED:
-            events.append(AllBlocksCleared())
-            continue
-        block_hashes = hashes[row[HASH_START] : row[HASH_END]]
-        if row[SIGNED]:
-            block_hashes = block_hashes.view(np.int64)
-        medium = _medium(payload, row)
-        if kind == REMOVED:
-            events.append(BlockRemoved(block_hashes, medium))
-            continue
-        parent: int | None = row[PARENT_VALUE]
-        if row[PARENT] == NONE:
-            parent = None
-        elif row[PARENT] == UNSIGNED:
-            parent = row[PARENT_VALUE] & _U64
-        lora = row[LORA_VALUE] if row[LORA] == INT else None
-        name = None
-        if row[LORA_NAME] == TEXT:
-            name = payload[row[LORA_NAME_START] : row[LORA_NAME_END]].decode("ascii")
-        token_ids = tokens[row[TOKEN_START] : row[TOKEN_END]]
-        events.append(
-            BlockStored(block_hashes, parent, token_ids, row[BLOCK_SIZE], lora, medium, name)
-        )
     ts: float = _TS[ts_kind](payload, ts_at)[0]
-    return EventBatch(ts, events, dp if dp_kind == INT else None)
+    return ParsedBatch(payload, hashes, tokens, meta[:count], ts, dp if dp_kind == INT else None)
 
 
 def _medium(payload: bytes, row: list[int]) -> str | None:
@@ -308,7 +345,7 @@ def _medium(payload: bytes, row: list[int]) -> str | None:
     return payload[row[MEDIUM_START] : row[MEDIUM_END]].decode("ascii")
 
 
-def parse_batch(payload: bytes) -> EventBatch | None:
+def parse_batch(payload: bytes) -> ParsedBatch | None:
     """`decode_batch(payload)` with numpy arrays for the hash and token lists, read by the
     compiled parser (module docstring); None when it is not warmed up or leaves this payload
     to `decode_batch` (which then decodes it, or raises, as ever)."""
@@ -318,7 +355,7 @@ def parse_batch(payload: bytes) -> EventBatch | None:
     return _read(reader, payload)
 
 
-def decode_batch_arrays(payload: bytes) -> EventBatch:
+def decode_batch_arrays(payload: bytes) -> Batch:
     """`parse_batch` where it reads the payload, else `decode_batch`: the same events (arrays
     where the parser read them), the same errors. What the EPP's subscribers decode with."""
     batch = parse_batch(payload)

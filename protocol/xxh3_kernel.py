@@ -1,7 +1,7 @@
 """The compiled loop behind `hashing.warm_up()`: XXH3-64 of every block of a token array.
 
 xxHash's `XXH3_len_17to128_64b` over each block of 5..32 u32 ids (20..128 bytes), with the
-per-length lane offsets and seeded secret words precomputed by `hashing._kernel_constants`.
+per-length lane offsets and seeded secret words precomputed by `hashing.kernel_constants`.
 Imported only by `hashing.warm_up()` (it imports numba); tested bit-exact against xxhash.
 """
 
@@ -26,19 +26,25 @@ def _mul128_fold64(a, b):
     return ((cross << _S32) | (ll & _M32)) ^ upper
 
 
+@numba.njit(inline="always")
+def block_hash(ids, first, offsets, low, high, start):
+    """XXH3-64 of the block of ids from `first` as bytes: `start` is length × PRIME64_1; lane k
+    mixes the 16 bytes at u32 offset `offsets[k]` with the secret words `low[k]` (+ seed) and
+    `high[k]` (− seed). Also what the router's index kernels hash an event's blocks with."""
+    acc = start
+    for k in range(offsets.shape[0]):
+        i = first + offsets[k]
+        lo = (np.uint64(ids[i]) | (np.uint64(ids[i + 1]) << _S32)) ^ low[k]
+        hi = (np.uint64(ids[i + 2]) | (np.uint64(ids[i + 3]) << _S32)) ^ high[k]
+        acc += _mul128_fold64(lo, hi)
+    acc ^= acc >> _S37  # XXH3_avalanche
+    acc *= _PRIME_MX1
+    acc ^= acc >> _S32
+    return acc
+
+
 @numba.njit(nogil=True)
 def hash_blocks(ids, block_size, offsets, low, high, start, out):
-    """out[b] = XXH3-64 of ids[b*block_size : (b+1)*block_size] as bytes: `start` is
-    length × PRIME64_1; lane k mixes the 16 bytes at u32 offset `offsets[k]` with the secret
-    words `low[k]` (+ seed) and `high[k]` (− seed)."""
+    """out[b] = XXH3-64 of ids[b*block_size : (b+1)*block_size] as bytes (`block_hash`)."""
     for b in range(out.shape[0]):
-        acc = start
-        for k in range(offsets.shape[0]):
-            i = b * block_size + offsets[k]
-            lo = (np.uint64(ids[i]) | (np.uint64(ids[i + 1]) << _S32)) ^ low[k]
-            hi = (np.uint64(ids[i + 2]) | (np.uint64(ids[i + 3]) << _S32)) ^ high[k]
-            acc += _mul128_fold64(lo, hi)
-        acc ^= acc >> _S37  # XXH3_avalanche
-        acc *= _PRIME_MX1
-        acc ^= acc >> _S32
-        out[b] = acc
+        out[b] = block_hash(ids, b * block_size, offsets, low, high, start)

@@ -37,12 +37,21 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dynamograph.protocol.hashing import block_hash_array
+from dynamograph.protocol.hashing import (
+    BLOCK_HASH_SEED,
+    KERNEL_BLOCK_SIZES,
+    block_hash_array,
+    kernel_constants,
+)
 from dynamograph.protocol.kv_events import (
+    HASH_END,
+    HASH_START,
     AllBlocksCleared,
+    Batch,
     BlockRemoved,
     BlockStored,
     KvEvent,
+    ParsedBatch,
     engine_hash_key,
 )
 
@@ -197,6 +206,43 @@ class KvIndex:
             self._parts()
 
     # -- events ----------------------------------------------------------------------------
+    def apply_batch(
+        self,
+        slot: Slot,
+        batch: Batch,
+        block_size: int,
+        lora_names: Mapping[int, str] | None = None,
+    ) -> list[np.ndarray]:
+        """`apply_events` of a batch's events; a batch the compiled parser read, of a pool whose
+        blocks the compiled hasher takes, in one kernel call (`kernels.apply_rows`) instead of
+        a few per event. The rows it leaves (AllBlocksCleared, LoRA blocks, another block
+        size, counts that disagree) go through `apply_events`, in their place in the order."""
+        if not isinstance(batch, ParsedBatch) or block_size not in KERNEL_BLOCK_SIZES:
+            return self.apply_events(slot, batch.events, lora_names)
+        meta = batch.meta
+        rows = len(meta)
+        state = self._slot(slot)
+        keys = np.empty(batch.hashes.size, np.uint64)
+        codes = np.zeros(rows, np.int64)
+        hashing = (block_size, *kernel_constants(block_size, BLOCK_HASH_SEED))
+        stored: list[np.ndarray] = []
+        row = 0
+        while row < rows:
+            row = kernels.apply_rows(
+                row, meta, batch.hashes, batch.tokens, *hashing, state.column, keys, codes,
+                *state.blocks.parts, *self._keys.parts, *self._holder_parts,
+            )  # fmt: skip
+            if row == rows:
+                break
+            if codes[row] == kernels.NO_ROOM:  # now and then: grow, and go on from that row
+                self._reserve(state, int(meta[row, HASH_END] - meta[row, HASH_START]))
+                continue
+            stored += self.apply_events(slot, [batch.event(row)], lora_names)
+            row += 1
+        for row in np.flatnonzero(codes == kernels.STORED).tolist():
+            stored.append(keys[meta[row, HASH_START] : meta[row, HASH_END]])
+        return stored
+
     def apply_events(
         self, slot: Slot, events: Sequence[KvEvent], lora_names: Mapping[int, str] | None = None
     ) -> list[np.ndarray]:

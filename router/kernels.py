@@ -41,6 +41,23 @@ from numpy.typing import NDArray
 
 from dynamograph.protocol import hashing, kv_events
 from dynamograph.protocol.compiled import compile_ahead
+from dynamograph.protocol.kv_events import (
+    BLOCK_SIZE,
+    HASH_END,
+    HASH_START,
+    KIND,
+    LORA,
+    LORA_NAME,
+    LORA_VALUE,
+    NONE,
+    PARENT,
+    PARENT_VALUE,
+    REMOVED,
+    TOKEN_END,
+    TOKEN_START,
+)
+from dynamograph.protocol.kv_events import STORED as _STORED_ROW
+from dynamograph.protocol.xxh3_kernel import block_hash
 
 EMPTY = np.uint64(0)
 TOMB = np.uint64(1)
@@ -49,6 +66,7 @@ MISSING = -1
 NOBODY = -1
 LIVE, USED, SHIFT, LIMIT = 0, 1, 2, 3  # a table's meta: LIMIT = cells usable before a rebuild
 STORED, NO_PARENT, NO_ROOM = 1, 0, -1  # store_blocks' results (NO_ROOM: count_up's too)
+UNSUPPORTED = -2  # apply_rows: a row left to the caller
 P = np.uint64(0xC2B2AE3D27D4EB4F)  # odd, so chaining is a bijection of the running key
 _GOLD = np.uint64(0x9E3779B97F4A7C15)
 _ONE = np.uint64(1)
@@ -417,6 +435,46 @@ def prefix_keys(parent: int | np.uint64, hashes: NDArray[np.uint64]) -> NDArray[
     return out
 
 
+@_inline
+def _store(engine, local, keys, first, n, parent, has_parent, column, sk, sv, sm, gk, gv, gm,
+           shared, sfree, hm):  # fmt: skip
+    """`store_blocks` over entries first..first+n of `engine`, `local` and `keys` (`local[i]` is
+    read before `keys[i]` is written: they may be one array)."""
+    if not (_room(sm, n) and _room(gm, n) and hm[0] >= n):
+        return NO_ROOM
+    key = np.uint64(0)
+    if has_parent:
+        prow = _find(sk, sv, sm, _clamp(parent))
+        if prow == MISSING:
+            return NO_PARENT
+        key = gk[prow]
+    for i in range(first, first + n):
+        key = key * P + local[i]
+        k = _clamp(key)
+        keys[i] = k
+        row = _probe(gk, gm, k)
+        if row < 0:  # a new key: its cell is its row
+            row = -1 - row
+            _place(gk, gv, gm, row, k, NOBODY)
+        old = _upsert(sk, sv, sm, _clamp(engine[i]), row)
+        if old != MISSING and old != row:  # an engine hash reused for other content
+            _drop(old, column, gk, gv, gm, shared, sfree, hm)
+        _hold(row, column, gv, shared, sfree, hm)
+    return STORED
+
+
+@_inline
+def _remove(engine, first, n, column, sk, sv, sm, gk, gv, gm, shared, sfree, hm):
+    """`remove_blocks` over entries first..first+n of `engine`."""
+    removed = 0
+    for i in range(first, first + n):
+        row = _delete(sk, sv, sm, _clamp(engine[i]))
+        if row != MISSING:
+            removed += 1
+            _drop(row, column, gk, gv, gm, shared, sfree, hm)
+    return removed
+
+
 @_kernel(f"i8({_U8}, {_U8}, u8, b1, i8, {_U8}, {_TABLE}, {_TABLE}, {_HOLDERS})")
 def store_blocks(
     engine: NDArray[np.uint64],
@@ -441,28 +499,10 @@ def store_blocks(
     the prefills waiting on the slot look for). Returns STORED; NO_PARENT (nothing stored)
     when the slot does not hold the parent; NO_ROOM (nothing done) when a table or the free
     bitmask rows could run out: the caller makes room and calls again."""
-    n = engine.size
-    if not (_room(sm, n) and _room(gm, n) and hm[0] >= n):
-        return NO_ROOM
-    key = np.uint64(0)
-    if has_parent:
-        prow = _find(sk, sv, sm, _clamp(parent))
-        if prow == MISSING:
-            return NO_PARENT
-        key = gk[prow]
-    for i in range(n):
-        key = key * P + local[i]
-        k = _clamp(key)
-        keys[i] = k
-        row = _probe(gk, gm, k)
-        if row < 0:  # a new key: its cell is its row
-            row = -1 - row
-            _place(gk, gv, gm, row, k, NOBODY)
-        old = _upsert(sk, sv, sm, _clamp(engine[i]), row)
-        if old != MISSING and old != row:  # an engine hash reused for other content
-            _drop(old, column, gk, gv, gm, shared, sfree, hm)
-        _hold(row, column, gv, shared, sfree, hm)
-    return STORED
+    return _store(
+        engine, local, keys, 0, engine.size, parent, has_parent, column, sk, sv, sm, gk, gv, gm,
+        shared, sfree, hm,
+    )  # fmt: skip
 
 
 @_kernel(f"i8({_U8}, i8, {_TABLE}, {_TABLE}, {_HOLDERS})")
@@ -480,13 +520,78 @@ def remove_blocks(
     hm: NDArray[np.int64],
 ) -> int:
     """A BlockRemoved on the slot: each engine hash it holds goes; returns how many did."""
-    removed = 0
-    for i in range(engine.size):
-        row = _delete(sk, sv, sm, _clamp(engine[i]))
-        if row != MISSING:
-            removed += 1
-            _drop(row, column, gk, gv, gm, shared, sfree, hm)
-    return removed
+    return _remove(engine, 0, engine.size, column, sk, sv, sm, gk, gv, gm, shared, sfree, hm)
+
+
+_ROW = "i8[:, ::1]"
+_XXH3 = f"i8, {_I8}, {_U8}, {_U8}, u8"  # block size and `hashing.kernel_constants` of it
+
+
+@_kernel(
+    f"i8(i8, {_ROW}, {_U8}, u4[::1], {_XXH3}, i8, {_U8}, {_I8}, {_TABLE}, {_TABLE}, {_HOLDERS})"
+)
+def apply_rows(
+    first: int,
+    meta: NDArray[np.int64],
+    engine: NDArray[np.uint64],
+    tokens: NDArray[np.uint32],
+    block_size: int,
+    offsets: NDArray[np.int64],
+    low: NDArray[np.uint64],
+    high: NDArray[np.uint64],
+    start: np.uint64,
+    column: int,
+    keys: NDArray[np.uint64],
+    codes: NDArray[np.int64],
+    sk: NDArray[np.uint64],
+    sv: NDArray[np.int32],
+    sm: NDArray[np.int64],
+    gk: NDArray[np.uint64],
+    gv: NDArray[np.int32],
+    gm: NDArray[np.int64],
+    shared: NDArray[np.uint64],
+    sfree: NDArray[np.int32],
+    hm: NDArray[np.int64],
+) -> int:
+    """The events of a batch as the compiled parser read them (`kv_events.ParsedBatch`: rows
+    of `meta` over `engine` and `tokens`), applied in order from row `first` on the slot, each
+    as `store_blocks` / `remove_blocks` would, the blocks hashed here (XXH3 with the constants
+    of `block_size`). A stored row's prefix keys go to `keys` at its hashes' places and its
+    result to `codes[row]` (STORED or NO_PARENT; 0 for the rest). Stops at the first row it
+    leaves to the caller, marked in `codes`: NO_ROOM (nothing of it done: make room, call
+    again from it), or UNSUPPORTED (an AllBlocksCleared; blocks of a LoRA adapter, of another
+    block size, or whose count disagrees with the tokens: apply it the ordinary way, then go
+    on from the next row). Returns that row, or the number of rows when all were applied."""
+    for r in range(first, meta.shape[0]):
+        codes[r] = 0
+        kind = meta[r, KIND]
+        at, n = meta[r, HASH_START], meta[r, HASH_END] - meta[r, HASH_START]
+        if kind == REMOVED:
+            _remove(engine, at, n, column, sk, sv, sm, gk, gv, gm, shared, sfree, hm)
+            continue
+        tokens_at = meta[r, TOKEN_START]
+        if (
+            kind != _STORED_ROW
+            or meta[r, BLOCK_SIZE] != block_size
+            or (meta[r, TOKEN_END] - tokens_at) // block_size != n
+            or (meta[r, LORA] != NONE and meta[r, LORA_VALUE] != 0)
+            or meta[r, LORA_NAME] != NONE
+        ):
+            codes[r] = UNSUPPORTED
+            return r
+        if n == 0:
+            continue
+        for i in range(n):
+            keys[at + i] = block_hash(tokens, tokens_at + i * block_size, offsets, low, high, start)
+        parent = np.uint64(meta[r, PARENT_VALUE])  # its 64 bits, signed or not
+        code = _store(
+            engine, keys, keys, at, n, parent, meta[r, PARENT] != NONE, column, sk, sv, sm, gk,
+            gv, gm, shared, sfree, hm,
+        )  # fmt: skip
+        codes[r] = code
+        if code == NO_ROOM:
+            return r
+    return meta.shape[0]
 
 
 @_inline

@@ -40,7 +40,7 @@ from zmq.utils.monitor import parse_monitor_message
 from dynamograph.protocol.kv_curve import CurveKeys
 from dynamograph.protocol.kv_events import (
     END_SEQ,
-    EventBatch,
+    Batch,
     KvEventDecodeError,
     decode_batch_arrays,
     decode_seq,
@@ -383,7 +383,7 @@ class RankSubscriber:
         self.task = None
         self.ticker.poke()  # what queued meanwhile is read now, not at the next decision
 
-    def _decode(self, seq: int, payload: bytes) -> EventBatch | None:
+    def _decode(self, seq: int, payload: bytes) -> Batch | None:
         try:
             # numpy arrays for the hash and token lists, read by the compiled parser (the index
             # wants arrays: Python lists would be built only to be converted back)
@@ -395,7 +395,7 @@ class RankSubscriber:
             batch.data_parallel_rank = self.dp_rank
         return batch
 
-    def _apply(self, seq: int, batch: EventBatch, source: str) -> GapInfo | None:
+    def _apply(self, seq: int, batch: Batch, source: str) -> GapInfo | None:
         gap = self.router.apply_kv_batch(self.worker_id, seq, batch)
         self.applied += 1
         if self.metrics is not None:
@@ -434,7 +434,7 @@ class RankSubscriber:
         self._start(self.fill_gap(start, seq, batch), "replay")
         return False
 
-    async def fill_gap(self, start: int, seq: int, batch: EventBatch) -> None:
+    async def fill_gap(self, start: int, seq: int, batch: Batch) -> None:
         """Replay `start`..`seq - 1`, then apply `batch` (`seq`); when the replay cannot,
         start this slot over from `batch`."""
         frames, _ = await self.replay_patiently(start)
@@ -462,7 +462,7 @@ class RankSubscriber:
             )
         self._restart([(seq, batch), *(f for f in frames if f[0] > seq)])
 
-    def _restart(self, frames: list[tuple[int, EventBatch]]) -> None:
+    def _restart(self, frames: list[tuple[int, Batch]]) -> None:
         if self.metrics is not None:
             self.metrics.kv_replay_failures.inc()
         self.router.replay_failed(self.worker_id, self.dp_rank)
@@ -487,7 +487,7 @@ class RankSubscriber:
         # A complete replay tells us the next sequence number even when it was empty.
         self.synced = self.synced or complete
 
-    async def replay_patiently(self, start_seq: int) -> tuple[list[tuple[int, EventBatch]], bool]:
+    async def replay_patiently(self, start_seq: int) -> tuple[list[tuple[int, Batch]], bool]:
         """`fetch_replay`, asked again with a doubled timeout while it times out: a worker (or
         this process) slow to answer is not history lost, and clearing a slot is costly."""
         timeout = self.replay_timeout
@@ -509,7 +509,7 @@ class RankSubscriber:
 
     async def fetch_replay(
         self, start_seq: int, wait_s: float | None = None
-    ) -> tuple[list[tuple[int, EventBatch]], bool]:
+    ) -> tuple[list[tuple[int, Batch]], bool]:
         """Batches from `start_seq` on, as the worker's replay socket has them buffered, in an
         unbroken run, and whether the replay ended properly (False: timed out, no replay socket,
         or a hole it could not fill).
@@ -540,7 +540,7 @@ class RankSubscriber:
 
     async def _fetch_once(
         self, start_seq: int, wait_s: float | None
-    ) -> tuple[list[tuple[int, EventBatch]], bool]:
+    ) -> tuple[list[tuple[int, Batch]], bool]:
         if not self.replay_endpoint:
             return [], False
         self.replays += 1
@@ -550,7 +550,7 @@ class RankSubscriber:
         if self.curve is not None:
             self.curve.subscribe(dealer)
         dealer.connect(self.replay_endpoint)
-        frames: list[tuple[int, EventBatch]] = []
+        frames: list[tuple[int, Batch]] = []
         try:
             await dealer.send_multipart([b"", encode_seq(start_seq)])
             while True:

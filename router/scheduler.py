@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dynamograph.protocol.engine import EngineConfig, Role
-from dynamograph.protocol.kv_events import EventBatch
+from dynamograph.protocol.kv_events import Batch
 from dynamograph.protocol.nvext import SessionAction, SessionControl
 from dynamograph.protocol.pins import RoutePins
 from dynamograph.protocol.router_config import RouterConfig
@@ -282,7 +282,7 @@ class Router:
             )
 
     # -- KV events -----------------------------------------------------------------------
-    def apply_kv_batch(self, worker_id: int, seq: int, batch: EventBatch) -> GapInfo | None:
+    def apply_kv_batch(self, worker_id: int, seq: int, batch: Batch) -> GapInfo | None:
         """Apply one ZMQ batch in sequence order. Returns GapInfo when batches were missed: the
         caller replays from `gap.start_seq` (feeding the replayed batches here); if replay
         cannot fill the gap, it calls `replay_failed`. Batches of unknown workers are dropped."""
@@ -307,7 +307,9 @@ class Router:
         if verdict is Verdict.RESTART:
             log.info("worker %d rank %d: KV event sequence restarted; clearing", worker_id, rank)
             self.index.clear(slot)
-        stored = self.index.apply_events(slot, batch.events, self._lora_ids.get(worker_id))
+        stored = self.index.apply_batch(
+            slot, batch, state.block_size, self._lora_ids.get(worker_id)
+        )
         self.active.progressed(slot)
         if stored and self.active.awaits_stored_blocks(slot):  # prefills settled by the blocks
             for keys in stored:

@@ -1,8 +1,10 @@
 """The index reads a batch the same whether the compiled parser decoded it (numpy arrays) or
-`decode_batch` did (lists): the same prefix keys stored, the same blocks held and matched, on a
-stream with what engines send (chains, evictions, signed and u64 engine hashes, LoRA ids,
-a BlockStored with fewer hashes than full blocks, an unknown parent, a clear). And the EPP's
-subscribers take the parser's path."""
+`decode_batch` did (lists), and whether it applies the parser's rows in one kernel call
+(`KvIndex.apply_batch`) or event by event: the same prefix keys stored, the same blocks held and
+matched, on a stream with what engines send (chains, evictions, signed and u64 engine hashes,
+LoRA ids and names, a BlockStored with fewer hashes than full blocks, one of another block size,
+an unknown parent, a clear, batches too big for the tables). And the EPP's subscribers take the
+parser's path."""
 
 import numpy as np
 import pytest
@@ -26,10 +28,13 @@ from dynamograph.router.scheduler import GapInfo, Router
 
 pytestmark = pytest.mark.unit
 
-BS = 4
+BS = 4  # not one the compiled hasher takes: apply_batch goes event by event
+KERNEL_BS = 16
 
 
-def _stream(rng: np.random.Generator, signed: bool) -> tuple[list[bytes], list[list[int]]]:
+def _stream(
+    rng: np.random.Generator, signed: bool, bs: int = BS
+) -> tuple[list[bytes], list[list[int]]]:
     """Payloads of two slots' events and the token prefixes they stored (the queries)."""
     payloads, prefixes = [], []
     held: dict[int, list[tuple[int, list[int]]]] = {0: [], 1: []}  # rank → (engine hash, tokens)
@@ -38,7 +43,7 @@ def _stream(rng: np.random.Generator, signed: bool) -> tuple[list[bytes], list[l
         rank = int(rng.integers(0, 2))
         chain = held[rank]
         n = int(rng.integers(1, 6))
-        tokens = rng.integers(0, 1 << 32, n * BS + int(rng.integers(0, BS)), np.uint64).tolist()
+        tokens = rng.integers(0, 1 << 32, n * bs + int(rng.integers(0, bs)), np.uint64).tolist()
         hashes = list(range(next_hash, next_hash + n))
         next_hash += n
         parent = chain[-1][0] if chain else None
@@ -47,9 +52,20 @@ def _stream(rng: np.random.Generator, signed: bool) -> tuple[list[bytes], list[l
         events: list = []
         if step % 13 == 7 and n > 1:
             hashes = hashes[:-1]  # fewer engine hashes than full blocks: the index trims
-        events.append(BlockStored(hashes, parent, tokens, BS, 3 if step % 11 == 4 else None))
+        lora_id, lora_name = (3, None) if step % 11 == 4 else (None, None)
+        if step % 19 == 8:
+            lora_id, lora_name = (3 if step % 2 else None), "sql"  # the engine names the adapter
+        if step % 23 == 11:
+            n = int(rng.integers(300, 700))  # more than the fresh tables have room for
+            tokens = rng.integers(0, 1 << 32, n * bs, np.uint64).tolist()
+            hashes = list(range(next_hash, next_hash + n))
+            next_hash += n
+        if step % 29 == 3:  # a block size the pool does not use: hashed as the event says
+            other = [*hashes[:1]]
+            events.append(BlockStored(other, None, tokens[: 2 * bs], 2 * bs))
+        events.append(BlockStored(hashes, parent, tokens, bs, lora_id, lora_name=lora_name))
         if parent != 12345:
-            prefix = (chain[-1][1] if chain else []) + tokens[: len(hashes) * BS]
+            prefix = (chain[-1][1] if chain else []) + tokens[: len(hashes) * bs]
             chain.append((hashes[-1], prefix))
             prefixes.append(prefix)
         if len(chain) > 6:
@@ -63,29 +79,35 @@ def _stream(rng: np.random.Generator, signed: bool) -> tuple[list[bytes], list[l
     return payloads, prefixes
 
 
+@pytest.mark.parametrize("bs", [BS, KERNEL_BS])
 @pytest.mark.parametrize("signed", [False, True])
-def test_index_reads_parsed_batches_as_decoded_ones(signed):
+def test_index_reads_parsed_batches_as_decoded_ones(signed, bs):
     kernels.warm_up()  # the index's warm-up compiles the parser too
     assert kv_events._reader is not None
-    payloads, prefixes = _stream(np.random.default_rng(int(signed)), signed)
-    lists, arrays = KvIndex(), KvIndex()
+    payloads, prefixes = _stream(np.random.default_rng(int(signed)), signed, bs)
+    lists, arrays, rows = KvIndex(), KvIndex(), KvIndex()
     lora_names = {3: "sql"}
     for rank, payload in payloads:
         decoded, parsed = decode_batch(payload), parse_batch(payload)
         assert parsed is not None
         slot = (1, rank)
-        want = lists.apply_events(slot, decoded.events, lora_names)
+        want = [k.tolist() for k in lists.apply_events(slot, decoded.events, lora_names)]
         got = arrays.apply_events(slot, parsed.events, lora_names)
-        assert [k.tolist() for k in got] == [k.tolist() for k in want]
+        assert [k.tolist() for k in got] == want
+        # in one kernel call: the same keys (their order within the batch aside)
+        in_rows = rows.apply_batch(slot, parse_batch(payload), bs, lora_names)
+        assert sorted(k.tolist() for k in in_rows) == sorted(want)
         for r in (0, 1):
             assert arrays.block_count((1, r)) == lists.block_count((1, r))
-    assert arrays.distinct_blocks() == lists.distinct_blocks() > 0
+            assert rows.block_count((1, r)) == lists.block_count((1, r))
+    assert arrays.distinct_blocks() == rows.distinct_blocks() == lists.distinct_blocks() > 0
     matched = 0
     for prefix in prefixes:
         for lora in (None, "sql"):
-            query = block_hash_array(prefix, BS, lora)
-            assert arrays.find_matches(query) == lists.find_matches(query)
-            matched += bool(lists.find_matches(query))
+            query = block_hash_array(prefix, bs, lora)
+            expected = lists.find_matches(query)
+            assert arrays.find_matches(query) == rows.find_matches(query) == expected
+            matched += bool(expected)
     assert matched > 10  # the stream left blocks to find
 
 
