@@ -16,17 +16,19 @@ round per loop turn: every batch read as it arrives, the way a per-socket reader
 and 100 ms (what the EPP's `--kv-ingest-interval` trades: less CPU per batch, more lag), in the
 same run.
 
-`decode_costs` (also alone: `python -m dynamograph.bench.kv_ingest`, which prints its table and
-writes results/kv_decode.json) times decoding a batch of that stream in this process, the
-pure-Python `decode_batch` against the compiled parser the subscribers use
+`decode_costs` (also alone: `python -m dynamograph.bench.kv_ingest [--shape decode]`, which
+prints its table and writes results/kv_decode_<shape>.json) times decoding a batch of that
+stream (or of one shaped like vLLM's decode steps: many one-block events, `_Stream`) in this
+process, the pure-Python `decode_batch` against the compiled parser the subscribers use
 (`decode_batch_arrays`), batch by batch in turns: decoding alone (the compiled parser's events
 are objects only once asked for); decoding plus the events and the arrays
 `KvIndex.apply_events` makes of them (block hashes of the tokens, engine hashes as u64);
-decoding plus applying to an index as the EPP does (`KvIndex.apply_batch`: the compiled
-parser's rows in one kernel call, the decoder's events one by one; one index per decoder, each
-fed the whole stream). The
-same stream is encoded in vLLM's array layout (up to 0.23) and its map layout (0.24 on: events
-as `type`-tagged maps, `kv_events.MAP`), and the four (layout, decoder) pairs take turns.
+decoding plus applying the events to an index one by one (`KvIndex.apply_events`); decoding
+plus applying as the EPP does (`KvIndex.apply_batch`: the compiled parser's rows in one kernel
+call, the decoder's events one by one). Every stage that applies has its own index per decoder,
+each fed the whole stream. The same stream is encoded in vLLM's array layout (up to 0.23) and
+its map layout (0.24 on: events as `type`-tagged maps, `kv_events.MAP`), and the four (layout,
+decoder) pairs take turns.
 """
 
 import argparse
@@ -135,26 +137,45 @@ async def _ingest(endpoints: list[str], interval_s: float, conn: Connection) -> 
         await ingest.close()
 
 
-class _Stream:
-    """One worker's batches: its chain of blocks, its oldest blocks evicted once full."""
+PREFILL, DECODE = "prefill", "decode"  # the streams' shapes (`_Stream`)
+DECODE_EVENTS = 8  # requests completing a block in one decode step
 
-    def __init__(self, rng: np.random.Generator, worker: int) -> None:
+
+class _Stream:
+    """One worker's batches: its chain of blocks, its oldest blocks evicted once full. Shaped
+    `PREFILL` (as captured from `bench route`): a batch stores 1–63 blocks in one event and
+    evicts as many in one. Or `DECODE`, as vLLM's steps look with many requests decoding: 8
+    requests each completing one block (an event each), and once full, 8 blocks evicted one
+    event each (vLLM evicts block by block)."""
+
+    def __init__(self, rng: np.random.Generator, worker: int, shape: str = PREFILL) -> None:
         self.rng = rng
+        self.shape = shape
         self.next_hash = worker << 40
         self.held: list[EngineHash] = []
         self.seq = 0
 
-    def frame(self, layout: str = ARRAY) -> list[bytes]:
-        n = int(self.rng.integers(1, 64))
+    def _store(self, n: int) -> BlockStored:
         hashes: list[EngineHash] = list(range(self.next_hash, self.next_hash + n))
         parent = self.held[-1] if self.held else None
         tokens = self.rng.integers(0, 150_000, n * BLOCK_SIZE).tolist()
         self.next_hash += n
-        events: list[Any] = [BlockStored(hashes, parent, tokens, BLOCK_SIZE)]
         self.held.extend(hashes)
+        return BlockStored(hashes, parent, tokens, BLOCK_SIZE)
+
+    def frame(self, layout: str = ARRAY) -> list[bytes]:
+        if self.shape == DECODE:
+            events: list[Any] = [self._store(1) for _ in range(DECODE_EVENTS)]
+            n = DECODE_EVENTS
+        else:
+            n = int(self.rng.integers(1, 64))
+            events = [self._store(n)]
         if len(self.held) > CACHE_BLOCKS:
             evicted, self.held = self.held[:n], self.held[n:]
-            events.append(BlockRemoved(evicted))
+            if self.shape == DECODE:
+                events += [BlockRemoved([h]) for h in evicted]
+            else:
+                events.append(BlockRemoved(evicted))
         self.seq += 1
         batch = EventBatch(time.time(), events, 0)
         return [b"", _seq(self.seq), encode_batch(batch, layout=layout)]
@@ -268,28 +289,36 @@ def _index_arrays(batch: Batch) -> None:
 
 
 def decode_costs(
-    *, batches: int, workers: int = 4, seed: int = 0, layouts: tuple[str, ...] = (ARRAY, MAP)
+    *,
+    batches: int,
+    workers: int = 4,
+    seed: int = 0,
+    layouts: tuple[str, ...] = (ARRAY, MAP),
+    shape: str = PREFILL,
 ) -> dict[str, Any]:
     """µs per batch of each decoder in each stage (module docstring), on `batches` of the
-    stream in each of `layouts` (the same batches), every (layout, decoder) pair taking its
-    turn batch by batch (who goes first alternates)."""
+    stream (`shape`) in each of `layouts` (the same batches), every (layout, decoder) pair
+    taking its turn batch by batch (who goes first alternates)."""
     kernels.warm_up()  # the index's kernels, the block hasher and the parser, as in the EPP
     frames: dict[str, list[tuple[int, bytes]]] = {}
     for layout in layouts:
         rng = np.random.default_rng(seed)
-        streams = [_Stream(rng, w) for w in range(workers)]
+        streams = [_Stream(rng, w, shape) for w in range(workers)]
         frames[layout] = [
             (w % workers, streams[w % workers].frame(layout)[2]) for w in range(batches)
         ]
     names = list(DECODERS)
     pairs = [(layout, name) for layout in layouts for name in names]
-    indexes = {pair: KvIndex() for pair in pairs}
+    whole, one_by_one = ({pair: KvIndex() for pair in pairs} for _ in range(2))
     stages: dict[str, Callable[[str, str, int, bytes], object]] = {
         "decode": lambda _l, name, _w, payload: DECODERS[name](payload),
         "decode + the index's arrays": lambda _l, name, _w, payload: _index_arrays(
             DECODERS[name](payload)
         ),
-        "decode + apply to an index": lambda layout, name, w, payload: indexes[
+        "decode + apply to an index, event by event": lambda layout, name, w, payload: one_by_one[
+            layout, name
+        ].apply_events((w, 0), DECODERS[name](payload).events),
+        "decode + apply to an index": lambda layout, name, w, payload: whole[
             layout, name
         ].apply_batch((w, 0), DECODERS[name](payload), BLOCK_SIZE),
     }
@@ -318,6 +347,7 @@ def decode_costs(
             )  # fmt: skip
     return {
         "batches": batches,
+        "shape": shape,
         "workers": workers,
         "old": old,
         "new": new,
@@ -340,7 +370,8 @@ def print_decode_costs(costs: dict[str, Any]) -> None:
     )
     print_table(
         f"KV-event batch decoding, µs per batch: {costs['old']} against {costs['new']}, in turns "
-        f"on {costs['batches']:,} batches of the stream in each of vLLM's layouts ({per_layout})",
+        f"on {costs['batches']:,} batches of the {costs['shape']} stream in each of vLLM's "
+        f"layouts ({per_layout})",
         ["stage", "layout", "old p50", "new p50", "old mean", "new mean", "old p99", "new p99",
          "old / new (mean)"],
         [
@@ -355,11 +386,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description="KV-event batch decoding: old vs compiled")
     parser.add_argument("--batches", type=int, default=5000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--shape",
+        choices=(PREFILL, DECODE),
+        default=PREFILL,
+        help="the batches: one event of 1-63 blocks stored (and evicted), as in bench route; or "
+        "8 one-block events, and 8 one-block evictions, as vLLM's decode steps",
+    )
     add_output_argument(parser)
     args = parser.parse_args()
-    costs = decode_costs(batches=args.batches, seed=args.seed)
+    costs = decode_costs(batches=args.batches, seed=args.seed, shape=args.shape)
     print_decode_costs(costs)
-    write_json(Path(args.out), "kv_decode", costs)
+    write_json(Path(args.out), f"kv_decode_{args.shape}", costs)
     return 0
 
 
