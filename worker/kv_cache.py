@@ -10,7 +10,8 @@ Modelled on vLLM V1's `BlockPool` / `KVCacheManager`:
   recently freed block is evicted first; blocks holding nothing cached are reused before any
   cached one).
 - Every change to the cached set is recorded as a vLLM KV event (BlockStored / BlockRemoved /
-  AllBlocksCleared); the engine drains them once per step into one EventBatch.
+  AllBlocksCleared) the way vLLM records it (a BlockStored per request and step, a
+  BlockRemoved per evicted block); the engine drains them once per step into one EventBatch.
 """
 
 import struct
@@ -109,18 +110,16 @@ class KvCache:
         if count > len(self.free):
             raise CacheFull(f"need {count} blocks, {len(self.free)} free")
         out = []
-        removed: list[EngineHash] = []
         for _ in range(count):
             block, _ = self.free.popitem(last=False)
             old = self.block_hash[block]
             if old is not None:
                 del self.cached[old]
                 self.block_hash[block] = None
-                removed.append(old)
+                # one event per evicted block, as vLLM's BlockPool sends them
+                self.events.append(BlockRemoved(block_hashes=[old]))
             self.ref_count[block] = 1
             out.append(block)
-        if removed:
-            self.events.append(BlockRemoved(block_hashes=removed))
         return out
 
     def release(self, blocks: Sequence[int]) -> None:

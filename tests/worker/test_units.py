@@ -66,6 +66,20 @@ def test_cache_commit_hit_release_and_lru_eviction():
     assert isinstance(cache.take_events()[0], AllBlocksCleared) and not cache.cached
 
 
+
+def test_each_evicted_block_is_its_own_event_as_vllm_sends_it():
+    cache = KvCache(num_blocks=4, block_size=BS)
+    tokens = np.arange(4 * BS, dtype="<u4")
+    hashes = chained_hashes(tokens, BS)
+    blocks = cache.allocate(4)
+    cache.commit(blocks, hashes, tokens, 0, None)
+    cache.take_events()
+    cache.release(blocks)  # tail blocks first: a prefix outlives its suffix
+    cache.allocate(3)
+    removed = cache.take_events()
+    assert [type(e) for e in removed] == [BlockRemoved] * 3
+    assert [e.block_hashes for e in removed] == [[hashes[3]], [hashes[2]], [hashes[1]]]
+
 def test_scheduler_prefix_hit_caps_one_token_short_and_chunks_prefill():
     cache = KvCache(num_blocks=16, block_size=BS)
     sched = Scheduler(cache, max_num_seqs=4, max_num_batched_tokens=6)
