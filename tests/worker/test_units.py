@@ -66,7 +66,6 @@ def test_cache_commit_hit_release_and_lru_eviction():
     assert isinstance(cache.take_events()[0], AllBlocksCleared) and not cache.cached
 
 
-
 def test_each_evicted_block_is_its_own_event_as_vllm_sends_it():
     cache = KvCache(num_blocks=4, block_size=BS)
     tokens = np.arange(4 * BS, dtype="<u4")
@@ -79,6 +78,7 @@ def test_each_evicted_block_is_its_own_event_as_vllm_sends_it():
     removed = cache.take_events()
     assert [type(e) for e in removed] == [BlockRemoved] * 3
     assert [e.block_hashes for e in removed] == [[hashes[3]], [hashes[2]], [hashes[1]]]
+
 
 def test_scheduler_prefix_hit_caps_one_token_short_and_chunks_prefill():
     cache = KvCache(num_blocks=16, block_size=BS)
