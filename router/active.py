@@ -299,7 +299,7 @@ class ActiveRequests:
         return load is not None and bool(load.pending)
 
     def blocks_stored(self, slot: Slot, keys: np.ndarray) -> None:
-        """The slot's engine stored blocks with these prefix keys (`KvIndex.apply_events`): the
+        """The slot's engine stored blocks with these prefix keys (`KvIndex.apply_batch`): the
         prefills waiting on them progress, or end."""
         self._reap()
         load = self._loads.get(slot)
