@@ -117,7 +117,9 @@ async def fleet(tmp_path):
                 grpc_port=0,
                 health_port=0,
                 metrics_port=0,
-                router=RouterConfig(),
+                # the unrelated prompts tie on two idle simulators: seeded, their random
+                # tie-breaks spread them (unseeded, all six went to one 1 time in 32)
+                router=RouterConfig(seed=3),
                 scrape_interval=0.1,
                 drain_grace=1.0,
             ),
