@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import time
 from dataclasses import asdict, dataclass, field
@@ -56,10 +57,25 @@ class Running:
         """Exit code once the process has ended (negative: killed by that signal)."""
         if self.exit_code is None:
             if self.popen is not None:
-                self.exit_code = self.popen.poll()
+                if self.popen.returncode is None and procs.is_live(self.pid):
+                    return None
+                self.exit_code = self._reap()
             elif not (procs.same_process(self.pid, self.started) and procs.is_live(self.pid)):
                 self.exit_code = -1  # ended while nobody was waiting for it; code unknown
         return self.exit_code
+
+    def _reap(self) -> int:
+        """Reap a process that ended, after killing what it left in its process group.
+
+        A helper the process forked (vLLM's engine core and workers, a tokenizer pool) outlives
+        it otherwise, holding GPU memory and ports its restart needs; in Kubernetes a container's
+        other processes die with its main one too. Signalled while the process is a zombie: its
+        pid, which is its group's id, cannot be reused before it is reaped.
+        """
+        assert self.popen is not None
+        if self.popen.returncode is None:
+            procs.signal_group(self.pid, signal.SIGKILL)
+        return self.popen.wait()
 
     def describe_exit(self) -> str:
         code = self.exit_code

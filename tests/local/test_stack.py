@@ -121,9 +121,12 @@ async def test_reap_reports_a_killed_process_once(tmp_path, ports):
     try:
         await stack.start(ready_within=60)
         victim = stack.running[1]
+        orphan = child_pid(tmp_path, "b")
         os.kill(victim.pid, signal.SIGKILL)
         dead = await wait_for(stack.reap, "the killed process to be reaped", within=10)
         assert [p.spec.name for p in dead] == ["b"]
+        await wait_for(lambda: not procs.is_live(orphan), "what it forked to die with it", within=5)
+        assert procs.is_live(child_pid(tmp_path, "a"))
         assert dead[0].describe_exit() == "killed by signal 9"
         assert stack.reap() == []
         assert [p.spec.name for p in stack.live()] == ["a"]

@@ -9,11 +9,12 @@ import socket
 import aiohttp
 import pytest
 
+from dynamograph.local import procs
 from dynamograph.local.stack import STATE_FILE, Stack
 from dynamograph.local.supervisor import RestartPolicy, Supervisor
 from e2e.waiting import wait_for
 
-from .test_stack import make_plan, ports, server
+from .test_stack import child_pid, make_plan, ports, server
 
 pytestmark = pytest.mark.integration
 
@@ -45,7 +46,7 @@ async def test_a_killed_process_is_restarted_in_place_and_recorded(tmp_path, por
     try:
         await stack.start(ready_within=60)
         victim = stack.running[1]
-        old_pid = victim.pid
+        old_pid, old_child = victim.pid, child_pid(tmp_path, "b")
         os.kill(old_pid, signal.SIGKILL)
         async with aiohttp.ClientSession() as session:
             events = await supervise_until(
@@ -55,6 +56,11 @@ async def test_a_killed_process_is_restarted_in_place_and_recorded(tmp_path, por
                 "b to be restarted and ready",
             )
         assert victim.pid != old_pid and victim.poll() is None
+        # What the killed run forked died with it: a restart never runs beside its leftovers.
+        await wait_for(
+            lambda: not procs.is_live(old_child), "what it forked to die with it", within=5
+        )
+        assert child_pid(tmp_path, "b") != old_child and procs.is_live(child_pid(tmp_path, "b"))
         assert victim.last_exit == "killed by signal 9"
         assert any("b killed by signal 9; restarting in 0.05s" in e for e in events), events
         assert any("b is back (restart 1)" in e for e in events), events
@@ -82,8 +88,12 @@ async def test_a_process_failing_at_once_every_time_is_given_up_without_a_storm(
     try:
         await stack.start(ready_within=60)
         victim = stack.running[1]
+        first_child = child_pid(tmp_path, "b")
         os.kill(victim.pid, signal.SIGKILL)
-        await wait_for(lambda: victim.popen.poll() is not None, "b to die", within=10)
+        await wait_for(lambda: victim.poll() is not None, "b to die", within=10)
+        await wait_for(
+            lambda: not procs.is_live(first_child), "what it forked to die with it", within=5
+        )
         # Its port taken by someone else: every restart exits at once ("address in use").
         squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         squatter.bind(("127.0.0.1", ports[1]))
