@@ -15,6 +15,14 @@ import pytest
 
 from . import kindctl
 
+
+@pytest.fixture(scope="module", autouse=True)
+def module_stops_its_processes():
+    """No process check here (tests/process_guard.py): the session's kind cluster outlives
+    every module."""
+    yield
+
+
 OPT_IN = "DYNAMOGRAPH_E2E_KIND"
 
 

@@ -20,6 +20,14 @@ import pytest
 
 from .controlplane import REPO, ControlPlane, Missing, find_binaries, kubeconfig_text
 
+
+@pytest.fixture(scope="module", autouse=True)
+def module_stops_its_processes():
+    """No process check here (tests/process_guard.py): the session's control plane outlives
+    every module."""
+    yield
+
+
 CHART = REPO / "charts" / "dynamograph"
 UPSTREAM_CRDS = REPO / "tests" / "operator" / "data" / "upstream-crds"
 RELEASE = "dynamograph"
