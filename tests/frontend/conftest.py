@@ -46,18 +46,27 @@ async def run_frontend(
         )
         yield frontend
     finally:
+        for api in _clients.pop(id(frontend), []):
+            await api.close()  # its connections, before the server they go to stops
         await frontend.stop()
 
 
+# The clients `client` made for each running frontend (by id): `run_frontend` closes them.
+_clients: dict[int, list[openai.AsyncOpenAI]] = {}
+
+
 def client(frontend: Frontend, **headers: str) -> openai.AsyncOpenAI:
-    """The official client against the frontend; no retries, so every status is seen as sent."""
-    return openai.AsyncOpenAI(
+    """The official client against the frontend; no retries, so every status is seen as sent.
+    Closed with the frontend (`run_frontend`)."""
+    api = openai.AsyncOpenAI(
         base_url=frontend.url + "/v1",
         api_key="unused",
         max_retries=0,
         timeout=60,
         default_headers=headers or None,
     )
+    _clients.setdefault(id(frontend), []).append(api)
+    return api
 
 
 def route(worker: RunningWorker, dp_rank: int | None = None, prefill=None, prefill_rank=None):

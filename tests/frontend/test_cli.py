@@ -43,13 +43,15 @@ async def test_frontend_command_serves_and_stops_cleanly(model):
                 return health["status"] == "ok" and health["workers"] == 2
 
             await wait_for(ready, within=60, what="the frontend process to be ready")
-            api = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-            out = await api.completions.create(
-                model=model,
-                prompt="The hand-off works across processes too. " * 4,
-                max_tokens=3,
-                extra_headers=route(decode, prefill=prefill),
-            )
+            async with openai.AsyncOpenAI(
+                base_url=url + "/v1", api_key="unused", max_retries=0
+            ) as api:
+                out = await api.completions.create(
+                    model=model,
+                    prompt="The hand-off works across processes too. " * 4,
+                    max_tokens=3,
+                    extra_headers=route(decode, prefill=prefill),
+                )
             assert out.usage.completion_tokens == 3
             assert out.usage.prompt_tokens_details.cached_tokens > 0
         finally:
