@@ -127,9 +127,8 @@ class Stack:
     def respawn(self, proc: Running) -> None:
         """Start a process that ended again, in place: same command line, ports and log (the
         new run's output is appended after the old one's)."""
-        if proc.popen is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.popen.wait(timeout=1.0)  # reap the old one: no zombie left behind
+        if proc.poll() is None:  # the supervisor restarts only what it saw end
+            raise StackError(f"{proc.spec.name} is still running: not started again")
         fresh = self._spawn(proc.spec, append=True)
         proc.pid, proc.started, proc.popen = fresh.pid, fresh.started, fresh.popen
         proc.exit_code = proc.recorded_exit = proc.restart_at = None
