@@ -145,6 +145,10 @@ def worker_procs(count: int, spec: WorkerSpec, logs: Path, ports: PortPool) -> l
             f"--speedup={spec.speedup}",
             f"--seed={i}",
             "--debug-endpoints",  # reset_caches empties their prefix caches between runs
+            # Every policy meets workers already encoding at full speed: otherwise the fleet
+            # switches to fastokens (and builds it, ~1.5 s of CPU per worker) during whichever
+            # policy runs first, and that one pays for it.
+            "--fast-tokenizer",
         ]
         workers.append(Worker(name, port, events, Proc(name, argv, logs / f"{name}.log")))
     return workers

@@ -60,6 +60,7 @@ class MockConfig:
     model: str = "Qwen/Qwen3-0.6B"
     served_model_name: str | None = None
     tokenizer: str = "qwen"
+    fast_tokenizer: bool = False  # build fastokens at start (else after ~1.5 s of encoding)
     role: Role = Role.AGGREGATED
     name: str = "mock-worker"
     host: str = "127.0.0.1"
@@ -170,7 +171,7 @@ class MockEngine(LLMEngine):
             raise RuntimeError("engine already started")
         cfg = self.config
         self.instance_id = worker_id
-        tokenizer = await asyncio.to_thread(get_tokenizer, cfg.tokenizer)
+        tokenizer = await asyncio.to_thread(get_tokenizer, cfg.tokenizer, fast=cfg.fast_tokenizer)
         self.tokenizer = tokenizer
         sampler = await asyncio.to_thread(OutputSampler, tokenizer, cfg.seed)
         self.metrics = WorkerMetrics(

@@ -1,13 +1,16 @@
 """`dynamograph worker` as a process: the contract's command line, identity, clean shutdown."""
 
+import argparse
 import asyncio
 import os
 
 import pytest
 
+from dynamograph.protocol import tokenization
 from dynamograph.protocol.engine import Role
 from dynamograph.protocol.identity import instance_id
-from dynamograph.worker.testing import worker_process
+from dynamograph.worker import cli as worker_cli
+from dynamograph.worker.testing import mock_worker, worker_process
 
 from .conftest import post_json
 
@@ -44,3 +47,17 @@ async def test_worker_process_reports_a_failed_start():
     with pytest.raises(RuntimeError, match=r"exited with 2: .*--speedup must be positive"):
         async with worker_process("--speedup", "-1"):
             pass
+
+
+@pytest.mark.parametrize("flag", [False, True])
+async def test_fast_tokenizer_flag_builds_fastokens_before_serving(monkeypatch, flag):
+    """`--fast-tokenizer` reaches the engine, which then serves its first request with
+    fastokens; without it the reference encodes until it has paid for the build."""
+    monkeypatch.setattr(tokenization, "_loaded", type(tokenization._loaded)())
+    parser = argparse.ArgumentParser()
+    worker_cli.add_arguments(parser)
+    args = parser.parse_args(["--tokenizer", "qwen:qwen-7b-chat"] + ["--fast-tokenizer"] * flag)
+    config = worker_cli.mock_config(args)
+    assert config.fast_tokenizer is flag
+    async with mock_worker(tokenizer=config.tokenizer, fast_tokenizer=config.fast_tokenizer) as w:
+        assert w.engine.tokenizer.backend == ("fastokens" if flag else "tiktoken")
