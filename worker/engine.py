@@ -40,6 +40,9 @@ class GenerateRequest:
     lora_name: str | None = None  # the LoRA adapter the request's `model` names
     lora_id: int | None = None  # its vLLM id (set by the engine that serves the adapter)
     priority: int = 0  # vLLM's request priority: lower runs first (`--scheduling-policy priority`)
+    # A non-streamed request (vLLM's RequestOutputKind.FINAL_ONLY): its reader is woken for the
+    # first token and the last, not for every token in between (they are merged meanwhile).
+    final_only: bool = False
 
 
 @dataclass(slots=True)
@@ -89,11 +92,17 @@ class EngineOutput:
 
 class OutputCollector:
     """The undelivered output of one request, merged while the reader lags (as vLLM's
-    RequestOutputCollector): a slow client gets fewer, larger chunks instead of a backlog."""
+    RequestOutputCollector): a slow client gets fewer, larger chunks instead of a backlog.
 
-    def __init__(self) -> None:
+    `final_only` (a reader that wants the whole answer): the reader is woken for the first
+    output, which tells it when the first token came, and then for the terminal one only; waking
+    a task per token it would merely append costs more than the rest of the token's work."""
+
+    def __init__(self, *, final_only: bool = False) -> None:
         self._out: EngineOutput | None = None
         self._ready = asyncio.Event()
+        self._wake_each = not final_only
+        self._woken = False  # final_only: the first output has woken the reader
 
     def put(self, out: EngineOutput) -> None:
         pending = self._out
@@ -107,7 +116,9 @@ class OutputCollector:
             pending.usage = out.usage
             pending.timing = out.timing
             pending.kv_transfer_params = out.kv_transfer_params
-        self._ready.set()
+        if self._wake_each or not self._woken or out.finish_reason is not None:
+            self._woken = True
+            self._ready.set()
 
     async def get(self) -> EngineOutput:
         while self._out is None:

@@ -195,7 +195,7 @@ class EngineRank:
             seq=seq,
             tokens=self.sampler.stream(request.prompt_tokens, request.seed),
             timing=Timing(arrival=arrival),
-            outputs=OutputCollector(),
+            outputs=OutputCollector(final_only=request.final_only),
             hold_for_decode=hold_for_decode,
             session=request.nvext.session_control if request.nvext else None,
         )

@@ -84,6 +84,7 @@ def build_request(
         kv_transfer_params=kv_params,
         nvext=nvext,
         priority=priority,
+        final_only=not stream,
     )
 
 

@@ -288,3 +288,37 @@ async def test_output_collector_merges_while_the_reader_lags():
     assert merged.token_ids == [1, 2, 3] and merged.text == " a b c"
     assert merged.finish_reason is FinishReason.LENGTH and merged.usage.completion_tokens == 3
     validate_stream([merged], max_tokens=3)
+
+
+@pytest.mark.parametrize("final_only", [False, True])
+async def test_output_collector_final_only_wakes_its_reader_for_the_first_and_last_token(
+    final_only,
+):
+    """A non-streamed request's reader (vLLM's FINAL_ONLY) is woken twice, whatever the
+    length: for the first token (its time) and for the rest merged with the finish."""
+    import asyncio
+
+    from dynamograph.worker.engine import OutputCollector
+
+    c = OutputCollector(final_only=final_only)
+    got: list[EngineOutput] = []
+
+    async def read() -> None:
+        while not (got and got[-1].is_terminal):
+            got.append(await c.get())
+
+    reader = asyncio.create_task(read())
+    for i in range(1, 6):
+        await asyncio.sleep(0)  # the reader runs whenever it has been woken
+        last = i == 5
+        c.put(
+            EngineOutput(
+                token_ids=[i], text=f" {i}", usage=Usage(1, 5, 0) if last else None,
+                finish_reason=FinishReason.LENGTH if last else None,
+            )
+        )  # fmt: skip
+    await asyncio.wait_for(reader, 5)
+    assert [o.token_ids for o in got] == (
+        [[1], [2, 3, 4, 5]] if final_only else [[1], [2], [3], [4], [5]]
+    )
+    validate_stream(got, max_tokens=5)
