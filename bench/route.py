@@ -40,7 +40,7 @@ from .route_fleet import (
     wait_http,
     worker_procs,
 )
-from .route_metrics import OK, PolicyMetrics, summarize
+from .route_metrics import OK, PolicyMetrics, gateway_phases, summarize
 from .route_plots import write_plots
 from .route_routers import DEFAULT_POLICIES, POLICIES, serve, unavailable
 from .trace import (
@@ -236,6 +236,7 @@ async def _run_policy(name, workers, offsets, bodies, args, logs):
         idle_rate = (_router_cpu(routed) - idle_before) / (time.monotonic() - idle_start)
         before = await scrape_workers(workers)
         cpu_before = _router_cpu(routed)
+        replay_start = time.time()  # the gateway's access log counts from here (no warm-up)
         print(f"  {name}: replaying {len(offsets)} requests via {url} ...", flush=True)
         results, wall = await replay(
             url,
@@ -247,6 +248,10 @@ async def _run_policy(name, workers, offsets, bodies, args, logs):
         cpu = _router_cpu(routed) - cpu_before
         after = await scrape_workers(workers)
     _write_router_cpu(logs / name / "router_cpu.json", name, cpu, idle_rate, wall, results)
+    if routed.access_log is not None:  # Envoy has stopped: its access log is complete
+        _write_gateway_phases(
+            logs / name / "gateway_phases.json", name, routed.access_log, replay_start
+        )
     delta = {w: after[w].minus(before[w]) for w in after}
     queries = sum(s.prefix_queries for s in delta.values())
     hits = sum(s.prefix_hits for s in delta.values())
@@ -435,6 +440,25 @@ def _write_router_cpu(
             }
         )
     )
+
+
+def _write_gateway_phases(path: Path, name: str, access_log: Path, since: float) -> None:
+    """Where the replay's requests (those that came at `since` or later) spent their time at
+    the gateway, from its access log: printed and kept beside the logs."""
+    with access_log.open("rb") as f:
+        phases = gateway_phases(f, since)
+
+    def ms(phase: str) -> str:
+        p = phases[phase]
+        return "/".join("-" if p[q] is None else f"{p[q]:.0f}" for q in ("p50", "p99"))
+
+    print(
+        f"  {name}: gateway p50/p99 ms: request until it leaves for the worker {ms('request_ms')}, "
+        f"response head held {ms('response_hold_ms')}, worker {ms('worker_ms')}",
+        flush=True,
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(orjson.dumps(phases))
 
 
 def _write_requests(path: Path, results) -> None:

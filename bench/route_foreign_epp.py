@@ -201,12 +201,14 @@ def _epp_argv(
     return argv
 
 
-def gateway_config(listen_port: int, admin_port: int, epp_address: str) -> dict:
+def gateway_config(
+    listen_port: int, admin_port: int, epp_address: str, access_log: str | None = None
+) -> dict:
     """Our gateway config with the body modes every gateway generates for an InferencePool's
     EPP: request and response FULL_DUPLEX_STREAMED (ours sends no response body to our EPP)."""
     from dynamograph.local.envoy import EXT_PROC_FILTER, envoy_config
 
-    config = envoy_config(listen_port, admin_port, epp_address)
+    config = envoy_config(listen_port, admin_port, epp_address, access_log=access_log)
     manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
     for http_filter in manager["typed_config"]["http_filters"]:
         if http_filter["name"] == EXT_PROC_FILTER:
@@ -344,12 +346,15 @@ async def serve_foreign_epp(
             epp = await start_foreign_epp(
                 counterpart, pool, grpc, health, metrics, logs / f"{policy_name}-epp.log"
             )
-            gateway = gateway_config(listen, admin, f"127.0.0.1:{grpc}")
-            async with run_envoy(gateway, workdir=logs / f"{policy_name}-envoy"):
+            access_log = logs / f"{policy_name}-envoy" / "access.log"
+            gateway = gateway_config(listen, admin, f"127.0.0.1:{grpc}", str(access_log))
+            async with run_envoy(gateway, workdir=access_log.parent):
                 url = f"http://127.0.0.1:{listen}"
                 await _wait_routed(epp, url, model, count=len(twins), within_s=90)
                 assert epp.popen is not None
-                yield Routed(url, twins, [epp.popen.pid], f"http://127.0.0.1:{metrics}/metrics")
+                yield Routed(
+                    url, twins, [epp.popen.pid], f"http://127.0.0.1:{metrics}/metrics", access_log
+                )
         finally:
             await asyncio.to_thread(stop_all, [*([epp] if epp else []), *(t.proc for t in twins)])
 

@@ -9,10 +9,12 @@ and this host's CPU add, scaled up by the same factor.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
+import orjson
 
 OK = "ok"
 SHED = "shed"  # refused for load: the client's in-flight cap, or HTTP 429 / 503 from the router
@@ -158,3 +160,33 @@ def split_metrics(
             "hit_rate": sum(r.cached_tokens for r in served) / prompt if prompt else None,
         }
     return out
+
+
+GATEWAY_PHASES = ("request_ms", "worker_ms", "response_hold_ms", "total_ms")
+
+
+def gateway_phases(lines: Iterable[bytes], since: float = 0.0) -> dict[str, Any]:
+    """p50 / p90 / p99 of each phase (`local.envoy.ACCESS_LOG_FIELDS`) over the requests the
+    gateway answered 200 that started at `since` (Unix seconds) or later, from its JSON access
+    log lines; a phase Envoy could not time ("-": it never reached the worker) is left out of
+    that phase."""
+    phases: dict[str, list[float]] = {name: [] for name in GATEWAY_PHASES}
+    answered = 0
+    for line in lines:
+        if not line.strip():
+            continue
+        row = orjson.loads(line)
+        if str(row.get("code")) != "200" or float(row.get("start", 0)) < since:
+            continue
+        answered += 1
+        for name, values in phases.items():
+            value = row.get(name)
+            if value not in (None, "-", ""):
+                values.append(float(value))
+    return {
+        "requests": answered,
+        **{
+            name: {f"p{q}": percentile(values, q) for q in (50, 90, 99)}
+            for name, values in phases.items()
+        },
+    }

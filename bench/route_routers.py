@@ -47,6 +47,7 @@ class Routed:
     workers: Sequence[Worker]
     pids: Sequence[int]
     metrics_url: str | None = None  # a foreign EPP's Prometheus page (its picks per pod)
+    access_log: Path | None = None  # the gateway's per-request timings (EPPs behind our Envoy)
 
 
 POLICIES: dict[str, Policy] = {
@@ -281,15 +282,18 @@ async def _serve_epp(
     try:
         for epp, metrics_port in zip(epps, metrics_ports, strict=True):
             await wait_http(epp, f"http://127.0.0.1:{metrics_port}/metrics", within_s=60)
+        access_log = logs / f"{policy.name}-envoy" / "access.log"
         gateway = envoy_config(
             listen_port,
             admin_port,
             f"127.0.0.1:{grpc_ports[0]}",
             epp_replicas=[f"127.0.0.1:{p}" for p in grpc_ports[1:]],
+            access_log=str(access_log),
         )
-        async with run_envoy(gateway, workdir=logs / f"{policy.name}-envoy"):
+        async with run_envoy(gateway, workdir=access_log.parent):
             url = f"http://127.0.0.1:{listen_port}"
             await wait_http(epps[0], url + "/v1/models", within_s=60)
-            yield Routed(url, workers, [e.popen.pid for e in epps if e.popen is not None])
+            pids = [e.popen.pid for e in epps if e.popen is not None]
+            yield Routed(url, workers, pids, access_log=access_log)
     finally:
         await asyncio.to_thread(stop_all, epps)

@@ -134,6 +134,34 @@ _EPP_FAILURE_REPLY = {
 }
 
 
+# Where a request's time goes at the gateway, one JSON line per request (`access_log`): `start`
+# (Unix seconds, ms precision), `request_ms` from the client's first byte until the request leaves for the worker (the body's
+# upload, every ext_proc exchange up to the EPP's pick, connecting to the worker), `worker_ms`
+# until the worker's response head (a non-streamed answer: all of it), `response_hold_ms` from
+# that head until Envoy sends it on (the EPP's answer to the response headers), `total_ms`.
+ACCESS_LOG_FIELDS = {
+    "start": "%START_TIME(%s.%3f)%",
+    "code": "%RESPONSE_CODE%",
+    "request_ms": "%COMMON_DURATION(DS_RX_BEG:US_TX_BEG:ms)%",
+    "worker_ms": "%COMMON_DURATION(US_TX_BEG:US_RX_BEG:ms)%",
+    "response_hold_ms": "%COMMON_DURATION(US_RX_BEG:DS_TX_BEG:ms)%",
+    "total_ms": "%DURATION%",
+}
+
+
+def _access_log(path: str) -> list[dict[str, Any]]:
+    return [
+        {
+            "name": "envoy.access_loggers.file",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
+                "path": path,
+                "log_format": {"json_format": ACCESS_LOG_FIELDS},
+            },
+        }
+    ]
+
+
 def envoy_config(
     listen_port: int,
     admin_port: int,
@@ -153,6 +181,7 @@ def envoy_config(
     epp_sni: str | None = None,
     pool_endpoints: tuple[str, ...] | list[str] = (),
     epp_replicas: tuple[str, ...] | list[str] = (),
+    access_log: str | None = None,
 ) -> dict[str, Any]:
     """The bootstrap of a GAIE gateway in front of one InferencePool whose EPP is `epp_address`.
 
@@ -165,6 +194,8 @@ def envoy_config(
     `epp_replicas` ("ip:port") are more EPPs (active-active replicas, docs/epp.md): the EPP
     cluster balances ext_proc streams over them round-robin, as a gateway does over the EPP
     Service's endpoints.
+    `access_log`: a file Envoy appends a JSON line to per request, with where its time went
+    (`ACCESS_LOG_FIELDS`); none by default.
 
     Faults: `first_byte_timeout_s` is the route's per-try timeout, which Envoy counts until the
     response head (the first token of a streamed answer, through our sidecar; all of a
@@ -221,6 +252,7 @@ def envoy_config(
         "request_timeout": f"{request_timeout_s}s",
         "stream_idle_timeout": f"{stream_idle_timeout_s}s",
         "local_reply_config": _EPP_FAILURE_REPLY,
+        **({"access_log": _access_log(access_log)} if access_log else {}),
         "route_config": {
             "name": "inference",
             "virtual_hosts": [

@@ -8,6 +8,7 @@ from dynamograph.bench.route_metrics import (
     OK,
     SHED,
     RequestResult,
+    gateway_phases,
     load_imbalance,
     summarize,
 )
@@ -73,3 +74,24 @@ vllm:prefix_cache_hits_total{model_name="m"} 250.0
 """
     stats = parse_worker_metrics(text)
     assert (stats.requests, stats.prefix_queries, stats.prefix_hits) == (7, 1000, 250)
+
+
+def test_gateway_phases_count_answered_requests_and_skip_untimed_phases():
+    lines = [
+        b'{"start":"99.5","code":"200","request_ms":"1","worker_ms":"1","total_ms":"2"}\n',  # early
+        b'{"code":"200","request_ms":"10","worker_ms":"100","response_hold_ms":"1","total_ms":"111"}\n',
+        b'{"code":200,"request_ms":30,"worker_ms":300,"response_hold_ms":3,"total_ms":333}\n',
+        b"\n",
+        # refused by the EPP: never reached a worker, so Envoy could not time those phases
+        b'{"code":"429","request_ms":"-","worker_ms":"-","response_hold_ms":"-","total_ms":"2"}\n',
+        b'{"code":"200","request_ms":"20","worker_ms":"-","response_hold_ms":"-","total_ms":"5"}\n',
+    ]
+    phases = gateway_phases(
+        [line.replace(b'{"code', b'{"start":"100.0","code') for line in lines], 100
+    )
+    assert phases["requests"] == 3
+    assert phases["request_ms"]["p50"] == 20.0
+    assert phases["worker_ms"]["p50"] == 200.0  # of the two that reached a worker
+    assert phases["total_ms"]["p99"] == pytest.approx(333 - 0.02 * (333 - 111))
+    assert gateway_phases(lines[:1], 100)["requests"] == 0
+    assert gateway_phases([])["request_ms"] == {"p50": None, "p90": None, "p99": None}

@@ -70,6 +70,13 @@ def test_route_through_epp_and_envoy(tmp_path, tiny_trace):
     m = check_results(tmp_path / "out", tiny_trace, "round-robin")
     assert m["client_ttft_p50_s"] is None  # not streamed: TTFT only from the engine
     assert sorted(m["per_worker_requests"].values()) == [8, 8]  # round-robin: exactly even
+    # the gateway's access log, from the replay on (the warm-up's requests left out)
+    for policy in ("round-robin", "kv"):
+        (found,) = (tmp_path / "out").rglob(f"{policy}/gateway_phases.json")
+        phases = json.loads(found.read_text())
+        assert phases["requests"] == FAMILIES * PER_FAMILY
+        request, worker, total = (phases[k]["p50"] for k in ("request_ms", "worker_ms", "total_ms"))
+        assert 0 <= request <= total and 0 <= worker <= total
 
 
 @pytest.mark.anchor
