@@ -21,7 +21,7 @@ from pathlib import Path
 import yaml
 
 from dynamograph.local.procs import PortPool
-from dynamograph.protocol.router_config import dynamo_scorers, ttft_scorers
+from dynamograph.protocol.router_config import PREFILL_WORK_WEIGHT, dynamo_scorers, ttft_scorers
 
 from .route_fleet import DYNAMOGRAPH, OFFLINE_ENV, LaunchError, Proc, Worker, stop_all, wait_http
 
@@ -97,15 +97,30 @@ POLICIES: dict[str, Policy] = {
             "epp",
             "EPP, KV events, our default cost: the TTFT estimate in blocks to prefill (queued "
             "prefill + uncached blocks, active blocks at 0.0025 each, blocks over free KV, uncached "
-            "blocks × requests waiting there)",
+            "blocks × requests waiting there) + 8 × uncached blocks (the fleet's prefill work)",
             {"scorers": [s.model_dump() for s in ttft_scorers()]},
         ),
         Policy(
             "kv-ttft-greedy",
             "epp",
-            "EPP, KV events, kv-ttft without its queue-delay term: each request's own TTFT "
-            "estimate only (the default before the term; an ablation)",
-            {"scorers": [s.model_dump() for s in ttft_scorers() if s.type != "queue-delay"]},
+            "EPP, KV events, kv-ttft without its queue-delay and prefill-work terms: each "
+            "request's own TTFT estimate only (an ablation)",
+            {
+                "scorers": [
+                    s.model_dump() for s in ttft_scorers(work_weight=0) if s.type != "queue-delay"
+                ]
+            },
+        ),
+        *(
+            Policy(
+                f"kv-ttft-work{w:g}",
+                "epp",
+                f"kv-ttft with its prefill-work term at weight {w:g} (the default: "
+                f"{PREFILL_WORK_WEIGHT:g}): a request leaves its prefix's worker only to save over "
+                f"{1 + w:g}× the blocks it recomputes (an ablation)",
+                {"scorers": [s.model_dump() for s in ttft_scorers(work_weight=w)]},
+            )
+            for w in (0.0, 1.0, 3.0)
         ),
         Policy(
             "kv-ttft-i0",

@@ -4,9 +4,9 @@ The default profile (`RouterConfig`, `ttft_scorers`) prices a worker by what it 
 this request's time to first token, in units of one block to prefill (~512 µs on the modelled
 H100, 16 tokens × 32 µs): `kv-overlap` (prefill work queued there plus this request's uncached
 blocks) at weight 1, `load` (active decode blocks) at its much smaller real weight,
-`kv-overflow` (blocks that do not fit) as capacity pressure, and `queue-delay`, the delay its
-prefill adds to the requests that will queue behind it there. With weights overlap_weight and 1
-and no overflow term, `kv-overlap` and `load` are Dynamo's cost, `overlap_weight ·
+`kv-overflow` (blocks that do not fit) as capacity pressure, `queue-delay`, the delay its
+prefill adds to the requests that will queue behind it there, and `prefill-work`, the prefill
+the fleet does for it. With weights overlap_weight and 1 and no other term, `kv-overlap` and `load` are Dynamo's cost, `overlap_weight ·
 prefill_blocks + decode_blocks` (`dynamo_scorers`)."""
 
 import numpy as np
@@ -61,6 +61,28 @@ class QueueDelayScorer(Scorer):
         if ctx.phase == Phase.DECODE:
             return np.zeros_like(c.overlap)
         return (ctx.prompt_blocks - c.overlap) * c.unanswered
+
+
+@register
+class PrefillWorkScorer(Scorer):
+    """Fleet-work term: this request's uncached prompt blocks here, the prefill the fleet does
+    for it wherever it runs; on a worker without its prefix that includes recomputing what
+    another worker already holds. Its weight prices a block of the fleet's work against a
+    block of this request's wait: with weight λ a request leaves the worker holding its prefix
+    only when the wait it saves is over (1 + λ) times the blocks it would recompute. A prompt
+    no worker holds costs the same everywhere, so the term moves only requests with a prefix.
+
+    Why the fleet's work counts: a move is faster for the one request, but the history it
+    prefills again lengthens the queue of everything that arrives after it, there and (by the
+    load it shifts) elsewhere; counting each request's own TTFT alone, conversations left
+    their workers whenever a long document was prefilling there."""
+
+    name = "prefill-work"
+
+    def score(self, ctx: Context, c: Candidates) -> np.ndarray:
+        if ctx.phase == Phase.DECODE:
+            return np.zeros_like(c.overlap)
+        return ctx.prompt_blocks - c.overlap
 
 
 @register

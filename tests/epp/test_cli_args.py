@@ -36,6 +36,7 @@ def test_flags_override_the_config_file(tmp_path):
         ("load", 0.0025),
         ("kv-overflow", 1.0),
         ("queue-delay", 1.0),
+        ("prefill-work", 20.0),  # the fleet's prefill weighs with the rest of prefill
     ]
     assert settings.router.temperature == 0
     assert settings.router.busy_threshold == 0.9

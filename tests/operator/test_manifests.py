@@ -204,6 +204,7 @@ def test_epp_pod_service_and_config():
             {"type": "load", "parameters": {}, "weight": 0.0025},
             {"type": "kv-overflow", "parameters": {}, "weight": 1.0},
             {"type": "queue-delay", "parameters": {}, "weight": 1.0},
+            {"type": "prefill-work", "parameters": {}, "weight": 8.0},
         ],
         "temperature": 0.0,
         "use_kv_events": True,

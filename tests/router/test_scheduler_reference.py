@@ -350,10 +350,10 @@ def test_debug_log_names_the_choice_and_the_cheapest_others(caplog):
     message = record.getMessage()
     assert message.startswith(
         "aggregated pick (2, 0) of 6 blocks: overlap=6 kv-overlap=0 load=6 kv-overflow=0 "
-        "queue-delay=0"
+        "queue-delay=0 prefill-work=0"
     )
     assert (
         "cost=0.015 requests=0; next: (1, 0) overlap=0 kv-overlap=6 load=6 kv-overflow=0 "
-        "queue-delay=0 cost=6.015" in message
+        "queue-delay=0 prefill-work=6 cost=54.015" in message
     )
     assert "(3, 0) overlap=0" in message

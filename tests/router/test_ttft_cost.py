@@ -1,14 +1,21 @@
 """The TTFT cost (`ttft_scorers`): a worker is priced by what it would cost this request's
 time to first token, in blocks to prefill. A follow-up stays with its history however many
 other conversations decode there; queued prefill work, and KV blocks that would not fit, still
-send it elsewhere — to an idle worker, but not into another queue when the re-prefill would
-delay the requests waiting there more than it saves (queue-delay)."""
+send it elsewhere — to an idle worker once they outweigh the history's recompute as the fleet's
+work (prefill-work), but not into another queue when the re-prefill would delay the requests
+waiting there more than it saves (queue-delay)."""
 
 import pytest
 
 from dynamograph.protocol.hashing import block_hash_array
 from dynamograph.protocol.kv_events import BlockStored, EventBatch
-from dynamograph.protocol.router_config import RouterConfig, ScorerRef, dynamo_scorers, ttft_scorers
+from dynamograph.protocol.router_config import (
+    PREFILL_WORK_WEIGHT,
+    RouterConfig,
+    ScorerRef,
+    dynamo_scorers,
+    ttft_scorers,
+)
 from dynamograph.router.scheduler import Router, RouteRequest
 
 pytestmark = pytest.mark.unit
@@ -46,17 +53,26 @@ def test_a_follow_up_stays_with_its_history_beside_other_conversations_decoding(
         assert route(router) == expected
 
 
-def test_queued_prefill_work_sends_it_to_an_idle_worker():
-    router = router_with(ttft_scorers())
+@pytest.mark.parametrize(
+    "weight, queued, expected",
+    [(0.0, 30, 1), (0.0, 40, 2), (1.0, 60, 1), (1.0, 80, 2), (8.0, 300, 1), (8.0, 340, 2)],
+)
+def test_queued_prefill_sends_it_to_an_idle_worker_once_the_wait_outweighs_its_recompute(
+    weight, queued, expected
+):
+    """With `prefill-work` at weight λ (the default 8), worker 1 costs queued + 4 + 4λ (+ 4 · 1
+    request waiting: queue-delay) and the idle worker 2 costs 40 + 40λ: the follow-up moves
+    only when the prefill queued on its worker is over 36 (1 + λ) − 4 blocks."""
+    router = router_with(ttft_scorers(work_weight=weight))
     assert route(router) == 1
-    # 50 blocks still to prefill on worker 1: 50 + 4 > 40 to prefill from scratch on worker 2
-    router.active.book((1, 0), prompt_blocks=50, prefill_blocks=50)
-    assert route(router) == 2
+    router.active.book((1, 0), prompt_blocks=queued, prefill_blocks=queued)
+    assert route(router) == expected
 
 
 def test_under_load_a_follow_up_keeps_its_history_rather_than_joining_another_queue():
-    greedy = [s for s in ttft_scorers() if s.type != "queue-delay"]
-    for scorers, expected in ((greedy, 2), (ttft_scorers(), 1)):
+    # queue-delay's part alone: without it and prefill-work (each request's own TTFT) it moves
+    greedy = [s for s in ttft_scorers(work_weight=0) if s.type != "queue-delay"]
+    for scorers, expected in ((greedy, 2), (ttft_scorers(work_weight=0), 1), (ttft_scorers(), 1)):
         router = router_with(scorers)
         # worker 1: one request with 50 blocks to prefill; worker 2: two short ones (5 blocks)
         router.active.book((1, 0), prompt_blocks=50, prefill_blocks=50)
@@ -89,5 +105,7 @@ def test_the_overflow_counts_a_whole_sequence_of_the_worker():
     router.update_load(2, 0, kv_usage=1.0)
     decision = router.schedule(request).decode
     assert decision.worker_id == 1
-    # its 4 uncached blocks also delay the 2 requests there still waiting for a first token
-    assert decision.cost == pytest.approx(4 + 0.0025 * (980 + 40) + (20 + 490) + 4 * 2)
+    # its 4 uncached blocks also delay the 2 requests there still waiting for a first token,
+    # and are the fleet's work
+    work = 4 * PREFILL_WORK_WEIGHT
+    assert decision.cost == pytest.approx(4 + 0.0025 * (980 + 40) + (20 + 490) + 4 * 2 + work)
