@@ -52,9 +52,10 @@ DECODE_BLOCK_WEIGHT = 0.0025
 
 
 # What a block of prefill the fleet does weighs against a block of this request's wait
-# (`prefill-work`). Measured, not derived: with 1, 3 and 8 on the multi-turn workload (4 and 8
-# workers, 4–16 requests/s) reuse captured rose 87–92 % → 92–96 % → 98–99 % and TTFT p50 fell
-# with it at every point below saturation (docs/benchmarks.md, "prefill-work").
+# (`prefill-work`). Measured, not derived: on the multi-turn workload (4 and 8 workers, 4–16
+# requests/s) reuse captured was 81–92 % without the term, 92–96 %, 95–98 % and 98–99 % with
+# weights 1, 3 and 8, and TTFT p50 was lower with 8 than without at every point below
+# saturation (docs/benchmarks.md, "prefill-work").
 PREFILL_WORK_WEIGHT = 8.0
 
 
