@@ -135,10 +135,11 @@ _EPP_FAILURE_REPLY = {
 
 
 # Where a request's time goes at the gateway, one JSON line per request (`access_log`): `start`
-# (Unix seconds, ms precision), `request_ms` from the client's first byte until the request leaves for the worker (the body's
-# upload, every ext_proc exchange up to the EPP's pick, connecting to the worker), `worker_ms`
-# until the worker's response head (a non-streamed answer: all of it), `response_hold_ms` from
-# that head until Envoy sends it on (the EPP's answer to the response headers), `total_ms`.
+# (Unix seconds, ms precision), `request_ms` from the client's first byte until the request
+# leaves for the worker (the body's upload, every ext_proc exchange up to the EPP's pick,
+# connecting to the worker), `worker_ms` until the worker's response head (a non-streamed
+# answer: all of it), `response_hold_ms` from that head until Envoy sends it on (the EPP's
+# answer to the response headers), `total_ms`.
 ACCESS_LOG_FIELDS = {
     "start": "%START_TIME(%s.%3f)%",
     "code": "%RESPONSE_CODE%",

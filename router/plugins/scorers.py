@@ -6,8 +6,9 @@ H100, 16 tokens × 32 µs): `kv-overlap` (prefill work queued there plus this re
 blocks) at weight 1, `load` (active decode blocks) at its much smaller real weight,
 `kv-overflow` (blocks that do not fit) as capacity pressure, `queue-delay`, the delay its
 prefill adds to the requests that will queue behind it there, and `prefill-work`, the prefill
-the fleet does for it. With weights overlap_weight and 1 and no other term, `kv-overlap` and `load` are Dynamo's cost, `overlap_weight ·
-prefill_blocks + decode_blocks` (`dynamo_scorers`)."""
+the fleet does for it. With weights overlap_weight and 1 and no other term, `kv-overlap` and
+`load` are Dynamo's cost, `overlap_weight · prefill_blocks + decode_blocks`
+(`dynamo_scorers`)."""
 
 import numpy as np
 from numpy.typing import NDArray
@@ -25,6 +26,15 @@ def new_blocks(ctx: Context, c: Candidates) -> int | NDArray[np.int64]:
     return blocks
 
 
+def uncached_blocks(ctx: Context, c: Candidates) -> NDArray[np.int64]:
+    """The request's prompt blocks each slot would prefill: those its cache does not hold
+    (overlaps never exceed the prompt's hashed blocks, so ≥ 0); none for a disaggregated decode
+    selection (the prefill happens elsewhere)."""
+    if ctx.phase == Phase.DECODE:
+        return np.zeros_like(c.overlap)
+    return ctx.prompt_blocks - c.overlap
+
+
 @register
 class KvOverlapScorer(Scorer):
     """Prefill term: uncached prompt blocks of this request plus prefills already booked here.
@@ -37,8 +47,7 @@ class KvOverlapScorer(Scorer):
     def score(self, ctx: Context, c: Candidates) -> np.ndarray:
         if ctx.phase == Phase.DECODE:
             return np.zeros_like(c.overlap)
-        # uncached blocks: overlaps never exceed the prompt's hashed blocks, so ≥ 0
-        return (ctx.prompt_blocks - c.overlap) + c.booked_prefill
+        return uncached_blocks(ctx, c) + c.booked_prefill
 
 
 @register
@@ -58,9 +67,7 @@ class QueueDelayScorer(Scorer):
     name = "queue-delay"
 
     def score(self, ctx: Context, c: Candidates) -> np.ndarray:
-        if ctx.phase == Phase.DECODE:
-            return np.zeros_like(c.overlap)
-        return (ctx.prompt_blocks - c.overlap) * c.unanswered
+        return uncached_blocks(ctx, c) * c.unanswered
 
 
 @register
@@ -80,9 +87,7 @@ class PrefillWorkScorer(Scorer):
     name = "prefill-work"
 
     def score(self, ctx: Context, c: Candidates) -> np.ndarray:
-        if ctx.phase == Phase.DECODE:
-            return np.zeros_like(c.overlap)
-        return ctx.prompt_blocks - c.overlap
+        return uncached_blocks(ctx, c)
 
 
 @register
