@@ -120,7 +120,7 @@ POLICIES: dict[str, Policy] = {
                 f"{1 + w:g}× the blocks it recomputes (an ablation)",
                 {"scorers": [s.model_dump() for s in ttft_scorers(work_weight=w)]},
             )
-            for w in (0.0, 1.0, 3.0)
+            for w in (0.0, 1.0, 3.0, 16.0, 32.0)
         ),
         Policy(
             "kv-ttft-i0",

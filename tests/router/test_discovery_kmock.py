@@ -81,7 +81,7 @@ async def test_pods_appear_turn_ready_and_terminate(kmock, api):
     task = asyncio.create_task(source.run(sink))
     try:
         await wait_for(
-            lambda: f"{NS}/w-0" in sink.targets, "w-0 discovered", within=10, interval=0.01
+            lambda: f"{NS}/w-0" in sink.targets, "w-0 discovered", within=30, interval=0.01
         )
         assert sink.targets[f"{NS}/w-0"] == WorkerTarget(
             f"{NS}/w-0", "http://127.0.0.1:8100", "127.0.0.1:8180"
@@ -95,18 +95,18 @@ async def test_pods_appear_turn_ready_and_terminate(kmock, api):
         # delivered the two pods before it too.
         await v1.create_namespaced_pod(NS, _pod("marker", ready=True, engine=8103, http=8183))
         await wait_for(
-            lambda: f"{NS}/marker" in sink.targets, "marker discovered", within=10, interval=0.01
+            lambda: f"{NS}/marker" in sink.targets, "marker discovered", within=30, interval=0.01
         )
         assert set(sink.targets) == {f"{NS}/w-0", f"{NS}/marker"}
         await v1.delete_namespaced_pod("marker", NS)
         await wait_for(
-            lambda: f"{NS}/marker" not in sink.targets, "marker gone", within=10, interval=0.01
+            lambda: f"{NS}/marker" not in sink.targets, "marker gone", within=30, interval=0.01
         )
         await v1.patch_namespaced_pod(
             "w-1", NS, {"status": {"conditions": [{"type": "Ready", "status": "True"}]}}
         )
         await wait_for(
-            lambda: f"{NS}/w-1" in sink.targets, "w-1 discovered", within=10, interval=0.01
+            lambda: f"{NS}/w-1" in sink.targets, "w-1 discovered", within=30, interval=0.01
         )
         assert sink.targets[f"{NS}/w-1"].engine_url == "http://127.0.0.1:8101"
 
@@ -115,11 +115,11 @@ async def test_pods_appear_turn_ready_and_terminate(kmock, api):
             "w-1", NS, {"metadata": {"deletionTimestamp": "2026-11-21T16:00:00Z"}}
         )
         await wait_for(
-            lambda: f"{NS}/w-1" not in sink.targets, "w-1 gone", within=10, interval=0.01
+            lambda: f"{NS}/w-1" not in sink.targets, "w-1 gone", within=30, interval=0.01
         )
         # Deleting a Ready pod removes it too.
         await v1.delete_namespaced_pod("w-0", NS)
-        await wait_for(lambda: not sink.targets, "every target gone", within=10, interval=0.01)
+        await wait_for(lambda: not sink.targets, "every target gone", within=30, interval=0.01)
         assert source.relists == 1
     finally:
         task.cancel()
@@ -137,9 +137,9 @@ async def test_watch_410_gone_relists(kmock, api):
     sink = RecordingSink()
     task = asyncio.create_task(source.run(sink))
     try:
-        await wait_for(lambda: source.relists >= 2, "a second relist", within=10, interval=0.01)
+        await wait_for(lambda: source.relists >= 2, "a second relist", within=30, interval=0.01)
         await wait_for(
-            lambda: f"{NS}/w-0" in sink.targets, "w-0 discovered", within=10, interval=0.01
+            lambda: f"{NS}/w-0" in sink.targets, "w-0 discovered", within=30, interval=0.01
         )
     finally:
         task.cancel()
@@ -163,7 +163,7 @@ async def test_discovery_records_come_from_the_pods_engine(kmock, api):
         await v1.create_namespaced_pod(NS, _pod("w-0", ready=True, engine=engine_port))
         await discovery.start()
         try:
-            await wait_for(lambda: added, "an addition", within=10, interval=0.01)
+            await wait_for(lambda: added, "an addition", within=30, interval=0.01)
             record = added[0]
             assert record.instance_id == worker.config.instance_id
             assert record.engine_url == worker.url
@@ -171,7 +171,7 @@ async def test_discovery_records_come_from_the_pods_engine(kmock, api):
             assert record.config.kv_cache_block_size == worker.config.kv_cache_block_size
             assert discovery.endpoint_of(record.instance_id) == "127.0.0.1:8080"
             await v1.delete_namespaced_pod("w-0", NS)
-            await wait_for(lambda: removed, "a removal", within=10, interval=0.01)
+            await wait_for(lambda: removed, "a removal", within=30, interval=0.01)
             assert removed[0].instance_id == record.instance_id
             assert discovery.get(record.instance_id) is None
         finally:
