@@ -39,6 +39,7 @@ from .route_fleet import (
     stop_all,
     wait_http,
     worker_procs,
+    worker_spec,
 )
 from .route_metrics import OK, PolicyMetrics, gateway_phases, summarize
 from .route_plots import write_plots
@@ -177,6 +178,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--block-size", type=int, default=spec.block_size)
     parser.add_argument(
+        "--worker-nice",
+        type=int,
+        choices=range(20),
+        default=spec.nice,
+        metavar="0-19",
+        help="run the mock workers at this niceness: they stand for GPU engines on hosts of "
+        "their own, so the routers under test and Envoy get this box's CPU first (default 0: "
+        "every process equal)",
+    )
+    parser.add_argument(
         "--stream",
         action="store_true",
         help="stream answers (client-side TTFT too); every token then crosses the router, which "
@@ -271,12 +282,7 @@ async def _run(args, setup: Setup) -> int:
     requests = requests[: setup.limit]
     reuse = inherent_reuse(requests)
     offsets = compress(requests, setup.compression)
-    spec = WorkerSpec(
-        model=args.model,
-        block_size=args.block_size,
-        num_gpu_blocks=args.num_gpu_blocks,
-        speedup=setup.compression,
-    )
+    spec = worker_spec(args, setup.compression)
     span = offsets[-1] * setup.compression
     print(
         f"trace {args.trace}: {len(requests)} requests over {span:,.0f} s, inherent reuse "

@@ -7,6 +7,7 @@ bounded polls that give up early when the process has already died.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import os
@@ -106,6 +107,9 @@ class WorkerSpec:
     max_num_batched_tokens: int = 8192
     context_length: int = 262_144
     speedup: float = 1.0
+    # the workers' niceness: they stand for GPU engines on hosts of their own, so at a positive
+    # value the routers under test (and Envoy) get this shared box's CPU first
+    nice: int = 0
 
 
 @dataclass
@@ -120,6 +124,18 @@ class Worker:
         return f"http://127.0.0.1:{self.port}"
 
 
+def worker_spec(args: argparse.Namespace, compression: float) -> WorkerSpec:
+    """The fleet `bench route` asks for (its --model, --block-size, --num-gpu-blocks and
+    --worker-nice), its clock sped up by the time compression."""
+    return WorkerSpec(
+        model=args.model,
+        block_size=args.block_size,
+        num_gpu_blocks=args.num_gpu_blocks,
+        speedup=compression,
+        nice=args.worker_nice,
+    )
+
+
 def worker_procs(count: int, spec: WorkerSpec, logs: Path, ports: PortPool) -> list[Worker]:
     """Commands for `count` mock workers on 127.0.0.1 (not started)."""
     workers = []
@@ -127,6 +143,7 @@ def worker_procs(count: int, spec: WorkerSpec, logs: Path, ports: PortPool) -> l
         name = f"bench-worker-{i}"
         port, events = ports.take(), ports.take(2)
         argv = [
+            *(["nice", "-n", str(spec.nice)] if spec.nice else []),
             *DYNAMOGRAPH,
             "worker",
             "--engine=mock",

@@ -31,7 +31,7 @@ from dynamograph.protocol.tokenization import get_tokenizer
 
 from .report import print_table, write_json
 from .route_client import chat_body, completion_body
-from .route_fleet import WorkerSpec, stop_all, wait_http, worker_procs
+from .route_fleet import stop_all, wait_http, worker_procs, worker_spec
 from .route_metrics import PolicyMetrics, split_metrics, summarize
 from .route_plots import write_sweep_plot
 from .route_routers import POLICIES
@@ -234,12 +234,7 @@ async def run_sweep(args: argparse.Namespace, setup, sweep) -> int:
     source = (
         MultiTurnSource(args, setup) if args.workload == "multiturn" else TraceSource(args, setup)
     )
-    spec = WorkerSpec(
-        model=args.model,
-        block_size=args.block_size,
-        num_gpu_blocks=args.num_gpu_blocks,
-        speedup=setup.compression,
-    )
+    spec = worker_spec(args, setup.compression)
     label = "auto (doubling)" if sweep == AUTO else ", ".join(f"{r:g}" for r in sweep)
     print(
         f"sweep {label} requests/s over {source.describe()}; {setup.workers} workers × "

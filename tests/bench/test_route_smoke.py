@@ -6,13 +6,17 @@ streaming replay, usage and /metrics collection, table, JSON and plots — not r
 
 import argparse
 import json
+import os
+import time
+from pathlib import Path
 
 import pytest
 
 from dynamograph.bench import route
-from dynamograph.bench.route_fleet import LaunchError
+from dynamograph.bench.route_fleet import LaunchError, stop_all, worker_procs, worker_spec
 from dynamograph.bench.route_routers import foreign_binary
 from dynamograph.bench.trace import inherent_reuse, load_trace
+from dynamograph.local.procs import PortPool
 
 pytestmark = pytest.mark.integration
 
@@ -89,3 +93,33 @@ def test_route_through_sglang_router(tmp_path, tiny_trace):
     assert route.run(args) == 0
     m = check_results(tmp_path / "out", tiny_trace, "sglang-cache-aware")
     assert m["client_ttft_p50_s"] > 0  # streamed through the foreign router: measured by us
+
+
+def test_worker_nice_runs_the_fleet_at_that_niceness(tmp_path):
+    """`--worker-nice`: each worker process (the mock's Python, once `nice` has exec'd it) at the
+    niceness asked for, the routers left at theirs."""
+    parser = argparse.ArgumentParser()
+    route.add_arguments(parser)
+    args = parser.parse_args(["--worker-nice", "7", "--out", str(tmp_path)])
+    spec = worker_spec(args, compression=1.0)
+    assert spec.nice == 7
+    ports = PortPool()
+    (worker,) = worker_procs(1, spec, tmp_path, ports)
+    ports.release()
+    worker.proc.start()
+    try:
+        pid = worker.proc.popen.pid
+        cmdline, nice = b"", None
+        for _ in range(100):  # until `nice` has exec'd the worker (≤ 5 s)
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            nice = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+            if b"worker" in cmdline and b"nice" not in cmdline.split(b"\0")[0]:
+                break
+            time.sleep(0.05)
+        assert b"--engine=mock" in cmdline
+        assert nice == 7
+        assert os.getpriority(os.PRIO_PROCESS, 0) == 0  # this process (the bench) unchanged
+    finally:
+        stop_all([worker.proc])
+    with pytest.raises(SystemExit):  # niceness is 0-19: argparse refuses the rest
+        parser.parse_args(["--worker-nice", "20"])
