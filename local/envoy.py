@@ -15,7 +15,9 @@
   endpoints whose `override_host` policy takes the EPP's pick (from its `envoy.lb` metadata) and
   otherwise falls back to least-request across the pool, so FailOpen reaches pool endpoints only.
   (FailOpen without `pool_endpoints` keeps ORIGINAL_DST: with the client's header stripped and no
-  pick, requests get 503 rather than an address of the client's choosing.) With `epp_tls` the
+  pick, requests get 503 rather than an address of the client's choosing.) Both clusters' circuit
+  breakers are unbounded (`CIRCUIT_BREAKERS`): Envoy's defaults would cap the requests in flight
+  at 1,024. With `epp_tls` the
   ext_proc connection is TLS (an UpstreamTlsContext): unverified like kgateway and Istio's
   `insecureSkipVerify`, or, given `epp_ca`, verified against it for the name `epp_sni`.
 - `run_envoy(config, ...)`: async context manager; starts Envoy with `--disable-hot-restart`
@@ -307,6 +309,7 @@ def envoy_config(
                 _pool_cluster(pool if failure_mode_allow else [], connect_timeout_s),
                 {
                     "name": EPP_CLUSTER,
+                    "circuit_breakers": CIRCUIT_BREAKERS,
                     **({"transport_socket": _epp_tls(epp_ca, epp_sni)} if epp_tls else {}),
                     "type": "STATIC",
                     "lb_policy": "ROUND_ROBIN",
@@ -355,6 +358,23 @@ def _retry_policy(first_byte_timeout_s: float) -> dict[str, Any]:
     }
 
 
+# Envoy's default circuit breakers allow 1,024 connections, pending and active requests per
+# cluster. An inference request holds an ext_proc stream and an HTTP/1 connection to its worker
+# for its whole life (seconds to minutes), so those defaults cap the gateway at about a thousand
+# requests in flight, answering the rest 500/503 "overflow" (llm-d#1582, envoyproxy/gateway#9997).
+# The EPP's admission (429 with Retry-After) and the engines bound the work instead.
+UNBOUNDED = 2**31 - 1
+CIRCUIT_BREAKERS = {
+    "thresholds": [
+        {
+            "priority": "DEFAULT",
+            "max_connections": UNBOUNDED,
+            "max_pending_requests": UNBOUNDED,
+            "max_requests": UNBOUNDED,
+        }
+    ]
+}
+
 # Endpoints that keep failing are ejected for a while (longer each time); a pool may lose all
 # of them (its EPP decides under ORIGINAL_DST anyway).
 OUTLIER_DETECTION = {
@@ -377,6 +397,7 @@ def _pool_cluster(pool: list[tuple[str, int]], connect_timeout_s: float) -> dict
     if not pool:
         return {
             "name": POOL_CLUSTER,
+            "circuit_breakers": CIRCUIT_BREAKERS,
             "type": "ORIGINAL_DST",
             "lb_policy": "CLUSTER_PROVIDED",
             "connect_timeout": f"{connect_timeout_s}s",
@@ -401,6 +422,7 @@ def _pool_cluster(pool: list[tuple[str, int]], connect_timeout_s: float) -> dict
     }
     return {
         "name": POOL_CLUSTER,
+        "circuit_breakers": CIRCUIT_BREAKERS,
         "type": "STATIC",
         "connect_timeout": f"{connect_timeout_s}s",
         "outlier_detection": OUTLIER_DETECTION,
