@@ -183,9 +183,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=range(20),
         default=spec.nice,
         metavar="0-19",
-        help="run the mock workers at this niceness: they stand for GPU engines on hosts of "
-        "their own, so the routers under test and Envoy get this box's CPU first (default 0: "
-        "every process equal)",
+        help="run the mock workers this much nicer than the bench (nice -n): they stand for GPU "
+        "engines on hosts of their own, so the routers under test and Envoy get this box's CPU "
+        "first (default 0: every process equal)",
     )
     parser.add_argument(
         "--stream",

@@ -107,8 +107,9 @@ class WorkerSpec:
     max_num_batched_tokens: int = 8192
     context_length: int = 262_144
     speedup: float = 1.0
-    # the workers' niceness: they stand for GPU engines on hosts of their own, so at a positive
-    # value the routers under test (and Envoy) get this shared box's CPU first
+    # how much nicer than the bench the workers run (nice -n): they stand for GPU engines on
+    # hosts of their own, so at a positive value the routers under test (and Envoy) get this
+    # shared box's CPU first
     nice: int = 0
 
 
