@@ -113,7 +113,7 @@ def test_worker_nice_runs_the_fleet_at_that_niceness(tmp_path):
         cmdline, nice = b"", None
         for _ in range(100):  # until `nice` has exec'd the worker (≤ 5 s)
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            nice = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+            nice = os.getpriority(os.PRIO_PROCESS, pid)
             if b"worker" in cmdline and b"nice" not in cmdline.split(b"\0")[0]:
                 break
             time.sleep(0.05)
