@@ -69,6 +69,7 @@ from dynamograph.local.procs import PortPool
 from dynamograph.worker.testing import free_port
 
 from . import kv_ingest
+from .procstat import cpu_seconds
 from .report import add_output_argument, print_table, write_json
 
 TARGET_CPU_MS = 1.0
@@ -399,13 +400,6 @@ async def _warm(urls: list[str], prefixes: list[str]) -> None:
 # ---- the EPP process and the Envoy-like client ---------------------------------------------
 
 
-def _cpu_seconds(pid: int, *, main_thread: bool = False) -> float:
-    """CPU seconds of a process (all threads), or of its main thread (the event loop)."""
-    stat = Path(f"/proc/{pid}/task/{pid}/stat" if main_thread else f"/proc/{pid}/stat")
-    fields = stat.read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def _start_epp(
     workers_file: Path, picker: str, count: int, processes: int = 1, extra: tuple[str, ...] = ()
 ):
@@ -598,20 +592,19 @@ async def _load_cpu(
     bodies: list[bytes],
     concurrency: int,
     send: Callable[[bytes], Awaitable[object]],
-    cpu_seconds: Callable[[int], float] = _cpu_seconds,
 ) -> tuple[float, float, float]:
-    """EPP process CPU (by `cpu_seconds(pid)`), wall time and main-thread CPU (seconds) of
-    routing `bodies` over `concurrency` streams, each request by `send(body)`."""
+    """EPP process CPU, wall time and main-thread CPU (seconds) of routing `bodies` over
+    `concurrency` streams, each request by `send(body)`."""
     queue = iter(bodies)
     cpu0, wall0 = cpu_seconds(pid), time.perf_counter()
-    main0 = _cpu_seconds(pid, main_thread=True)
+    main0 = cpu_seconds(pid, main_thread=True)
 
     async def client() -> None:
         for body in queue:
             await send(body)
 
     await asyncio.gather(*(client() for _ in range(concurrency)))
-    main = _cpu_seconds(pid, main_thread=True) - main0
+    main = cpu_seconds(pid, main_thread=True) - main0
     return cpu_seconds(pid) - cpu0, time.perf_counter() - wall0, main
 
 
@@ -640,9 +633,9 @@ async def _measure(
             load = [next(body_iter) for _ in range(args.load_requests)]
             # Background work (scrapes of every worker, KV-event sockets) burns CPU per second,
             # not per request: measure it idle, to report the per-request cost net of it too.
-            idle0, idle_wall0 = _cpu_seconds(proc.pid), time.perf_counter()
+            idle0, idle_wall0 = cpu_seconds(proc.pid), time.perf_counter()
             await asyncio.sleep(args.idle_seconds)
-            idle_rate = (_cpu_seconds(proc.pid) - idle0) / (time.perf_counter() - idle_wall0)
+            idle_rate = (cpu_seconds(proc.pid) - idle0) / (time.perf_counter() - idle_wall0)
             picks0 = await _server_picks(metrics_port)
             cpu, wall, main = await _load_cpu(
                 proc.pid, load, args.concurrency, lambda body: _exchange(stub, body)
@@ -713,14 +706,14 @@ async def _measure_streaming(args, workers_file: Path, bodies: list[bytes]) -> d
                 mode = list(modes)[n // 2 % len(modes)]
                 count = 1 if n % 2 == 0 else chunks
                 queue = iter(bodies[:per_round])
-                cpu0 = _cpu_seconds(proc.pid)
+                cpu0 = cpu_seconds(proc.pid)
 
                 async def client(queue=queue, count=count, sent=modes[mode]) -> None:
                     for body in queue:
                         await _exchange(stub, body, count, sent)
 
                 await asyncio.gather(*(client() for _ in range(args.concurrency)))
-                spent[mode, count] += _cpu_seconds(proc.pid) - cpu0
+                spent[mode, count] += cpu_seconds(proc.pid) - cpu0
     finally:
         proc.terminate()
         await proc.wait()
@@ -798,14 +791,14 @@ async def _measure_through_envoy(args, workers_file: Path) -> list[dict] | None:
                 for n in range(2 * rounds):
                     count = 1 if n % 2 == 0 else tokens
                     queue = iter(range(n * per_round, (n + 1) * per_round))
-                    cpu0 = _cpu_seconds(proc.pid)
+                    cpu0 = cpu_seconds(proc.pid)
 
                     async def client(queue=queue, count=count, events=events) -> None:
                         for i in queue:
                             events[count] += await one(i, count)
 
                     await asyncio.gather(*(client() for _ in range(args.concurrency)))
-                    spent[count] += _cpu_seconds(proc.pid) - cpu0
+                    spent[count] += cpu_seconds(proc.pid) - cpu0
             requests = per_round * rounds
             rows.append(
                 {
@@ -976,10 +969,6 @@ async def _measure_gateway(
     against the pods' `endpoints`."""
     from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-    # nanosecond CPU counts (schedstat): a workload here is tens of requests, too few for the
-    # 10 ms ticks of /proc/PID/stat
-    from .frontend import _cpu_seconds as cpu_seconds
-
     rows = []
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = pb_grpc.ExternalProcessorStub(channel)
@@ -1001,9 +990,7 @@ async def _measure_gateway(
             async def send(body: bytes, load=load) -> None:
                 load.append(await _gateway_exchange(stub, body))
 
-            cpu, wall, _ = await _load_cpu(
-                pid, bodies[sequential:], args.concurrency, send, cpu_seconds
-            )
+            cpu, wall, _ = await _load_cpu(pid, bodies[sequential:], args.concurrency, send)
             latencies = [seconds for seconds, where in picks if where in endpoints]
             routed = sum(where in endpoints for _, where in load)
             destinations = [where for _, where in picks + load]

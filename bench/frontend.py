@@ -30,6 +30,7 @@ import orjson
 
 from dynamograph.local.procs import PortPool
 
+from .procstat import cpu_seconds
 from .report import add_output_argument, print_table, write_json
 from .route_fleet import DYNAMOGRAPH, Proc, WorkerSpec, stop_all, wait_http, worker_procs
 from .timing import percentiles
@@ -117,20 +118,6 @@ async def _phase(
     await asyncio.gather(*(client() for _ in range(clients)))
 
 
-def _cpu_seconds(pid: int) -> float:
-    """CPU time of a process so far, all its threads (Linux /proc): the scheduler's nanosecond
-    count (schedstat). /proc/PID/stat counts 10 ms clock ticks, too coarse for a few hundred
-    requests of a few hundred µs each; it is the fallback on kernels without schedstat."""
-    if not Path(f"/proc/{pid}/schedstat").exists():
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(FileNotFoundError):  # a thread that just ended
-            total += int((task / "schedstat").read_text().split()[0])
-    return total / 1e9
-
-
 async def _measure(args, engine: str, frontends: dict[str, tuple[str, int]], worker_id: int):
     """`frontends`: name → (url, pid). Rounds rotate the order of the paths, so none always
     runs first (warmest caches, right after the client's own work)."""
@@ -155,12 +142,12 @@ async def _measure(args, engine: str, frontends: dict[str, tuple[str, int]], wor
                     for name in names[r % len(names) :] + names[: r % len(names)]:
                         url, headers = paths[name]
                         pid = frontends[name][1] if name in frontends else None
-                        before = _cpu_seconds(pid) if pid else 0.0
+                        before = cpu_seconds(pid) if pid else 0.0
                         samples: list[tuple[float, float]] = []
                         await _phase(session, url, body, headers, clients, args.per_round, samples)
                         rounds[name].append(samples)
                         if pid:
-                            cpu[name] += _cpu_seconds(pid) - before
+                            cpu[name] += cpu_seconds(pid) - before
                 results.append(_summarise(clients, stream, rounds, cpu))
     return results
 

@@ -28,7 +28,7 @@ import orjson
 from dynamograph.local.procs import PortPool
 from dynamograph.protocol.tokenization import get_tokenizer
 
-from .frontend import _cpu_seconds
+from .procstat import GroupUsage, Watch, total_usage
 from .report import add_output_argument, print_table, write_json
 from .route_client import completion_body, replay, warm_up
 from .route_fleet import (
@@ -246,7 +246,13 @@ async def _run_policy(name, workers, offsets, bodies, args, logs):
         await asyncio.sleep(ROUTER_IDLE_S)
         idle_rate = (_router_cpu(routed) - idle_before) / (time.monotonic() - idle_start)
         before = await scrape_workers(workers)
-        cpu_before = _router_cpu(routed)
+        watch = Watch(
+            {
+                "router": routed.pids,
+                "gateway": routed.gateway_pids,
+                "workers": [w.proc.popen.pid for w in workers if w.proc.popen is not None],
+            }
+        )
         replay_start = time.time()  # the gateway's access log counts from here (no warm-up)
         print(f"  {name}: replaying {len(offsets)} requests via {url} ...", flush=True)
         results, wall = await replay(
@@ -256,9 +262,9 @@ async def _run_policy(name, workers, offsets, bodies, args, logs):
             max_in_flight=args.max_in_flight,
             timeout_s=args.timeout,
         )
-        cpu = _router_cpu(routed) - cpu_before
+        host = watch.read()
         after = await scrape_workers(workers)
-    _write_router_cpu(logs / name / "router_cpu.json", name, cpu, idle_rate, wall, results)
+    _write_router_cpu(logs / name / "router_cpu.json", name, host, idle_rate, wall, results)
     if routed.access_log is not None:  # Envoy has stopped: its access log is complete
         _write_gateway_phases(
             logs / name / "gateway_phases.json", name, routed.access_log, replay_start
@@ -415,22 +421,37 @@ async def _settle(routed, within: float = 30.0) -> None:
 
 
 def _router_cpu(routed) -> float:
-    return sum(_cpu_seconds(pid) for pid in routed.pids)
+    return total_usage(routed.pids).cpu_s
 
 
 def _write_router_cpu(
-    path: Path, name: str, cpu_s: float, idle_rate: float, wall_s: float, results
+    path: Path, name: str, host: GroupUsage, idle_rate: float, wall_s: float, results
 ) -> None:
     """The router processes' CPU time over the replay (the EPPs, not Envoy), per request answered
-    200, whole and net of the idle rate measured before: printed and kept beside the logs."""
+    200, whole and net of the idle rate measured before, and what the host's CPUs did meanwhile
+    (`host`: how busy, and how long the router, the gateway and the workers ran and waited for
+    a CPU): printed and kept beside the logs. A router that waits for a CPU as long as it runs
+    is measured on a box out of CPU, not on its own merit."""
     routed = sum(1 for r in results if r.status == OK)
+    cpu_s = host.groups["router"].cpu_s
     net_s = max(0.0, cpu_s - idle_rate * wall_s)
     per_request_ms = cpu_s / routed * 1e3 if routed else None
     net_ms = net_s / routed * 1e3 if routed else None
+    wait_ms = host.groups["router"].wait_s / routed * 1e3 if routed else None
     print(
         f"  {name}: router CPU {cpu_s:.2f} s over {wall_s:.0f} s wall (idle {idle_rate:.1%} of "
         "a core)"
         + (f", {per_request_ms:.2f} ms per routed request, {net_ms:.2f} net" if routed else ""),
+        flush=True,
+    )
+    ran_waited = ", ".join(
+        f"{group} {u.cpu_s / host.seconds:.2f} / {u.wait_s / host.seconds:.2f}"
+        for group, u in host.groups.items()
+        if u.cpu_s > 0
+    )
+    print(
+        f"  {name}: host CPUs {host.host_busy:.0%} busy; cores' worth ran / waited for a CPU: "
+        f"{ran_waited}",
         flush=True,
     )
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -443,6 +464,8 @@ def _write_router_cpu(
                 "routed": routed,
                 "cpu_ms_per_request": per_request_ms,
                 "net_cpu_ms_per_request": net_ms,
+                "cpu_wait_ms_per_request": wait_ms,
+                "host": host.as_json(),
             }
         )
     )

@@ -61,12 +61,13 @@ def body_path(body: bytes) -> str:
 async def send_one(
     session: aiohttp.ClientSession, url: str, body: bytes, result: RequestResult
 ) -> RequestResult:
-    """POST one completion (streaming or not, as the body says) and fill `result`."""
+    """POST one completion (streaming or not, as the body says) and fill `result`. Its
+    `x-request-id` is `bench-<index>`: the gateway's access log names it (`request_id`)."""
+    headers = {"content-type": "application/json", "x-request-id": f"bench-{result.index}"}
+    result.sent_at = time.time()
     start = time.perf_counter()
     try:
-        async with session.post(
-            url, data=body, headers={"content-type": "application/json"}
-        ) as resp:
+        async with session.post(url, data=body, headers=headers) as resp:
             if resp.status != 200:
                 text = (await resp.text())[:300]
                 result.status = SHED if resp.status in SHED_STATUSES else ERROR

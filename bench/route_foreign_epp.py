@@ -348,12 +348,17 @@ async def serve_foreign_epp(
             )
             access_log = logs / f"{policy_name}-envoy" / "access.log"
             gateway = gateway_config(listen, admin, f"127.0.0.1:{grpc}", str(access_log))
-            async with run_envoy(gateway, workdir=access_log.parent):
+            async with run_envoy(gateway, workdir=access_log.parent) as envoy:
                 url = f"http://127.0.0.1:{listen}"
                 await _wait_routed(epp, url, model, count=len(twins), within_s=90)
                 assert epp.popen is not None
                 yield Routed(
-                    url, twins, [epp.popen.pid], f"http://127.0.0.1:{metrics}/metrics", access_log
+                    url,
+                    twins,
+                    [epp.popen.pid],
+                    f"http://127.0.0.1:{metrics}/metrics",
+                    access_log,
+                    [envoy.process.pid],
                 )
         finally:
             await asyncio.to_thread(stop_all, [*([epp] if epp else []), *(t.proc for t in twins)])

@@ -34,6 +34,7 @@ class RequestResult:
     worker: str | None = None  # the engine's instance id (nvext.worker_id), when it says
     engine_ttft_s: float | None = None  # simulated, as the engine reports it (nvext.timing)
     engine_e2e_s: float | None = None
+    sent_at: float | None = None  # Unix seconds the request was sent: joins the gateway's log
 
 
 @dataclass

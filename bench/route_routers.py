@@ -48,6 +48,7 @@ class Routed:
     pids: Sequence[int]
     metrics_url: str | None = None  # a foreign EPP's Prometheus page (its picks per pod)
     access_log: Path | None = None  # the gateway's per-request timings (EPPs behind our Envoy)
+    gateway_pids: Sequence[int] = ()  # the Envoy in front of an EPP
 
 
 POLICIES: dict[str, Policy] = {
@@ -305,10 +306,12 @@ async def _serve_epp(
             epp_replicas=[f"127.0.0.1:{p}" for p in grpc_ports[1:]],
             access_log=str(access_log),
         )
-        async with run_envoy(gateway, workdir=access_log.parent):
+        async with run_envoy(gateway, workdir=access_log.parent) as envoy:
             url = f"http://127.0.0.1:{listen_port}"
             await wait_http(epps[0], url + "/v1/models", within_s=60)
             pids = [e.popen.pid for e in epps if e.popen is not None]
-            yield Routed(url, workers, pids, access_log=access_log)
+            yield Routed(
+                url, workers, pids, access_log=access_log, gateway_pids=[envoy.process.pid]
+            )
     finally:
         await asyncio.to_thread(stop_all, epps)

@@ -141,9 +141,12 @@ _EPP_FAILURE_REPLY = {
 # leaves for the worker (the body's upload, every ext_proc exchange up to the EPP's pick,
 # connecting to the worker), `worker_ms` until the worker's response head (a non-streamed
 # answer: all of it), `response_hold_ms` from that head until Envoy sends it on (the EPP's
-# answer to the response headers), `total_ms`.
+# answer to the response headers), `total_ms`; `request_id` (the client's `x-request-id`, or
+# the one Envoy made) and `upstream` (the worker's address) join it to other logs.
 ACCESS_LOG_FIELDS = {
     "start": "%START_TIME(%s.%3f)%",
+    "request_id": "%REQ(X-REQUEST-ID)%",
+    "upstream": "%UPSTREAM_HOST%",
     "code": "%RESPONSE_CODE%",
     "request_ms": "%COMMON_DURATION(DS_RX_BEG:US_TX_BEG:ms)%",
     "worker_ms": "%COMMON_DURATION(US_TX_BEG:US_RX_BEG:ms)%",

@@ -81,6 +81,14 @@ def test_route_through_epp_and_envoy(tmp_path, tiny_trace):
         assert phases["requests"] == FAMILIES * PER_FAMILY
         request, worker, total = (phases[k]["p50"] for k in ("request_ms", "worker_ms", "total_ms"))
         assert 0 <= request <= total and 0 <= worker <= total
+        # each request is named in the access log by the x-request-id the client sent
+        log = found.parent / f"{policy}-envoy" / "access.log"
+        named = {json.loads(line)["request_id"] for line in log.read_text().splitlines()}
+        assert {f"bench-{i}" for i in range(FAMILIES * PER_FAMILY)} <= named
+        # what the host's CPUs did over the replay: the EPP, Envoy and the workers all ran
+        host = json.loads((found.parent / "router_cpu.json").read_text())
+        assert all(host["host"]["cpu_per_s"][g] > 0 for g in ("router", "gateway", "workers"))
+        assert 0 < host["host"]["host_busy"] <= 1 and host["cpu_wait_ms_per_request"] >= 0
 
 
 @pytest.mark.anchor
