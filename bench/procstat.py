@@ -32,20 +32,30 @@ def usage(pid: int, *, main_thread: bool = False) -> Usage:
     thread, the event loop), from the scheduler's nanosecond counts (schedstat). /proc/PID/stat
     counts 10 ms clock ticks, too coarse for requests of a few hundred µs; it is the fallback on
     kernels without schedstat (no wait then). A process that has ended counts nothing."""
-    tasks = Path(f"/proc/{pid}/task")
     if not Path(f"/proc/{pid}/schedstat").exists():
         with contextlib.suppress(FileNotFoundError, ProcessLookupError):
-            stat = tasks / str(pid) / "stat" if main_thread else Path(f"/proc/{pid}/stat")
-            fields = stat.read_text().rsplit(")", 1)[1].split()
+            stat = f"/proc/{pid}/task/{pid}/stat" if main_thread else f"/proc/{pid}/stat"
+            fields = Path(stat).read_text().rsplit(")", 1)[1].split()
             return Usage((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
         return Usage()
-    run = wait = 0
+    threads = _threads(pid, only=pid if main_thread else None)
+    return sum((u for _, u in threads), Usage())
+
+
+def _threads(pid: int, only: int | None = None) -> list[tuple[str, Usage]]:
+    """(name, usage) of each live thread of `pid` (or of thread `only`), from schedstat; the
+    main thread (the event loop of our Python servers) is named "main thread"."""
+    out = []
+    tasks = Path(f"/proc/{pid}/task")
     with contextlib.suppress(FileNotFoundError, ProcessLookupError):
-        for task in [tasks / str(pid)] if main_thread else tasks.iterdir():
+        for task in [tasks / str(only)] if only is not None else tasks.iterdir():
             with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # a thread ended
                 fields = (task / "schedstat").read_text().split()
-                run, wait = run + int(fields[0]), wait + int(fields[1])
-    return Usage(run / 1e9, wait / 1e9)
+                name = (task / "comm").read_text().strip()
+                if task.name == str(pid):
+                    name = "main thread"  # Python's other threads share its name
+                out.append((name, Usage(int(fields[0]) / 1e9, int(fields[1]) / 1e9)))
+    return out
 
 
 def cpu_seconds(pid: int, *, main_thread: bool = False) -> float:
@@ -55,6 +65,16 @@ def cpu_seconds(pid: int, *, main_thread: bool = False) -> float:
 
 def total_usage(pids: Iterable[int]) -> Usage:
     return sum((usage(pid) for pid in pids), Usage())
+
+
+def usage_by_thread(pids: Iterable[int]) -> dict[str, Usage]:
+    """Run and run-queue time so far per thread name (same-named threads summed: a pool's
+    workers, one name across processes), over the live threads of `pids`."""
+    out: dict[str, Usage] = {}
+    for pid in pids:
+        for name, u in _threads(pid):
+            out[name] = out.get(name, Usage()) + u
+    return out
 
 
 @dataclass(frozen=True)
@@ -84,6 +104,7 @@ class GroupUsage:
     seconds: float
     host_busy: float  # fraction of all the host's CPUs
     groups: dict[str, Usage]
+    threads: dict[str, dict[str, Usage]]  # per group, per thread name (`usage_by_thread`)
 
     def as_json(self) -> dict:
         """Per group, CPU and run-queue wait per second of wall time (cores' worth)."""
@@ -94,6 +115,13 @@ class GroupUsage:
             "host_busy": self.host_busy,
             "cpu_per_s": {k: u.cpu_s / per_s for k, u in self.groups.items()},
             "wait_per_s": {k: u.wait_s / per_s for k, u in self.groups.items()},
+            "threads": {
+                group: {
+                    name: {"cpu_per_s": u.cpu_s / per_s, "wait_per_s": u.wait_s / per_s}
+                    for name, u in sorted(threads.items(), key=lambda kv: -kv[1].cpu_s)
+                }
+                for group, threads in self.threads.items()
+            },
         }
 
 
@@ -102,15 +130,18 @@ class Watch:
 
     def __init__(self, groups: dict[str, Iterable[int]]) -> None:
         self._pids = {name: list(pids) for name, pids in groups.items()}
-        self._before = {name: total_usage(pids) for name, pids in self._pids.items()}
+        self._before = {name: usage_by_thread(pids) for name, pids in self._pids.items()}
         self._host = HostCpu.now()
         self._start = time.monotonic()
 
     def read(self) -> GroupUsage:
+        threads = {}
+        for group, pids in self._pids.items():
+            before, now = self._before[group], usage_by_thread(pids)
+            threads[group] = {name: u - before.get(name, Usage()) for name, u in now.items()}
         return GroupUsage(
             seconds=time.monotonic() - self._start,
             host_busy=HostCpu.now().busy_since(self._host),
-            groups={
-                name: total_usage(pids) - self._before[name] for name, pids in self._pids.items()
-            },
+            groups={g: sum(t.values(), Usage()) for g, t in threads.items()},
+            threads=threads,
         )

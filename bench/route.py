@@ -41,7 +41,7 @@ from .route_fleet import (
     worker_procs,
     worker_spec,
 )
-from .route_metrics import OK, PolicyMetrics, gateway_phases, summarize
+from .route_metrics import OK, OUTSIDE_PARTS, PolicyMetrics, gateway_phases, summarize
 from .route_plots import write_plots
 from .route_routers import DEFAULT_POLICIES, POLICIES, serve, unavailable
 from .trace import (
@@ -230,7 +230,7 @@ def resolve(args: argparse.Namespace) -> Setup:
     return setup
 
 
-async def _run_policy(name, workers, offsets, bodies, args, logs):
+async def _run_policy(name, workers, offsets, bodies, args, logs, time_scale):
     """One policy on the running fleet, its caches reset first, the router warmed up (not
     counted); counters are deltas from after the warm-up. A foreign EPP routes to twins of
     the fleet at pod IPs (bench/route_foreign_epp.py): those are reset and scraped instead."""
@@ -267,7 +267,12 @@ async def _run_policy(name, workers, offsets, bodies, args, logs):
     _write_router_cpu(logs / name / "router_cpu.json", name, host, idle_rate, wall, results)
     if routed.access_log is not None:  # Envoy has stopped: its access log is complete
         _write_gateway_phases(
-            logs / name / "gateway_phases.json", name, routed.access_log, replay_start
+            logs / name / "gateway_phases.json",
+            name,
+            routed.access_log,
+            replay_start,
+            results,
+            time_scale,
         )
     delta = {w: after[w].minus(before[w]) for w in after}
     queries = sum(s.prefix_queries for s in delta.values())
@@ -326,7 +331,7 @@ async def _run(args, setup: Setup) -> int:
 async def _measure(name, setup, workers, reuse, offsets, bodies, args, logs):
     started = time.monotonic()
     results, wall, per_worker, worker_hits = await _run_policy(
-        name, workers, offsets, bodies, args, logs
+        name, workers, offsets, bodies, args, logs, setup.compression
     )
     m = summarize(
         name,
@@ -449,9 +454,13 @@ def _write_router_cpu(
         for group, u in host.groups.items()
         if u.cpu_s > 0
     )
+    threads = sorted(host.threads["router"].items(), key=lambda kv: -kv[1].cpu_s)[:3]
     print(
         f"  {name}: host CPUs {host.host_busy:.0%} busy; cores' worth ran / waited for a CPU: "
-        f"{ran_waited}",
+        f"{ran_waited}; the router's busiest threads: "
+        + ", ".join(
+            f"{t} {u.cpu_s / host.seconds:.2f} / {u.wait_s / host.seconds:.2f}" for t, u in threads
+        ),
         flush=True,
     )
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -471,21 +480,31 @@ def _write_router_cpu(
     )
 
 
-def _write_gateway_phases(path: Path, name: str, access_log: Path, since: float) -> None:
+def _write_gateway_phases(
+    path: Path, name: str, access_log: Path, since: float, results, time_scale: float
+) -> None:
     """Where the replay's requests (those that came at `since` or later) spent their time at
-    the gateway, from its access log: printed and kept beside the logs."""
+    the gateway, from its access log, and their time outside the engine in parts (joined with
+    the client's `results`): printed and kept beside the logs."""
     with access_log.open("rb") as f:
-        phases = gateway_phases(f, since)
+        phases = gateway_phases(f, since, results, time_scale)
 
-    def ms(phase: str) -> str:
-        p = phases[phase]
+    def ms(p: dict) -> str:
         return "/".join("-" if p[q] is None else f"{p[q]:.0f}" for q in ("p50", "p99"))
 
     print(
-        f"  {name}: gateway p50/p99 ms: request until it leaves for the worker {ms('request_ms')}, "
-        f"response head held {ms('response_hold_ms')}, worker {ms('worker_ms')}",
+        f"  {name}: gateway p50/p99 ms: request until it leaves for the worker "
+        f"{ms(phases['request_ms'])}, response head held {ms(phases['response_hold_ms'])}, "
+        f"worker {ms(phases['worker_ms'])}",
         flush=True,
     )
+    parts = phases.get("outside_engine_parts")
+    if parts and parts["joined"]:
+        print(
+            f"  {name}: outside the engine, p50/p99 ms of each part: "
+            + ", ".join(f"{k.removesuffix('_ms')} {ms(parts[k])}" for k in OUTSIDE_PARTS),
+            flush=True,
+        )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(orjson.dumps(phases))
 

@@ -9,7 +9,7 @@ and this host's CPU add, scaled up by the same factor.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -164,14 +164,29 @@ def split_metrics(
 
 
 GATEWAY_PHASES = ("request_ms", "worker_ms", "response_hold_ms", "total_ms")
+# A request's time outside the engine, in parts (`gateway_phases`): client send → the gateway's
+# first byte; the gateway's request path (the EPP's pick); the gateway's worker phase beyond
+# the engine's own time (the worker's HTTP and tokenizing, CPU waits); the response head held
+# for the EPP; the rest (the response's transfer, the client reading it).
+OUTSIDE_PARTS = ("to_gateway_ms", "request_ms", "worker_beyond_engine_ms", "response_hold_ms",
+                 "after_gateway_ms")  # fmt: skip
 
 
-def gateway_phases(lines: Iterable[bytes], since: float = 0.0) -> dict[str, Any]:
+def gateway_phases(
+    lines: Iterable[bytes],
+    since: float = 0.0,
+    results: Iterable[RequestResult] = (),
+    time_scale: float = 1.0,
+) -> dict[str, Any]:
     """p50 / p90 / p99 of each phase (`local.envoy.ACCESS_LOG_FIELDS`) over the requests the
     gateway answered 200 that started at `since` (Unix seconds) or later, from its JSON access
     log lines; a phase Envoy could not time ("-": it never reached the worker) is left out of
-    that phase."""
+    that phase. With the client's `results` (their `x-request-id` is `bench-<index>`), also
+    the parts of each served request's time outside the engine (`OUTSIDE_PARTS`), joined by
+    request id: the engine's time is simulated, `time_scale` times faster than the wall."""
+    served = {f"bench-{r.index}": r for r in results if r.status == OK}
     phases: dict[str, list[float]] = {name: [] for name in GATEWAY_PHASES}
+    parts: dict[str, list[float]] = {name: [] for name in OUTSIDE_PARTS}
     answered = 0
     for line in lines:
         if not line.strip():
@@ -180,14 +195,42 @@ def gateway_phases(lines: Iterable[bytes], since: float = 0.0) -> dict[str, Any]
         if str(row.get("code")) != "200" or float(row.get("start", 0)) < since:
             continue
         answered += 1
+        timed = {}
         for name, values in phases.items():
             value = row.get(name)
             if value not in (None, "-", ""):
-                values.append(float(value))
-    return {
+                timed[name] = float(value)
+                values.append(timed[name])
+        result = served.get(row.get("request_id"))
+        if result is not None and len(timed) == len(GATEWAY_PHASES):
+            for name, value in _outside_parts(result, float(row["start"]), timed, time_scale):
+                parts[name].append(value)
+    out: dict[str, Any] = {
         "requests": answered,
         **{
             name: {f"p{q}": percentile(values, q) for q in (50, 90, 99)}
             for name, values in phases.items()
         },
     }
+    if served:
+        out["outside_engine_parts"] = {
+            "joined": len(parts["request_ms"]),
+            **{
+                name: {f"p{q}": percentile(values, q) for q in (50, 90, 99)}
+                for name, values in parts.items()
+            },
+        }
+    return out
+
+
+def _outside_parts(
+    result: RequestResult, start: float, timed: dict[str, float], time_scale: float
+) -> Iterator[tuple[str, float]]:
+    if result.sent_at is None or result.e2e_s is None or result.engine_e2e_s is None:
+        return
+    to_gateway = (start - result.sent_at) * 1e3  # both clocks this host's: ms apart at worst
+    yield "to_gateway_ms", to_gateway
+    yield "request_ms", timed["request_ms"]
+    yield "worker_beyond_engine_ms", timed["worker_ms"] - result.engine_e2e_s / time_scale * 1e3
+    yield "response_hold_ms", timed["response_hold_ms"]
+    yield "after_gateway_ms", result.e2e_s * 1e3 - to_gateway - timed["total_ms"]

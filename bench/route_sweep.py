@@ -267,7 +267,7 @@ async def run_sweep(args: argparse.Namespace, setup, sweep) -> int:
             for name in list(active):
                 run_logs = logs / f"rate-{rate:g}"
                 results, wall, per_worker, worker_hits = await _run_policy(
-                    name, workers, load.offsets, load.bodies, args, run_logs
+                    name, workers, load.offsets, load.bodies, args, run_logs, setup.compression
                 )
                 point = make_point(
                     rate,

@@ -40,6 +40,10 @@ def test_processes_sharing_one_cpu_wait_for_it():
     assert 0.5 < spun.cpu_s / got.seconds <= 1.05
     assert spun.wait_s > spun.cpu_s
     assert got.groups["none"] == Usage()
+    # per thread name: the three spinners' main threads count together
+    (name, threads), *_ = sorted(got.threads["spinners"].items(), key=lambda kv: -kv[1].cpu_s)
+    assert name == "main thread" and threads.cpu_s > 0.9 * spun.cpu_s
+    assert sum(got.threads["spinners"].values(), Usage()) == spun
     assert 0 < got.host_busy <= 1
     assert set(got.as_json()["wait_per_s"]) == {"spinners", "none"}
 

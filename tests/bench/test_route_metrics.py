@@ -95,3 +95,30 @@ def test_gateway_phases_count_answered_requests_and_skip_untimed_phases():
     assert phases["total_ms"]["p99"] == pytest.approx(333 - 0.02 * (333 - 111))
     assert gateway_phases(lines[:1], 100)["requests"] == 0
     assert gateway_phases([])["request_ms"] == {"p50": None, "p90": None, "p99": None}
+
+
+def test_gateway_phases_split_each_request_outside_the_engine_by_request_id():
+    # request 0: sent at 100.000, reached Envoy 5 ms later; Envoy: 20 ms request path, 300 ms
+    # worker of which the engine (3x faster clock) reported 0.84 s = 280 ms wall, 4 ms held;
+    # Envoy's total 330 ms; the client saw 0.345 s end to end, so 10 ms after the gateway
+    a = ok(0, None, 0.345, 100, 0)
+    a.sent_at, a.engine_e2e_s = 100.0, 0.84
+    b = ok(1, None, 1.0, 100, 0)  # no line of its own in the log: not joined
+    b.sent_at, b.engine_e2e_s = 100.0, 0.9
+    shed = RequestResult(2, SHED, sent_at=100.0)
+    lines = [
+        b'{"start":"100.005","request_id":"bench-0","code":200,"request_ms":20,"worker_ms":300,'
+        b'"response_hold_ms":4,"total_ms":330}\n',
+        b'{"start":"100.005","request_id":"bench-2","code":429,"request_ms":"-","worker_ms":"-",'
+        b'"response_hold_ms":"-","total_ms":1}\n',
+        b'{"start":"100.005","request_id":"other","code":200,"request_ms":9,"worker_ms":9,'
+        b'"response_hold_ms":9,"total_ms":30}\n',
+    ]
+    parts = gateway_phases(lines, 100, [a, b, shed], time_scale=3.0)["outside_engine_parts"]
+    assert parts["joined"] == 1
+    got = {k: v["p50"] for k, v in parts.items() if k != "joined"}
+    assert got == pytest.approx(
+        {"to_gateway_ms": 5, "request_ms": 20, "worker_beyond_engine_ms": 20,
+         "response_hold_ms": 4, "after_gateway_ms": 10}, abs=1e-6
+    )  # fmt: skip
+    assert "outside_engine_parts" not in gateway_phases(lines, 100)  # no client results

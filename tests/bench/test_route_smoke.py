@@ -85,6 +85,9 @@ def test_route_through_epp_and_envoy(tmp_path, tiny_trace):
         log = found.parent / f"{policy}-envoy" / "access.log"
         named = {json.loads(line)["request_id"] for line in log.read_text().splitlines()}
         assert {f"bench-{i}" for i in range(FAMILIES * PER_FAMILY)} <= named
+        parts = phases["outside_engine_parts"]  # joined with the client's view by that id
+        assert parts["joined"] == FAMILIES * PER_FAMILY
+        assert parts["request_ms"]["p50"] == request and parts["to_gateway_ms"]["p50"] >= 0
         # what the host's CPUs did over the replay: the EPP, Envoy and the workers all ran
         host = json.loads((found.parent / "router_cpu.json").read_text())
         assert all(host["host"]["cpu_per_s"][g] > 0 for g in ("router", "gateway", "workers"))
