@@ -71,13 +71,19 @@ async def test_every_rank_vllm_binds_is_reachable_where_the_epp_connects():
     config = kv_events_config(args)
     document = engine_document(args, "w", "qwen", {})["kv_events"]
     ctx = zmq.asyncio.Context()
+    sockets = []  # each rank's, closed at the end (a socket dropped open warns)
+
+    def socket(kind):
+        sockets.append(ctx.socket(kind))
+        return sockets[-1]
+
     try:
         for rank in range(2):
-            pub = ctx.socket(zmq.PUB)
+            pub = socket(zmq.PUB)
             pub.bind(on_loopback(endpoint_for_rank(config["endpoint"], rank)))
-            router = ctx.socket(zmq.ROUTER)
+            router = socket(zmq.ROUTER)
             router.bind(on_loopback(endpoint_for_rank(config["replay_endpoint"], rank)))
-            sub = ctx.socket(zmq.SUB)
+            sub = socket(zmq.SUB)
             sub.setsockopt(zmq.SUBSCRIBE, b"")
             sub.connect(endpoint_for_rank(document["endpoint"], rank))
             payload = encode_batch(EventBatch(1.0, [AllBlocksCleared()], rank))
@@ -88,7 +94,7 @@ async def test_every_rank_vllm_binds_is_reachable_where_the_epp_connects():
                     break
             _topic, _seq, got = await sub.recv_multipart()
             assert decode_batch(got).data_parallel_rank == rank
-            dealer = ctx.socket(zmq.DEALER)
+            dealer = socket(zmq.DEALER)
             dealer.connect(endpoint_for_rank(document["replay_endpoint"], rank))
             await dealer.send_multipart([b"", encode_seq(0)])
             client, *request = await asyncio.wait_for(router.recv_multipart(), 10)
@@ -96,7 +102,9 @@ async def test_every_rank_vllm_binds_is_reachable_where_the_epp_connects():
             await router.send_multipart([client, b"", END_SEQ, b""])
             assert await asyncio.wait_for(dealer.recv_multipart(), 10) == [b"", END_SEQ, b""]
     finally:
-        ctx.destroy(linger=0)
+        for sock in sockets:
+            sock.close(linger=0)
+        ctx.term()
 
 
 def test_vllm_launch_refuses_what_vllm_cannot_publish_to(capsys):
