@@ -282,6 +282,7 @@ async def _run_policy(name, workers, offsets, bodies, args, logs, time_scale):
         wall,
         {w: int(s.requests) for w, s in delta.items()},
         (hits / queries if queries else None),
+        host,
     )
 
 
@@ -330,7 +331,7 @@ async def _run(args, setup: Setup) -> int:
 
 async def _measure(name, setup, workers, reuse, offsets, bodies, args, logs):
     started = time.monotonic()
-    results, wall, per_worker, worker_hits = await _run_policy(
+    results, wall, per_worker, worker_hits, host = await _run_policy(
         name, workers, offsets, bodies, args, logs, setup.compression
     )
     m = summarize(
@@ -341,6 +342,7 @@ async def _measure(name, setup, workers, reuse, offsets, bodies, args, logs):
         wall_s=wall,
         per_worker_requests=per_worker,
         worker_hit_rate=worker_hits,
+        host=host,
     )
     _write_requests(logs / name / "requests.jsonl", results)
     print(
@@ -380,6 +382,13 @@ def _report(args, setup, spec, requests, reuse, metrics, all_results) -> None:
                 f"{m.ok}/{m.requests}",
                 str(m.shed),
                 str(m.errors),
+                "-"
+                if m.router_cpu_ms_per_request is None
+                else f"{m.router_cpu_ms_per_request:.2f}",
+                "-"
+                if m.router_cpu_wait_ms_per_request is None
+                else f"{m.router_cpu_wait_ms_per_request:.2f}",
+                "-" if m.host_busy is None else f"{m.host_busy:.0%}",
             ]
         )
     print_table(
@@ -388,8 +397,22 @@ def _report(args, setup, spec, requests, reuse, metrics, all_results) -> None:
         quality,
     )
     print_table(
-        f"client view (wall x {setup.compression:g} = trace seconds)",
-        ["policy", "TTFT p50", "e2e p50", "e2e p99", "outside", "out tok/s", "ok", "shed", "err"],
+        f"client view (wall x {setup.compression:g} = trace seconds; the router's CPU and its "
+        "wait for a CPU: wall ms per request; host: its CPUs busy)",
+        [
+            "policy",
+            "TTFT p50",
+            "e2e p50",
+            "e2e p99",
+            "outside",
+            "out tok/s",
+            "ok",
+            "shed",
+            "err",
+            "CPU",
+            "wait",
+            "host",
+        ],
         latency,
     )
     write_json(

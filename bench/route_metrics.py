@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 import orjson
 
+from .procstat import GroupUsage
+
 OK = "ok"
 SHED = "shed"  # refused for load: the client's in-flight cap, or HTTP 429 / 503 from the router
 ERROR = "error"
@@ -68,6 +70,12 @@ class PolicyMetrics:
     outside_engine_p99_s: float | None = None
     wall_s: float = 0.0
     first_error: str | None = None
+    # The router's processes over the replay (bench/procstat.py): CPU and run-queue wait per
+    # request answered 200, and how busy the host's CPUs were meanwhile. A router that waits
+    # for a CPU as long as it runs is measured on a box out of CPU.
+    router_cpu_ms_per_request: float | None = None
+    router_cpu_wait_ms_per_request: float | None = None
+    host_busy: float | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -94,6 +102,7 @@ def summarize(
     wall_s: float,
     per_worker_requests: Mapping[str, int] | None = None,
     worker_hit_rate: float | None = None,
+    host: GroupUsage | None = None,
 ) -> PolicyMetrics:
     served = [r for r in results if r.status == OK]
     ttft = [r.engine_ttft_s for r in served if r.engine_ttft_s is not None]
@@ -137,7 +146,21 @@ def summarize(
         outside_engine_p99_s=percentile(outside, 99),
         wall_s=wall_s,
         first_error=errors[0].error if errors else None,
+        **_router_cpu(host, len(served)),
     )
+
+
+def _router_cpu(host: GroupUsage | None, served: int) -> dict[str, float | None]:
+    if host is None:
+        return {}
+    router = host.groups.get("router")
+    if router is None or not served:
+        return {"host_busy": host.host_busy}
+    return {
+        "router_cpu_ms_per_request": router.cpu_s / served * 1e3,
+        "router_cpu_wait_ms_per_request": router.wait_s / served * 1e3,
+        "host_busy": host.host_busy,
+    }
 
 
 def split_metrics(

@@ -266,7 +266,7 @@ async def run_sweep(args: argparse.Namespace, setup, sweep) -> int:
             )
             for name in list(active):
                 run_logs = logs / f"rate-{rate:g}"
-                results, wall, per_worker, worker_hits = await _run_policy(
+                results, wall, per_worker, worker_hits, host = await _run_policy(
                     name, workers, load.offsets, load.bodies, args, run_logs, setup.compression
                 )
                 point = make_point(
@@ -279,6 +279,7 @@ async def run_sweep(args: argparse.Namespace, setup, sweep) -> int:
                     wall_s=wall,
                     per_worker_requests=per_worker,
                     worker_hit_rate=worker_hits,
+                    host=host,
                 )
                 points.append(point)
                 _write_labelled(run_logs / name / "requests.jsonl", results, load.labels)
@@ -321,6 +322,9 @@ def _report(args, setup, spec, source, points: list[Point], loads: dict) -> None
                 str(m.errors),
                 _f(p.outside_p50_ms, 1),
                 _f(p.outside_p99_ms, 1),
+                _f(m.router_cpu_ms_per_request, 2),
+                _f(m.router_cpu_wait_ms_per_request, 2),
+                "-" if m.host_busy is None else f"{m.host_busy:.0%}",
                 p.reason or "",
             ]
         )
@@ -340,8 +344,21 @@ def _report(args, setup, spec, source, points: list[Point], loads: dict) -> None
         )
     print_table(
         f"sweep, {setup.workers} workers: load (rate: requests/s on the workload clock; the "
-        f"wall rate is {setup.compression:g}x that; outside the engine: wall ms)",
-        ["rate", "policy", "ok", "shed", "err", "out p50", "out p99", "saturated"],
+        f"wall rate is {setup.compression:g}x that; outside the engine: wall ms; the router's "
+        "CPU and its wait for a CPU: ms per request; host: its CPUs busy)",
+        [
+            "rate",
+            "policy",
+            "ok",
+            "shed",
+            "err",
+            "out p50",
+            "out p99",
+            "CPU",
+            "wait",
+            "host",
+            "saturated",
+        ],
         load_rows,
         width=120,
     )

@@ -2,6 +2,7 @@
 
 import pytest
 
+from dynamograph.bench.procstat import GroupUsage, Usage
 from dynamograph.bench.route_fleet import parse_worker_metrics
 from dynamograph.bench.route_metrics import (
     ERROR,
@@ -122,3 +123,20 @@ def test_gateway_phases_split_each_request_outside_the_engine_by_request_id():
          "response_hold_ms": 4, "after_gateway_ms": 10}, abs=1e-6
     )  # fmt: skip
     assert "outside_engine_parts" not in gateway_phases(lines, 100)  # no client results
+
+
+def test_summarize_gives_the_routers_cpu_and_wait_per_served_request():
+    results = [ok(i, None, 0.1, 100, 0) for i in range(4)]
+    results.append(RequestResult(4, SHED))
+    host = GroupUsage(
+        seconds=2.0,
+        host_busy=0.75,
+        groups={"router": Usage(cpu_s=0.02, wait_s=0.04), "workers": Usage(1.0, 0.5)},
+        threads={},
+    )
+    m = summarize("kv", results, inherent_reuse=0.5, time_scale=1.0, wall_s=2.0, host=host)
+    assert m.router_cpu_ms_per_request == pytest.approx(5.0)  # 20 ms over the 4 served
+    assert m.router_cpu_wait_ms_per_request == pytest.approx(10.0)
+    assert m.host_busy == 0.75
+    bare = summarize("kv", results, inherent_reuse=0.5, time_scale=1.0, wall_s=2.0)
+    assert (bare.router_cpu_ms_per_request, bare.host_busy) == (None, None)

@@ -60,6 +60,9 @@ def check_results(out, trace, policy):
     assert 0 < m["hit_rate"] <= data["inherent_reuse"] + 1e-9
     assert 0 < m["ttft_p50_s"] <= m["engine_e2e_p50_s"] and m["e2e_p99_s"] > 0
     assert m["worker_hit_rate"] == pytest.approx(m["hit_rate"], abs=0.05)
+    # the router's CPU per request and what the host's CPUs did, in the summary too
+    assert m["router_cpu_ms_per_request"] > 0 and m["router_cpu_wait_ms_per_request"] >= 0
+    assert 0 < m["host_busy"] <= 1
     for png in ("route_ttft_cdf", "route_latency", "route_reuse", "route_load"):
         assert (out / f"{png}.png").stat().st_size > 1000
     return m
