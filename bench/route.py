@@ -382,12 +382,8 @@ def _report(args, setup, spec, requests, reuse, metrics, all_results) -> None:
                 f"{m.ok}/{m.requests}",
                 str(m.shed),
                 str(m.errors),
-                "-"
-                if m.router_cpu_ms_per_request is None
-                else f"{m.router_cpu_ms_per_request:.2f}",
-                "-"
-                if m.router_cpu_wait_ms_per_request is None
-                else f"{m.router_cpu_wait_ms_per_request:.2f}",
+                _s(m.router_cpu_ms_per_request, 2),
+                _s(m.router_cpu_wait_ms_per_request, 2),
                 "-" if m.host_busy is None else f"{m.host_busy:.0%}",
             ]
         )
@@ -540,8 +536,8 @@ def _write_requests(path: Path, results) -> None:
             f.write(orjson.dumps(r, option=orjson.OPT_SERIALIZE_DATACLASS) + b"\n")
 
 
-def _s(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f}"
+def _s(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def run(args: argparse.Namespace) -> int:
