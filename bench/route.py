@@ -41,7 +41,14 @@ from .route_fleet import (
     worker_procs,
     worker_spec,
 )
-from .route_metrics import OK, OUTSIDE_PARTS, PolicyMetrics, gateway_phases, summarize
+from .route_metrics import (
+    OK,
+    OUTSIDE_PARTS,
+    PolicyMetrics,
+    gateway_phases,
+    router_cost,
+    summarize,
+)
 from .route_plots import write_plots
 from .route_routers import DEFAULT_POLICIES, POLICIES, serve, unavailable
 from .trace import (
@@ -459,27 +466,25 @@ def _write_router_cpu(
     routed = sum(1 for r in results if r.status == OK)
     cpu_s = host.groups["router"].cpu_s
     net_s = max(0.0, cpu_s - idle_rate * wall_s)
-    per_request_ms = cpu_s / routed * 1e3 if routed else None
+    cost = router_cost(host, routed)
+    per_request_ms = cost.get("router_cpu_ms_per_request")
     net_ms = net_s / routed * 1e3 if routed else None
-    wait_ms = host.groups["router"].wait_s / routed * 1e3 if routed else None
     print(
         f"  {name}: router CPU {cpu_s:.2f} s over {wall_s:.0f} s wall (idle {idle_rate:.1%} of "
         "a core)"
         + (f", {per_request_ms:.2f} ms per routed request, {net_ms:.2f} net" if routed else ""),
         flush=True,
     )
-    ran_waited = ", ".join(
-        f"{group} {u.cpu_s / host.seconds:.2f} / {u.wait_s / host.seconds:.2f}"
-        for group, u in host.groups.items()
-        if u.cpu_s > 0
-    )
+
+    def ran_waited(who: str, u) -> str:
+        return f"{who} {u.cpu_s / host.seconds:.2f} / {u.wait_s / host.seconds:.2f}"
+
     threads = sorted(host.threads["router"].items(), key=lambda kv: -kv[1].cpu_s)[:3]
     print(
         f"  {name}: host CPUs {host.host_busy:.0%} busy; cores' worth ran / waited for a CPU: "
-        f"{ran_waited}; the router's busiest threads: "
-        + ", ".join(
-            f"{t} {u.cpu_s / host.seconds:.2f} / {u.wait_s / host.seconds:.2f}" for t, u in threads
-        ),
+        + ", ".join(ran_waited(g, u) for g, u in host.groups.items() if u.cpu_s > 0)
+        + "; the router's busiest threads: "
+        + ", ".join(ran_waited(t, u) for t, u in threads),
         flush=True,
     )
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -492,7 +497,7 @@ def _write_router_cpu(
                 "routed": routed,
                 "cpu_ms_per_request": per_request_ms,
                 "net_cpu_ms_per_request": net_ms,
-                "cpu_wait_ms_per_request": wait_ms,
+                "cpu_wait_ms_per_request": cost.get("router_cpu_wait_ms_per_request"),
                 "host": host.as_json(),
             }
         )

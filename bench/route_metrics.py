@@ -146,11 +146,13 @@ def summarize(
         outside_engine_p99_s=percentile(outside, 99),
         wall_s=wall_s,
         first_error=errors[0].error if errors else None,
-        **_router_cpu(host, len(served)),
+        **router_cost(host, len(served)),
     )
 
 
-def _router_cpu(host: GroupUsage | None, served: int) -> dict[str, float | None]:
+def router_cost(host: GroupUsage | None, served: int) -> dict[str, float | None]:
+    """The router's CPU and run-queue wait per request served over a replay (`host`: what
+    the processes did meanwhile), and the host's busy share: `PolicyMetrics`' fields."""
     if host is None:
         return {}
     router = host.groups.get("router")
