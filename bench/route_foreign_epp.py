@@ -19,6 +19,13 @@ they may pick. So a policy here starts, in order:
 5. Envoy from local/envoy.py's gateway config with the settings the gateways generate for a
    foreign EPP (COUNTERPARTS.md): request and response bodies FULL_DUPLEX_STREAMED (ours sets the
    response body to NONE, which only our EPP is written for), headers and trailers SEND.
+6. for `llmd-precise`, llm-d's precise prefix-cache scorer as llm-d deploys it: its shipped
+   configuration (`precise_config`) with pod discovery, so it subscribes to every Pod's KV
+   events at `tcp://<pod IP>:<one port>`; the twins publish there with the topic
+   `kv@<IP>:<port>@<model>` (`kv_topic`: the scorer keys its scores by `<IP>:<port>`, and takes
+   the pod from the topic); prompts are tokenized through llm-d's tokenizer service contract,
+   served by bench/llmd_tokenizer.py with the workers' tokenizer (llm-d's own service needs
+   vLLM's CPU wheels), whose CPU counts as the EPP's.
 
 `serve_foreign_epp(policy_name, counterpart, workers, ports, logs, model=...)` yields a `Routed`:
 the gateway's URL, the twin workers (what the benchmark must reset and scrape), the EPP's pid
@@ -33,10 +40,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import importlib.util
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,12 +53,14 @@ from types import ModuleType
 from typing import Any
 
 import aiohttp
+import yaml
 
 from dynamograph.local.procs import PortPool
+from dynamograph.protocol.tokenization import tokenizer_for_model
 
 from . import counterparts
 from .route_client import completion_body
-from .route_fleet import LaunchError, Proc, Worker, stop_all, wait_http
+from .route_fleet import OFFLINE_ENV, LaunchError, Proc, Worker, stop_all, wait_http
 from .route_routers import Routed
 
 CONTROL_PLANE_SCRIPT = counterparts.REPO / "tests" / "cluster" / "controlplane.py"
@@ -58,6 +69,11 @@ NAMESPACE = "default"
 # own repository ships for a pool without prefill/decode split is this file of the module (read
 # from Go's module cache, where the build left it).
 LLMD_CONFIG = Path("deploy") / "config" / "epp-config.yaml"
+# ... and the one it ships for its precise prefix-cache scorer (KV events, tokenized prompts)
+LLMD_PRECISE_CONFIG = Path("deploy") / "config" / "epp-precise-prefix-cache-config.yaml"
+KV_CACHE_MODULE = "github.com/llm-d/llm-d-kv-cache"
+LLMD_TOKENIZER_PROTO = Path("api") / "tokenizerpb" / "tokenizer.proto"
+PRECISE_SCORER = "precise-prefix-cache-scorer"
 # InferencePool (inference.networking.k8s.io/v1) and the x-k8s.io kinds the EPP also watches
 # (InferenceObjective, InferenceModelRewrite), from the pinned GAIE module; both EPPs use them.
 CRDS = Path("config") / "crd" / "bases"
@@ -92,7 +108,22 @@ def _module_dir(counterpart: str) -> Path:
     """Where Go's module cache holds the counterpart's module source (its shipped configs)."""
     pinned = counterparts.versions()
     prefix = counterparts.PREFIXES[counterpart]
-    module, version = pinned[f"{prefix}_MODULE"], pinned[f"{prefix}_VERSION"]
+    return _module_source(pinned[f"{prefix}_MODULE"], pinned[f"{prefix}_VERSION"])
+
+
+def _kv_cache_proto() -> Path:
+    """llm-d's tokenizer service contract, in the llm-d-kv-cache version the pinned scheduler
+    is built against (its replace in scripts/counterparts.versions)."""
+    replaces = counterparts.versions().get("LLMD_EPP_REPLACE", "")
+    for replace in filter(None, replaces.split(",")):
+        old, new = replace.split("=", 1)
+        if old == KV_CACHE_MODULE:
+            module, version = new.split("@", 1)
+            return _module_source(module, version) / LLMD_TOKENIZER_PROTO
+    raise LaunchError(f"no {KV_CACHE_MODULE} replace pinned for llmd-epp (LLMD_EPP_REPLACE)")
+
+
+def _module_source(module: str, version: str) -> Path:
     cache = os.environ.get("GOMODCACHE") or os.path.join(
         os.environ.get("GOPATH") or os.path.expanduser("~/go"), "pkg", "mod"
     )
@@ -101,8 +132,9 @@ def _module_dir(counterpart: str) -> Path:
     return Path(cache) / f"{escaped}@{version}"
 
 
-def unavailable(counterpart: str) -> str | None:
-    """Why the policy of `counterpart` ("gaie-epp", "llmd-epp") cannot run here, else None."""
+def unavailable(counterpart: str, *, precise: bool = False) -> str | None:
+    """Why the policy of `counterpart` ("gaie-epp", "llmd-epp"; `precise`: llm-d's precise
+    prefix-cache configuration) cannot run here, else None."""
     if counterparts.binary(counterpart) is None:
         return f"{counterpart} is not built for its pinned version (make counterparts)"
     try:
@@ -111,6 +143,12 @@ def unavailable(counterpart: str) -> str | None:
         return f"{exc} (make control-plane)"
     if counterpart == "llmd-epp" and not (_module_dir(counterpart) / LLMD_CONFIG).is_file():
         return f"llm-d's {LLMD_CONFIG} is not in Go's module cache ({_module_dir(counterpart)})"
+    if precise:
+        for path in (_module_dir(counterpart) / LLMD_PRECISE_CONFIG, _kv_cache_proto()):
+            if not path.is_file():
+                return f"{path} is not in Go's module cache (make counterparts)"
+        if importlib.util.find_spec("grpc_tools") is None:
+            return "grpcio-tools is not installed (it compiles llm-d's tokenizer.proto)"
     if not list((_module_dir("gaie-epp") / CRDS).glob("*.yaml")):
         return f"GAIE's CRDs are not in Go's module cache ({_module_dir('gaie-epp') / CRDS})"
     return None
@@ -166,8 +204,11 @@ def _ready_ips(cp, app: str, count: int) -> dict[str, str] | None:
     return ips if len(ips) == count else None
 
 
-def _twin(worker: Worker, host: str, port: int, events: int, logs: Path) -> PodWorker:
-    """The fleet worker's command, bound at `host:port` with its KV events on `events`."""
+def _twin(
+    worker: Worker, host: str, port: int, events: int, logs: Path, topic: str | None = None
+) -> PodWorker:
+    """The fleet worker's command, bound at `host:port` with its KV events on `events` (and
+    `topic` on every batch, when given)."""
     moved = {
         "--host": host,
         "--port": str(port),
@@ -178,12 +219,20 @@ def _twin(worker: Worker, host: str, port: int, events: int, logs: Path) -> PodW
     for arg in worker.proc.argv:
         key = arg.split("=", 1)[0]
         argv.append(f"{key}={moved[key]}" if key in moved else arg)
+    if topic is not None:
+        argv.append(f"--kv-events-topic={topic}")
     proc = Proc(f"{worker.name}-pod", argv, logs / f"{worker.name}.log")
     return PodWorker(worker.name, port, events, proc, host=host)
 
 
 def _epp_argv(
-    counterpart: str, binary: Path, pool: str, grpc: int, health: int, metrics: int
+    counterpart: str,
+    binary: Path,
+    pool: str,
+    grpc: int,
+    health: int,
+    metrics: int,
+    config: Path | None = None,
 ) -> list[str]:
     argv = [
         str(binary),
@@ -197,8 +246,82 @@ def _epp_argv(
         "--tracing=false",
     ]
     if counterpart == "llmd-epp":
-        argv.append(f"--config-file={_module_dir(counterpart) / LLMD_CONFIG}")
+        argv.append(f"--config-file={config or _module_dir(counterpart) / LLMD_CONFIG}")
     return argv
+
+
+def precise_config(
+    shipped: dict[str, Any],
+    *,
+    model: str,
+    block_size: int,
+    tokenizer_socket: Path,
+    events_port: int,
+    app: str,
+) -> dict[str, Any]:
+    """llm-d's shipped precise prefix-cache configuration (its plugins and weights as they
+    are) pointed at this pool: the workers' block size, the model whose KV events count,
+    prompts tokenized through `tokenizer_socket`, and a KV-event subscriber per Pod of `app`
+    at `tcp://<pod IP>:<events_port>` (its pod discovery, as llm-d deploys it)."""
+    config = copy.deepcopy(shipped)
+    for plugin in config.get("plugins", []):
+        if plugin.get("type") != PRECISE_SCORER:
+            continue
+        parameters = plugin.setdefault("parameters", {})
+        parameters.setdefault("tokenProcessorConfig", {})["blockSize"] = block_size
+        parameters.setdefault("indexerConfig", {})["tokenizersPoolConfig"] = {
+            "modelName": model,
+            "uds": {"socketFile": str(tokenizer_socket)},
+        }
+        parameters["kvEventsConfig"] = {
+            "topicFilter": "kv@",
+            "discoverPods": True,
+            "podDiscoveryConfig": {
+                "podLabelSelector": f"app={app}",
+                "podNamespace": NAMESPACE,
+                "socketPort": events_port,
+            },
+        }
+        return config
+    raise LaunchError(f"llm-d's {LLMD_PRECISE_CONFIG} has no {PRECISE_SCORER} plugin")
+
+
+def kv_topic(ip: str, port: int, model: str) -> str:
+    """The topic a worker's KV events carry for llm-d: `kv@<pod>@<model>`, the pod named as the
+    scorer names endpoints (`<IP>:<port>`), so its index's scores reach them."""
+    return f"kv@{ip}:{port}@{model}"
+
+
+def _flag(argv: Sequence[str], name: str) -> str:
+    for arg in argv:
+        if arg.startswith(f"{name}="):
+            return arg.split("=", 1)[1]
+    raise LaunchError(f"the workers' command has no {name}")
+
+
+@contextlib.asynccontextmanager
+async def llmd_tokenizer(model: str, logs: Path) -> AsyncIterator[tuple[Proc, Path]]:
+    """llm-d's tokenizer service contract (bench/llmd_tokenizer.py) on a Unix socket, with the
+    workers' tokenizer; yields the process and its socket; stops it on exit."""
+    with tempfile.TemporaryDirectory(prefix="llmd-tok-") as folder:  # a short socket path
+        socket = Path(folder) / "tokenizer.sock"
+        proc = Proc(
+            "llmd-tokenizer",
+            [
+                sys.executable, "-m", "dynamograph.bench.llmd_tokenizer",
+                f"--socket={socket}", f"--proto={_kv_cache_proto()}",
+                f"--tokenizer={tokenizer_for_model(model, simulated=True)}",
+            ],
+            logs / "llmd-tokenizer.log",
+            OFFLINE_ENV,
+        ).start()  # fmt: skip
+        try:
+            await _poll(lambda: socket.exists() or not proc.alive(), 60, "no tokenizer socket")
+            if not proc.alive():
+                raise proc.failure("exited before it served")
+            yield proc, socket
+        finally:
+            await asyncio.to_thread(stop_all, [proc])
 
 
 def gateway_config(
@@ -287,16 +410,22 @@ async def pool_of_pods(
 
 
 async def start_foreign_epp(
-    counterpart: str, pool: Pool, grpc: int, health: int, metrics: int, log: Path
+    counterpart: str,
+    pool: Pool,
+    grpc: int,
+    health: int,
+    metrics: int,
+    log: Path,
+    config: Path | None = None,
 ) -> Proc:
-    """The counterpart's EPP watching `pool` (plain-text gRPC on `grpc`), once its metrics page
-    answers; the caller stops it."""
+    """The counterpart's EPP watching `pool` (plain-text gRPC on `grpc`; llm-d's with `config`,
+    else its shipped default), once its metrics page answers; the caller stops it."""
     binary = counterparts.binary(counterpart)
     if binary is None:
         raise LaunchError(f"{counterpart}: {unavailable(counterpart)}")
     epp = Proc(
         f"{counterpart}-epp",
-        _epp_argv(counterpart, binary, pool.app, grpc, health, metrics),
+        _epp_argv(counterpart, binary, pool.app, grpc, health, metrics, config),
         log,
         {"KUBECONFIG": str(pool.control_plane.kubeconfig)},
     ).start()
@@ -317,24 +446,34 @@ async def serve_foreign_epp(
     logs: Path,
     *,
     model: str,
+    precise: bool = False,
 ) -> AsyncIterator[Routed]:
     """The counterpart's EPP routing to twins of `workers` behind a real Envoy (module
-    docstring); everything it started is stopped on exit."""
+    docstring); with `precise`, llm-d's precise prefix-cache scorer reading the twins' KV
+    events (module docstring, step 6); everything it started is stopped on exit."""
     from dynamograph.local.envoy import run_envoy
 
-    reason = unavailable(counterpart)
+    reason = unavailable(counterpart, precise=precise)
     if reason:
         raise LaunchError(f"{policy_name}: {reason}")
     # one port that is free at every pod IP: a port free on 127.0.0.1 has no wildcard
     # listener, and nothing else binds 127.1.x.y
     target_port = ports.take()
+    # llm-d subscribes to every pod's KV events at one port (its pod discovery)
+    shared_events = ports.take(2) if precise else None
     app = f"bench-{policy_name}"
-    async with pool_of_pods(app, [w.name for w in workers], target_port, logs) as pool:
-        twins: list[PodWorker] = []
-        epp: Proc | None = None
+    twins: list[PodWorker] = []
+    epp: Proc | None = None
+    async with contextlib.AsyncExitStack() as stack:
+        pool = await stack.enter_async_context(
+            pool_of_pods(app, [w.name for w in workers], target_port, logs)
+        )
         try:
             for w in workers:
-                twins.append(_twin(w, pool.ips[w.name], target_port, ports.take(2), logs / "fleet"))
+                ip = pool.ips[w.name]
+                events = shared_events or ports.take(2)
+                topic = kv_topic(ip, target_port, model) if precise else None
+                twins.append(_twin(w, ip, target_port, events, logs / "fleet", topic))
             grpc, health, metrics = ports.take(), ports.take(), ports.take()
             listen, admin = ports.take(), ports.take()
             ports.release()
@@ -343,8 +482,30 @@ async def serve_foreign_epp(
             await asyncio.gather(
                 *(wait_http(t.proc, t.url + "/health", within_s=120) for t in twins)
             )
+            config, helper_pids = None, []
+            if precise:
+                assert shared_events is not None
+                tokenizer, socket = await stack.enter_async_context(llmd_tokenizer(model, logs))
+                assert tokenizer.popen is not None
+                helper_pids.append(tokenizer.popen.pid)  # llm-d's tokenizing is its CPU too
+                shipped = yaml.safe_load(
+                    (_module_dir(counterpart) / LLMD_PRECISE_CONFIG).read_text()
+                )
+                config = logs / f"{policy_name}-config.yaml"
+                config.write_text(
+                    yaml.safe_dump(
+                        precise_config(
+                            shipped,
+                            model=model,
+                            block_size=int(_flag(workers[0].proc.argv, "--block-size")),
+                            tokenizer_socket=socket,
+                            events_port=shared_events,
+                            app=app,
+                        )
+                    )
+                )
             epp = await start_foreign_epp(
-                counterpart, pool, grpc, health, metrics, logs / f"{policy_name}-epp.log"
+                counterpart, pool, grpc, health, metrics, logs / f"{policy_name}-epp.log", config
             )
             access_log = logs / f"{policy_name}-envoy" / "access.log"
             gateway = gateway_config(listen, admin, f"127.0.0.1:{grpc}", str(access_log))
@@ -355,7 +516,7 @@ async def serve_foreign_epp(
                 yield Routed(
                     url,
                     twins,
-                    [epp.popen.pid],
+                    [epp.popen.pid, *helper_pids],
                     f"http://127.0.0.1:{metrics}/metrics",
                     access_log,
                     [envoy.process.pid],

@@ -25,6 +25,9 @@ from dynamograph.protocol.router_config import PREFILL_WORK_WEIGHT, dynamo_score
 
 from .route_fleet import DYNAMOGRAPH, OFFLINE_ENV, LaunchError, Proc, Worker, stop_all, wait_http
 
+# The llm-d policy run with its precise prefix-cache scorer (bench/route_foreign_epp.py)
+PRECISE = "precise-prefix-cache"
+
 
 @dataclass(frozen=True)
 class Policy:
@@ -32,7 +35,9 @@ class Policy:
     kind: str  # "epp" | "sglang-router" | "vllm-router" | "foreign-epp" | "dynamo"
     description: str
     router_config: dict = field(default_factory=dict)  # RouterConfig fields (kind "epp")
-    foreign_policy: str | None = None  # --policy of a foreign router
+    # --policy of a foreign router; for llm-d's scheduler, PRECISE: its precise prefix-cache
+    # scorer configuration (else its shipped default)
+    foreign_policy: str | None = None
     epps: int = 1  # EPP replicas behind the gateway, sharing their bookings (kind "epp")
     epp_flags: tuple[str, ...] = ()  # more `dynamograph epp` flags (kind "epp")
     counterpart: str | None = None  # bench/counterparts.py name of a foreign EPP's binary
@@ -165,6 +170,15 @@ POLICIES: dict[str, Policy] = {
             counterpart="llmd-epp",
         ),
         Policy(
+            "llmd-precise",
+            "foreign-epp",
+            "llm-d inference scheduler, its shipped precise prefix-cache configuration (KV "
+            "events, prefix 2, KV-cache use 1, queue 1), tokenizing through llm-d's tokenizer "
+            "service contract (bench/llmd_tokenizer.py)",
+            counterpart="llmd-epp",
+            foreign_policy=PRECISE,
+        ),
+        Policy(
             "dynamo-kv",
             "dynamo",
             "Dynamo 1.6.1 frontend, KV router with its defaults, KV events relayed by a Dynamo "
@@ -198,7 +212,7 @@ def unavailable(policy: Policy) -> str | None:
     from .route_foreign_epp import unavailable as counterpart_unavailable
 
     assert policy.counterpart is not None
-    return counterpart_unavailable(policy.counterpart)
+    return counterpart_unavailable(policy.counterpart, precise=policy.foreign_policy == PRECISE)
 
 
 @contextlib.asynccontextmanager
@@ -213,7 +227,15 @@ async def serve(
         from .route_foreign_epp import serve_foreign_epp  # its control plane loads by path
 
         assert policy.counterpart is not None
-        ctx = serve_foreign_epp(policy.name, policy.counterpart, workers, ports, logs, model=model)
+        ctx = serve_foreign_epp(
+            policy.name,
+            policy.counterpart,
+            workers,
+            ports,
+            logs,
+            model=model,
+            precise=policy.foreign_policy == PRECISE,
+        )
     elif policy.kind == "dynamo":
         from .route_dynamo import serve as serve_dynamo  # runs Dynamo from its own venv
 

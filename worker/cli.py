@@ -152,6 +152,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "0.24-0.33) or map-batch (the batch a map too, as vLLM's source has it at one commit; "
         "no release); default array",
     )
+    p.add_argument(
+        "--kv-events-topic",
+        default="",
+        help="the topic frame every KV event batch carries (vLLM's kv_events_config topic; "
+        "llm-d's precise prefix-cache scorer reads kv@<pod>@<model>); default empty",
+    )
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
     p.add_argument(
         "--num-gpu-blocks",
@@ -260,6 +266,7 @@ def mock_config(args: argparse.Namespace):
         kv_events_port=args.kv_events_port,
         kv_replay_port=replay_port(args),
         kv_events_layout=args.kv_events_layout,
+        kv_events_topic=args.kv_events_topic,
         block_size=args.block_size,
         num_gpu_blocks=args.num_gpu_blocks or 8192,
         max_num_seqs=args.max_num_seqs,

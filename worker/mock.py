@@ -70,6 +70,7 @@ class MockConfig:
     kv_replay_port: int | None = None  # None: after the last rank's events port (`replay_port`)
     kv_events: bool = True
     kv_events_layout: str = ARRAY  # one of protocol.kv_events.LAYOUTS: vLLM's encodings
+    kv_events_topic: str = DEFAULT_TOPIC  # the first frame of every batch (vLLM's `topic`)
     block_size: int = 16
     num_gpu_blocks: int = 8192
     max_num_seqs: int = 256
@@ -188,7 +189,7 @@ class MockEngine(LLMEngine):
             bind = functools.partial(
                 bind_publishers, self._zmq, events_port=cfg.kv_events_port,
                 replay_port=cfg.replay_port, ranks=cfg.data_parallel_size,
-                topic=DEFAULT_TOPIC, layout=cfg.kv_events_layout,
+                topic=cfg.kv_events_topic, layout=cfg.kv_events_layout,
                 curve=cfg.kv_curve,
             )  # fmt: skip
             try:
@@ -202,7 +203,7 @@ class MockEngine(LLMEngine):
             kv_events = KvEventsEndpoint(
                 endpoint=f"tcp://{cfg.public_host}:{ev_port}",
                 replay_endpoint=f"tcp://{cfg.public_host}:{rp_port}",
-                topic=DEFAULT_TOPIC,
+                topic=cfg.kv_events_topic,
             )
         self.ranks = [
             EngineRank(

@@ -48,7 +48,7 @@ def kv_events_config(args: argparse.Namespace) -> dict[str, Any]:
         "publisher": "zmq",
         "endpoint": f"tcp://*:{args.kv_events_port}",
         "replay_endpoint": f"tcp://*:{replay_port(args)}",
-        "topic": "",
+        "topic": args.kv_events_topic,
     }
 
 

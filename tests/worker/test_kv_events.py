@@ -215,6 +215,40 @@ async def test_map_layout_of_vllm_024_to_033():
     ctx.term()
 
 
+async def test_a_topic_goes_on_every_batch_and_in_the_engine_document():
+    """`--kv-events-topic` (vLLM's kv_events_config `topic`): every live batch's first frame,
+    what a SUB filtering on it (llm-d's "kv@") receives, and the topic the engine document
+    names; the replay's answers carry it too in the map layouts."""
+    topic = "kv@127.0.0.1:8000@" + MODEL
+    ctx = zmq.asyncio.Context()
+    async with mock_worker(model=MODEL, kv_events_layout="map", kv_events_topic=topic) as w:
+        assert w.config.kv_events.topic == topic
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
+        sub.connect(w.config.kv_events.endpoint)
+        prompt = "a prompt long enough to fill a few blocks of sixteen tokens " * 4
+
+        async def first_batch() -> list[bytes]:
+            nonlocal prompt
+            while True:  # a SUB misses what is sent before its subscription arrives
+                await post_json(
+                    w.url, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+                )
+                try:
+                    return await asyncio.wait_for(sub.recv_multipart(), 1)
+                except TimeoutError:
+                    prompt += " more"
+
+        frames = await asyncio.wait_for(first_batch(), 30)
+        assert frames[0] == topic.encode()
+        assert decode(frames)[1][0]["type"] == "BlockStored"
+        await wait_idle(w.engine)
+        history = await replay(ctx, w.config.kv_events.replay_endpoint, 0, topic=topic.encode())
+        assert history and history[0][1][0]["type"] == "BlockStored"
+        sub.close()
+    ctx.term()
+
+
 async def test_a_replay_of_the_whole_buffer_arrives_whole_to_a_slow_reader():
     """A ROUTER drops what exceeds its send queue (ZMQ's default: 1,000 messages): a replay of
     thousands of batches to a reader that is busy for a moment (a router catching up) must
