@@ -74,6 +74,7 @@ LLMD_PRECISE_CONFIG = Path("deploy") / "config" / "epp-precise-prefix-cache-conf
 KV_CACHE_MODULE = "github.com/llm-d/llm-d-kv-cache"
 LLMD_TOKENIZER_PROTO = Path("api") / "tokenizerpb" / "tokenizer.proto"
 PRECISE_SCORER = "precise-prefix-cache-scorer"
+LLMD_TOKENIZER_WORKERS = 5
 # InferencePool (inference.networking.k8s.io/v1) and the x-k8s.io kinds the EPP also watches
 # (InferenceObjective, InferenceModelRewrite), from the pinned GAIE module; both EPPs use them.
 CRDS = Path("config") / "crd" / "bases"
@@ -271,6 +272,9 @@ def precise_config(
         parameters.setdefault("tokenProcessorConfig", {})["blockSize"] = block_size
         parameters.setdefault("indexerConfig", {})["tokenizersPoolConfig"] = {
             "modelName": model,
+            # kv-cache v0.9.0's default when it makes the pool itself; a pool given here
+            # without a count has no workers and every request waits for its tokens forever
+            "workersCount": LLMD_TOKENIZER_WORKERS,
             "uds": {"socketFile": str(tokenizer_socket)},
         }
         parameters["kvEventsConfig"] = {

@@ -75,7 +75,11 @@ def test_precise_config_points_the_shipped_scorer_at_the_pool():
     assert scorer["tokenProcessorConfig"] == {"blockSize": 16, "hashSeed": "42"}
     assert scorer["indexerConfig"] == {
         "kvBlockIndexConfig": {"enableMetrics": True},
-        "tokenizersPoolConfig": {"modelName": "m", "uds": {"socketFile": "/tmp/t.sock"}},
+        "tokenizersPoolConfig": {
+            "modelName": "m",
+            "workersCount": 5,
+            "uds": {"socketFile": "/tmp/t.sock"},
+        },
     }
     assert scorer["kvEventsConfig"] == {
         "topicFilter": "kv@",
@@ -157,14 +161,15 @@ async def test_the_tokenizer_service_answers_llmds_calls_with_the_workers_tokens
 
 
 async def _index_hits(session: aiohttp.ClientSession, url: str) -> float:
-    """llm-d's KV-block index lookups that found blocks (its kvcache metrics), so far."""
+    """Blocks llm-d's KV-block index found for the prompts it looked up, so far (the shipped
+    configuration turns its metrics on)."""
     async with session.get(url) as resp:
         text = await resp.text()
     return sum(
         sample.value
         for family in text_string_to_metric_families(text)
         for sample in family.samples
-        if "kvcache" in sample.name and "hit" in sample.name and sample.name.endswith("_total")
+        if sample.name == "kvcache_index_lookup_hits_total"
     )
 
 
