@@ -166,7 +166,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_POLICIES,
         metavar="POLICY",
         help=f"policies to compare, in order (default: {' '.join(DEFAULT_POLICIES)}; also "
-        "gaie-epp and llmd-epp, the field's EPPs: make counterparts, make control-plane)",
+        "gaie-epp, llmd-epp and llmd-precise, the field's EPPs: make counterparts, make "
+        "control-plane; dynamo-kv: scripts/setup-dynamo.sh)",
     )
     parser.add_argument(
         "--quick",
