@@ -15,11 +15,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dynamograph.bench.route_client import completion_body, send_one
 from dynamograph.bench.route_fleet import WorkerSpec, worker_procs
-from dynamograph.bench.route_foreign_epp import serve_foreign_epp, unavailable
+from dynamograph.bench.route_foreign_epp import serve_foreign_epp
 from dynamograph.bench.route_metrics import OK, RequestResult
-from dynamograph.local.envoy import EnvoyNotFound, find_envoy
 from dynamograph.local.procs import PortPool
 from dynamograph.protocol.identity import instance_id
+
+from .conftest import skip_unless_foreign_epp_runs
 
 pytestmark = pytest.mark.integration
 
@@ -43,13 +44,7 @@ async def _picks(session: aiohttp.ClientSession, url: str) -> Counter:
 
 @pytest.mark.timeout(180)
 async def test_gaie_epp_answers_come_from_its_picks(tmp_path):
-    reason = unavailable("gaie-epp")
-    if reason:
-        pytest.skip(reason)
-    try:
-        find_envoy()
-    except EnvoyNotFound as exc:
-        pytest.skip(str(exc))
+    skip_unless_foreign_epp_runs("gaie-epp")
     spec = WorkerSpec(num_gpu_blocks=2048, speedup=100.0)
     ports = PortPool()
     # Only the commands: the policy starts their twins at the pods' IPs.

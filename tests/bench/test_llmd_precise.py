@@ -29,14 +29,14 @@ from dynamograph.bench.route_foreign_epp import (
     kv_topic,
     precise_config,
     serve_foreign_epp,
-    unavailable,
 )
 from dynamograph.bench.route_metrics import OK, RequestResult
-from dynamograph.local.envoy import EnvoyNotFound, find_envoy
 from dynamograph.local.procs import PortPool
 from dynamograph.protocol.identity import instance_id
 from dynamograph.protocol.openai import CHAT_COMPLETIONS, COMPLETIONS
 from dynamograph.protocol.tokenization import get_tokenizer, request_tokens
+
+from .conftest import skip_unless_foreign_epp_runs
 
 SHIPPED = {
     "apiVersion": "inference.networking.x-k8s.io/v1alpha1",
@@ -176,13 +176,7 @@ async def _index_hits(session: aiohttp.ClientSession, url: str) -> float:
 @pytest.mark.integration
 @pytest.mark.timeout(240)
 async def test_follow_ups_go_where_the_kv_events_put_their_prefix(tmp_path):
-    reason = unavailable("llmd-epp", precise=True)
-    if reason:
-        pytest.skip(reason)
-    try:
-        find_envoy()
-    except EnvoyNotFound as exc:
-        pytest.skip(str(exc))
+    skip_unless_foreign_epp_runs("llmd-epp", precise=True)
     spec = WorkerSpec(num_gpu_blocks=4096, speedup=100.0)
     ports = PortPool()
     workers = worker_procs(3, spec, tmp_path / "fleet", ports)
