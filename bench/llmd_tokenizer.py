@@ -30,6 +30,7 @@ import logging
 import signal
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -84,6 +85,25 @@ def _messages(pb_messages: Any) -> list[dict[str, Any]]:
     return out
 
 
+def _prompt_body(prompt: str) -> dict[str, Any]:
+    return {"prompt": prompt}
+
+
+def _chat_body(request: Any) -> dict[str, Any]:
+    """llm-d's RenderChatCompletionRequest as an OpenAI chat request body."""
+    body: dict[str, Any] = {"messages": _messages(request.messages)}
+    kwargs = {}
+    if request.HasField("chat_template_kwargs") and request.chat_template_kwargs:
+        kwargs = json.loads(request.chat_template_kwargs)
+    if request.HasField("add_generation_prompt"):
+        kwargs["add_generation_prompt"] = request.add_generation_prompt
+    if kwargs:
+        body["chat_template_kwargs"] = kwargs
+    if request.HasField("tools_json") and request.tools_json:
+        body["tools"] = json.loads(request.tools_json)
+    return body
+
+
 class TokenizerService:
     """The servicer: every method answers from `tokenizer_spec`'s tokenizer."""
 
@@ -92,9 +112,18 @@ class TokenizerService:
         self.spec = tokenizer_spec
         self.calls = 0
 
-    def _tokens(self, path: str, body: dict[str, Any]) -> list[int]:
+    def _answer(
+        self, reply: Any, field: str, path: str, body: Callable[[Any], dict[str, Any]], of: Any
+    ) -> Any:
+        """`reply` with the token ids of the OpenAI request `body(of)` at `path`, in `field`; a
+        request it cannot tokenize (or a malformed JSON field) as `success: false`."""
         self.calls += 1
-        return request_tokens(get_tokenizer(self.spec, fast=True), path, body).tolist()
+        try:
+            ids = request_tokens(get_tokenizer(self.spec, fast=True), path, body(of)).tolist()
+        except (OpenAIError, ValueError) as exc:
+            message = exc.message if isinstance(exc, OpenAIError) else str(exc)
+            return reply(success=False, error_message=message)
+        return reply(success=True, **{field: ids})
 
     def InitializeTokenizer(self, request: Any, context: Any) -> Any:
         try:
@@ -104,39 +133,16 @@ class TokenizerService:
         return self.pb.InitializeTokenizerResponse(success=True)
 
     def RenderCompletion(self, request: Any, context: Any) -> Any:
-        try:
-            ids = self._tokens(COMPLETIONS, {"prompt": request.prompt})
-        except OpenAIError as exc:
-            return self.pb.RenderCompletionResponse(success=False, error_message=exc.message)
-        return self.pb.RenderCompletionResponse(success=True, token_ids=ids)
+        reply = self.pb.RenderCompletionResponse
+        return self._answer(reply, "token_ids", COMPLETIONS, _prompt_body, request.prompt)
 
     def Tokenize(self, request: Any, context: Any) -> Any:
-        try:
-            ids = self._tokens(COMPLETIONS, {"prompt": request.input})
-        except OpenAIError as exc:
-            return self.pb.TokenizeResponse(success=False, error_message=exc.message)
-        return self.pb.TokenizeResponse(success=True, input_ids=ids)
-
-    def _chat_body(self, request: Any) -> dict[str, Any]:
-        body: dict[str, Any] = {"messages": _messages(request.messages)}
-        kwargs = {}
-        if request.HasField("chat_template_kwargs") and request.chat_template_kwargs:
-            kwargs = json.loads(request.chat_template_kwargs)
-        if request.HasField("add_generation_prompt"):
-            kwargs["add_generation_prompt"] = request.add_generation_prompt
-        if kwargs:
-            body["chat_template_kwargs"] = kwargs
-        if request.HasField("tools_json") and request.tools_json:
-            body["tools"] = json.loads(request.tools_json)
-        return body
+        reply = self.pb.TokenizeResponse
+        return self._answer(reply, "input_ids", COMPLETIONS, _prompt_body, request.input)
 
     def RenderChatCompletion(self, request: Any, context: Any) -> Any:
-        try:
-            ids = self._tokens(CHAT_COMPLETIONS, self._chat_body(request))
-        except (OpenAIError, ValueError) as exc:
-            message = exc.message if isinstance(exc, OpenAIError) else str(exc)
-            return self.pb.RenderChatCompletionResponse(success=False, error_message=message)
-        return self.pb.RenderChatCompletionResponse(success=True, token_ids=ids)
+        reply = self.pb.RenderChatCompletionResponse
+        return self._answer(reply, "token_ids", CHAT_COMPLETIONS, _chat_body, request)
 
     def RenderChatTemplate(self, request: Any, context: Any) -> Any:
         messages = [m for turn in request.conversation_turns for m in _messages(turn.messages)]
