@@ -32,11 +32,13 @@ and trailers SEND (what we generate) Envoy sends no chunk at all (target ≤ 10 
 KV-event ingestion is measured apart too (`bench.kv_ingest`: CPU per batch, lag, flat-out rate,
 and µs per batch decoded by the pure-Python decoder against the compiled parser).
 
-Last, the field's own EPPs against ours (`--foreign`: GAIE's reference EPP, llm-d's scheduler;
-by default those built here, with the repo's control plane): neither takes a static list of
-workers, so `--foreign-workers` pods (16 by default) of an InferencePool on that control plane
-(bench/route_foreign_epp.py's `pool_of_pods`) get mock workers listening at their IPs, warmed
-with the same prefixes; then each EPP in turn, ours on the same workers from a static file,
+Last, the field's own EPPs against ours (`--foreign`: GAIE's reference EPP, llm-d's scheduler
+with its default configuration and with its precise prefix-cache scorer, which reads the
+workers' KV events and tokenizes through its tokenizer service; by default those built here,
+with the repo's control plane): none takes a static list of workers, so `--foreign-workers`
+pods (16 by default) of an InferencePool on that control plane (bench/route_foreign_epp.py's
+`pool_of_pods`) get mock workers listening at their IPs, warmed with the same prefixes once
+each EPP routes; then each EPP in turn, ours on the same workers from a static file,
 gets the same requests of every workload above with the processing mode the gateways generate
 for a pool's EPP (`_gateway_exchange`: request and response bodies FULL_DUPLEX_STREAMED, every
 answer read as it comes). Per EPP and workload: pick latency (request headers sent → the answer
@@ -55,7 +57,7 @@ import random
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,13 +71,15 @@ from dynamograph.local.procs import PortPool
 from dynamograph.worker.testing import free_port
 
 from . import kv_ingest
-from .procstat import cpu_seconds
+from .procstat import cpu_seconds, total_usage
 from .report import add_output_argument, print_table, write_json
+from .route_routers import POLICIES, PRECISE, unavailable
 
 TARGET_CPU_MS = 1.0
 TARGET_CHUNK_US = 10.0  # EPP CPU per response chunk, in the mode we generate
 _SSE_EVENT = b'data: {"choices":[{"index":0,"delta":{"content":" token"}}]}\n\n'
 MODEL = "Qwen/Qwen3-0.6B"
+BLOCK_SIZE = 16  # the workers' KV block size (llm-d's precise scorer is told it too)
 _WORDS = [
     "alpha",
     "beta",
@@ -166,7 +170,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--foreign",
         default="auto",
         help="the field's EPPs compared with ours on pods of a real control plane, "
-        "comma-separated (gaie-epp, llmd-epp); `auto` (default): those built and runnable here "
+        "comma-separated (gaie-epp, llmd-epp, llmd-precise: `bench route`'s policies of those "
+        "names); `auto` (default): those built and runnable here "
         "(make counterparts, make control-plane), a missing one skipped with its reason; "
         "`none`: skip the comparison",
     )
@@ -192,22 +197,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # ---- the fleet (a child process) ------------------------------------------------------------
 
 
-def _fleet_main(count: int, conn, hosts: list[str] | None = None, port: int = 0) -> None:
+def _fleet_main(
+    count: int, conn, hosts: list[str] | None = None, port: int = 0, events_port: int = 0
+) -> None:
     """Run `count` real mock workers in one event loop; send their URLs; serve until told.
     `hosts`: worker i listens at hosts[i]:`port` (pod IPs sharing a pool's target port), else
-    at 127.0.0.1 on a port of its own."""
+    at 127.0.0.1 on a port of its own; with `events_port`, it publishes its KV events at
+    hosts[i]:`events_port` (replay one above) with the topic llm-d's precise scorer reads."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     async def serve() -> None:
         from dynamograph.worker.testing import mock_worker
 
+        from .route_foreign_epp import kv_topic
+
         async with contextlib.AsyncExitStack() as stack:
             urls = []
             for i in range(count):
-                where = {"host": hosts[i], "port": port} if hosts else {}
+                where: dict[str, Any] = {"host": hosts[i], "port": port} if hosts else {}
+                if hosts and events_port:
+                    where |= {
+                        "kv_events_port": events_port,
+                        "kv_replay_port": events_port + 1,
+                        "kv_events_topic": kv_topic(hosts[i], port, MODEL),
+                    }
                 worker = await stack.enter_async_context(
                     mock_worker(
-                        model=MODEL, name=f"bench-epp-{os.getpid()}-{i}", speedup=1e4, **where
+                        model=MODEL,
+                        name=f"bench-epp-{os.getpid()}-{i}",
+                        speedup=1e4,
+                        block_size=BLOCK_SIZE,
+                        **where,
                     )
                 )
                 urls.append(worker.url)
@@ -219,11 +239,13 @@ def _fleet_main(count: int, conn, hosts: list[str] | None = None, port: int = 0)
 
 
 @contextlib.asynccontextmanager
-async def _fleet(count: int, hosts: list[str] | None = None, port: int = 0):
+async def _fleet(count: int, hosts: list[str] | None = None, port: int = 0, events_port: int = 0):
     """`_fleet_main` in a child process; yields the workers' URLs; stops it on exit."""
     spawn = multiprocessing.get_context("spawn")
     parent, child = spawn.Pipe()
-    fleet = spawn.Process(target=_fleet_main, args=(count, child, hosts, port), daemon=True)
+    fleet = spawn.Process(
+        target=_fleet_main, args=(count, child, hosts, port, events_port), daemon=True
+    )
     fleet.start()
     try:
         yield await asyncio.get_running_loop().run_in_executor(None, parent.recv)
@@ -381,9 +403,16 @@ def _pick_breakdown(
     return {key: spent / len(sample) * 1e3 for key, spent in totals.items()}
 
 
-async def _warm(urls: list[str], prefixes: list[str]) -> None:
-    """Each prefix prefilled on one worker, so its KV events put real blocks in the index."""
+async def _warm(urls: list[str], prefixes: list[str], reset: bool = False) -> None:
+    """Each prefix prefilled on one worker, so its KV events put real blocks in the index
+    (`reset`: every worker's prefix cache emptied first, so the blocks are stored anew and
+    published to whoever subscribes now)."""
     async with aiohttp.ClientSession() as http:
+        if reset:
+            for url in urls:
+                async with http.post(url + "/reset_prefix_cache") as r:
+                    if r.status != 200:
+                        raise RuntimeError(f"{url} did not reset its prefix cache: {r.status}")
 
         async def one(i: int, prefix: str) -> None:
             body: dict[str, Any] = {
@@ -587,16 +616,22 @@ async def _server_picks(metrics_port: int, process: int | None = None) -> tuple[
     )
 
 
+def _cpu_seconds(pids: Sequence[int]) -> float:
+    """CPU time so far of an EPP's processes (every thread)."""
+    return total_usage(pids).cpu_s
+
+
 async def _load_cpu(
-    pid: int,
+    pids: Sequence[int],
     bodies: list[bytes],
     concurrency: int,
     send: Callable[[bytes], Awaitable[object]],
 ) -> tuple[float, float, float]:
-    """EPP process CPU, wall time and main-thread CPU (seconds) of routing `bodies` over
-    `concurrency` streams, each request by `send(body)`."""
+    """CPU of the EPP's processes `pids`, wall time and the first one's main-thread CPU
+    (seconds) of routing `bodies` over `concurrency` streams, each request by `send(body)`."""
     queue = iter(bodies)
-    cpu0, wall0 = cpu_seconds(pid), time.perf_counter()
+    pid = pids[0]
+    cpu0, wall0 = _cpu_seconds(pids), time.perf_counter()
     main0 = cpu_seconds(pid, main_thread=True)
 
     async def client() -> None:
@@ -605,7 +640,7 @@ async def _load_cpu(
 
     await asyncio.gather(*(client() for _ in range(concurrency)))
     main = cpu_seconds(pid, main_thread=True) - main0
-    return cpu_seconds(pid) - cpu0, time.perf_counter() - wall0, main
+    return _cpu_seconds(pids) - cpu0, time.perf_counter() - wall0, main
 
 
 async def _measure(
@@ -638,14 +673,14 @@ async def _measure(
             idle_rate = (cpu_seconds(proc.pid) - idle0) / (time.perf_counter() - idle_wall0)
             picks0 = await _server_picks(metrics_port)
             cpu, wall, main = await _load_cpu(
-                proc.pid, load, args.concurrency, lambda body: _exchange(stub, body)
+                [proc.pid], load, args.concurrency, lambda body: _exchange(stub, body)
             )
             picks1 = await _server_picks(metrics_port)
             for name, (requests, sent) in (workloads or {}).items():
                 if not requests:
                     continue
                 spent, elapsed, thread = await _load_cpu(
-                    proc.pid, requests, args.concurrency, functools.partial(_send, stub, sent)
+                    [proc.pid], requests, args.concurrency, functools.partial(_send, stub, sent)
                 )
                 extra.append(
                     {
@@ -859,17 +894,17 @@ async def _measure_processes(args, workers_file: Path, bodies: list[bytes], n: i
     }
 
 
-# ---- the field's EPPs: GAIE's reference EPP, llm-d's scheduler --------------------------------
+# ---- the field's EPPs: GAIE's reference EPP, llm-d's scheduler (its default and precise
+# prefix-cache configurations) ---------------------------------------------------------------
 
-FOREIGN = ("gaie-epp", "llmd-epp")
+# `bench route`'s foreign-EPP policies, by the same names
+FOREIGN = tuple(name for name, policy in POLICIES.items() if policy.kind == "foreign-epp")
 OURS = "dynamograph"
 
 
 def _foreign_names(args) -> list[str]:
     """The foreign EPPs to compare (`--foreign`): `auto`, those that can run here; each name
     that cannot run is left out with its reason printed."""
-    from .route_foreign_epp import unavailable
-
     if args.foreign == "none":
         return []
     wanted = FOREIGN if args.foreign == "auto" else [n for n in args.foreign.split(",") if n]
@@ -877,7 +912,7 @@ def _foreign_names(args) -> list[str]:
     for name in wanted:
         if name not in FOREIGN:
             raise SystemExit(f"--foreign: unknown EPP {name!r} (known: {', '.join(FOREIGN)})")
-        reason = unavailable(name)
+        reason = unavailable(POLICIES[name])
         if reason:
             print(f"foreign comparison: {name} skipped: {reason}")
         else:
@@ -961,36 +996,49 @@ async def _until_routed(stub, endpoints: set[str], within_s: float, alive) -> No
 
 
 async def _measure_gateway(
-    args, name: str, pid: int, port: int, endpoints: set[str], alive, workloads
+    args,
+    name: str,
+    pids: Sequence[int],
+    port: int,
+    endpoints: set[str],
+    alive: Callable[[], bool],
+    workloads: dict[str, list[bytes]],
+    warm_workers: Callable[[], Awaitable[None]],
+    index_hits: Callable[[], Awaitable[float]] | None = None,
 ) -> list[dict]:
-    """One EPP (pid, gRPC port) driven with `_gateway_exchange`: per workload, its first third
-    one at a time (pick latency), the rest over `--concurrency` streams (CPU per routed request,
-    gross and net of the idle rate measured before, routed req/s); every destination checked
-    against the pods' `endpoints`."""
+    """One EPP (its processes' `pids`, the first serving gRPC on `port`) driven with
+    `_gateway_exchange`: once it routes, `warm_workers()` (the prefixes stored anew, their KV
+    events sent to every subscriber it has by now), then per workload its first third one at a
+    time (pick latency), the rest over `--concurrency` streams (CPU per routed request, gross
+    and net of the idle rate measured before, routed req/s); every destination checked against
+    the pods' `endpoints`; with `index_hits`, what that counter gained per workload."""
     from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
     rows = []
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = pb_grpc.ExternalProcessorStub(channel)
         await _until_routed(stub, endpoints, 90, alive)
+        await warm_workers()
         warm, *_ = workloads.values()
         for body in warm[-10:]:  # warm-up: connections, caches; bodies no workload sends
             await _gateway_exchange(stub, body)
-        idle0, idle_wall0 = cpu_seconds(pid), time.perf_counter()
+        idle0, idle_wall0 = _cpu_seconds(pids), time.perf_counter()
         await asyncio.sleep(args.idle_seconds)
-        idle_rate = (cpu_seconds(pid) - idle0) / (time.perf_counter() - idle_wall0)
+        idle_rate = (_cpu_seconds(pids) - idle0) / (time.perf_counter() - idle_wall0)
         for workload, bodies in workloads.items():
             bodies = bodies[: args.foreign_requests]
             if not bodies:
                 continue
             sequential = max(1, len(bodies) // 3)
+            hits0 = await index_hits() if index_hits else None
             picks = [await _gateway_exchange(stub, body) for body in bodies[:sequential]]
             load: list[tuple[float, str | None]] = []
 
             async def send(body: bytes, load=load) -> None:
                 load.append(await _gateway_exchange(stub, body))
 
-            cpu, wall, _ = await _load_cpu(pid, bodies[sequential:], args.concurrency, send)
+            cpu, wall, _ = await _load_cpu(pids, bodies[sequential:], args.concurrency, send)
+            hits = await index_hits() - hits0 if index_hits and hits0 is not None else None
             latencies = [seconds for seconds, where in picks if where in endpoints]
             routed = sum(where in endpoints for _, where in load)
             destinations = [where for _, where in picks + load]
@@ -1012,6 +1060,8 @@ async def _measure_gateway(
                     "pods_picked": len(set(destinations) & endpoints),
                     "destinations": sorted({str(d) for d in destinations}),
                     "concurrency": args.concurrency,
+                    "processes": len(pids),
+                    "kv_index_lookup_hits": hits,
                 }
             )
     return rows
@@ -1025,46 +1075,85 @@ async def _measure_foreign(
 
     The pods (bench/route_foreign_epp.py: the repo's control plane, an InferencePool, one Pod
     per worker that kwok makes Ready at 127.1.x.y) are where the foreign EPPs look; mock workers
-    listen at their IPs on the pool's one target port, warmed with the same shared prefixes as
-    the main fleet; our EPP gets the same workers from a static file (it needs no API server)."""
+    listen at their IPs on the pool's one target port and publish KV events at their IPs on one
+    shared port with llm-d's topic (what llm-d's precise scorer subscribes to; ours reads them
+    as any vLLM's). Once each EPP routes, the workers' prefix caches are emptied and warmed
+    again with the main fleet's shared prefixes, so every EPP that reads KV events, subscribed
+    by then, has them indexed. Our EPP gets the same workers from a static file (it needs no
+    API server). llm-d's precise scorer runs with its tokenizer service, whose CPU counts as
+    its EPP's."""
     from .route_fleet import stop_all
-    from .route_foreign_epp import pool_of_pods, start_foreign_epp
+    from .route_foreign_epp import (
+        index_lookup_hits,
+        pool_of_pods,
+        precise_scorer,
+        start_foreign_epp,
+    )
 
     count = args.foreign_workers
     rows: list[dict] = []
+    ports = PortPool()
+    target_port, events_port = ports.take(), ports.take(2)
+    ports.release()
     with tempfile.TemporaryDirectory(prefix="bench-epp-foreign-") as tmp:
         logs = Path(tmp)
         pods = [f"bench-epp-pod-{i}" for i in range(count)]
-        async with pool_of_pods("bench-epp", pods, free_port(), logs) as pool:
+        async with pool_of_pods("bench-epp", pods, target_port, logs) as pool:
             hosts = [pool.ips[pod] for pod in pods]
-            async with _fleet(count, hosts, pool.target_port) as urls:
+            async with _fleet(count, hosts, pool.target_port, events_port) as urls:
+
+                async def warm_workers() -> None:
+                    await asyncio.sleep(2.0)  # the EPP's KV-event subscribers connect
+                    await _warm(urls, prefixes, reset=True)
+                    await asyncio.sleep(1.0)  # ... and index what the warm-up stored
+
                 await _warm(urls, prefixes)
                 proc, port, _ = await _start_epp(
                     _workers_file(logs / "workers.yaml", urls), "kv", count
                 )
                 try:
                     rows += await _measure_gateway(
-                        args, OURS, proc.pid, port, pool.endpoints,
-                        lambda: proc.returncode is None, workloads,
+                        args, OURS, [proc.pid], port, pool.endpoints,
+                        lambda: proc.returncode is None, workloads, warm_workers,
                     )  # fmt: skip
                 finally:
                     proc.terminate()
                     await proc.wait()
                 for name in names:
+                    policy = POLICIES[name]
+                    assert policy.counterpart is not None
                     grpc_port, health, metrics = free_port(), free_port(), free_port()
-                    epp = await start_foreign_epp(
-                        name, pool, grpc_port, health, metrics, logs / f"{name}.log"
-                    )
-                    try:
-                        assert epp.popen is not None
-                        rows += await _measure_gateway(
-                            args, name, epp.popen.pid, grpc_port, pool.endpoints, epp.alive,
-                            workloads,
+                    async with contextlib.AsyncExitStack() as stack:
+                        config, helper_pids, index_hits = None, [], None
+                        if policy.foreign_policy == PRECISE:
+                            config, tokenizer_pid = await stack.enter_async_context(
+                                precise_scorer(
+                                    name,
+                                    model=MODEL,
+                                    block_size=BLOCK_SIZE,
+                                    events_port=events_port,
+                                    app=pool.app,
+                                    logs=logs,
+                                )
+                            )
+                            helper_pids.append(tokenizer_pid)
+                            http = await stack.enter_async_context(aiohttp.ClientSession())
+                            index_hits = functools.partial(
+                                index_lookup_hits, http, f"http://127.0.0.1:{metrics}/metrics"
+                            )
+                        epp = await start_foreign_epp(
+                            policy.counterpart, pool, grpc_port, health, metrics,
+                            logs / f"{name}.log", config,
                         )  # fmt: skip
-                    except RuntimeError as exc:
-                        raise epp.failure(str(exc)) from exc
-                    finally:
-                        await asyncio.to_thread(stop_all, [epp])
+                        stack.push_async_callback(asyncio.to_thread, stop_all, [epp])
+                        assert epp.popen is not None
+                        try:
+                            rows += await _measure_gateway(
+                                args, name, [epp.popen.pid, *helper_pids], grpc_port,
+                                pool.endpoints, epp.alive, workloads, warm_workers, index_hits,
+                            )  # fmt: skip
+                        except RuntimeError as exc:
+                            raise epp.failure(str(exc)) from exc
             endpoints = sorted(pool.endpoints)
     return {"workers": count, "epps": [OURS, *names], "endpoints": endpoints, "rows": rows}
 
@@ -1232,14 +1321,16 @@ async def _main(args) -> int:
             f"the field's EPPs and ours on the same {foreign['workers']} pods, one EPP at a time, "
             "driven as the gateways configure an InferencePool's EPP (request and response bodies "
             f"FULL_DUPLEX_STREAMED); pick: request headers sent → destination header, one at a "
-            f"time; CPU and req/s: {args.concurrency} streams; net: minus the EPP's idle CPU rate",
+            f"time; CPU and req/s: {args.concurrency} streams (llmd-precise: its EPP and "
+            "tokenizer service); net: minus the EPP's idle CPU rate; index hits: llm-d's "
+            "kvcache_index_lookup_hits_total gained",
             ["EPP", "workload", "pick p50 ms", "pick p99 ms", "CPU ms/req", "net ms/req",
-             "routed req/s", "idle CPU %", "routed / sent", "pods picked"],
+             "routed req/s", "idle CPU %", "routed / sent", "pods picked", "index hits"],
             [
                 [r["epp"], r["workload"], r["pick_p50_ms"], r["pick_p99_ms"],
                  r["cpu_ms_per_request"], r["net_cpu_ms_per_request"], r["requests_per_s_wall"],
                  r["idle_cpu_percent"], f"{r['routed_to_a_pod']} / {r['requests']}",
-                 r["pods_picked"]]
+                 r["pods_picked"], r["kv_index_lookup_hits"]]
                 for r in foreign["rows"]
             ],
             width=170,

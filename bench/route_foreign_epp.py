@@ -33,7 +33,8 @@ the gateway's URL, the twin workers (what the benchmark must reset and scrape), 
 `unavailable(counterpart)` says why a policy cannot run here (a binary not built), or None.
 Its pieces serve `bench epp`'s foreign comparison too (bench/epp.py drives the EPPs' gRPC port
 itself, no Envoy): `pool_of_pods(app, names, target_port, logs)` (steps 1, 2 and 4: yields a
-`Pool` with the pods' IPs) and `start_foreign_epp(counterpart, pool, ...)` (the EPP watching it).
+`Pool` with the pods' IPs), `precise_scorer(...)` (step 6's tokenizer and configuration) and
+`start_foreign_epp(counterpart, pool, ...)` (the EPP watching it).
 """
 
 from __future__ import annotations
@@ -328,6 +329,33 @@ async def llmd_tokenizer(model: str, logs: Path) -> AsyncIterator[tuple[Proc, Pa
             await asyncio.to_thread(stop_all, [proc])
 
 
+@contextlib.asynccontextmanager
+async def precise_scorer(
+    name: str, *, model: str, block_size: int, events_port: int, app: str, logs: Path
+) -> AsyncIterator[tuple[Path, int]]:
+    """llm-d's precise prefix-cache scorer made ready for the pods of `app` (module docstring,
+    step 6): its tokenizer service started and its configuration (`precise_config`) written;
+    yields (that configuration's file, the tokenizer's pid: llm-d's tokenizing is its EPP's CPU
+    too); stops the tokenizer on exit."""
+    async with llmd_tokenizer(model, logs) as (tokenizer, socket):
+        assert tokenizer.popen is not None
+        shipped = yaml.safe_load((_module_dir("llmd-epp") / LLMD_PRECISE_CONFIG).read_text())
+        config = logs / f"{name}-config.yaml"
+        config.write_text(
+            yaml.safe_dump(
+                precise_config(
+                    shipped,
+                    model=model,
+                    block_size=block_size,
+                    tokenizer_socket=socket,
+                    events_port=events_port,
+                    app=app,
+                )
+            )
+        )
+        yield config, tokenizer.popen.pid
+
+
 def gateway_config(
     listen_port: int, admin_port: int, epp_address: str, access_log: str | None = None
 ) -> dict:
@@ -489,25 +517,17 @@ async def serve_foreign_epp(
             config, helper_pids = None, []
             if precise:
                 assert shared_events is not None
-                tokenizer, socket = await stack.enter_async_context(llmd_tokenizer(model, logs))
-                assert tokenizer.popen is not None
-                helper_pids.append(tokenizer.popen.pid)  # llm-d's tokenizing is its CPU too
-                shipped = yaml.safe_load(
-                    (_module_dir(counterpart) / LLMD_PRECISE_CONFIG).read_text()
-                )
-                config = logs / f"{policy_name}-config.yaml"
-                config.write_text(
-                    yaml.safe_dump(
-                        precise_config(
-                            shipped,
-                            model=model,
-                            block_size=int(_flag(workers[0].proc.argv, "--block-size")),
-                            tokenizer_socket=socket,
-                            events_port=shared_events,
-                            app=app,
-                        )
+                config, tokenizer_pid = await stack.enter_async_context(
+                    precise_scorer(
+                        policy_name,
+                        model=model,
+                        block_size=int(_flag(workers[0].proc.argv, "--block-size")),
+                        events_port=shared_events,
+                        app=app,
+                        logs=logs,
                     )
                 )
+                helper_pids.append(tokenizer_pid)
             epp = await start_foreign_epp(
                 counterpart, pool, grpc, health, metrics, logs / f"{policy_name}-epp.log", config
             )
@@ -527,6 +547,21 @@ async def serve_foreign_epp(
                 )
         finally:
             await asyncio.to_thread(stop_all, [*([epp] if epp else []), *(t.proc for t in twins)])
+
+
+async def index_lookup_hits(session: aiohttp.ClientSession, url: str) -> float:
+    """Blocks llm-d's KV-block index found for the prompts it looked up so far, from its
+    Prometheus page at `url` (its precise configuration turns these metrics on)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with session.get(url) as resp:
+        text = await resp.text()
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "kvcache_index_lookup_hits_total"
+    )
 
 
 async def _poll(check, within_s: float, what: str):

@@ -16,7 +16,6 @@ import aiohttp
 import grpc
 import pytest
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
 from dynamograph.bench.llmd_tokenizer import compile_proto, serving
 from dynamograph.bench.route_client import completion_body, send_one
@@ -26,6 +25,7 @@ from dynamograph.bench.route_foreign_epp import (
     PRECISE_SCORER,
     _kv_cache_proto,
     _module_dir,
+    index_lookup_hits,
     kv_topic,
     precise_config,
     serve_foreign_epp,
@@ -160,19 +160,6 @@ async def test_the_tokenizer_service_answers_llmds_calls_with_the_workers_tokens
     assert not empty.success and "messages" in empty.error_message
 
 
-async def _index_hits(session: aiohttp.ClientSession, url: str) -> float:
-    """Blocks llm-d's KV-block index found for the prompts it looked up, so far (the shipped
-    configuration turns its metrics on)."""
-    async with session.get(url) as resp:
-        text = await resp.text()
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "kvcache_index_lookup_hits_total"
-    )
-
-
 @pytest.mark.integration
 @pytest.mark.timeout(240)
 async def test_follow_ups_go_where_the_kv_events_put_their_prefix(tmp_path):
@@ -198,11 +185,11 @@ async def test_follow_ups_go_where_the_kv_events_put_their_prefix(tmp_path):
                 assert result.worker is not None
                 return by_id[result.worker]
 
-            hits_before = await _index_hits(session, routed.metrics_url)
+            hits_before = await index_lookup_hits(session, routed.metrics_url)
             prompts = [f"Document {i}: " + f"fact {i} is worth noting. " * 120 for i in range(6)]
             first = [await send(i, p) for i, p in enumerate(prompts)]
             # one at a time, after the first ones' KV events had time to arrive
             follow = [await send(10 + i, p + " And then?") for i, p in enumerate(prompts)]
-            hits_after = await _index_hits(session, routed.metrics_url)
+            hits_after = await index_lookup_hits(session, routed.metrics_url)
     assert follow == first, f"first answers from {first}, follow-ups from {follow}"
     assert hits_after > hits_before
