@@ -25,7 +25,9 @@ are objects only once asked for); decoding plus the events and the arrays
 `KvIndex.apply_events` makes of them (block hashes of the tokens, engine hashes as u64);
 decoding plus applying the events to an index one by one (`KvIndex.apply_events`); decoding
 plus applying as the EPP does (`KvIndex.apply_batch`: the compiled parser's rows in one kernel
-call, the decoder's events one by one). Every stage that applies has its own index per decoder,
+call, the decoder's events one by one), with the stored blocks' keys returned (a prefill on the
+slot waits for them) and without (none does: `want_stored=False`). Every stage that applies has
+its own index per decoder,
 each fed the whole stream. The same stream is encoded in vLLM's array layout (up to 0.23) and
 its map layout (0.24 on: events as `type`-tagged maps, `kv_events.MAP`), and the four (layout,
 decoder) pairs take turns.
@@ -309,7 +311,7 @@ def decode_costs(
         ]
     names = list(DECODERS)
     pairs = [(layout, name) for layout in layouts for name in names]
-    whole, one_by_one = ({pair: KvIndex() for pair in pairs} for _ in range(2))
+    whole, unawaited, one_by_one = ({pair: KvIndex() for pair in pairs} for _ in range(3))
     stages: dict[str, Callable[[str, str, int, bytes], object]] = {
         "decode": lambda _l, name, _w, payload: DECODERS[name](payload),
         "decode + the index's arrays": lambda _l, name, _w, payload: _index_arrays(
@@ -321,6 +323,12 @@ def decode_costs(
         "decode + apply to an index": lambda layout, name, w, payload: whole[
             layout, name
         ].apply_batch((w, 0), DECODERS[name](payload), BLOCK_SIZE),
+        # what the router does while no prefill on the slot waits for stored blocks
+        "decode + apply to an index, stored keys unwanted": lambda layout, name, w, payload: (
+            unawaited[layout, name].apply_batch(
+                (w, 0), DECODERS[name](payload), BLOCK_SIZE, want_stored=False
+            )
+        ),
     }
     samples = {(stage, *pair): np.empty(batches) for stage in stages for pair in pairs}
     for i in range(batches):

@@ -212,13 +212,18 @@ class KvIndex:
         batch: Batch,
         block_size: int,
         lora_names: Mapping[int, str] | None = None,
+        *,
+        want_stored: bool = True,
     ) -> list[np.ndarray]:
         """`apply_events` of a batch's events; a batch the compiled parser read, of a pool whose
         blocks the compiled hasher takes, in one kernel call (`kernels.apply_rows`) instead of
         a few per event. The rows it leaves (AllBlocksCleared, LoRA blocks, another block
-        size, counts that disagree) go through `apply_events`, in their place in the order."""
+        size, counts that disagree) go through `apply_events`, in their place in the order.
+        Without `want_stored` (no prefill on the slot waits for blocks) no keys are returned
+        (an empty list), and the kernel's are not sliced out of its output."""
         if not isinstance(batch, ParsedBatch) or block_size not in KERNEL_BLOCK_SIZES:
-            return self.apply_events(slot, batch.events, lora_names)
+            kept = self.apply_events(slot, batch.events, lora_names)
+            return kept if want_stored else []
         meta = batch.meta
         rows = len(meta)
         state = self._slot(slot)
@@ -237,10 +242,12 @@ class KvIndex:
             if codes[row] == kernels.NO_ROOM:  # now and then: grow, and go on from that row
                 self._reserve(state, int(meta[row, HASH_END] - meta[row, HASH_START]))
                 continue
-            stored += self.apply_events(slot, [batch.event(row)], lora_names)
+            kept = self.apply_events(slot, [batch.event(row)], lora_names)
+            stored += kept if want_stored else []
             row += 1
-        for row in np.flatnonzero(codes == kernels.STORED).tolist():
-            stored.append(keys[meta[row, HASH_START] : meta[row, HASH_END]])
+        if want_stored:
+            for row in np.flatnonzero(codes == kernels.STORED).tolist():
+                stored.append(keys[meta[row, HASH_START] : meta[row, HASH_END]])
         return stored
 
     def apply_events(

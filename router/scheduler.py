@@ -307,13 +307,14 @@ class Router:
         if verdict is Verdict.RESTART:
             log.info("worker %d rank %d: KV event sequence restarted; clearing", worker_id, rank)
             self.index.clear(slot)
+        # the blocks' keys matter only to prefills on the slot that wait for them
+        awaited = self.active.awaits_stored_blocks(slot)
         stored = self.index.apply_batch(
-            slot, batch, state.block_size, self._lora_ids.get(worker_id)
+            slot, batch, state.block_size, self._lora_ids.get(worker_id), want_stored=awaited
         )
         self.active.progressed(slot)
-        if stored and self.active.awaits_stored_blocks(slot):  # prefills settled by the blocks
-            for keys in stored:
-                self.active.blocks_stored(slot, keys)
+        for keys in stored:  # prefills settled by the blocks
+            self.active.blocks_stored(slot, keys)
         return None
 
     def replay_failed(self, worker_id: int, dp_rank: int | None = None) -> None:

@@ -85,7 +85,7 @@ def test_index_reads_parsed_batches_as_decoded_ones(signed, bs):
     kernels.warm_up()  # the index's warm-up compiles the parser too
     assert kv_events._reader is not None
     payloads, prefixes = _stream(np.random.default_rng(int(signed)), signed, bs)
-    lists, arrays, rows = KvIndex(), KvIndex(), KvIndex()
+    lists, arrays, rows, unwanted = KvIndex(), KvIndex(), KvIndex(), KvIndex()
     lora_names = {3: "sql"}
     for rank, payload in payloads:
         decoded, parsed = decode_batch(payload), parse_batch(payload)
@@ -97,16 +97,24 @@ def test_index_reads_parsed_batches_as_decoded_ones(signed, bs):
         # in one kernel call: the same keys (their order within the batch aside)
         in_rows = rows.apply_batch(slot, parse_batch(payload), bs, lora_names)
         assert sorted(k.tolist() for k in in_rows) == sorted(want)
+        # no prefill waits for the keys: the same index, no keys sliced out
+        assert (
+            unwanted.apply_batch(slot, parse_batch(payload), bs, lora_names, want_stored=False)
+            == []
+        )
         for r in (0, 1):
             assert arrays.block_count((1, r)) == lists.block_count((1, r))
             assert rows.block_count((1, r)) == lists.block_count((1, r))
+            assert unwanted.block_count((1, r)) == lists.block_count((1, r))
     assert arrays.distinct_blocks() == rows.distinct_blocks() == lists.distinct_blocks() > 0
+    assert unwanted.distinct_blocks() == lists.distinct_blocks()
     matched = 0
     for prefix in prefixes:
         for lora in (None, "sql"):
             query = block_hash_array(prefix, bs, lora)
             expected = lists.find_matches(query)
             assert arrays.find_matches(query) == rows.find_matches(query) == expected
+            assert unwanted.find_matches(query) == expected
             matched += bool(expected)
     assert matched > 10  # the stream left blocks to find
 
