@@ -109,3 +109,41 @@ def test_the_overflow_counts_a_whole_sequence_of_the_worker():
     # and are the fleet's work
     work = 4 * PREFILL_WORK_WEIGHT
     assert decision.cost == pytest.approx(4 + 0.0025 * (980 + 40) + (20 + 490) + 4 * 2 + work)
+
+
+def _decode_read(scorers: list[ScorerRef]) -> list[ScorerRef]:
+    """`scorers` with `load` priced per engine step of the prefill (`decode-read`, half the
+    weight: a one-step prompt costs what it did)."""
+    return [
+        s if s.type != "load" else ScorerRef(type="decode-read", weight=s.weight / 2)
+        for s in scorers
+    ]
+
+
+def _documents(scorers: list[ScorerRef], step_tokens: int) -> Router:
+    """Two workers: 1 with 8,000 blocks of other requests decoding, 2 with 30 blocks of
+    prefill queued."""
+    router = Router(RouterConfig(scorers=scorers, seed=1))
+    for wid in (1, 2):
+        router.add_worker(wid, block_size=BS, total_blocks=100_000, step_tokens=step_tokens)
+    for _ in range(8):
+        router.active.book((1, 0), prompt_blocks=1000, prefill_blocks=0)
+    router.active.book((2, 0), prompt_blocks=30, prefill_blocks=30)
+    return router
+
+
+@pytest.mark.parametrize("blocks, decode_read_picks", [(4, 1), (2000, 2)])
+def test_a_long_prefill_pays_for_the_decode_load_at_every_step(blocks, decode_read_picks):
+    """A prompt of `blocks` uncached blocks, in 512-token steps, priced by its own TTFT
+    estimate (kv-overlap, the decode term, kv-overflow). `load` prices the 8,000 decoding
+    blocks as 20 blocks to prefill (0.0025 each), so a short prompt and a long one both go to
+    worker 1, ahead of worker 2's 30 queued blocks (prompt + 20 against prompt + 30).
+    `decode-read` prices them per step until the prefill ends (8,000 · 0.00125 · steps): the
+    same for a short prompt (two steps: 20), but a 2,000-block document spans 63 steps on
+    worker 1, each reading the 8,000 blocks (800 blocks' worth), so it goes to worker 2."""
+    own_ttft = [s for s in ttft_scorers(work_weight=0) if s.type != "queue-delay"]
+    prompt = list(range(10**6, 10**6 + blocks * BS))
+    for scorers, expected in ((own_ttft, 1), (_decode_read(own_ttft), decode_read_picks)):
+        router = _documents(scorers, step_tokens=512)
+        request = RouteRequest("d", block_hash_array(prompt, BS), len(prompt), query_only=True)
+        assert router.schedule(request).decode.worker_id == expected, scorers
