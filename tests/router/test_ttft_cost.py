@@ -7,7 +7,6 @@ waiting there more than it saves (queue-delay)."""
 
 import pytest
 
-from dynamograph.protocol.engine import EngineConfig
 from dynamograph.protocol.hashing import block_hash_array
 from dynamograph.protocol.kv_events import BlockStored, EventBatch
 from dynamograph.protocol.router_config import (
@@ -17,7 +16,6 @@ from dynamograph.protocol.router_config import (
     dynamo_scorers,
     ttft_scorers,
 )
-from dynamograph.router.fleet import DEFAULT_STEP_TOKENS
 from dynamograph.router.scheduler import Router, RouteRequest
 
 pytestmark = pytest.mark.unit
@@ -149,17 +147,3 @@ def test_a_long_prefill_pays_for_the_decode_load_at_every_step(blocks, decode_re
         router = _documents(scorers, step_tokens=512)
         request = RouteRequest("d", block_hash_array(prompt, BS), len(prompt), query_only=True)
         assert router.schedule(request).decode.worker_id == expected, scorers
-
-
-def test_a_workers_step_budget_is_the_max_num_batched_tokens_it_publishes():
-    def config(instance_id: int, step: int | None) -> EngineConfig:
-        return EngineConfig(
-            model="m", served_model_name="m", context_length=1 << 16, kv_cache_block_size=BS,
-            total_kv_blocks=TOTAL, max_num_seqs=8, max_num_batched_tokens=step,
-            instance_id=instance_id, name=f"w{instance_id}", tokenizer="qwen",
-        )  # fmt: skip
-
-    router = Router(RouterConfig(scorers=_decode_read(ttft_scorers())))
-    assert router.add_engine(config(1, 512)) and router.add_engine(config(2, None))
-    steps = router._current_fleet().step_tokens.tolist()
-    assert steps == [512, DEFAULT_STEP_TOKENS]
