@@ -107,21 +107,6 @@ POLICIES: dict[str, Policy] = {
             {"scorers": [s.model_dump() for s in ttft_scorers()]},
         ),
         Policy(
-            "kv-ttft-decode-read",
-            "epp",
-            "kv-ttft with its decode term priced per engine step of the request's prefill "
-            "(decode-read: booked decode blocks × the steps until its prefill ends, at half "
-            "load's weight, so a one-step prompt costs what it does with load)",
-            {
-                "scorers": [
-                    s.model_dump()
-                    if s.type != "load"
-                    else {"type": "decode-read", "weight": s.weight / 2}
-                    for s in ttft_scorers()
-                ]
-            },
-        ),
-        Policy(
             "kv-ttft-greedy",
             "epp",
             "EPP, KV events, kv-ttft without its queue-delay and prefill-work terms: each "

@@ -23,8 +23,6 @@ from .active import DECODE, PREFILL, REQUESTS, UNANSWERED, ActiveRequests
 from .index import KvIndex
 
 Slot = tuple[int, int]
-# vLLM's default max_num_batched_tokens for online serving, for an engine that does not say
-DEFAULT_STEP_TOKENS = 8192
 
 
 @dataclass(slots=True)
@@ -37,9 +35,6 @@ class WorkerState:
     block_size: int
     total_blocks: int
     lora_names: frozenset[str]
-    # prompt tokens one engine step prefills at most (max_num_batched_tokens): how many steps
-    # a prefill spans
-    step_tokens: int = DEFAULT_STEP_TOKENS
     ready: bool = True
     # per dp rank, from /metrics scrapes
     waiting: list[int] = field(default_factory=list)
@@ -90,9 +85,6 @@ class Fleet:
         self.ready = np.array([w.ready for w in states for _ in range(w.dp_size)], bool)
         self.total_blocks = np.array(
             [w.total_blocks for w in states for _ in range(w.dp_size)], np.int64
-        )
-        self.step_tokens = np.array(
-            [w.step_tokens for w in states for _ in range(w.dp_size)], np.int64
         )
         self.kv_usage = np.array([u for w in states for u in w.kv_usage], np.float64)
         self.waiting = np.array([n for w in states for n in w.waiting], np.int64)

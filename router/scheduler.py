@@ -36,7 +36,7 @@ from dynamograph.protocol.router_config import RouterConfig
 
 from .active import ActiveRequests, RequestGuard, Slot
 from .errors import InvalidPin, NoEligibleWorker, Overloaded, RoutingError
-from .fleet import DEFAULT_STEP_TOKENS, Candidates, Fleet, WorkerState
+from .fleet import Candidates, Fleet, WorkerState
 from .index import KvIndex, as_u64, chain_keys
 from .plugins.base import Context, Phase
 from .prefills import prefill_marks
@@ -159,7 +159,6 @@ class Router:
                 # the engine's scraped metric alone
                 total_blocks=config.total_kv_blocks or UNKNOWN_TOTAL_BLOCKS,
                 lora_names=config.lora_adapters,
-                step_tokens=config.max_num_batched_tokens or DEFAULT_STEP_TOKENS,
             )
         except ValueError as exc:
             log.error("worker %s not added: %s", config.name, exc)
@@ -175,14 +174,12 @@ class Router:
         block_size: int,
         total_blocks: int,
         lora_names: Mapping[int, str] | Iterable[str] = (),
-        step_tokens: int = DEFAULT_STEP_TOKENS,
     ) -> None:
         """Register (or update) a worker. `lora_names`: the adapters it serves, as a mapping
-        vLLM lora_id → name, or names in load order (ids 1, 2, …, vLLM's assignment);
-        `step_tokens`: the most prompt tokens one of its engine steps prefills. All workers
-        must share one block size (ValueError otherwise)."""
-        if dp_size < 1 or block_size < 1 or total_blocks < 1 or step_tokens < 1:
-            raise ValueError("dp_size, block_size, total_blocks and step_tokens must be positive")
+        vLLM lora_id → name, or names in load order (ids 1, 2, …, vLLM's assignment). All
+        workers must share one block size (ValueError otherwise)."""
+        if dp_size < 1 or block_size < 1 or total_blocks < 1:
+            raise ValueError("dp_size, block_size and total_blocks must be positive")
         others = {w.block_size for wid, w in self._workers.items() if wid != worker_id}
         if others and block_size not in others:
             raise ValueError(
@@ -200,7 +197,6 @@ class Router:
             block_size=block_size,
             total_blocks=total_blocks,
             lora_names=frozenset(ids.values()),
-            step_tokens=step_tokens,
             ready=old.ready if old else True,
             waiting=[0] * dp_size,
             running=[0] * dp_size,

@@ -102,25 +102,6 @@ class LoadScorer(Scorer):
 
 
 @register
-class DecodeReadScorer(Scorer):
-    """Decode term priced for this request's prefill: the decode blocks booked here plus those
-    this request adds (`load`'s blocks), times the engine steps until its prefill ends there
-    plus the step under way. Every step reads the K/V of every decoding sequence, so a long
-    prefill, spanning many steps, pays for the decode load at each: the steps are the prefill
-    booked there and this request's uncached blocks, in tokens, over the slot's step budget
-    (max_num_batched_tokens). A prompt that fits in one step pays for two steps, what `load`
-    at twice this term's weight prices for every prompt."""
-
-    name = "decode-read"
-
-    def score(self, ctx: Context, c: Candidates) -> np.ndarray:
-        prefill_tokens = (c.booked_prefill + uncached_blocks(ctx, c)) * ctx.block_size
-        # ceil, and the step under way; two at least
-        steps: NDArray[np.int64] = np.maximum(-(-prefill_tokens // c.fleet.step_tokens) + 1, 2)
-        return (c.booked_decode + new_blocks(ctx, c)) * steps
-
-
-@register
 class KvOverflowScorer(Scorer):
     """Capacity term: the blocks this request would add beyond the slot's free KV blocks (in
     use: the larger of the scraped KV usage and the blocks booked here), rounded up by one
