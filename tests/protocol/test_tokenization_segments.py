@@ -144,7 +144,10 @@ def test_encoding_after_asking_its_cost_gives_the_same_ids(monkeypatch):
 def test_prose_is_cut_into_chunks_that_encode_as_the_whole(monkeypatch):
     tokenizer = get_tokenizer("qwen")
     monkeypatch.setattr(tokenizer, "segments", SegmentCache(tokenizer._encode_ordinary))
-    text = (REPO / "docs" / "benchmarks.md").read_text()
+    # the repo's prose without its tables: a table row has no space between two letters, and
+    # past `_CUT_WINDOW` characters without one the chunker stops cutting (as designed)
+    lines = (REPO / "docs" / "benchmarks.md").read_text().splitlines(keepends=True)
+    text = "".join(line for line in lines if not line.startswith("|"))
     chunks = tokenizer._chunks(text)
     assert len(chunks) > len(text) // (2 * tokenizer.CHUNK_CHARS)
     assert all(len(c) >= tokenizer.CHUNK_CHARS for c in chunks[:-1])
