@@ -137,14 +137,15 @@ _EPP_FAILURE_REPLY = {
 
 
 # Where a request's time goes at the gateway, one JSON line per request (`access_log`): `start`
-# (Unix seconds, ms precision), `request_ms` from the client's first byte until the request
-# leaves for the worker (the body's upload, every ext_proc exchange up to the EPP's pick,
-# connecting to the worker), `worker_ms` until the worker's response head (a non-streamed
-# answer: all of it), `response_hold_ms` from that head until Envoy sends it on (the EPP's
-# answer to the response headers), `total_ms`; `request_id` (the client's `x-request-id`, or
-# the one Envoy made) and `upstream` (the worker's address) join it to other logs.
+# (Unix seconds, µs precision: truncated to ms it could come before the client's own send
+# time), `request_ms` from the client's first byte until the request leaves for the worker
+# (the body's upload, every ext_proc exchange up to the EPP's pick, connecting to the worker),
+# `worker_ms` until the worker's response head (a non-streamed answer: all of it),
+# `response_hold_ms` from that head until Envoy sends it on (the EPP's answer to the response
+# headers), `total_ms`; `request_id` (the client's `x-request-id`, or the one Envoy made) and
+# `upstream` (the worker's address) join it to other logs.
 ACCESS_LOG_FIELDS = {
-    "start": "%START_TIME(%s.%3f)%",
+    "start": "%START_TIME(%s.%6f)%",
     "request_id": "%REQ(X-REQUEST-ID)%",
     "upstream": "%UPSTREAM_HOST%",
     "code": "%RESPONSE_CODE%",
