@@ -203,7 +203,7 @@ def gateway_phases(
     results: Iterable[RequestResult] = (),
     time_scale: float = 1.0,
 ) -> dict[str, Any]:
-    """p50 / p90 / p99 of each phase (`local.envoy.ACCESS_LOG_FIELDS`) over the requests the
+    """p50 / p90 / p99 of each phase (ms, from `local.envoy.ACCESS_LOG_FIELDS`' µs) over the requests the
     gateway answered 200 that started at `since` (Unix seconds) or later, from its JSON access
     log lines; a phase Envoy could not time ("-": it never reached the worker) is left out of
     that phase. With the client's `results` (their `x-request-id` is `bench-<index>`), also
@@ -222,9 +222,9 @@ def gateway_phases(
         answered += 1
         timed = {}
         for name, values in phases.items():
-            value = row.get(name)
+            value = row.get(name[: -len("_ms")] + "_us")  # logged in µs
             if value not in (None, "-", ""):
-                timed[name] = float(value)
+                timed[name] = float(value) / 1e3
                 values.append(timed[name])
         result = served.get(row.get("request_id"))
         if result is not None and len(timed) == len(GATEWAY_PHASES):

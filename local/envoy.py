@@ -138,21 +138,22 @@ _EPP_FAILURE_REPLY = {
 
 # Where a request's time goes at the gateway, one JSON line per request (`access_log`): `start`
 # (Unix seconds, µs precision: truncated to ms it could come before the client's own send
-# time), `request_ms` from the client's first byte until the request leaves for the worker
+# time), `request_us` from the client's first byte until the request leaves for the worker
 # (the body's upload, every ext_proc exchange up to the EPP's pick, connecting to the worker),
-# `worker_ms` until the worker's response head (a non-streamed answer: all of it),
-# `response_hold_ms` from that head until Envoy sends it on (the EPP's answer to the response
-# headers), `total_ms`; `request_id` (the client's `x-request-id`, or the one Envoy made) and
-# `upstream` (the worker's address) join it to other logs.
+# `worker_us` until the worker's response head (a non-streamed answer: all of it),
+# `response_hold_us` from that head until Envoy sends it on (the EPP's answer to the response
+# headers), `total_us` until the response's last byte; `request_id` (the client's
+# `x-request-id`, or the one Envoy made) and `upstream` (the worker's address) join it to other
+# logs. In microseconds: at ms resolution an ext_proc round trip (~1 ms) reads as 0 or 1.
 ACCESS_LOG_FIELDS = {
     "start": "%START_TIME(%s.%6f)%",
     "request_id": "%REQ(X-REQUEST-ID)%",
     "upstream": "%UPSTREAM_HOST%",
     "code": "%RESPONSE_CODE%",
-    "request_ms": "%COMMON_DURATION(DS_RX_BEG:US_TX_BEG:ms)%",
-    "worker_ms": "%COMMON_DURATION(US_TX_BEG:US_RX_BEG:ms)%",
-    "response_hold_ms": "%COMMON_DURATION(US_RX_BEG:DS_TX_BEG:ms)%",
-    "total_ms": "%DURATION%",
+    "request_us": "%COMMON_DURATION(DS_RX_BEG:US_TX_BEG:us)%",
+    "worker_us": "%COMMON_DURATION(US_TX_BEG:US_RX_BEG:us)%",
+    "response_hold_us": "%COMMON_DURATION(US_RX_BEG:DS_TX_BEG:us)%",
+    "total_us": "%COMMON_DURATION(DS_RX_BEG:DS_TX_END:us)%",
 }
 
 

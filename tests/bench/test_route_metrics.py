@@ -79,13 +79,16 @@ vllm:prefix_cache_hits_total{model_name="m"} 250.0
 
 def test_gateway_phases_count_answered_requests_and_skip_untimed_phases():
     lines = [
-        b'{"start":"99.5","code":"200","request_ms":"1","worker_ms":"1","total_ms":"2"}\n',  # early
-        b'{"code":"200","request_ms":"10","worker_ms":"100","response_hold_ms":"1","total_ms":"111"}\n',
-        b'{"code":200,"request_ms":30,"worker_ms":300,"response_hold_ms":3,"total_ms":333}\n',
+        # early
+        b'{"start":"99.5","code":"200","request_us":"1000","worker_us":"1000","total_us":"2000"}\n',
+        b'{"code":"200","request_us":"10000","worker_us":"100000","response_hold_us":"1000",'
+        b'"total_us":"111000"}\n',
+        b'{"code":200,"request_us":30000,"worker_us":300000,"response_hold_us":3000,'
+        b'"total_us":333000}\n',
         b"\n",
         # refused by the EPP: never reached a worker, so Envoy could not time those phases
-        b'{"code":"429","request_ms":"-","worker_ms":"-","response_hold_ms":"-","total_ms":"2"}\n',
-        b'{"code":"200","request_ms":"20","worker_ms":"-","response_hold_ms":"-","total_ms":"5"}\n',
+        b'{"code":"429","request_us":"-","worker_us":"-","response_hold_us":"-","total_us":"2000"}\n',
+        b'{"code":"200","request_us":"20000","worker_us":"-","response_hold_us":"-","total_us":"5000"}\n',
     ]
     phases = gateway_phases(
         [line.replace(b'{"code', b'{"start":"100.0","code') for line in lines], 100
@@ -108,12 +111,12 @@ def test_gateway_phases_split_each_request_outside_the_engine_by_request_id():
     b.sent_at, b.engine_e2e_s = 100.0, 0.9
     shed = RequestResult(2, SHED, sent_at=100.0)
     lines = [
-        b'{"start":"100.005","request_id":"bench-0","code":200,"request_ms":20,"worker_ms":300,'
-        b'"response_hold_ms":4,"total_ms":330}\n',
-        b'{"start":"100.005","request_id":"bench-2","code":429,"request_ms":"-","worker_ms":"-",'
-        b'"response_hold_ms":"-","total_ms":1}\n',
-        b'{"start":"100.005","request_id":"other","code":200,"request_ms":9,"worker_ms":9,'
-        b'"response_hold_ms":9,"total_ms":30}\n',
+        b'{"start":"100.005","request_id":"bench-0","code":200,"request_us":20000,'
+        b'"worker_us":300000,"response_hold_us":4000,"total_us":330000}\n',
+        b'{"start":"100.005","request_id":"bench-2","code":429,"request_us":"-","worker_us":"-",'
+        b'"response_hold_us":"-","total_us":1000}\n',
+        b'{"start":"100.005","request_id":"other","code":200,"request_us":9000,"worker_us":9000,'
+        b'"response_hold_us":9000,"total_us":30000}\n',
     ]
     parts = gateway_phases(lines, 100, [a, b, shed], time_scale=3.0)["outside_engine_parts"]
     assert parts["joined"] == 1
