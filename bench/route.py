@@ -515,7 +515,7 @@ def _write_gateway_phases(
         phases = gateway_phases(f, since, results, time_scale)
 
     def ms(p: dict) -> str:
-        return "/".join("-" if p[q] is None else f"{p[q]:.0f}" for q in ("p50", "p99"))
+        return "/".join("-" if p[q] is None else f"{p[q]:.1f}" for q in ("p50", "p99"))
 
     print(
         f"  {name}: gateway p50/p99 ms: request until it leaves for the worker "
