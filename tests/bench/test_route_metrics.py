@@ -87,8 +87,10 @@ def test_gateway_phases_count_answered_requests_and_skip_untimed_phases():
         b'"total_us":333000}\n',
         b"\n",
         # refused by the EPP: never reached a worker, so Envoy could not time those phases
-        b'{"code":"429","request_us":"-","worker_us":"-","response_hold_us":"-","total_us":"2000"}\n',
-        b'{"code":"200","request_us":"20000","worker_us":"-","response_hold_us":"-","total_us":"5000"}\n',
+        b'{"code":"429","request_us":"-","worker_us":"-","response_hold_us":"-",'
+        b'"total_us":"2000"}\n',
+        b'{"code":"200","request_us":"20000","worker_us":"-","response_hold_us":"-",'
+        b'"total_us":"5000"}\n',
     ]
     phases = gateway_phases(
         [line.replace(b'{"code', b'{"start":"100.0","code') for line in lines], 100
