@@ -1,6 +1,7 @@
 """`dynamograph bench NAME`: one command per benchmark, each printing a table and writing JSON."""
 
 import argparse
+import signal
 
 from dynamograph.cli.main import Command, NotBuilt, load
 
@@ -43,4 +44,9 @@ def run(args: argparse.Namespace) -> int:
     except NotBuilt:
         print(f"dynamograph bench {args.bench}: this benchmark is not built yet")
         return 2
+    # Killed (a CI timeout, `kill`, a closed terminal): stop as on Ctrl-C, so the benchmark's
+    # `finally` blocks stop the workers, routers and gateways it started instead of leaving them
+    # running without it.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.default_int_handler)
     return module.run(args) or 0
