@@ -114,7 +114,7 @@ class MockForwarder:
         usage = usage or {}
         if produced != usage.get("completion_tokens", produced):
             log.warning("re-encoded %d ids for %s generated tokens", produced, usage)
-        self.record(nvext, usage)
+        self.record(nvext, usage, context.id() if context is not None else None)
         yield {
             "token_ids": [],
             "finish_reason": finish or "length",
@@ -126,15 +126,18 @@ class MockForwarder:
             },
         }
 
-    def record(self, nvext: dict[str, Any] | None, usage: dict[str, Any]) -> None:
+    def record(
+        self, nvext: dict[str, Any] | None, usage: dict[str, Any], request_id: str | None
+    ) -> None:
         """The mock's own report of one request (its simulated timing): Dynamo's frontend
         replaces `nvext.timing` with its own wall clock, so the benchmark reads the engine's
-        figures from here."""
+        figures from here, by the request id Dynamo's context carries."""
         if self.log is None:
             return
         timing = (nvext or {}).get("timing") or {}
         details = usage.get("prompt_tokens_details") or {}
         row = {
+            "request_id": request_id,
             "ttft_ms": timing.get("ttft_ms"),
             "total_time_ms": timing.get("total_time_ms"),
             "prompt_tokens": usage.get("prompt_tokens"),

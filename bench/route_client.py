@@ -105,6 +105,8 @@ def _read_event(event: dict, result: RequestResult, start: float, streaming: boo
     if event.get("error"):
         result.error = f"error: {str(event['error'])[:300]}"
         return
+    if result.response_id is None and isinstance(event.get("id"), str):
+        result.response_id = event["id"]
     choices = event.get("choices") or []
     if streaming and choices and result.ttft_s is None and _chunk_text(choices[0]):
         # Without streaming the answer arrives whole: the time to first token then comes only

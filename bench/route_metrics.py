@@ -37,6 +37,7 @@ class RequestResult:
     engine_ttft_s: float | None = None  # simulated, as the engine reports it (nvext.timing)
     engine_e2e_s: float | None = None
     sent_at: float | None = None  # Unix seconds the request was sent: joins the gateway's log
+    response_id: str | None = None  # the answer's OpenAI `id`: joins a router's engine records
 
 
 @dataclass

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import shutil
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +24,7 @@ from dynamograph.local.procs import PortPool
 from dynamograph.protocol.router_config import PREFILL_WORK_WEIGHT, dynamo_scorers, ttft_scorers
 
 from .route_fleet import DYNAMOGRAPH, OFFLINE_ENV, LaunchError, Proc, Worker, stop_all, wait_http
+from .route_metrics import RequestResult
 
 # The llm-d policy run with its precise prefix-cache scorer (bench/route_foreign_epp.py)
 PRECISE = "precise-prefix-cache"
@@ -54,6 +55,9 @@ class Routed:
     metrics_url: str | None = None  # a foreign EPP's Prometheus page (its picks per pod)
     access_log: Path | None = None  # the gateway's per-request timings (EPPs behind our Envoy)
     gateway_pids: Sequence[int] = ()  # the Envoy in front of an EPP
+    # a router that answers `nvext.timing` from its own clock (Dynamo's frontend): sets each
+    # result's engine figures from what its engines reported instead (`route_dynamo`)
+    engine_view: Callable[[Sequence[RequestResult]], None] | None = None
 
 
 POLICIES: dict[str, Policy] = {

@@ -120,3 +120,16 @@ async def test_dynamo_kv_routes_repeated_prefixes_to_their_holder(tmp_path):
     engine_view = json.loads((tmp_path / "dynamo-engine.json").read_text())
     assert engine_view["requests"] == len(results)
     assert engine_view["engine_ttft_p50_s"] is not None
+    # and bench route finds each answer's record by its id: the engine's TTFT, not the frontend's
+    recorded = {
+        row["request_id"]: row["ttft_ms"] / 1e3
+        for path in tmp_path.glob("dynamo-worker-*.jsonl")
+        for row in map(json.loads, path.read_text().splitlines())
+    }
+    answered = list(results.values())
+    assert routed.engine_view is not None
+    routed.engine_view(answered)
+    for r in answered:
+        assert r.response_id is not None and r.response_id.startswith("cmpl-"), r.response_id
+        assert r.engine_ttft_s == recorded[r.response_id.removeprefix("cmpl-")]
+        assert r.engine_e2e_s is not None and r.engine_e2e_s >= r.engine_ttft_s

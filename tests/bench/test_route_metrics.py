@@ -145,3 +145,33 @@ def test_summarize_gives_the_routers_cpu_and_wait_per_served_request():
     assert m.host_busy == 0.75
     bare = summarize("kv", results, inherent_reuse=0.5, time_scale=1.0, wall_s=2.0)
     assert (bare.router_cpu_ms_per_request, bare.host_busy) == (None, None)
+
+
+def test_dynamo_results_take_their_engines_figures_by_answer_id(tmp_path):
+    """Dynamo's frontend answers `nvext.timing` from its own clock; bench route replaces it with
+    what the mock reported to the Dynamo worker, found by the answer's id (`cmpl-<request id>`,
+    the id the worker's context carried). A result without a record keeps no engine figure."""
+    import json
+
+    from dynamograph.bench.route_dynamo import join_engine_view
+
+    rows = [
+        {"request_id": "a1b2-c3", "ttft_ms": 120.0, "total_time_ms": 900.0},
+        {"request_id": "d4", "ttft_ms": 40.0, "total_time_ms": None},
+    ]
+    records = [tmp_path / "dynamo-worker-0.jsonl", tmp_path / "dynamo-worker-1.jsonl"]
+    records[0].write_text(json.dumps(rows[0]) + "\n")
+    records[1].write_text(json.dumps(rows[1]) + "\n")
+    results = [
+        RequestResult(0, OK, engine_ttft_s=5.0, engine_e2e_s=6.0, response_id="cmpl-a1b2-c3"),
+        RequestResult(1, OK, engine_ttft_s=5.0, engine_e2e_s=6.0, response_id="chatcmpl-d4"),
+        RequestResult(2, OK, engine_ttft_s=5.0, engine_e2e_s=6.0, response_id="cmpl-unknown"),
+        RequestResult(3, SHED),
+    ]
+    join_engine_view(results, [*records, tmp_path / "missing.jsonl"])
+    assert [(r.engine_ttft_s, r.engine_e2e_s) for r in results] == [
+        (0.12, 0.9),
+        (0.04, None),
+        (None, None),
+        (None, None),
+    ]
