@@ -20,7 +20,7 @@ from pathlib import Path
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from dynamograph.local.procs import PortPool, stop_groups
+from dynamograph.local.procs import PortPool, log_tail, spawn, stop_groups
 
 DYNAMOGRAPH = [sys.executable, "-m", "dynamograph.cli"]
 # Foreign routers must never reach the Hugging Face hub (no internet here, and a benchmark must
@@ -41,32 +41,17 @@ class Proc:
     popen: subprocess.Popen | None = None
 
     def start(self) -> Proc:
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        with self.log.open("wb") as out:
-            self.popen = subprocess.Popen(
-                self.argv,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env={**os.environ, **self.env},
-                start_new_session=True,  # its own process group: stop() reaches its children
-            )
+        # its own process group: stop_all reaches its children
+        self.popen = spawn(self.argv, self.log, {**os.environ, **self.env})
         return self
 
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
 
-    def log_tail(self, lines: int = 15) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
     def failure(self, what: str) -> LaunchError:
         state = "exited" if not self.alive() else "still running"
-        return LaunchError(
-            f"{self.name} {what} ({state}); last lines of {self.log}:\n{self.log_tail()}"
-        )
+        tail = log_tail(self.log, 15) or "(no log)"
+        return LaunchError(f"{self.name} {what} ({state}); last lines of {self.log}:\n{tail}")
 
 
 def stop_all(procs: Sequence[Proc], grace: float = 10.0) -> None:

@@ -47,6 +47,8 @@ from dynamograph.protocol.headers import (
     DESTINATION_SUBSET,
 )
 
+from . import procs
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUNDLED_ENVOY = REPO_ROOT / ".local" / "envoy" / "envoy" / "_bin" / "envoy"
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
@@ -490,10 +492,7 @@ class EnvoyProcess:
         return f"http://127.0.0.1:{self.admin_port}"
 
     def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
+        return procs.log_tail(self.log_path, lines)
 
 
 async def _wait_ready(envoy: EnvoyProcess, deadline: float) -> None:

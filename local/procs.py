@@ -5,7 +5,8 @@ including anything it spawned, is stopped with one `killpg`. A pid alone is not 
 it may be reused after the process dies — so the state file records each process's kernel start
 time and nothing is signalled unless the pid still has that start time. Linux (`/proc`) only.
 
-The ports a plan's processes get come from `PortPool`, held until they start.
+The ports a plan's processes get come from `PortPool`, held until they start. `spawn` starts a
+process that way (its own session, output to a log file) for the supervisor and the benchmarks.
 """
 
 from __future__ import annotations
@@ -15,13 +16,41 @@ import errno
 import os
 import signal
 import socket
+import subprocess
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from dynamograph.protocol.ports import bind_ports
 
 PROC = Path("/proc")
+
+
+def spawn(
+    argv: Sequence[str], log: Path, env: Mapping[str, str], *, append: bool = False
+) -> subprocess.Popen:
+    """Start `argv` leading its own session (so its process group holds whatever it spawns and
+    one `killpg` stops them all; it also outlives the terminal), stdout and stderr into `log`
+    (appended to with `append`), stdin closed, with exactly `env`."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("ab" if append else "wb") as out:
+        return subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=dict(env),
+            start_new_session=True,
+        )
+
+
+def log_tail(path: Path, lines: int = 20) -> str:
+    """The last `lines` lines of a log ("" when it cannot be read): what an error shows."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
 
 
 def _stat_fields(pid: int) -> list[str] | None:

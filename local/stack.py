@@ -90,14 +90,6 @@ class Running:
         return "exited" if self.popen is None else f"exited with code {code}"
 
 
-def log_tail(path: Path, lines: int = 20) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return ""
-    return "\n".join(text.splitlines()[-lines:])
-
-
 class Stack:
     """The processes of one plan, started from this process or re-attached from a state file."""
 
@@ -109,19 +101,9 @@ class Stack:
     # --- starting -------------------------------------------------------------------------
 
     def _spawn(self, spec: ProcessSpec, append: bool = False) -> Running:
-        log_dir = self.run_dir / "logs"
-        log_dir.mkdir(parents=True, exist_ok=True)
-        log = log_dir / f"{spec.name}.log"
+        log = self.run_dir / "logs" / f"{spec.name}.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **spec.env}
-        with log.open("ab" if append else "wb") as out:
-            popen = subprocess.Popen(
-                spec.argv,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,  # own process group; survives the terminal and `up`
-            )
+        popen = procs.spawn(spec.argv, log, env, append=append)  # survives the terminal and `up`
         return Running(spec, popen.pid, procs.start_time(popen.pid), log, popen)
 
     def respawn(self, proc: Running) -> None:
@@ -166,7 +148,7 @@ class Stack:
                 if proc.poll() is not None:
                     raise StackError(
                         f"{proc.spec.name} {proc.describe_exit()} while starting; "
-                        f"last lines of {proc.log}:\n{log_tail(proc.log)}"
+                        f"last lines of {proc.log}:\n{procs.log_tail(proc.log)}"
                     )
             ready = await asyncio.gather(*(probe(session, p.spec.ready) for p in pending))
             pending = [p for p, ok in zip(pending, ready, strict=True) if not ok]
@@ -186,7 +168,7 @@ class Stack:
                 if proc.poll() is not None:
                     raise StackError(
                         f"{proc.spec.name} {proc.describe_exit()}; last lines of {proc.log}:\n"
-                        f"{log_tail(proc.log)}"
+                        f"{procs.log_tail(proc.log)}"
                     )
             if time.monotonic() > deadline:
                 raise StackError(f"{url} did not answer 200 in time; logs in {self.run_dir}")

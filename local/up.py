@@ -42,7 +42,6 @@ from .stack import (
     Stack,
     StackError,
     default_state_root,
-    log_tail,
 )
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -200,7 +199,9 @@ def _detach(
         if child.poll() is None:
             child.terminate()
         code = child.wait()
-        err.print(f"[red]the graph did not start[/red]; last lines of {log}:\n{log_tail(log, 40)}")
+        err.print(
+            f"[red]the graph did not start[/red]; last lines of {log}:\n{procs.log_tail(log, 40)}"
+        )
         return code or 1
     console.print(f"OpenAI base URL: {base_url}", highlight=False)
     console.print(f"logs: {run_dir / 'logs'} (the supervisor's: up.log, supervisor.log)")
