@@ -254,13 +254,14 @@ async def _run_policy(name, workers, offsets, bodies, args, logs, time_scale):
         await asyncio.sleep(ROUTER_IDLE_S)
         idle_rate = (_router_cpu(routed) - idle_before) / (time.monotonic() - idle_start)
         before = await scrape_workers(workers)
-        watch = Watch(
-            {
-                "router": routed.pids,
-                "gateway": routed.gateway_pids,
-                "workers": [w.proc.popen.pid for w in workers if w.proc.popen is not None],
-            }
-        )
+        groups = {
+            "router": routed.pids,
+            "gateway": routed.gateway_pids,
+            "workers": [w.proc.popen.pid for w in workers if w.proc.popen is not None],
+        }
+        if routed.relay_pids:
+            groups["relays"] = routed.relay_pids
+        watch = Watch(groups)
         replay_start = time.time()  # the gateway's access log counts from here (no warm-up)
         print(f"  {name}: replaying {len(offsets)} requests via {url} ...", flush=True)
         results, wall = await replay(

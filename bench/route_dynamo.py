@@ -20,7 +20,9 @@ policies report; so the Dynamo workers also record what their mocks reported for
 under Dynamo's request id, which names the answer (`cmpl-<id>`): `bench route` joins the two
 (`join_engine_view`), so dynamo-kv's TTFT, duration and time outside the engine are the
 engines' figures like every other policy's. The records are also summarized in
-`dynamo-engine.json` beside the logs. `bench route` measures the frontend process's CPU.
+`dynamo-engine.json` beside the logs. `bench route` measures the frontend process's CPU as the
+router's, and the Dynamo workers' (which a Dynamo deployment runs inside its engines) as a
+group of their own, `relays`, in `router_cpu.json`.
 """
 
 from __future__ import annotations
@@ -175,7 +177,11 @@ async def serve(
         await warm_up(url, model)
         assert frontend.popen is not None
         yield Routed(
-            url, workers, [frontend.popen.pid], engine_view=lambda r: join_engine_view(r, records)
+            url,
+            workers,
+            [frontend.popen.pid],
+            relay_pids=[a.popen.pid for a in adapters if a.popen is not None],
+            engine_view=lambda r: join_engine_view(r, records),
         )
         summary = _engine_view(records)
         (logs / "dynamo-engine.json").write_text(json.dumps(summary, indent=2))

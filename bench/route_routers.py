@@ -55,6 +55,9 @@ class Routed:
     metrics_url: str | None = None  # a foreign EPP's Prometheus page (its picks per pod)
     access_log: Path | None = None  # the gateway's per-request timings (EPPs behind our Envoy)
     gateway_pids: Sequence[int] = ()  # the Envoy in front of an EPP
+    # processes between the router and the workers that a real deployment runs inside its
+    # engines (Dynamo's per-worker runtime): their CPU is measured as a group of its own
+    relay_pids: Sequence[int] = ()
     # a router that answers `nvext.timing` from its own clock (Dynamo's frontend): sets each
     # result's engine figures from what its engines reported instead (`route_dynamo`)
     engine_view: Callable[[Sequence[RequestResult]], None] | None = None

@@ -89,6 +89,7 @@ async def test_dynamo_kv_routes_repeated_prefixes_to_their_holder(tmp_path):
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session,
         ):
             assert routed.pids  # the frontend, whose CPU bench route measures
+            assert len(routed.relay_pids) == len(workers)  # a Dynamo worker per mock, apart
             holder = dict(zip(DOCS, workers, strict=True))
             applied = await _stored_events(session, routed.url)
             seeded = await asyncio.gather(
