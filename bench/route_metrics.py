@@ -167,25 +167,37 @@ def router_cost(host: GroupUsage | None, served: int) -> dict[str, float | None]
 
 
 def split_metrics(
-    results: Sequence[RequestResult], groups: Sequence[str]
+    results: Sequence[RequestResult],
+    groups: Sequence[str],
+    reusable: Sequence[int] | None = None,
 ) -> dict[str, dict[str, float | int | None]]:
     """Per group of requests (`groups[i]` names request i's, e.g. first turn / follow-up /
-    document): how many, how many served, engine TTFT p50 / p99 and prefix hit rate."""
+    document): how many, how many served, engine TTFT p50 / p99 and prefix hit rate. With
+    `reusable` (per request, the prompt tokens an infinite prefix cache held: the workload's
+    inherent reuse) also where reuse was lost: the served requests' reusable tokens, the
+    share of them served from cache, and the reusable tokens their workers had to prefill."""
     members: dict[str, list[RequestResult]] = {}
     for result in results:
         members.setdefault(groups[result.index], []).append(result)
-    out = {}
+    out: dict[str, dict[str, float | int | None]] = {}
     for name, rs in members.items():
         served = [r for r in rs if r.status == OK]
         ttft = [r.engine_ttft_s for r in served if r.engine_ttft_s is not None]
         prompt = sum(r.prompt_tokens for r in served)
+        cached = sum(r.cached_tokens for r in served)
         out[name] = {
             "requests": len(rs),
             "ok": len(served),
             "ttft_p50_s": percentile(ttft, 50),
             "ttft_p99_s": percentile(ttft, 99),
-            "hit_rate": sum(r.cached_tokens for r in served) / prompt if prompt else None,
+            "hit_rate": cached / prompt if prompt else None,
         }
+        if reusable is not None:
+            held = sum(reusable[r.index] for r in served)
+            captured = sum(min(r.cached_tokens, reusable[r.index]) for r in served)
+            out[name]["reusable_tokens"] = held
+            out[name]["reuse_captured"] = captured / held if held else None
+            out[name]["reuse_lost_tokens"] = held - captured
     return out
 
 

@@ -73,6 +73,9 @@ class Load:
     groups: list[str]  # per request: "first turn", "follow-up", "document" or "trace"
     labels: list[dict]  # per request, for requests.jsonl
     inherent_reuse: float
+    # per request, the prompt tokens an infinite prefix cache held (where reuse is lost, by
+    # group); None for the Mooncake trace
+    reusable: list[int] | None = None
     stats: dict = field(default_factory=dict)
 
 
@@ -110,6 +113,7 @@ class MultiTurnSource:
             ],
             labels=[r.label() for r in requests],
             inherent_reuse=reuse,
+            reusable=[r.reusable_tokens for r in requests],
             stats=session_stats(requests),
         )
 
@@ -210,7 +214,7 @@ def make_point(
         rate=rate,
         policy=policy,
         metrics=m,
-        groups=split_metrics(results, load.groups),
+        groups=split_metrics(results, load.groups, load.reusable),
         outside_p50_ms=ms(m.outside_engine_p50_s),
         outside_p99_ms=ms(m.outside_engine_p99_s),
         saturated=reason is not None,
@@ -300,6 +304,10 @@ async def run_sweep(args: argparse.Namespace, setup, sweep) -> int:
     return 0
 
 
+def _pct(share: float | None) -> str:
+    return "-" if share is None else f"{share:.1%}"
+
+
 def _write_labelled(path: Path, results, labels: list[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("wb") as f:
@@ -339,6 +347,7 @@ def _report(args, setup, spec, source, points: list[Point], loads: dict) -> None
                 _f(group["document"].get("ttft_p50_s")),
                 f"{m.hit_rate:.1%}",
                 f"{m.reuse_captured:.1%}",
+                " / ".join(_pct(group[g].get("reuse_captured")) for g in group),
                 f"{m.imbalance:.2f}" if m.imbalance else "-",
             ]
         )
@@ -364,8 +373,20 @@ def _report(args, setup, spec, source, points: list[Point], loads: dict) -> None
     )
     print_table(
         "sweep: routing quality (TTFT engine-reported, simulated s; by first turn, follow-up, "
-        "document)",
-        ["rate", "policy", "TTFT p50", "p99", "1st", "follow", "doc", "hit", "reuse", "imbal."],
+        "document; reuse captured, and by first turn / follow-up / document)",
+        [
+            "rate",
+            "policy",
+            "TTFT p50",
+            "p99",
+            "1st",
+            "follow",
+            "doc",
+            "hit",
+            "reuse",
+            "1st / fu / doc",
+            "imbal.",
+        ],
         quality_rows,
         width=120,
     )

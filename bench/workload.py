@@ -122,6 +122,7 @@ class WorkloadRequest:
             "turn": self.turn,
             "arrival_s": self.arrival_s,
             "prompt_tokens_expected": self.prompt_tokens,
+            "reusable_tokens": self.reusable_tokens,
         }
 
 

@@ -102,6 +102,14 @@ def test_split_metrics_by_group():
     assert split["document"] == {
         "requests": 1, "ok": 0, "ttft_p50_s": None, "ttft_p99_s": None, "hit_rate": None
     }  # fmt: skip
+    # with each request's inherent reuse: where it was lost (request 2 missed 500 of its 1,500;
+    # request 1's cache hits beyond what was reusable do not make up for it)
+    split = split_metrics(results, groups, reusable=[0, 1200, 1500, 800])
+    assert split["first turn"]["reuse_captured"] is None  # nothing was reusable
+    follow = split["follow-up"]
+    assert (follow["reusable_tokens"], follow["reuse_lost_tokens"]) == (2700, 500)
+    assert follow["reuse_captured"] == pytest.approx(2200 / 2700)
+    assert split["document"]["reusable_tokens"] == 0  # shed: not counted
 
 
 def test_a_point_reports_outside_time_in_wall_ms(tmp_path):
