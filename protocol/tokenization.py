@@ -683,12 +683,13 @@ class QwenTokenizer(_FastSwitch):
 
     def _chunks(self, text: str) -> list[str]:
         """Text without special tokens cut into chunks that encode independently: each cut is
-        the first space at least `CHUNK_CHARS` after the previous one that has an ASCII letter
-        on both sides (none within `_CUT_WINDOW` characters after that: no more cuts). In both
-        Qwen patterns the letters before such a space end a pre-token (a run of letters, or a
-        contraction) and the space starts the next (" word"), which no alternative reaches back
-        across (there is no lookbehind), so the chunks' ids are the whole text's (tested
-        against it). A cut depends only on the text up to the letter after it: two texts that
+        the first space or CJK sentence mark at least `CHUNK_CHARS` after the previous one that
+        has a letter on both sides (`_CHUNK_CUT`; none within `_CUT_WINDOW` characters after
+        that: no more cuts). In both Qwen patterns the letters before such a mark end a
+        pre-token (a run of letters and marks, or a contraction: the mark is neither) and the
+        mark starts the next (one character that is no letter, digit or line break, then
+        letters: " word", "，下一句"), which no alternative reaches back across (there is no
+        lookbehind), so the chunks' ids are the whole text's (tested against it). A cut depends only on the text up to the letter after it: two texts that
         begin alike share their chunks up to the last cut before they differ."""
         step = self.CHUNK_CHARS
         if not self._chunked or len(text) < 2 * step:
@@ -802,12 +803,18 @@ _SPACE_RUN_HINT = " " * 64
 _SPACES = re.compile(" +")
 
 
-# Where `QwenTokenizer._chunks` may cut: a space between two ASCII letters (ASCII, so that no
-# Unicode-version difference between Python and the encoders' regex tables can move a cut).
-# The space comes first so that the search jumps from space to space; it looks for one only
-# within `_CUT_WINDOW` characters of where a cut is due (text without one, like words ending
-# in digits, would otherwise be scanned to its end at every turn).
-_CHUNK_CUT = re.compile(r" (?<=[A-Za-z] )(?=[A-Za-z])")
+# Where `QwenTokenizer._chunks` may cut: before a space, or one of the CJK sentence marks
+# (、。，！？；：, which Chinese and Japanese write with no space), between two letters of the
+# scripts long prompts are written in: ASCII, CJK unified ideographs, hiragana, katakana,
+# hangul syllables. Code point ranges, not Unicode categories, so that no Unicode-version
+# difference between Python and the encoders' regex tables can move a cut: every one of them
+# has been a letter since Unicode 3.2 (the ideographs only up to U+9FA5, those of 1.1), and NFC
+# leaves them as they are. The mark comes first so that the search jumps from mark to mark; it
+# looks for one only within `_CUT_WINDOW` characters of where a cut is due (text without one,
+# like words ending in digits, would otherwise be scanned to its end at every turn).
+_CUT_LETTER = "A-Za-z\u3041-\u3096\u30a1-\u30fa\u4e00-\u9fa5\uac00-\ud7a3"
+_CUT_MARK = " \u3001\u3002\uff0c\uff01\uff1f\uff1b\uff1a"
+_CHUNK_CUT = re.compile(f"[{_CUT_MARK}](?<=[{_CUT_LETTER}][{_CUT_MARK}])(?=[{_CUT_LETTER}])")
 _CUT_WINDOW = 1024
 
 

@@ -61,9 +61,17 @@ def test_chat_history_hits_the_cache(monkeypatch):
 
 # Text aimed at the chunk cuts' edges: ASCII letters around single and repeated spaces,
 # contractions, digits, punctuation, newlines, non-ASCII letters and combining marks next to
-# ASCII ones, tabs.
+# ASCII ones, tabs; CJK ideographs, kana and hangul around the CJK sentence marks, a kana
+# followed by a combining sound mark (NFC composes them), a fullwidth digit, an ideograph past
+# the cut ranges (U+9FFF) and one NFC replaces (U+F900).
 _EDGES = st.lists(
-    st.sampled_from([*"ab Zs'tdlm ,.!?\n\t01", "  ", "é", "e\u0301", "日", "ß", "\u00a0"]),
+    st.sampled_from(
+        [
+            *"ab Zs'tdlm ,.!?\n\t01",
+            *("  ", "é", "e\u0301", "日", "ß", "\u00a0"),
+            *"本，。、！？；：か\u3099カー한국１\u9fff\uf900",
+        ]
+    ),
     max_size=300,
 ).map("".join)
 
@@ -168,6 +176,44 @@ def test_a_long_text_that_begins_like_an_earlier_one_encodes_only_where_they_par
     assert 0 < new <= 2 * tokenizer.CHUNK_CHARS + len(" And which policy won?")
     assert np.array_equal(tokenizer.encode(second), _reference(tokenizer, second))
     assert tokenizer.uncached_text_chars(second) == 0
+
+
+def _cjk_prose(seed: int, sentences: int) -> str:
+    """Chinese-like text: sentences of common ideographs ended by CJK marks, no spaces."""
+    rng = random.Random(seed)
+    words = ["我们", "路由", "缓存", "请求", "模型", "工作", "节点", "时间", "因为", "所以"]
+    marks = "，，，。！？；："
+    return "".join(
+        "".join(rng.choice(words) for _ in range(rng.randrange(3, 12))) + rng.choice(marks)
+        for _ in range(sentences)
+    )
+
+
+@pytest.mark.parametrize("vocabulary", ["qwen", "qwen:qwen3.5-27b"])
+def test_cjk_prose_is_cut_at_its_sentence_marks(vocabulary, monkeypatch):
+    """Chinese and Japanese have no spaces between words: their long texts are cut before the
+    CJK sentence marks, and the chunks' ids are the whole text's."""
+    tokenizer = get_tokenizer(vocabulary)
+    monkeypatch.setattr(tokenizer, "segments", SegmentCache(tokenizer._encode_ordinary))
+    japanese = "キャッシュを持つノードへ送ります、次の質問を待ちます。" * 400
+    for text in (_cjk_prose(1, 2_000), japanese, "한국어 문장입니다 " * 2_000):
+        chunks = tokenizer._chunks(text)
+        assert len(chunks) > len(text) // (2 * tokenizer.CHUNK_CHARS)
+        assert all(c[0] in " 、。，！？；：" for c in chunks[1:])
+        assert np.array_equal(tokenizer.encode(text), _reference(tokenizer, text))
+
+
+def test_a_long_cjk_text_that_begins_like_an_earlier_one_encodes_only_where_they_part(
+    monkeypatch,
+):
+    tokenizer = get_tokenizer("qwen")
+    monkeypatch.setattr(tokenizer, "segments", SegmentCache(tokenizer._encode_ordinary))
+    shared = _cjk_prose(2, 8_000)  # ~120,000 characters
+    first, second = shared + "第一个问题？", shared + "哪个策略更好？"
+    tokenizer.encode(first)
+    new = tokenizer.uncached_text_chars(second)
+    assert 0 < new <= 2 * tokenizer.CHUNK_CHARS + len("哪个策略更好？") < len(second) // 4
+    assert np.array_equal(tokenizer.encode(second), _reference(tokenizer, second))
 
 
 def test_a_vocabulary_with_another_pattern_is_not_cut(monkeypatch):
