@@ -23,8 +23,11 @@ NONE, trailers SEND: the headers alone, then the stream's end); the same kv EPP 
 same requests with a one-chunk FULL_DUPLEX_STREAMED response (a labelled row), then two other
 workloads: 16k-token chats (`--chat-tokens`), every conversation's first turn, then its
 follow-up turn (the first turn's messages, an answer and a new question: the segment cache
-of `protocol.tokenization` leaves only the new messages to tokenize), and the Mooncake mix (the
-first `--mooncake-requests` requests of the Mooncake trace, each prompt one user message).
+of `protocol.tokenization` leaves only the new messages to tokenize), a Chinese document asked
+about (one user message: the same `--document-chars`-character document, written without
+spaces, and a new question each time: the chunk cache cuts it at its sentence marks, so only
+its last chunk and the question are tokenized), and the Mooncake mix (the first `--mooncake-requests` requests of the
+Mooncake trace, each prompt one user message).
 Target: ≤ 1.0 ms EPP CPU per routed request (kv mode, all in) on each workload.
 EPP CPU per response chunk is measured apart (`--response-chunks`) in both response modes: with
 the response body sent FULL_DUPLEX_STREAMED each chunk is an ext_proc round trip; with body NONE
@@ -144,7 +147,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--chat-tokens", type=int, default=16384, help="tokens of the long chats' first turn"
     )
     parser.add_argument(
-        "--chat-requests", type=int, default=150, help="long chats (first and follow-up turn)"
+        "--chat-requests",
+        type=int,
+        default=150,
+        help="long chats (first and follow-up turn), and questions about the Chinese document",
+    )
+    parser.add_argument(
+        "--document-chars",
+        type=int,
+        default=65_536,
+        help="characters of the Chinese document asked about",
     )
     parser.add_argument(
         "--mooncake-requests",
@@ -316,6 +328,46 @@ def _chat_turns(args) -> tuple[list[bytes], list[bytes]]:
         ]
         follow.append(orjson.dumps({"model": MODEL, "messages": turn, "max_tokens": 16}))
     return first, follow
+
+
+_CJK_WORDS = [
+    "我们",
+    "路由",
+    "缓存",
+    "请求",
+    "模型",
+    "工作",
+    "节点",
+    "时间",
+    "因为",
+    "所以",
+    "集群",
+]
+
+
+def _cjk_document_bodies(args) -> list[bytes]:
+    """`--chat-requests` questions about one Chinese document of about `--document-chars`
+    characters, each request one user message: the document, then a new question."""
+    rng = random.Random(args.seed + 2)
+    sentences: list[str] = []
+    length = 0
+    while length < args.document_chars:
+        words = "".join(rng.choice(_CJK_WORDS) for _ in range(rng.randrange(3, 12)))
+        sentences.append(words + rng.choice("，，，。！？；："))
+        length += len(sentences[-1])
+    document = "".join(sentences)
+    return [
+        orjson.dumps(
+            {
+                "model": MODEL,
+                "messages": [
+                    {"role": "user", "content": f"{document}问题{i}：{rng.choice(_CJK_WORDS)}？"}
+                ],
+                "max_tokens": 16,
+            }
+        )
+        for i in range(args.chat_requests)
+    ]
 
 
 def _mooncake_bodies(args) -> list[bytes]:
@@ -1175,6 +1227,7 @@ async def _main(args) -> int:
     )  # fmt: skip
     decoding = kv_ingest.decode_costs(batches=5000, seed=args.seed) if ingest else None
     first, follow = _chat_turns(args)
+    cjk = _cjk_document_bodies(args)
     mooncake = _mooncake_bodies(args)
     foreign_names = _foreign_names(args)  # reasons printed before the long run, not after it
     async with _fleet(args.workers) as urls:
@@ -1192,6 +1245,7 @@ async def _main(args) -> int:
                     "(1 chunk)": (bodies[used : used + args.load_requests], True),
                     f"{args.chat_tokens}-token chat, first turn": (first, False),
                     f"{args.chat_tokens}-token chat, follow-up turn": (follow, False),
+                    "Chinese document, new question": (cjk, False),
                     "Mooncake mix": (mooncake, False),
                 },
             )
