@@ -26,8 +26,8 @@ follow-up turn (the first turn's messages, an answer and a new question: the seg
 of `protocol.tokenization` leaves only the new messages to tokenize), a Chinese document asked
 about (one user message: the same `--document-chars`-character document, written without
 spaces, and a new question each time: the chunk cache cuts it at its sentence marks, so only
-its last chunk and the question are tokenized), and the Mooncake mix (the first `--mooncake-requests` requests of the
-Mooncake trace, each prompt one user message).
+its last chunk and the question are tokenized), and the Mooncake mix (the first
+`--mooncake-requests` requests of the Mooncake trace, each prompt one user message).
 Target: ≤ 1.0 ms EPP CPU per routed request (kv mode, all in) on each workload.
 EPP CPU per response chunk is measured apart (`--response-chunks`) in both response modes: with
 the response body sent FULL_DUPLEX_STREAMED each chunk is an ext_proc round trip; with body NONE

@@ -127,8 +127,8 @@ async def serve(
     workers: Sequence[Worker], ports: PortPool, logs: Path, *, model: str
 ) -> AsyncIterator[Routed]:
     """Dynamo's frontend (KV router) and one Dynamo worker per mock worker; yields them once
-    every worker is registered (the router's pid: the frontend's); stops them all and writes the mock-reported
-    timing of the requests routed meanwhile (`dynamo-engine.json`)."""
+    every worker is registered (the router's pid: the frontend's); stops them all and writes the
+    mock-reported timing of the requests routed meanwhile (`dynamo-engine.json`)."""
     python = dynamo_python()
     engine = await _engine_info(workers[0])
     folder = await asyncio.to_thread(

@@ -219,9 +219,10 @@ def gateway_phases(
     """p50 / p90 / p99 of each phase, in ms (`local.envoy.ACCESS_LOG_FIELDS` logs them in µs),
     over the requests the gateway answered 200 that started at `since` (Unix seconds) or later,
     from its JSON access log lines; a phase Envoy could not time ("-": it never reached the
-    worker) is left out of that phase. With the client's `results` (their `x-request-id` is `bench-<index>`), also
-    the parts of each served request's time outside the engine (`OUTSIDE_PARTS`), joined by
-    request id: the engine's time is simulated, `time_scale` times faster than the wall."""
+    worker) is left out of that phase. With the client's `results` (their `x-request-id` is
+    `bench-<index>`), also the parts of each served request's time outside the engine
+    (`OUTSIDE_PARTS`), joined by request id: the engine's time is simulated, `time_scale` times
+    faster than the wall."""
     served = {f"bench-{r.index}": r for r in results if r.status == OK}
     phases: dict[str, list[float]] = {name: [] for name in GATEWAY_PHASES}
     parts: dict[str, list[float]] = {name: [] for name in OUTSIDE_PARTS}

@@ -689,8 +689,9 @@ class QwenTokenizer(_FastSwitch):
         pre-token (a run of letters and marks, or a contraction: the mark is neither) and the
         mark starts the next (one character that is no letter, digit or line break, then
         letters: " word", "，下一句"), which no alternative reaches back across (there is no
-        lookbehind), so the chunks' ids are the whole text's (tested against it). A cut depends only on the text up to the letter after it: two texts that
-        begin alike share their chunks up to the last cut before they differ."""
+        lookbehind), so the chunks' ids are the whole text's (tested against it). A cut depends
+        only on the text up to the letter after it: two texts that begin alike share their
+        chunks up to the last cut before they differ."""
         step = self.CHUNK_CHARS
         if not self._chunked or len(text) < 2 * step:
             return [text]
