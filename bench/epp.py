@@ -631,6 +631,9 @@ async def _exchange_stage(bodies: list[bytes]) -> float:
         def pick_any(self, subset):
             return route
 
+        def refresh(self):
+            pass
+
     picker, metrics = FixedPicker(), EppMetrics()
     wires = []
     for body in bodies:

@@ -146,6 +146,10 @@ class EndpointPicker(Protocol):
         """Route a header-only request (GET /v1/models) to a random ready endpoint."""
         ...
 
+    def refresh(self) -> None:
+        """Bring what picks read up to date, off any request's path (the process is awake)."""
+        ...
+
 
 def check_protocol_config(config: pb.ProtocolConfiguration) -> None:
     """Refuse a request body mode the EPP cannot serve; every other setting works.
@@ -677,6 +681,10 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
                     await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
                 for response in responses:
                     yield response
+                if message.HasField("response_headers"):
+                    # Awake anyway and answered: read the KV events queued since the last
+                    # read now, so the next pick has fewer left to read on its request's path.
+                    self.picker.refresh()
                 if exchange.done or exchange.response_complete:
                     # Nothing is left to process: end the stream now (status OK) rather than
                     # wait for Envoy's half-close, one read fewer per request. Envoy treats

@@ -95,6 +95,9 @@ class RandomEndpointPicker:
         wid, endpoint = random.choice(candidates)
         return Route(endpoint=endpoint, headers={}, worker_id=wid)
 
+    def refresh(self) -> None:
+        """Nothing to bring up to date: a random pick reads no index."""
+
     async def pick(
         self, path: str, headers: Mapping[str, str], body: bytes, subset: frozenset[str] | None
     ) -> Route:
@@ -117,6 +120,9 @@ class KvEndpointPicker:
 
     def pick_any(self, subset: frozenset[str] | None) -> Route:
         return self._random.pick_any(subset)
+
+    def refresh(self) -> None:
+        self.pipeline.refresh()
 
     async def pick(
         self, path: str, headers: Mapping[str, str], body: bytes, subset: frozenset[str] | None

@@ -278,10 +278,16 @@ class RequestPipeline:
         except Overloaded as exc:
             raise _busy_error(exc) from None
 
-    def _attempt(self, request: RouteRequest) -> Routed:
-        """`schedule`, leaving `Overloaded` (every worker busy) as it is, for the queue."""
+    def refresh(self) -> None:
+        """Bring the router's index up to date (`read_events`). Every decision does this first;
+        a caller awake for another reason (the EPP after answering a response's headers) calls
+        it too, so that the next decision finds fewer batches left to read on its path."""
         if self.read_events is not None:
             self.read_events()
+
+    def _attempt(self, request: RouteRequest) -> Routed:
+        """`schedule`, leaving `Overloaded` (every worker busy) as it is, for the queue."""
+        self.refresh()
         try:
             decision = self.router.schedule(request)
         except Overloaded:

@@ -286,6 +286,38 @@ async def test_many_concurrent_streams_all_freed(epp, client):
     await wait_for(lambda: booked(epp) == 0, "the booking to be freed")
 
 
+async def test_answered_response_headers_read_the_queued_kv_events(epp, client):
+    """Once it has answered a response's headers (awake anyway, that response on its way) the
+    EPP reads the KV events queued, so the next pick finds fewer left to read on its path; a
+    request's own messages read only at its pick, and response body chunks not at all."""
+    original = epp.pipeline.read_events
+    assert original is not None  # the EPP reads KV events
+    reads = 0
+
+    def counting() -> None:
+        nonlocal reads
+        reads += 1
+        original()
+
+    epp.pipeline.read_events = counting
+    try:
+        stream = client.stream()
+        first, _, _ = await stream.request(chat_body("reads after the response head " * 20))
+        assert first.HasField("request_headers")
+        assert reads == 1  # the pick's
+        await stream.send(response_headers())
+        assert (await stream.recv()).HasField("response_headers")
+        await wait_for(lambda: reads == 2, "a read after the response headers' answer")
+        await stream.send(response_body(b"data: {}\n\n"))
+        await stream.recv()
+        await stream.send(response_body(b"data: [DONE]\n\n", end_of_stream=True))
+        await stream.recv()
+        assert reads == 2
+    finally:
+        epp.pipeline.read_events = original
+    await wait_for(lambda: booked(epp) == 0, "the booking to be freed")
+
+
 def _ending(kind: str) -> list[pb.ProcessingRequest]:
     if kind == "body":
         return [response_headers(), response_body(b"data: [DONE]\n\n", end_of_stream=True)]
