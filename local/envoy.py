@@ -74,6 +74,12 @@ class EnvoyFailed(RuntimeError):
     pass
 
 
+# Requests under way per connection to an EPP of several processes (`envoy_config`): few enough
+# that a loaded gateway opens connections for every process to get some, and each connection
+# (a TCP and HTTP/2 handshake, then pooled) still carries several requests.
+EPP_STREAMS_PER_CONNECTION = 8
+
+
 def find_envoy() -> Path:
     """The Envoy binary to run; a clear error naming scripts/setup.sh when there is none."""
     configured = os.environ.get("DYNAMOGRAPH_ENVOY")
@@ -191,6 +197,7 @@ def envoy_config(
     epp_sni: str | None = None,
     pool_endpoints: tuple[str, ...] | list[str] = (),
     epp_replicas: tuple[str, ...] | list[str] = (),
+    epp_streams_per_connection: int | None = None,
     access_log: str | None = None,
 ) -> dict[str, Any]:
     """The bootstrap of a GAIE gateway in front of one InferencePool whose EPP is `epp_address`.
@@ -204,6 +211,11 @@ def envoy_config(
     `epp_replicas` ("ip:port") are more EPPs (active-active replicas, docs/epp.md): the EPP
     cluster balances ext_proc streams over them round-robin, as a gateway does over the EPP
     Service's endpoints.
+    `epp_streams_per_connection`: at most this many ext_proc streams (requests under way) on
+    one HTTP/2 connection to the EPP; past it Envoy opens another. For an EPP of several
+    processes on one port (`--processes`): the kernel hands each *connection* to one process,
+    and without a limit each Envoy worker thread keeps all its streams on one connection
+    (`EPP_STREAMS_PER_CONNECTION`, what `dynamograph up` sets then). None: no limit.
     `access_log`: a file Envoy appends a JSON line to per request, with where its time went
     (`ACCESS_LOG_FIELDS`); none by default.
 
@@ -324,7 +336,13 @@ def envoy_config(
                     "typed_extension_protocol_options": {
                         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                             "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                            "explicit_http_config": {"http2_protocol_options": {}},
+                            "explicit_http_config": {
+                                "http2_protocol_options": (
+                                    {"max_concurrent_streams": epp_streams_per_connection}
+                                    if epp_streams_per_connection
+                                    else {}
+                                )
+                            },
                         }
                     },
                     "load_assignment": {
@@ -535,8 +553,10 @@ async def run_envoy(
     log_level: str = "warning",
     workdir: Path | None = None,
     ready_timeout: float = 30.0,
+    concurrency: int | None = None,
 ) -> AsyncIterator[EnvoyProcess]:
-    """Run Envoy with `config` until the block exits; it is ready (admin /ready) on entry."""
+    """Run Envoy with `config` until the block exits; it is ready (admin /ready) on entry.
+    `concurrency`: Envoy's worker threads (its default: one per CPU)."""
     binary = binary or find_envoy()
     own_dir = None
     if workdir is None:
@@ -556,6 +576,7 @@ async def run_envoy(
             "--disable-hot-restart",
             "--log-level",
             log_level,
+            *(("--concurrency", str(concurrency)) if concurrency else ()),
             stdin=asyncio.subprocess.DEVNULL,
             stdout=log_file,
             stderr=log_file,

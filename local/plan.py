@@ -45,6 +45,7 @@ from dynamograph.protocol.launch import (
     worker_args,
 )
 
+from .envoy import EPP_STREAMS_PER_CONNECTION
 from .spec import HOST, STAGE_ENGINES, STAGE_GATEWAY, STAGE_ROUTERS, Plan, Probe, ProcessSpec
 
 _ROLES = {
@@ -153,6 +154,12 @@ def plan_graph(
         failure_mode_allow=fail_open,
         **pool,
         **({"epp_replicas": replicas} if replicas else {}),
+        # several processes behind each EPP port: connections are what the kernel spreads
+        **(
+            {"epp_streams_per_connection": EPP_STREAMS_PER_CONNECTION}
+            if router.processes > 1
+            else {}
+        ),
     )
     processes.append(
         ProcessSpec(

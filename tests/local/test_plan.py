@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dynamograph.local.envoy import EPP_STREAMS_PER_CONNECTION
 from dynamograph.local.plan import plan_graph
 from dynamograph.local.spec import STAGE_ENGINES, STAGE_GATEWAY, STAGE_ROUTERS
 from dynamograph.local.up import DEFAULT_GRAPH, EXAMPLES
@@ -373,6 +374,8 @@ def test_epp_replicas_and_processes_run_active_active_behind_envoy():
     config = json.loads(p.files[arg(envoy.argv, "-c")])["envoy"]
     assert config["epp_address"] == f"127.0.0.1:{epps[0].ports['grpc']}"
     assert config["epp_replicas"] == [f"127.0.0.1:{epps[1].ports['grpc']}"]
+    # several processes per port: Envoy must open several connections for all to get requests
+    assert config["epp_streams_per_connection"] == EPP_STREAMS_PER_CONNECTION
     for epp in epps:  # the flags parse as `dynamograph epp` reads them
         parser = argparse.ArgumentParser()
         importlib.import_module("dynamograph.epp.cli").add_arguments(parser)
