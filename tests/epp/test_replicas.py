@@ -156,6 +156,23 @@ async def finish(stream) -> None:
     await stream.call.done_writing()
 
 
+async def start_chats(http, envoy, responses: list, count: int, text: str) -> None:
+    """`count` streamed chats through Envoy, each under way (its first token read) before the
+    next; added to `responses` as they start, for the caller to close. The answers are far
+    longer than a check takes (they are cut when it is done): at 400 tokens the first could end
+    on a slow machine before the last began."""
+    for i in range(count):
+        body = chat_body(f"{text} {i} " * 30, max_tokens=8000, stream=True)
+        response = await http.post(
+            envoy.url + "/v1/chat/completions",
+            data=body,
+            headers={"content-type": "application/json"},
+        )
+        responses.append(response)
+        assert response.status == 200, await response.text()
+        await response.content.readline()  # the first token: under way
+
+
 async def test_two_replicas_share_bookings_and_survive_a_sigkill(workers):
     a, b = EppProcess(workers), EppProcess(workers)
     a.peers, b.peers = [b.replica_port], [a.replica_port]
@@ -261,16 +278,7 @@ async def test_processes_on_one_port_all_serve_one_envoy(workers):
         async with run_envoy(config, concurrency=1) as envoy, aiohttp.ClientSession() as http:
             responses = []
             try:
-                for i in range(16):  # all under way at once (answers far longer than the test)
-                    body = chat_body(f"process spread {i} " * 30, max_tokens=8000, stream=True)
-                    response = await http.post(
-                        envoy.url + "/v1/chat/completions",
-                        data=body,
-                        headers={"content-type": "application/json"},
-                    )
-                    responses.append(response)
-                    assert response.status == 200, await response.text()
-                    await response.content.readline()
+                await start_chats(http, envoy, responses, 16, "process spread")
                 routed = [
                     await group.value('dynamograph_epp_requests_total{outcome="routed"', p)
                     for p in range(2)
@@ -299,18 +307,7 @@ async def test_two_replicas_behind_one_envoy_share_the_load_view(workers):
         async with run_envoy(config) as envoy, aiohttp.ClientSession() as http:
             responses = []
             try:
-                for i in range(8):
-                    # answers far longer than the check takes (they are cut when it is done):
-                    # at 400 tokens the first could end on a slow machine before the eighth began
-                    body = chat_body(f"behind envoy {i} " * 30, max_tokens=8000, stream=True)
-                    response = await http.post(
-                        envoy.url + "/v1/chat/completions",
-                        data=body,
-                        headers={"content-type": "application/json"},
-                    )
-                    responses.append(response)
-                    assert response.status == 200, await response.text()
-                    await response.content.readline()  # the first token: under way
+                await start_chats(http, envoy, responses, 8, "behind envoy")
                 assert picks["a"] and picks["b"], picks  # both replicas route
                 for epp in (a, b):  # each counts all 8: its own and the other's
                     await wait_for(
