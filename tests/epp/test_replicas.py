@@ -18,12 +18,7 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from dynamograph.local.envoy import (
-    EnvoyNotFound,
-    envoy_config,
-    find_envoy,
-    run_envoy,
-)
+from dynamograph.local.envoy import EnvoyNotFound, envoy_config, find_envoy, run_envoy
 from dynamograph.local.procs import PortPool
 from dynamograph.worker.testing import free_port
 from e2e.waiting import wait_for
