@@ -32,6 +32,10 @@ Target: ≤ 1.0 ms EPP CPU per routed request (kv mode, all in) on each workload
 EPP CPU per response chunk is measured apart (`--response-chunks`) in both response modes: with
 the response body sent FULL_DUPLEX_STREAMED each chunk is an ext_proc round trip; with body NONE
 and trailers SEND (what we generate) Envoy sends no chunk at all (target ≤ 10 µs per chunk).
+Through a real Envoy, `--request-body-modes` compares the ext_proc filter's request body modes
+(FULL_DUPLEX_STREAMED, what we generate and every gateway sets, against BUFFERED): the kv EPP's
+CPU per request on three workloads, the client's request time, and Envoy's ext_proc messages
+each way per request.
 KV-event ingestion is measured apart too (`bench.kv_ingest`: CPU per batch, lag, flat-out rate,
 and µs per batch decoded by the pure-Python decoder against the compiled parser).
 
@@ -61,6 +65,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -142,6 +147,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="1,2,4",
         help="EPP process counts (`dynamograph epp --processes N`) whose routed req/s is "
         "measured, comma-separated; empty: skip (default 1,2,4)",
+    )
+    parser.add_argument(
+        "--request-body-modes",
+        default="FULL_DUPLEX_STREAMED,BUFFERED",
+        help="request body modes of the ext_proc filter compared through a real Envoy (EPP CPU "
+        "per request, ext_proc messages each way), comma-separated; empty: skip",
     )
     parser.add_argument(
         "--chat-tokens", type=int, default=16384, help="tokens of the long chats' first turn"
@@ -520,8 +531,21 @@ async def _start_epp(
             if time.monotonic() > deadline:
                 raise TimeoutError("the EPP did not discover the fleet in 120 s")
             await asyncio.sleep(0.2)
-    await asyncio.sleep(1.0)  # KV subscribers connect and replay the warmed history
+    # KV subscribers connect and replay each worker's history (every batch since it started:
+    # a run's later EPPs replay all that the earlier ones routed): wait till that is done
+    await asyncio.sleep(1.0)
+    await _until_quiet(proc.pid)
     return proc, grpc_port, metrics_port
+
+
+async def _until_quiet(pid: int, within_s: float = 60.0, busy: float = 0.2) -> None:
+    """Until the process uses less than `busy` of a core over half a second (or `within_s`)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        cpu0 = cpu_seconds(pid)
+        await asyncio.sleep(0.5)
+        if cpu_seconds(pid) - cpu0 < busy * 0.5:
+            return
 
 
 def _envoy_messages(
@@ -834,13 +858,7 @@ async def _measure_through_envoy(args, workers_file: Path) -> list[dict] | None:
     this is per token, not per chunk). The EPP runs with `--kv-events off`: the answers' own
     KV blocks would otherwise add their ingestion to the longer answers. None without an Envoy
     binary."""
-    from dynamograph.local.envoy import (
-        EXT_PROC_FILTER,
-        EnvoyNotFound,
-        envoy_config,
-        find_envoy,
-        run_envoy,
-    )
+    from dynamograph.local.envoy import EnvoyNotFound, find_envoy, run_envoy
 
     try:
         find_envoy()
@@ -854,11 +872,7 @@ async def _measure_through_envoy(args, workers_file: Path) -> list[dict] | None:
     rows = []
     try:
         for mode in ("FULL_DUPLEX_STREAMED", "NONE"):
-            config = envoy_config(free_port(), free_port(), f"127.0.0.1:{port}")
-            manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
-            for http_filter in manager["typed_config"]["http_filters"]:
-                if http_filter["name"] == EXT_PROC_FILTER:
-                    http_filter["typed_config"]["processing_mode"]["response_body_mode"] = mode
+            config = _gateway_config(port, response_body_mode=mode)
             spent, events = {1: 0.0, tokens: 0.0}, {1: 0, tokens: 0}
             async with run_envoy(config) as envoy, aiohttp.ClientSession() as http:
 
@@ -906,6 +920,116 @@ async def _measure_through_envoy(args, workers_file: Path) -> list[dict] | None:
         proc.terminate()
         await proc.wait()
     return rows
+
+
+def _gateway_config(epp_port: int, **processing_mode: str) -> dict:
+    """`local/envoy.py`'s gateway in front of the EPP on `epp_port`, with these fields of its
+    ext_proc filter's `processing_mode` changed."""
+    from dynamograph.local.envoy import EXT_PROC_FILTER, envoy_config
+
+    config = envoy_config(free_port(), free_port(), f"127.0.0.1:{epp_port}")
+    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    for http_filter in manager["typed_config"]["http_filters"]:
+        if http_filter["name"] == EXT_PROC_FILTER:
+            http_filter["typed_config"]["processing_mode"].update(processing_mode)
+    return config
+
+
+async def _ext_proc_messages(http: aiohttp.ClientSession, admin_url: str) -> tuple[float, float]:
+    """Envoy's count of ext_proc messages so far: (sent to the EPP, received from it)."""
+    async with http.get(f"{admin_url}/stats?format=json&filter=ext_proc") as response:
+        stats = (await response.json())["stats"]
+    count = {s["name"].rsplit(".", 1)[-1]: s.get("value", 0) for s in stats}
+    return count["stream_msgs_sent"], count["stream_msgs_received"]
+
+
+@dataclass
+class _Spent:
+    """What one (request body mode, workload) cost over its rounds."""
+
+    cpu: float = 0.0
+    requests: int = 0
+    sent: float = 0.0
+    received: float = 0.0
+    times: list[float] = field(default_factory=list)
+
+
+async def _measure_request_modes(
+    args, workers_file: Path, workloads: dict[str, list[bytes]]
+) -> list[dict] | None:
+    """EPP CPU per request through a real Envoy (`local/envoy.py`'s config, the request body
+    mode set per row), kv mode, the requests going on to the mock workers (whose KV events the
+    EPP ingests): each mode in turn, four rounds, the order alternating, each (round, mode)
+    with requests of its own from every workload (a prompt routed twice would find its text
+    cached). Per mode and workload: EPP CPU per request, the client's request time p50, and
+    Envoy's ext_proc messages per request each way (its `stream_msgs_*` stats). None without
+    an Envoy binary."""
+    from dynamograph.local.envoy import EnvoyNotFound, find_envoy, run_envoy
+
+    modes = [m.strip() for m in args.request_body_modes.split(",") if m.strip()]
+    try:
+        find_envoy()
+    except EnvoyNotFound:
+        return None
+    rounds = 4
+    slices = rounds * len(modes)
+    totals = {(mode, name): _Spent() for mode in modes for name in workloads}
+    proc, port, _ = await _start_epp(workers_file, "kv", args.workers)
+    try:
+        for k in range(slices):
+            turn = k // len(modes)
+            mode = modes[k % len(modes)] if turn % 2 == 0 else modes[-1 - k % len(modes)]
+            async with (
+                run_envoy(_gateway_config(port, request_body_mode=mode)) as envoy,
+                aiohttp.ClientSession() as http,
+            ):
+
+                async def one(body: bytes, times: list[float]) -> None:
+                    start = time.perf_counter()
+                    async with http.post(
+                        envoy.url + "/v1/chat/completions",
+                        data=body,
+                        headers={"content-type": "application/json"},
+                    ) as response:
+                        text = await response.read()
+                    # 400: a Mooncake prompt over the mock's context, routed all the same
+                    if response.status not in (200, 400):
+                        raise RuntimeError(f"HTTP {response.status}: {text[:200]!r}")
+                    times.append(time.perf_counter() - start)
+
+                for name, bodies in workloads.items():
+                    share = len(bodies) // slices
+                    queue = iter(bodies[k * share : (k + 1) * share])
+                    total = totals[mode, name]
+                    sent0, received0 = await _ext_proc_messages(http, envoy.admin_url)
+                    cpu0 = cpu_seconds(proc.pid)
+
+                    async def client(queue=queue, times=total.times) -> None:
+                        for body in queue:
+                            await one(body, times)
+
+                    await asyncio.gather(*(client() for _ in range(args.concurrency)))
+                    total.cpu += cpu_seconds(proc.pid) - cpu0
+                    sent1, received1 = await _ext_proc_messages(http, envoy.admin_url)
+                    total.sent += sent1 - sent0
+                    total.received += received1 - received0
+                    total.requests += share
+    finally:
+        proc.terminate()
+        await proc.wait()
+    return [
+        {
+            "request_body_mode": mode,
+            "workload": name,
+            "cpu_ms_per_request": t.cpu / t.requests * 1e3,
+            "request_p50_ms": float(np.percentile(t.times, 50) * 1e3),
+            "messages_to_epp_per_request": t.sent / t.requests,
+            "messages_from_epp_per_request": t.received / t.requests,
+            "requests": t.requests,
+        }
+        for (mode, name), t in totals.items()
+        if t.requests
+    ]
 
 
 async def _measure_processes(args, workers_file: Path, bodies: list[bytes], n: int) -> dict:
@@ -1260,6 +1384,19 @@ async def _main(args) -> int:
             )
             if streaming is not None:
                 streaming["through_envoy"] = await _measure_through_envoy(args, workers_file)
+            request_modes = (
+                await _measure_request_modes(
+                    args,
+                    workers_file,
+                    {
+                        f"{args.prompt_tokens}-token chat": bodies,
+                        f"{args.chat_tokens}-token chat, first turn": first,
+                        "Mooncake mix": mooncake,
+                    },
+                )
+                if args.request_body_modes.strip()
+                else None
+            )
             scaling = [
                 await _measure_processes(args, workers_file, bodies, int(n))
                 for n in args.processes.split(",")
@@ -1347,6 +1484,20 @@ async def _main(args) -> int:
                     for row in streaming["through_envoy"]
                 ],
             )  # fmt: skip
+    if request_modes:
+        print_table(
+            f"through a real Envoy (local/envoy.py's config, kv mode, {args.concurrency} "
+            "clients, the requests served by the workers): EPP CPU per request by the ext_proc "
+            "filter's request body mode",
+            ["request body", "workload", "EPP CPU ms/req", "request p50 ms",
+             "messages to EPP/req", "messages from EPP/req", "requests"],
+            [
+                [r["request_body_mode"], r["workload"], r["cpu_ms_per_request"],
+                 r["request_p50_ms"], r["messages_to_epp_per_request"],
+                 r["messages_from_epp_per_request"], r["requests"]]
+                for r in request_modes
+            ],
+        )  # fmt: skip
     if ingest:
         print_table(
             f"KV-event ingestion (router.kv_events in a process of its own, 4 workers): paced at "
@@ -1419,6 +1570,7 @@ async def _main(args) -> int:
             "rows": rows,
             "workloads": workloads,
             "streaming": streaming,
+            "request_body_modes": request_modes,
             "processes": scaling,
             "kv_ingest": ingest,
             "kv_decode": decoding,
