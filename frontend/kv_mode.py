@@ -96,6 +96,9 @@ class KvMode:
         self.tokenizers.removed(record.instance_id)
         self.pipeline.remove_engine(record.instance_id)
 
+    def refresh(self) -> None:
+        self.pipeline.refresh()
+
     async def pick(self, pins: Pins, nvext: NvExt | None, path: str, body: dict[str, Any]) -> Route:
         routed = await self.pipeline.decide(
             path,

@@ -57,6 +57,11 @@ class RoutingMode(Protocol):
         """The route for a request; OpenAIError (400/503) when there is none."""
         ...
 
+    def refresh(self) -> None:
+        """Catch up now on what the next pick would read first (kv: the queued KV events): the
+        frontend calls it once a decode engine's response head is in, while the engine works."""
+        ...
+
     async def start(self) -> None: ...
 
     async def stop(self) -> None: ...
@@ -72,7 +77,20 @@ def pinned_route(directory: WorkerDirectory, pins: Pins) -> Route:
     return route
 
 
-class DirectMode:
+class _NoFeeds:
+    """A mode fed by nothing but its directory: nothing to start, stop or catch up on."""
+
+    def refresh(self) -> None:
+        pass
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+
+class DirectMode(_NoFeeds):
     """The endpoint picker decided: forward where the headers say, refuse what names nobody."""
 
     mode = Mode.DIRECT
@@ -89,14 +107,8 @@ class DirectMode:
         check_pins(pins, self.mode, enforce_disagg=self.enforce_disagg)
         return pinned_route(self.directory, pins)
 
-    async def start(self) -> None:
-        pass
 
-    async def stop(self) -> None:
-        pass
-
-
-class RoundRobinMode:
+class RoundRobinMode(_NoFeeds):
     """Cycles through every (worker, DP rank) of the graph; disaggregated when prefill
     workers exist, aggregated otherwise (unless `enforce_disagg`)."""
 
@@ -137,9 +149,3 @@ class RoundRobinMode:
             elif self.enforce_disagg:
                 raise OpenAIError(503, NO_PREFILL_WORKERS)
         return route
-
-    async def start(self) -> None:
-        pass
-
-    async def stop(self) -> None:
-        pass

@@ -638,6 +638,9 @@ class Frontend:
             route.booking.accepted()  # the engine took the turn: an `open` session binds
         try:
             trace.first_token_s = trace.elapsed()
+            # Awake anyway, and a streaming engine is now prefilling: read the KV events queued
+            # since the last pick, so the next one finds fewer left to read on its path.
+            self.routing.refresh()
             is_sse = upstream.content_type == "text/event-stream"
             if not (stream and is_sse and upstream.status == 200):
                 try:

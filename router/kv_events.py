@@ -4,7 +4,8 @@ Each subscriber connects to the PUB endpoint the worker published at `/v1/engine
 `endpoint_for_rank(endpoint, r)`), decodes vLLM's frames `[topic, seq, payload]` with
 `protocol.kv_events` and feeds the router in order (`Router.apply_kv_batch`). The sockets are
 read before every routing decision (`KvEventIngest.read_queued`, called by the request
-pipeline's `refresh`, which the EPP also calls after answering a response's headers) and in
+pipeline's `refresh`, which the EPP also calls after answering a response's headers and a
+kv-mode frontend once a decode engine's response head is in) and in
 the ticker's background rounds (`Ticker`). Missed batches are asked again from
 the worker's replay socket (DEALER → ROUTER, `[b"", start_seq]` → `[b"", seq, payload]`…
 `[b"", -1, b""]`), in a task of the subscriber's own; its later batches wait in its socket

@@ -55,6 +55,33 @@ async def test_repeated_prefix_sticks_to_the_worker_that_cached_it(model, kv_eve
         assert fe.routing.router.active.total_requests() == 0
 
 
+@pytest.mark.parametrize("stream", [True, False])
+async def test_the_response_head_reads_the_queued_kv_events(model, stream):
+    """Once the decode engine's response head is in (a streaming engine is then prefilling),
+    the frontend reads the KV events queued since its pick, as the EPP does after a response's
+    headers: the next pick finds fewer left to read on its path."""
+    async with mock_worker() as worker, run_frontend(None, [worker], mode=Mode.KV) as fe:
+        pipeline, active = fe.routing.pipeline, fe.routing.router.active
+        read = pipeline.read_events
+        booked_at_reads: list[int] = []
+
+        def counting_read() -> None:
+            booked_at_reads.append(active.total_requests())
+            read()
+
+        pipeline.read_events = counting_read
+        api = client(fe)
+        if stream:
+            async for _ in await api.completions.create(
+                model=model, prompt=PROMPT, max_tokens=4, stream=True
+            ):
+                pass
+        else:
+            await api.completions.create(model=model, prompt=PROMPT, max_tokens=4)
+        # the pick's read (nothing booked yet), then one while the request is under way
+        assert booked_at_reads == [0, 1]
+
+
 async def test_kv_mode_runs_the_handoff_and_honours_pins(model):
     async with (
         mock_worker(role=Role.PREFILL) as prefill,
