@@ -943,6 +943,22 @@ async def _ext_proc_messages(http: aiohttp.ClientSession, admin_url: str) -> tup
     return count["stream_msgs_sent"], count["stream_msgs_received"]
 
 
+# the request body modes the EPP serves (epp/extproc.py); NONE and STREAMED it refuses
+REQUEST_BODY_MODES = ("FULL_DUPLEX_STREAMED", "BUFFERED", "BUFFERED_PARTIAL")
+
+
+def _request_body_modes(args) -> list[str]:
+    """`--request-body-modes` as a list; SystemExit naming the valid ones for any other."""
+    modes = [m.strip() for m in args.request_body_modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in REQUEST_BODY_MODES]
+    if unknown:
+        raise SystemExit(
+            f"--request-body-modes: {', '.join(unknown)} not served by the EPP; "
+            f"use {', '.join(REQUEST_BODY_MODES)}"
+        )
+    return modes
+
+
 @dataclass
 class _Spent:
     """What one (request body mode, workload) cost over its rounds."""
@@ -966,7 +982,7 @@ async def _measure_request_modes(
     an Envoy binary."""
     from dynamograph.local.envoy import EnvoyNotFound, find_envoy, run_envoy
 
-    modes = [m.strip() for m in args.request_body_modes.split(",") if m.strip()]
+    modes = _request_body_modes(args)
     try:
         find_envoy()
     except EnvoyNotFound:
@@ -1338,6 +1354,7 @@ async def _measure_foreign(
 
 
 async def _main(args) -> int:
+    _request_body_modes(args)  # a bad name fails now, not after minutes of other rows
     prefixes, bodies = _prompts(args)
     calibration = _tokenizer_ns_per_token()
     breakdown = {
@@ -1394,7 +1411,7 @@ async def _main(args) -> int:
                         "Mooncake mix": mooncake,
                     },
                 )
-                if args.request_body_modes.strip()
+                if _request_body_modes(args)
                 else None
             )
             scaling = [

@@ -49,3 +49,12 @@ async def test_each_mode_routes_its_own_requests_and_counts_envoys_messages(tmp_
     streamed = by_mode["FULL_DUPLEX_STREAMED"]
     assert streamed["messages_to_epp_per_request"] >= 4
     assert streamed["messages_from_epp_per_request"] >= 3
+
+
+def test_a_mode_the_epp_refuses_is_named_before_anything_runs():
+    parser = argparse.ArgumentParser()
+    epp.add_arguments(parser)
+    args = parser.parse_args(["--request-body-modes", "BUFFERED, STREAMED"])
+    with pytest.raises(SystemExit, match="STREAMED not served by the EPP; use FULL_DUPLEX"):
+        epp._request_body_modes(args)
+    assert epp._request_body_modes(parser.parse_args(["--request-body-modes", ""])) == []
