@@ -1568,6 +1568,13 @@ async def _main(args) -> int:
         ]
         if cpu_ms > TARGET_CPU_MS and "FULL_DUPLEX" not in name
     ]
+    # behind a real Envoy, as generated: each prompt's KV events are part of its cost there
+    missed += [
+        f"{r['workload']} behind Envoy"
+        for r in request_modes or []
+        if r["request_body_mode"] == "FULL_DUPLEX_STREAMED"
+        and r["cpu_ms_per_request"] > TARGET_CPU_MS
+    ]
     verdict = f"misses it on: {'; '.join(missed)}" if missed else "meets it on every workload"
     print(
         f"kv mode, {TARGET_CPU_MS} ms CPU/request target (all in): {verdict}; machine speed "
