@@ -858,7 +858,7 @@ async def _measure_through_envoy(args, workers_file: Path) -> list[dict] | None:
     this is per token, not per chunk). The EPP runs with `--kv-events off`: the answers' own
     KV blocks would otherwise add their ingestion to the longer answers. None without an Envoy
     binary."""
-    from dynamograph.local.envoy import EnvoyNotFound, find_envoy, run_envoy
+    from dynamograph.local.envoy import EnvoyNotFound, envoy_config, find_envoy, run_envoy
 
     try:
         find_envoy()
@@ -872,7 +872,12 @@ async def _measure_through_envoy(args, workers_file: Path) -> list[dict] | None:
     rows = []
     try:
         for mode in ("FULL_DUPLEX_STREAMED", "NONE"):
-            config = _gateway_config(port, response_body_mode=mode)
+            config = envoy_config(
+                free_port(),
+                free_port(),
+                f"127.0.0.1:{port}",
+                processing_mode={"response_body_mode": mode},
+            )
             spent, events = {1: 0.0, tokens: 0.0}, {1: 0, tokens: 0}
             async with run_envoy(config) as envoy, aiohttp.ClientSession() as http:
 
@@ -922,19 +927,6 @@ async def _measure_through_envoy(args, workers_file: Path) -> list[dict] | None:
     return rows
 
 
-def _gateway_config(epp_port: int, **processing_mode: str) -> dict:
-    """`local/envoy.py`'s gateway in front of the EPP on `epp_port`, with these fields of its
-    ext_proc filter's `processing_mode` changed."""
-    from dynamograph.local.envoy import EXT_PROC_FILTER, envoy_config
-
-    config = envoy_config(free_port(), free_port(), f"127.0.0.1:{epp_port}")
-    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
-    for http_filter in manager["typed_config"]["http_filters"]:
-        if http_filter["name"] == EXT_PROC_FILTER:
-            http_filter["typed_config"]["processing_mode"].update(processing_mode)
-    return config
-
-
 async def _ext_proc_messages(http: aiohttp.ClientSession, admin_url: str) -> tuple[float, float]:
     """Envoy's count of ext_proc messages so far: (sent to the EPP, received from it)."""
     async with http.get(f"{admin_url}/stats?format=json&filter=ext_proc") as response:
@@ -980,7 +972,7 @@ async def _measure_request_modes(
     cached). Per mode and workload: EPP CPU per request, the client's request time p50, and
     Envoy's ext_proc messages per request each way (its `stream_msgs_*` stats). None without
     an Envoy binary."""
-    from dynamograph.local.envoy import EnvoyNotFound, find_envoy, run_envoy
+    from dynamograph.local.envoy import EnvoyNotFound, envoy_config, find_envoy, run_envoy
 
     modes = _request_body_modes(args)
     try:
@@ -995,10 +987,13 @@ async def _measure_request_modes(
         for k in range(slices):
             turn = k // len(modes)
             mode = modes[k % len(modes)] if turn % 2 == 0 else modes[-1 - k % len(modes)]
-            async with (
-                run_envoy(_gateway_config(port, request_body_mode=mode)) as envoy,
-                aiohttp.ClientSession() as http,
-            ):
+            config = envoy_config(
+                free_port(),
+                free_port(),
+                f"127.0.0.1:{port}",
+                processing_mode={"request_body_mode": mode},
+            )
+            async with run_envoy(config) as envoy, aiohttp.ClientSession() as http:
 
                 async def one(body: bytes, times: list[float]) -> None:
                     start = time.perf_counter()

@@ -102,7 +102,7 @@ class Marks:
 @contextlib.asynccontextmanager
 async def _stack(args: argparse.Namespace) -> AsyncIterator[tuple[Any, Any, list[Any]]]:
     from dynamograph.epp.server import Epp, EppSettings
-    from dynamograph.local.envoy import EXT_PROC_FILTER, envoy_config, run_envoy
+    from dynamograph.local.envoy import envoy_config, run_envoy
     from dynamograph.protocol.router_config import RouterConfig
     from dynamograph.router.discovery import StaticSource, WorkerTarget
     from dynamograph.worker.testing import free_port, mock_worker
@@ -129,12 +129,13 @@ async def _stack(args: argparse.Namespace) -> AsyncIterator[tuple[Any, Any, list
         await epp.start()
         stack.push_async_callback(epp.stop)
         await _until(lambda: len(epp.router.workers()) == len(workers))
-        config = envoy_config(free_port(), free_port(), f"127.0.0.1:{epp.grpc_port}")
-        manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
-        for http_filter in manager["typed_config"]["http_filters"]:
-            if http_filter["name"] == EXT_PROC_FILTER:  # the old mode: the body goes to the EPP
-                mode = http_filter["typed_config"]["processing_mode"]
-                mode["response_body_mode"] = "FULL_DUPLEX_STREAMED"
+        config = envoy_config(
+            free_port(),
+            free_port(),
+            f"127.0.0.1:{epp.grpc_port}",
+            # the old mode: the body goes to the EPP
+            processing_mode={"response_body_mode": "FULL_DUPLEX_STREAMED"},
+        )
         envoy = await stack.enter_async_context(run_envoy(config))
         yield epp, envoy, workers
 

@@ -361,17 +361,20 @@ def gateway_config(
 ) -> dict:
     """Our gateway config with the body modes every gateway generates for an InferencePool's
     EPP: request and response FULL_DUPLEX_STREAMED (ours sends no response body to our EPP)."""
-    from dynamograph.local.envoy import EXT_PROC_FILTER, envoy_config
+    from dynamograph.local.envoy import envoy_config
 
-    config = envoy_config(listen_port, admin_port, epp_address, access_log=access_log)
-    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
-    for http_filter in manager["typed_config"]["http_filters"]:
-        if http_filter["name"] == EXT_PROC_FILTER:
-            mode = http_filter["typed_config"]["processing_mode"]
-            mode["response_body_mode"] = "FULL_DUPLEX_STREAMED"
-            assert mode["request_body_mode"] == "FULL_DUPLEX_STREAMED"
-            assert mode["request_trailer_mode"] == mode["response_trailer_mode"] == "SEND"
-    return config
+    return envoy_config(
+        listen_port,
+        admin_port,
+        epp_address,
+        access_log=access_log,
+        processing_mode={
+            "request_body_mode": "FULL_DUPLEX_STREAMED",
+            "response_body_mode": "FULL_DUPLEX_STREAMED",
+            "request_trailer_mode": "SEND",
+            "response_trailer_mode": "SEND",
+        },
+    )
 
 
 async def _wait_routed(epp: Proc, url: str, model: str, count: int, within_s: float) -> None:

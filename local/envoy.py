@@ -33,7 +33,7 @@ import os
 import shutil
 import signal
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -198,6 +198,7 @@ def envoy_config(
     pool_endpoints: tuple[str, ...] | list[str] = (),
     epp_replicas: tuple[str, ...] | list[str] = (),
     epp_streams_per_connection: int | None = None,
+    processing_mode: Mapping[str, str] | None = None,
     access_log: str | None = None,
 ) -> dict[str, Any]:
     """The bootstrap of a GAIE gateway in front of one InferencePool whose EPP is `epp_address`.
@@ -216,6 +217,9 @@ def envoy_config(
     processes on one port (`--processes`): the kernel hands each *connection* to one process,
     and without a limit each Envoy worker thread keeps all its streams on one connection
     (`EPP_STREAMS_PER_CONNECTION`, what `dynamograph up` sets then). None: no limit.
+    `processing_mode`: fields of the ext_proc filter's processing mode that differ from the
+    recommended one written here (what another gateway sends, for tests and benchmarks:
+    `{"response_body_mode": "FULL_DUPLEX_STREAMED"}`).
     `access_log`: a file Envoy appends a JSON line to per request, with where its time went
     (`ACCESS_LOG_FIELDS`); none by default.
 
@@ -256,6 +260,7 @@ def envoy_config(
             "response_body_mode": "NONE",
             "request_trailer_mode": "SEND",
             "response_trailer_mode": "SEND",
+            **(processing_mode or {}),
         },
         # Without this Envoy drops the EPP's dynamic metadata (the picked endpoint).
         "metadata_options": {"receiving_namespaces": {"untyped": [LB_NAMESPACE]}},

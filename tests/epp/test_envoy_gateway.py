@@ -115,10 +115,12 @@ async def test_usage_is_read_when_the_gateway_sends_the_response_body(gateway):
     """A gateway that sends the response body (FULL_DUPLEX_STREAMED): the workers' reported
     cached tokens come back through the response path and are compared with the prediction."""
     _, http, epp, _, _ = gateway
-    config = envoy_config(free_port(), free_port(), f"127.0.0.1:{epp.grpc_port}")
-    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
-    (ext_proc,) = [f for f in manager["typed_config"]["http_filters"] if "ext_proc" in f["name"]]
-    ext_proc["typed_config"]["processing_mode"]["response_body_mode"] = "FULL_DUPLEX_STREAMED"
+    config = envoy_config(
+        free_port(),
+        free_port(),
+        f"127.0.0.1:{epp.grpc_port}",
+        processing_mode={"response_body_mode": "FULL_DUPLEX_STREAMED"},
+    )
     prefix = "A shared system prompt for usage. " * 80
     async with run_envoy(config) as envoy:
         for i in range(6):

@@ -134,13 +134,13 @@ async def fleet(tmp_path):
             lambda: ids <= set(epp.router.workers()), "the EPP to know every simulator", within=30
         )
         picks = record_picks(epp)
-        config = envoy_config(free_port(), free_port(), f"127.0.0.1:{epp.grpc_port}")
-        # the response body too (as the AI gateway sends it): the EPP reads the usage
-        manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
-        (ext_proc,) = [
-            f for f in manager["typed_config"]["http_filters"] if "ext_proc" in f["name"]
-        ]
-        ext_proc["typed_config"]["processing_mode"]["response_body_mode"] = "FULL_DUPLEX_STREAMED"
+        config = envoy_config(
+            free_port(),
+            free_port(),
+            f"127.0.0.1:{epp.grpc_port}",
+            # the response body too (as the AI gateway sends it): the EPP reads the usage
+            processing_mode={"response_body_mode": "FULL_DUPLEX_STREAMED"},
+        )
         async with run_envoy(config) as envoy, aiohttp.ClientSession() as http:
             yield envoy, http, epp, sims, picks, procs
     finally:

@@ -74,6 +74,24 @@ def test_generated_config_sends_no_response_body():
     assert mode["response_trailer_mode"] == "SEND"  # SKIP: 1.40 closes the stream at headers
 
 
+def test_processing_mode_overrides_only_the_fields_given():
+    """What another gateway sends, for tests and benchmarks: the rest stays as recommended."""
+    config = envoy_config(
+        1, 2, "127.0.0.1:3", processing_mode={"response_body_mode": "FULL_DUPLEX_STREAMED"}
+    )
+    (listener,) = config["static_resources"]["listeners"]
+    manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    (ext_proc,) = [f for f in manager["http_filters"] if f["name"].endswith("ext_proc")]
+    assert ext_proc["typed_config"]["processing_mode"] == {
+        "request_header_mode": "SEND",
+        "response_header_mode": "SEND",
+        "request_body_mode": "FULL_DUPLEX_STREAMED",
+        "response_body_mode": "FULL_DUPLEX_STREAMED",
+        "request_trailer_mode": "SEND",
+        "response_trailer_mode": "SEND",
+    }
+
+
 async def test_long_prompt_prefill_ends_on_kv_events_and_hang_up_frees(gateway):
     envoy, http, epp, watched = gateway
     chat = {
