@@ -59,7 +59,8 @@ class RoutingMode(Protocol):
 
     def refresh(self) -> None:
         """Catch up now on what the next pick would read first (kv: the queued KV events): the
-        frontend calls it once a decode engine's response head is in, while the engine works."""
+        frontend calls it once a streaming engine's response head is in (it is then
+        prefilling), or once a whole answer has gone to the client."""
         ...
 
     async def start(self) -> None: ...

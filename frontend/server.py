@@ -638,9 +638,6 @@ class Frontend:
             route.booking.accepted()  # the engine took the turn: an `open` session binds
         try:
             trace.first_token_s = trace.elapsed()
-            # Awake anyway, and a streaming engine is now prefilling: read the KV events queued
-            # since the last pick, so the next one finds fewer left to read on its path.
-            self.routing.refresh()
             is_sse = upstream.content_type == "text/event-stream"
             if not (stream and is_sse and upstream.status == 200):
                 try:
@@ -656,7 +653,11 @@ class Frontend:
                 content_type = upstream.headers.get("content-type", JSON)
                 head = [(b"content-type", content_type.encode("latin-1"))]
                 await exchange.respond(upstream.status, raw, head + _passed_headers(upstream))
+                self.routing.refresh()  # answered, still awake (see below)
                 return upstream.status
+            # Awake anyway, and the streaming engine is now prefilling: read the KV events
+            # queued since the last pick, so the next one finds fewer left to read on its path.
+            self.routing.refresh()
             await self._relay(exchange, upstream, route, nvext, trace, want_ext, answer)
             return 200
         finally:

@@ -5,7 +5,7 @@ Each subscriber connects to the PUB endpoint the worker published at `/v1/engine
 `protocol.kv_events` and feeds the router in order (`Router.apply_kv_batch`). The sockets are
 read before every routing decision (`KvEventIngest.read_queued`, called by the request
 pipeline's `refresh`, which the EPP also calls after answering a response's headers and a
-kv-mode frontend once a decode engine's response head is in) and in
+kv-mode frontend once a decode engine has answered) and in
 the ticker's background rounds (`Ticker`). Missed batches are asked again from
 the worker's replay socket (DEALER → ROUTER, `[b"", start_seq]` → `[b"", seq, payload]`…
 `[b"", -1, b""]`), in a task of the subscriber's own; its later batches wait in its socket

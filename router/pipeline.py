@@ -281,7 +281,7 @@ class RequestPipeline:
     def refresh(self) -> None:
         """Bring the router's index up to date (`read_events`). Every decision does this first;
         a caller awake for another reason (the EPP after answering a response's headers, a
-        kv-mode frontend once an engine's response head is in) calls it too, so that the next
+        kv-mode frontend once an engine has answered) calls it too, so that the next
         decision finds fewer batches left to read on its path."""
         if self.read_events is not None:
             self.read_events()

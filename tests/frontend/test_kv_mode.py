@@ -57,9 +57,9 @@ async def test_repeated_prefix_sticks_to_the_worker_that_cached_it(model, kv_eve
 
 @pytest.mark.parametrize("stream", [True, False])
 async def test_the_response_head_reads_the_queued_kv_events(model, stream):
-    """Once the decode engine's response head is in (a streaming engine is then prefilling),
-    the frontend reads the KV events queued since its pick, as the EPP does after a response's
-    headers: the next pick finds fewer left to read on its path."""
+    """Once a streaming engine's response head is in (it is then prefilling), or a whole answer
+    has gone out, the frontend reads the KV events queued since its pick, as the EPP does after
+    a response's headers: the next pick finds fewer left to read on its path."""
     async with mock_worker() as worker, run_frontend(None, [worker], mode=Mode.KV) as fe:
         pipeline, active = fe.routing.pipeline, fe.routing.router.active
         read = pipeline.read_events
