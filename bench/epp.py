@@ -963,7 +963,7 @@ class _Spent:
 
 
 async def _measure_request_modes(
-    args, workers_file: Path, workloads: dict[str, list[bytes]]
+    args, workers_file: Path, modes: list[str], workloads: dict[str, list[bytes]]
 ) -> list[dict] | None:
     """EPP CPU per request through a real Envoy (`local/envoy.py`'s config, the request body
     mode set per row), kv mode, the requests going on to the mock workers (whose KV events the
@@ -974,7 +974,6 @@ async def _measure_request_modes(
     an Envoy binary."""
     from dynamograph.local.envoy import EnvoyNotFound, envoy_config, find_envoy, run_envoy
 
-    modes = _request_body_modes(args)
     try:
         find_envoy()
     except EnvoyNotFound:
@@ -1349,7 +1348,7 @@ async def _measure_foreign(
 
 
 async def _main(args) -> int:
-    _request_body_modes(args)  # a bad name fails now, not after minutes of other rows
+    body_modes = _request_body_modes(args)  # a bad name fails now, not after minutes of others
     prefixes, bodies = _prompts(args)
     calibration = _tokenizer_ns_per_token()
     breakdown = {
@@ -1400,13 +1399,14 @@ async def _main(args) -> int:
                 await _measure_request_modes(
                     args,
                     workers_file,
+                    body_modes,
                     {
                         f"{args.prompt_tokens}-token chat": bodies,
                         f"{args.chat_tokens}-token chat, first turn": first,
                         "Mooncake mix": mooncake,
                     },
                 )
-                if _request_body_modes(args)
+                if body_modes
                 else None
             )
             scaling = [

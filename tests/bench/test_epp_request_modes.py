@@ -33,7 +33,8 @@ async def test_each_mode_routes_its_own_requests_and_counts_envoys_messages(tmp_
     ]
     async with epp._fleet(args.workers) as urls:
         workers_file = epp._workers_file(tmp_path / "workers.yaml", urls)
-        rows = await epp._measure_request_modes(args, workers_file, {"long chat": bodies})
+        modes = epp._request_body_modes(args)
+        rows = await epp._measure_request_modes(args, workers_file, modes, {"long chat": bodies})
     assert rows is not None
     by_mode = {row["request_body_mode"]: row for row in rows}
     assert set(by_mode) == {"FULL_DUPLEX_STREAMED", "BUFFERED"}
