@@ -274,7 +274,7 @@ async def _run_policy(name, workers, offsets, bodies, args, logs, time_scale):
         host = watch.read()
         after = await scrape_workers(workers)
         if routed.engine_view is not None:
-            routed.engine_view(results)
+            await routed.engine_view(results)
     _write_router_cpu(logs / name / "router_cpu.json", name, host, idle_rate, wall, results)
     if routed.access_log is not None:  # Envoy has stopped: its access log is complete
         _write_gateway_phases(

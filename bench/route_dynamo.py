@@ -34,6 +34,7 @@ import os
 import shutil
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from functools import partial
 from pathlib import Path
 
 import aiohttp
@@ -44,7 +45,7 @@ from dynamograph.protocol.tokenization import CHATML_TEMPLATE, qwen_tokenizer_js
 
 from .route_client import warm_up
 from .route_fleet import OFFLINE_ENV, LaunchError, Proc, Worker, stop_all, wait_http
-from .route_metrics import RequestResult, percentile
+from .route_metrics import EngineFigures, RequestResult, percentile, set_engine_figures
 from .route_routers import Routed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -181,7 +182,7 @@ async def serve(
             workers,
             [frontend.popen.pid],
             relay_pids=[a.popen.pid for a in adapters if a.popen is not None],
-            engine_view=lambda r: join_engine_view(r, records),
+            engine_view=partial(_join, records=records),
         )
         summary = _engine_view(records)
         (logs / "dynamo-engine.json").write_text(json.dumps(summary, indent=2))
@@ -222,17 +223,27 @@ async def _wait_ready(frontend: Proc, url: str, model: str, count: int, within_s
     raise frontend.failure(f"saw {seen} of {count} Dynamo workers within {within_s:.0f} s")
 
 
+async def _join(results: Sequence[RequestResult], records: Sequence[Path]) -> None:
+    join_engine_view(results, records)
+
+
 def join_engine_view(results: Sequence[RequestResult], records: Sequence[Path]) -> None:
     """Each result's engine TTFT and duration as its mock reported them, found by the answer's
     `id` (Dynamo's frontend names it `cmpl-<its request id>`, the id its workers' contexts
     carry); a result with no record gets none, never the frontend's wall clock."""
     reports = {row["request_id"]: row for row in _records(records) if row.get("request_id")}
-    for result in results:
-        answer = result.response_id or ""
+
+    def figures(answer: str) -> EngineFigures | None:
         row = reports.get(answer.split("-", 1)[1] if "-" in answer else answer)
-        ttft, total = (row.get("ttft_ms"), row.get("total_time_ms")) if row else (None, None)
-        result.engine_ttft_s = ttft / 1e3 if ttft is not None else None
-        result.engine_e2e_s = total / 1e3 if total is not None else None
+        if row is None:
+            return None
+        ttft, total = row.get("ttft_ms"), row.get("total_time_ms")
+        return (
+            ttft / 1e3 if ttft is not None else None,
+            total / 1e3 if total is not None else None,
+        )
+
+    set_engine_figures(results, figures)
 
 
 def _records(paths: Sequence[Path]) -> list[dict]:

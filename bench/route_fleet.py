@@ -21,6 +21,9 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from dynamograph.local.procs import PortPool, log_tail, spawn, stop_groups
+from dynamograph.worker.server import DEBUG_REQUESTS
+
+from .route_metrics import OK, EngineFigures, RequestResult, set_engine_figures
 
 DYNAMOGRAPH = [sys.executable, "-m", "dynamograph.cli"]
 # Foreign routers must never reach the Hugging Face hub (no internet here, and a benchmark must
@@ -194,6 +197,34 @@ async def scrape_workers(workers: Sequence[Worker]) -> dict[str, WorkerStats]:
 
         stats = await asyncio.gather(*(one(w) for w in workers))
     return {w.name: s for w, s in zip(workers, stats, strict=True)}
+
+
+async def join_worker_records(workers: Sequence[Worker], results: Sequence[RequestResult]) -> None:
+    """Each result's engine TTFT and duration as its worker recorded them (`/debug/requests`:
+    the simulated figures it would have put in `nvext.timing`), found by the answer's id, which
+    a relaying router passes through. A worker keeps its last 1,000 requests: the results of
+    older ones get no engine figures, and the count is printed."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        pages = await asyncio.gather(*(_get_json(session, w.url + DEBUG_REQUESTS) for w in workers))
+    rows = {row["request_id"]: row for page in pages for row in page.get("recent", [])}
+
+    def figures(answer: str) -> EngineFigures | None:
+        # A request the client named (x-request-id, as the bench's are) is answered as
+        # `cmpl-<name>` and recorded as `<name>`; an unnamed one under its answer's id.
+        row = rows.get(answer) or rows.get(answer.partition("-")[2])
+        return None if row is None else (row.get("ttft_s"), row.get("e2e_s"))
+
+    set_engine_figures(results, figures)
+    missing = sum(1 for r in results if r.status == OK and r.engine_ttft_s is None)
+    if missing:
+        print(f"  {missing} answers have no worker record (older than a worker keeps)", flush=True)
+
+
+async def _get_json(session: aiohttp.ClientSession, url: str) -> dict:
+    async with session.get(url) as resp:
+        if resp.status != 200:
+            raise LaunchError(f"GET {url}: HTTP {resp.status} {(await resp.text())[:200]}")
+        return await resp.json()
 
 
 async def reset_caches(workers: Sequence[Worker], within_s: float = 60.0) -> None:

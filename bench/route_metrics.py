@@ -9,7 +9,7 @@ and this host's CPU add, scaled up by the same factor.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -38,6 +38,20 @@ class RequestResult:
     engine_e2e_s: float | None = None
     sent_at: float | None = None  # Unix seconds the request was sent: joins the gateway's log
     response_id: str | None = None  # the answer's OpenAI `id`: joins a router's engine records
+
+
+EngineFigures = tuple[float | None, float | None]  # simulated TTFT and duration, seconds
+
+
+def set_engine_figures(
+    results: Iterable[RequestResult], figures: Callable[[str], EngineFigures | None]
+) -> None:
+    """Each result's engine TTFT and duration from `figures(the answer's id)`, for a router that
+    answers `nvext.timing` from its own clock: a result with no record gets none, never the
+    router's wall clock."""
+    for result in results:
+        found = figures(result.response_id or "")
+        result.engine_ttft_s, result.engine_e2e_s = found if found is not None else (None, None)
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 Ours run as in production: the EPP (`dynamograph epp`, static discovery, a router YAML that
 selects the policy) behind a real Envoy configured as a GAIE gateway, so every one of our
-policies pays the same Envoy + ext_proc hop and differs only in the decision. The foreign
+policies pays the same Envoy + ext_proc hop and differs only in the decision; `frontend-kv` is
+the one without a gateway: our frontend's kv mode, the router core inside the relay. The foreign
 anchors are the routers people pick instead, started from their PyPI wheels on 127.0.0.1 with
 the Hugging Face hub unreachable, and the field's own EPPs (GAIE's reference EPP, llm-d's
 scheduler) behind the same Envoy, with a control plane to watch (bench/route_foreign_epp.py).
@@ -14,8 +15,9 @@ import asyncio
 import contextlib
 import shutil
 import sys
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import yaml
@@ -23,7 +25,16 @@ import yaml
 from dynamograph.local.procs import PortPool
 from dynamograph.protocol.router_config import PREFILL_WORK_WEIGHT, dynamo_scorers, ttft_scorers
 
-from .route_fleet import DYNAMOGRAPH, OFFLINE_ENV, LaunchError, Proc, Worker, stop_all, wait_http
+from .route_fleet import (
+    DYNAMOGRAPH,
+    OFFLINE_ENV,
+    LaunchError,
+    Proc,
+    Worker,
+    join_worker_records,
+    stop_all,
+    wait_http,
+)
 from .route_metrics import RequestResult
 
 # The llm-d policy run with its precise prefix-cache scorer (bench/route_foreign_epp.py)
@@ -33,9 +44,9 @@ PRECISE = "precise-prefix-cache"
 @dataclass(frozen=True)
 class Policy:
     name: str
-    kind: str  # "epp" | "sglang-router" | "vllm-router" | "foreign-epp" | "dynamo"
+    kind: str  # "epp" | "frontend" | "sglang-router" | "vllm-router" | "foreign-epp" | "dynamo"
     description: str
-    router_config: dict = field(default_factory=dict)  # RouterConfig fields (kind "epp")
+    router_config: dict = field(default_factory=dict)  # RouterConfig fields ("epp", "frontend")
     # --policy of a foreign router; for llm-d's scheduler, PRECISE: its precise prefix-cache
     # scorer configuration (else its shipped default)
     foreign_policy: str | None = None
@@ -60,7 +71,7 @@ class Routed:
     relay_pids: Sequence[int] = ()
     # a router that answers `nvext.timing` from its own clock (Dynamo's frontend): sets each
     # result's engine figures from what its engines reported instead (`route_dynamo`)
-    engine_view: Callable[[Sequence[RequestResult]], None] | None = None
+    engine_view: Callable[[Sequence[RequestResult]], Awaitable[None]] | None = None
 
 
 POLICIES: dict[str, Policy] = {
@@ -111,6 +122,14 @@ POLICIES: dict[str, Policy] = {
             "EPP, KV events, our default cost: the TTFT estimate in blocks to prefill (queued "
             "prefill + uncached blocks, active blocks at 0.0025 each, blocks over free KV, uncached "
             "blocks × requests waiting there) + 8 × uncached blocks (the fleet's prefill work)",
+            {"scorers": [s.model_dump() for s in ttft_scorers()]},
+        ),
+        Policy(
+            "frontend-kv",
+            "frontend",
+            "our frontend with --mode kv, kv-ttft's cost and KV events, no gateway and no EPP: "
+            "the router core in the process that relays the request (the topology of "
+            "sglang-router and Dynamo's frontend)",
             {"scorers": [s.model_dump() for s in ttft_scorers()]},
         ),
         Policy(
@@ -247,6 +266,8 @@ async def serve(
         from .route_dynamo import serve as serve_dynamo  # runs Dynamo from its own venv
 
         ctx = serve_dynamo(workers, ports, logs, model=model)
+    elif policy.kind == "frontend":
+        ctx = _serve_frontend(policy, workers, ports, logs)
     else:
         ctx = _serve_foreign(policy, workers, ports, logs)
     async with ctx as routed:
@@ -279,6 +300,42 @@ async def _serve_foreign(
         await wait_http(proc, url + "/v1/models", within_s=90)
         assert proc.popen is not None
         yield Routed(url, workers, [proc.popen.pid])
+    finally:
+        await asyncio.to_thread(stop_all, [proc])
+
+
+@contextlib.asynccontextmanager
+async def _serve_frontend(
+    policy: Policy, workers: Sequence[Worker], ports: PortPool, logs: Path
+) -> AsyncIterator[Routed]:
+    """`dynamograph frontend --mode kv` in front of the workers, its router config the policy's."""
+    port = ports.take()
+    config = logs / f"{policy.name}-router.yaml"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(yaml.safe_dump(policy.router_config))
+    argv = [
+        *DYNAMOGRAPH,
+        "frontend",
+        "--host=127.0.0.1",
+        f"--port={port}",
+        "--mode=kv",
+        "--discovery=static",
+        f"--router-config={config}",
+    ]
+    for w in workers:
+        argv += ["--worker", w.url]
+    proc = Proc(f"{policy.name}-router", argv, logs / f"{policy.name}-router.log")
+    ports.release()
+    proc.start()
+    try:
+        url = f"http://127.0.0.1:{port}"
+        await wait_http(proc, url + "/v1/models", within_s=60)
+        assert proc.popen is not None
+        # The frontend answers `nvext.timing` from its own clock (as Dynamo's does): the
+        # engines' simulated figures come from the workers' request records instead.
+        yield Routed(
+            url, workers, [proc.popen.pid], engine_view=partial(join_worker_records, workers)
+        )
     finally:
         await asyncio.to_thread(stop_all, [proc])
 

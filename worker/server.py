@@ -433,6 +433,9 @@ class WorkerServer:
         if last is not None and last.usage is not None:
             entry["cached_tokens"] = last.usage.cached_tokens
             entry["completion_tokens"] = last.usage.completion_tokens
+        if last is not None and last.timing is not None:  # simulated seconds, as in nvext.timing
+            entry["ttft_s"] = last.timing.ttft
+            entry["e2e_s"] = last.timing.e2e
         entry["finish_reason"] = last.finish_reason.value if last and last.finish_reason else None
 
     async def _full(self, stream, builder: ResponseBuilder, gen, headers, entry) -> web.Response:

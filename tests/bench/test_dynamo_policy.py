@@ -129,7 +129,7 @@ async def test_dynamo_kv_routes_repeated_prefixes_to_their_holder(tmp_path):
     }
     answered = list(results.values())
     assert routed.engine_view is not None
-    routed.engine_view(answered)
+    await routed.engine_view(answered)
     for r in answered:
         assert r.response_id is not None and r.response_id.startswith("cmpl-"), r.response_id
         assert r.engine_ttft_s == recorded[r.response_id.removeprefix("cmpl-")]
