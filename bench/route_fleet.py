@@ -206,7 +206,11 @@ async def join_worker_records(workers: Sequence[Worker], results: Sequence[Reque
     older ones get no engine figures, and the count is printed."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
         pages = await asyncio.gather(*(_get_json(session, w.url + DEBUG_REQUESTS) for w in workers))
-    rows = {row["request_id"]: row for page in pages for row in page.get("recent", [])}
+    # The fleet serves every policy in turn under the same ids (`bench-<index>`): the latest
+    # record of an id is this replay's.
+    rows: dict[str, dict] = {}
+    for row in sorted((r for page in pages for r in page.get("recent", [])), key=_received):
+        rows[row["request_id"]] = row
 
     def figures(answer: str) -> EngineFigures | None:
         # A request the client named (x-request-id, as the bench's are) is answered as
@@ -218,6 +222,10 @@ async def join_worker_records(workers: Sequence[Worker], results: Sequence[Reque
     missing = sum(1 for r in results if r.status == OK and r.engine_ttft_s is None)
     if missing:
         print(f"  {missing} answers have no worker record (older than a worker keeps)", flush=True)
+
+
+def _received(row: dict) -> float:
+    return row.get("received") or 0.0
 
 
 async def _get_json(session: aiohttp.ClientSession, url: str) -> dict:

@@ -20,11 +20,14 @@ pytestmark = pytest.mark.integration
 DOC = "Gamma notes. " + "The lighthouse keeper logs each passing ship by lamp light. " * 25
 
 
-async def _records(session: aiohttp.ClientSession, workers) -> dict[str, dict]:
+async def _records(session: aiohttp.ClientSession, workers) -> dict[str, dict[str, dict]]:
+    """Each worker's request records by id, under its instance id (what `nvext` names)."""
     rows = {}
     for w in workers:
+        async with session.get(w.url + "/v1/engine") as resp:
+            instance = str((await resp.json())["instance_id"])
         async with session.get(w.url + "/debug/requests") as resp:
-            rows |= {row["request_id"]: row for row in (await resp.json())["recent"]}
+            rows[instance] = {row["request_id"]: row for row in (await resp.json())["recent"]}
     return rows
 
 
@@ -45,6 +48,15 @@ async def test_frontend_kv_routes_a_prefix_to_its_holder_and_reports_engine_figu
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session,
         ):
             assert routed.pids and not routed.gateway_pids  # no Envoy in front
+            # An earlier policy's requests on the same fleet, under the same ids: each worker
+            # then holds an older record of every id.
+            for w in workers:
+                for k in range(4):
+                    body = completion_body(spec.model, f"An earlier run, request {k}.", 4)
+                    earlier = await send_one(
+                        session, w.url + "/v1/completions", body, RequestResult(k)
+                    )
+                    assert earlier.status == OK, earlier.error
             results = []
             for k in range(4):
                 body = completion_body(spec.model, DOC + f"Question {k}: which ship?", 4)
@@ -62,7 +74,7 @@ async def test_frontend_kv_routes_a_prefix_to_its_holder_and_reports_engine_figu
     assert len({r.worker for r in results}) == 1  # every request on the prefix's holder
     assert all(r.cached_tokens > 0 for r in results[1:])
     for r, before in zip(results, frontend_view, strict=True):
-        row = records[r.response_id.partition("-")[2]]
+        row = records[r.worker][r.response_id.partition("-")[2]]
         assert (r.engine_ttft_s, r.engine_e2e_s) == (row["ttft_s"], row["e2e_s"])
         assert 0 < r.engine_ttft_s <= r.engine_e2e_s
         assert (r.engine_ttft_s, r.engine_e2e_s) != before  # the frontend's clock, replaced
