@@ -24,6 +24,13 @@ class InvalidPin(RoutingError):
     status = 400
 
 
+class ContextTooLong(RoutingError):
+    """The request needs more tokens of context than any eligible worker has (400, as vLLM
+    answers such a request): the prompt or max_tokens must shrink."""
+
+    status = 400
+
+
 class Overloaded(RoutingError):
     """Every eligible worker is busy (503, as Dynamo answers); retry after `retry_after_s`
     seconds."""

@@ -3,7 +3,7 @@
 A selection looks at every (worker, dp_rank) slot of the fleet. Building a Python object per
 slot per request cost more than all the scoring (~3–5 µs a slot: 0.3 ms at 64 workers), so the
 router keeps the slots as a struct of arrays instead, in its worker order (registration order,
-then rank): role, ready, LoRA adapters, KV capacity, scraped usage and queue length, and where each slot's
+then rank): role, ready, LoRA adapters, KV capacity, context length, scraped usage and queue length, and where each slot's
 column is in the KV index and in the active-request sums. Workers come and go rarely, so the
 `Fleet` is rebuilt then (`Router` marks it stale); readiness and scraped load change in place.
 Per request, `candidates` gathers the changing parts (booked load, cached overlap, prompt
@@ -23,6 +23,7 @@ from .active import DECODE, PREFILL, REQUESTS, UNANSWERED, ActiveRequests
 from .index import KvIndex
 
 Slot = tuple[int, int]
+NO_CONTEXT_LIMIT = np.iinfo(np.int64).max  # an engine that does not say its context length
 
 
 @dataclass(slots=True)
@@ -36,6 +37,7 @@ class WorkerState:
     total_blocks: int
     lora_names: frozenset[str]
     ready: bool = True
+    context_length: int | None = None  # the engine's max model length (None: not said)
     # per dp rank, from /metrics scrapes
     waiting: list[int] = field(default_factory=list)
     running: list[int] = field(default_factory=list)
@@ -86,6 +88,12 @@ class Fleet:
         self.total_blocks = np.array(
             [w.total_blocks for w in states for _ in range(w.dp_size)], np.int64
         )
+        self.context_length = np.array(
+            [w.context_length or NO_CONTEXT_LIMIT for w in states for _ in range(w.dp_size)],
+            np.int64,
+        )
+        # a request needing no more than this fits every slot: the context filter's fast path
+        self.shortest_context = int(self.context_length.min(initial=NO_CONTEXT_LIMIT))
         self.kv_usage = np.array([u for w in states for u in w.kv_usage], np.float64)
         self.waiting = np.array([n for w in states for n in w.waiting], np.int64)
         self.serving_role = ~self.prefill_role  # aggregated and decode workers

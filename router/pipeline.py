@@ -175,6 +175,8 @@ class RequestPipeline:
             session=nvext.session_control if nvext is not None else None,
             allowed_ids=allowed_ids,
             expected_output_tokens=hints.osl if hints is not None else None,
+            max_tokens=_max_tokens(body),
+            isl_exact=not cut,
             query_only=query_only,
             prompt_tokens=tokens if query_only else None,
             config=config,
@@ -358,6 +360,17 @@ def query_answer(path: str, body: Mapping[str, Any], routed: Routed, *, stream: 
     if not stream:
         return orjson.dumps(out)
     return b"data: " + orjson.dumps(out) + b"\n\ndata: [DONE]\n\n"
+
+
+def _max_tokens(body: Mapping[str, Any]) -> int:
+    """The tokens the answer may take, as the engines read them (`max_completion_tokens`, else
+    `max_tokens`); 1 when neither is a positive integer (vLLM then fills the rest of the
+    context, and the engine validates the value itself)."""
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = body.get(key)
+        if type(value) is int and value > 0:
+            return value
+    return 1
 
 
 def _busy_error(exc: Overloaded) -> OpenAIError:

@@ -17,8 +17,9 @@ from .fleet import Candidates
 from .plugins.base import Context, Filter, Picker, Scorer, make
 
 # Applied to every selection, before the configured filters: without them a prefill request
-# could land on a decode worker, or a LoRA request on a worker without the adapter.
-HARD_CONSTRAINTS = ("role", "ready", "lora", "subset")
+# could land on a decode worker, a LoRA request on a worker without the adapter, or a long
+# prompt on a worker whose context it does not fit.
+HARD_CONSTRAINTS = ("role", "ready", "lora", "subset", "context")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +58,7 @@ class Profile:
             if mask is not None:
                 keep &= mask
                 if not keep.any():
-                    raise f.refusal(ctx)
+                    raise f.refusal(ctx, c)
         raise AssertionError("filters kept a slot on the second pass")
 
     def score(self, ctx: Context, c: Candidates) -> None:

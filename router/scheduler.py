@@ -77,6 +77,10 @@ class RouteRequest:
     session: SessionControl | None = None
     allowed_ids: frozenset[int] | None = None  # e.g. the GAIE subset hint, as instance ids
     expected_output_tokens: int | None = None  # nvext.agent_hints.osl
+    # tokens the answer may take (max_tokens; vLLM's default, the rest of the context: 1)
+    # and whether `isl_tokens` is exact (not estimated past a cut): the context filter's inputs
+    max_tokens: int = 1
+    isl_exact: bool = True
     query_only: bool = False  # decide, but book nothing and record nothing
     # the router's config with the request's `nvext.router_config_override` applied
     # (`RouterConfig.overridden`); None: the router's own
@@ -159,6 +163,7 @@ class Router:
                 # the engine's scraped metric alone
                 total_blocks=config.total_kv_blocks or UNKNOWN_TOTAL_BLOCKS,
                 lora_names=config.lora_adapters,
+                context_length=config.context_length,
             )
         except ValueError as exc:
             log.error("worker %s not added: %s", config.name, exc)
@@ -174,10 +179,12 @@ class Router:
         block_size: int,
         total_blocks: int,
         lora_names: Mapping[int, str] | Iterable[str] = (),
+        context_length: int | None = None,
     ) -> None:
         """Register (or update) a worker. `lora_names`: the adapters it serves, as a mapping
-        vLLM lora_id → name, or names in load order (ids 1, 2, …, vLLM's assignment). All
-        workers must share one block size (ValueError otherwise)."""
+        vLLM lora_id → name, or names in load order (ids 1, 2, …, vLLM's assignment);
+        `context_length`: its max model length, None when unknown. All workers must share one
+        block size (ValueError otherwise)."""
         if dp_size < 1 or block_size < 1 or total_blocks < 1:
             raise ValueError("dp_size, block_size and total_blocks must be positive")
         others = {w.block_size for wid, w in self._workers.items() if wid != worker_id}
@@ -198,6 +205,7 @@ class Router:
             total_blocks=total_blocks,
             lora_names=frozenset(ids.values()),
             ready=old.ready if old else True,
+            context_length=context_length,
             waiting=[0] * dp_size,
             running=[0] * dp_size,
             kv_usage=[0.0] * dp_size,
@@ -372,6 +380,8 @@ class Router:
                 rng=self._rng,
                 block_size=self._block_size or 0,
                 weights=weights,
+                prompt_tokens=request.isl_tokens if request.isl_exact else None,
+                max_tokens=request.max_tokens if phase != Phase.PREFILL else 1,  # prefill: 1
             )
 
         pins = request.pins

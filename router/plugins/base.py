@@ -54,6 +54,10 @@ class Context:
     # the scorers' weights when the request overrides them (`config.scorers` order); None:
     # the profile's own
     weights: tuple[float, ...] | None = None
+    # what must fit a worker's context length: the prompt's tokens (None: the count is an
+    # estimate, not checked) and those this phase may generate
+    prompt_tokens: int | None = None
+    max_tokens: int = 1
 
 
 class NoParameters(BaseModel):
@@ -79,7 +83,8 @@ class Filter(Plugin):
         """Why no slot is left, when this filter removed the last one."""
         raise NotImplementedError
 
-    def refusal(self, ctx: Context) -> RoutingError:
+    def refusal(self, ctx: Context, c: Candidates) -> RoutingError:
+        """The error to raise when this filter removed the last candidate."""
         return NoEligibleWorker(self.reason(ctx))
 
 

@@ -1,4 +1,4 @@
-"""Built-in filters. `role`, `ready`, `lora` and `subset` are the request's hard constraints,
+"""Built-in filters. `role`, `ready`, `lora`, `subset` and `context` are the request's hard constraints,
 applied to every selection before the configured filters; `stalled` leaves out slots whose
 requests make no progress; `busy` sheds saturated workers."""
 
@@ -7,8 +7,8 @@ import time
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..errors import Overloaded, RoutingError
-from ..fleet import Candidates
+from ..errors import ContextTooLong, Overloaded, RoutingError
+from ..fleet import NO_CONTEXT_LIMIT, Candidates
 from .base import Context, Filter, Phase, register
 
 
@@ -72,6 +72,44 @@ class SubsetFilter(Filter):
         return "no eligible worker is in the requested endpoint subset"
 
 
+@register
+class ContextFilter(Filter):
+    """A request goes only to workers whose context length (max model length) holds its prompt
+    and the tokens it may generate (`max_tokens`; none given: one, as vLLM then fills the rest
+    of the context). None fits: 400, without calling an engine that would refuse it the same
+    way. Workers that do not say their context length always pass; so does a prompt whose
+    token count is an estimate (cut for tokenizing, `max_prompt_chars`)."""
+
+    name = "context"
+
+    def mask(self, ctx: Context, c: Candidates) -> np.ndarray | None:
+        if ctx.prompt_tokens is None:
+            return None
+        need = ctx.prompt_tokens + ctx.max_tokens
+        if need <= c.fleet.shortest_context:
+            return None
+        return c.fleet.context_length >= need
+
+    def reason(self, ctx: Context) -> str:
+        return f"no ready {ctx.phase.value} worker's maximum model length holds the request"
+
+    def refusal(self, ctx: Context, c: Candidates) -> RoutingError:
+        """vLLM's words for it, which clients look for (`maximum context length`), with the
+        longest context a worker of the phase says it has."""
+        assert ctx.prompt_tokens is not None  # the filter removes nothing otherwise
+        fleet = c.fleet
+        role = fleet.prefill_role if ctx.phase == Phase.PREFILL else fleet.serving_role
+        lengths = fleet.context_length[role]
+        known = lengths[lengths < NO_CONTEXT_LIMIT]  # empty: only the unready said none
+        longest = f" is {int(known.max())} tokens" if len(known) else " is exceeded"
+        return ContextTooLong(
+            f"This model's maximum context length{longest}. However, you "
+            f"requested {ctx.prompt_tokens + ctx.max_tokens} tokens ({ctx.prompt_tokens} in the "
+            f"messages, {ctx.max_tokens} in the completion). Please reduce the length of the "
+            f"messages or completion ({self.reason(ctx)})."
+        )
+
+
 class StalledParameters(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -117,7 +155,7 @@ class StalledFilter(Filter):
             f"{self.parameters.timeout_s:g} s"
         )
 
-    def refusal(self, ctx: Context) -> RoutingError:
+    def refusal(self, ctx: Context, c: Candidates) -> RoutingError:
         return Overloaded(self.reason(ctx), ctx.config.retry_after_s)
 
 
@@ -158,5 +196,5 @@ class BusyFilter(Filter):
             limits.append(f"{config.busy_prefill_tokens_threshold} prefill tokens pending")
         return f"every eligible {ctx.phase.value} worker is busy (over {' or '.join(limits)})"
 
-    def refusal(self, ctx: Context) -> RoutingError:
+    def refusal(self, ctx: Context, c: Candidates) -> RoutingError:
         return Overloaded(self.reason(ctx), ctx.config.retry_after_s)

@@ -204,6 +204,37 @@ async def test_no_eligible_worker_is_503():
             await client.close()
 
 
+async def test_prompts_go_to_workers_whose_context_holds_them_else_400():
+    """Engines say their max model length (/v1/engine `context_length`): a prompt goes only to
+    those it fits with its max_tokens; one that fits none is answered 400 by the EPP itself,
+    booking nothing, instead of by the engine it would have been sent to."""
+    async with (
+        mock_worker(model=MODEL, name="epp-ctx-short", context_length=512) as short,
+        mock_worker(model=MODEL, name="epp-ctx-long", context_length=4096) as long,
+        running_epp([short, long]) as epp,
+    ):
+        client = ExtProcClient(epp.grpc_port)
+        held = []
+        try:
+            for i in range(6):  # ~1,000 tokens: the long-context worker only
+                held.append(stream := client.stream())
+                first, _, _ = await stream.request(chat_body(f"{i} " + "word " * 1000))
+                assert set_headers(first)[DESTINATION_ENDPOINT] == endpoint_of(long)
+            too_long = chat_body("word " * 1000, max_tokens=3500)
+            first, _, _ = await client.stream().request(too_long)
+            code, _, error = _immediate(first)
+            assert code == 400
+            message = error["error"]["message"]
+            assert message.startswith("This model's maximum context length is 4096 tokens.")
+            assert "in the messages, 3500 in the completion" in message
+            assert booked(epp) == 6  # the routed ones, still under way; nothing for the 400
+        finally:
+            for stream in held:
+                stream.call.cancel()
+            await client.close()
+        await wait_for(lambda: booked(epp) == 0, "the cancelled streams' bookings to be freed")
+
+
 async def test_busy_fleet_refuses_503_with_retry_after():
     """Every worker busy: 503 with Retry-After, as Dynamo answers (docs/router.md, busy)."""
     router = RouterConfig(busy_threshold=0.5, retry_after_s=2.0)

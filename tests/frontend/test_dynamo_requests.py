@@ -115,8 +115,9 @@ async def test_a_dp_rank_pin_is_not_overridden_by_the_session(model):
 
 async def test_session_actions_as_dynamo(model):
     async with (
-        mock_worker(context_length=1024) as a,
-        mock_worker(context_length=1024) as b,
+        # KV for 512 tokens: a turn within the context may still be refused by the engine
+        mock_worker(context_length=1024, num_gpu_blocks=32) as a,
+        mock_worker(context_length=1024, num_gpu_blocks=32) as b,
         run_frontend(None, [a, b], mode=Mode.KV) as fe,
     ):
         sessions = fe.routing.router.sessions
@@ -136,9 +137,9 @@ async def test_session_actions_as_dynamo(model):
         assert (await post(fe, turn("plain")))[0] == 200
         assert sessions.binding("plain") is None
         # an open the engine refuses binds nothing
-        refused = {**turn("refused", "open"), "max_tokens": 5000}
+        refused = {**turn("refused", "open"), "max_tokens": 900}
         status, out, _ = await post(fe, refused)
-        assert status == 400 and "maximum context length" in out["error"]["message"]
+        assert status == 400 and "tokens of KV cache" in out["error"]["message"]
         assert sessions.binding("refused") is None
         # open binds once the engine took the turn; the engine holds the session too
         status, _, headers = await post(fe, turn("s", "open", timeout=600))

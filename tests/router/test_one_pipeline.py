@@ -206,8 +206,8 @@ async def test_long_prompts_are_tokenized_off_the_event_loop():
     import asyncio
 
     pipeline = RequestPipeline(Router(RouterConfig(seed=1, max_prompt_chars=1 << 21)))
-    for r in RECORDS[:3]:
-        assert pipeline.add_engine(r.config)
+    for r in RECORDS[:3]:  # a context the big prompt's 75k tokens fit
+        assert pipeline.add_engine(r.config.model_copy(update={"context_length": 1 << 17}))
     pipeline.load_tokenizer("qwen")
     big = {"model": MODEL, "prompt": "a" * 600_000}  # BPE pays superlinearly for this
     short = {"model": MODEL, "prompt": "hello"}

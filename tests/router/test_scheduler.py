@@ -14,6 +14,7 @@ from dynamograph.protocol.kv_events import AllBlocksCleared, BlockStored, EventB
 from dynamograph.protocol.nvext import NvExt, SessionControl
 from dynamograph.protocol.pins import RoutePins
 from dynamograph.protocol.router_config import PluginRef, RouterConfig, ScorerRef, dynamo_scorers
+from dynamograph.router.errors import ContextTooLong
 from dynamograph.router.prefills import MAX_MARKS, prefill_marks
 from dynamograph.router.scheduler import (
     NoEligibleWorker,
@@ -584,6 +585,47 @@ def test_busy_by_prefill_tokens_pending():
     with pytest.raises(Overloaded) as err:
         router.schedule(request(tokens(16), rid="c"))
     assert err.value.status == 503 and "100 prefill tokens pending" in err.value.reason
+
+
+def test_requests_go_only_to_workers_whose_context_holds_them():
+    """A worker's context length (max model length) must hold the prompt and the answer's
+    max_tokens (1 when not given); none does: 400 naming the need and the longest context."""
+    router = make_router(workers=(1,))  # says no context length: always passes
+    router.add_worker(2, block_size=BS, total_blocks=1000, context_length=64)
+    router.add_worker(3, block_size=BS, total_blocks=1000, context_length=32)
+    router.remove_worker(1)
+    picks = {router.schedule(request(tokens(40), rid=f"a{i}")).decode.worker_id for i in range(20)}
+    assert picks == {2}  # 40 + 1 tokens fit only worker 2
+    picks = {router.schedule(request(tokens(16), rid=f"b{i}")).decode.worker_id for i in range(40)}
+    assert picks == {2, 3}  # a short one fits both
+    assert router.schedule(request(tokens(40), max_tokens=24)).decode.worker_id == 2  # 64: fits
+    with pytest.raises(ContextTooLong) as err:
+        router.schedule(request(tokens(40), max_tokens=25))  # 65 tokens
+    assert err.value.status == 400
+    assert err.value.reason.startswith(  # vLLM's words, which clients look for
+        "This model's maximum context length is 64 tokens. However, you requested 65 tokens "
+        "(40 in the messages, 25 in the completion)."
+    )
+    with pytest.raises(ContextTooLong):
+        router.schedule(request(tokens(64)))  # the prompt alone fills it: no token to answer
+    # an estimated count (a prompt cut for tokenizing) is left to the engine
+    assert router.schedule(request(tokens(64), isl_exact=False)).decode.worker_id in (2, 3)
+    # a pinned worker skips the filters, as for every other filter
+    pinned = request(tokens(40), pins=RoutePins(worker_id=3))
+    assert router.schedule(pinned).decode.worker_id == 3
+
+
+def test_the_prefill_leg_needs_context_for_its_prompt_and_one_token():
+    router = make_router(workers=())
+    router.add_worker(1, role=Role.PREFILL, block_size=BS, total_blocks=1000, context_length=48)
+    router.add_worker(2, role=Role.DECODE, block_size=BS, total_blocks=1000, context_length=128)
+    d = router.schedule(request(tokens(40), max_tokens=80))  # 41 fit the prefill, 120 the decode
+    assert (d.prefill.worker_id, d.decode.worker_id) == (1, 2)
+    with pytest.raises(
+        ContextTooLong,
+        match=r"length is 48 tokens. However, you requested 49 tokens .*no ready prefill worker",
+    ):
+        router.schedule(request(tokens(48), max_tokens=8))
 
 
 def test_filters_name_the_reason():
