@@ -232,6 +232,7 @@ def _fleet_main(
     async def serve() -> None:
         from dynamograph.worker.testing import mock_worker
 
+        from .route_fleet import WorkerSpec
         from .route_foreign_epp import kv_topic
 
         async with contextlib.AsyncExitStack() as stack:
@@ -250,6 +251,9 @@ def _fleet_main(
                         name=f"bench-epp-{os.getpid()}-{i}",
                         speedup=1e4,
                         block_size=BLOCK_SIZE,
+                        # the Mooncake mix's prompts reach 135k tokens: a context that holds
+                        # them, else the EPP refuses them (its `context` filter), as vLLM would
+                        context_length=WorkerSpec.context_length,
                         **where,
                     )
                 )
