@@ -35,10 +35,8 @@ from .route_fleet import (
     LaunchError,
     WorkerSpec,
     reset_caches,
+    running_fleet,
     scrape_workers,
-    stop_all,
-    wait_http,
-    worker_procs,
     worker_spec,
 )
 from .route_metrics import (
@@ -323,19 +321,11 @@ async def _run(args, setup: Setup) -> int:
     logs = args.out / "route-logs"
     metrics: list[PolicyMetrics] = []
     all_results = {}
-    ports = PortPool()
-    workers = worker_procs(setup.workers, spec, logs / "fleet", ports)
-    ports.release()
-    try:
-        for w in workers:
-            w.proc.start()
-        await asyncio.gather(*(wait_http(w.proc, w.url + "/health", within_s=120) for w in workers))
+    async with running_fleet(setup.workers, spec, logs / "fleet") as workers:
         for name in args.policies:
             m, results = await _measure(name, setup, workers, reuse, offsets, bodies, args, logs)
             metrics.append(m)
             all_results[name] = results
-    finally:
-        await asyncio.to_thread(stop_all, [w.proc for w in workers])
     _report(args, setup, spec, requests, reuse, metrics, all_results)
     return 0
 

@@ -13,7 +13,7 @@ import contextlib
 import os
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -197,6 +197,25 @@ async def scrape_workers(workers: Sequence[Worker]) -> dict[str, WorkerStats]:
 
         stats = await asyncio.gather(*(one(w) for w in workers))
     return {w.name: s for w, s in zip(workers, stats, strict=True)}
+
+
+@contextlib.asynccontextmanager
+async def running_fleet(
+    count: int, spec: WorkerSpec, logs: Path, *, within_s: float = 120.0
+) -> AsyncIterator[list[Worker]]:
+    """`count` mock workers (`worker_procs`) started and healthy; stopped on exit."""
+    ports = PortPool()
+    workers = worker_procs(count, spec, logs, ports)
+    ports.release()
+    try:
+        for w in workers:
+            w.proc.start()
+        await asyncio.gather(
+            *(wait_http(w.proc, w.url + "/health", within_s=within_s) for w in workers)
+        )
+        yield workers
+    finally:
+        await asyncio.to_thread(stop_all, [w.proc for w in workers])
 
 
 async def join_worker_records(workers: Sequence[Worker], results: Sequence[RequestResult]) -> None:

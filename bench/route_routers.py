@@ -293,15 +293,8 @@ async def _serve_foreign(
         *(w.url for w in workers),
     ]
     proc = Proc(f"{policy.name}-router", argv, logs / f"{policy.name}-router.log", OFFLINE_ENV)
-    ports.release()
-    proc.start()
-    try:
-        url = f"http://127.0.0.1:{port}"
-        await wait_http(proc, url + "/v1/models", within_s=90)
-        assert proc.popen is not None
-        yield Routed(url, workers, [proc.popen.pid])
-    finally:
-        await asyncio.to_thread(stop_all, [proc])
+    async with _one_process(proc, ports, port, workers, within_s=90) as routed:
+        yield routed
 
 
 @contextlib.asynccontextmanager
@@ -310,9 +303,6 @@ async def _serve_frontend(
 ) -> AsyncIterator[Routed]:
     """`dynamograph frontend --mode kv` in front of the workers, its router config the policy's."""
     port = ports.take()
-    config = logs / f"{policy.name}-router.yaml"
-    config.parent.mkdir(parents=True, exist_ok=True)
-    config.write_text(yaml.safe_dump(policy.router_config))
     argv = [
         *DYNAMOGRAPH,
         "frontend",
@@ -320,24 +310,47 @@ async def _serve_frontend(
         f"--port={port}",
         "--mode=kv",
         "--discovery=static",
-        f"--router-config={config}",
+        f"--router-config={_router_yaml(policy, logs)}",
     ]
     for w in workers:
         argv += ["--worker", w.url]
     proc = Proc(f"{policy.name}-router", argv, logs / f"{policy.name}-router.log")
+    # The frontend answers `nvext.timing` from its own clock (as Dynamo's does): the engines'
+    # simulated figures come from the workers' request records instead.
+    view = partial(join_worker_records, workers)
+    async with _one_process(proc, ports, port, workers, within_s=60, engine_view=view) as routed:
+        yield routed
+
+
+@contextlib.asynccontextmanager
+async def _one_process(
+    proc: Proc,
+    ports: PortPool,
+    port: int,
+    workers: Sequence[Worker],
+    *,
+    within_s: float,
+    engine_view: Callable[[Sequence[RequestResult]], Awaitable[None]] | None = None,
+) -> AsyncIterator[Routed]:
+    """A router that is one process serving on `port`: started, yielded once its /v1/models
+    answers, stopped on exit."""
     ports.release()
     proc.start()
     try:
         url = f"http://127.0.0.1:{port}"
-        await wait_http(proc, url + "/v1/models", within_s=60)
+        await wait_http(proc, url + "/v1/models", within_s=within_s)
         assert proc.popen is not None
-        # The frontend answers `nvext.timing` from its own clock (as Dynamo's does): the
-        # engines' simulated figures come from the workers' request records instead.
-        yield Routed(
-            url, workers, [proc.popen.pid], engine_view=partial(join_worker_records, workers)
-        )
+        yield Routed(url, workers, [proc.popen.pid], engine_view=engine_view)
     finally:
         await asyncio.to_thread(stop_all, [proc])
+
+
+def _router_yaml(policy: Policy, logs: Path) -> Path:
+    """The policy's RouterConfig as the YAML file our routers read (`--config`)."""
+    config = logs / f"{policy.name}-router.yaml"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(yaml.safe_dump(policy.router_config))
+    return config
 
 
 @contextlib.asynccontextmanager
@@ -349,9 +362,7 @@ async def _serve_epp(
     from dynamograph.local.envoy import envoy_config, run_envoy  # only our policies need Envoy
 
     listen_port, admin_port = ports.take(), ports.take()
-    config = logs / f"{policy.name}-router.yaml"
-    config.parent.mkdir(parents=True, exist_ok=True)
-    config.write_text(yaml.safe_dump(policy.router_config))
+    config = _router_yaml(policy, logs)
     replica_ports = [ports.take() for _ in range(policy.epps)]
     epps, grpc_ports, metrics_ports = [], [], []
     for i in range(policy.epps):

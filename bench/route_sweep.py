@@ -26,12 +26,11 @@ from pathlib import Path
 
 import orjson
 
-from dynamograph.local.procs import PortPool
 from dynamograph.protocol.tokenization import get_tokenizer
 
 from .report import print_table, write_json
 from .route_client import chat_body, completion_body
-from .route_fleet import stop_all, wait_http, worker_procs, worker_spec
+from .route_fleet import running_fleet, worker_spec
 from .route_metrics import PolicyMetrics, split_metrics, summarize
 from .route_plots import write_sweep_plot
 from .route_routers import POLICIES
@@ -251,13 +250,7 @@ async def run_sweep(args: argparse.Namespace, setup, sweep) -> int:
     loads: dict[float, dict] = {}
     active = list(args.policies)
     done: list[float] = []
-    ports = PortPool()
-    workers = worker_procs(setup.workers, spec, logs / "fleet", ports)
-    ports.release()
-    try:
-        for w in workers:
-            w.proc.start()
-        await asyncio.gather(*(wait_http(w.proc, w.url + "/health", within_s=120) for w in workers))
+    async with running_fleet(setup.workers, spec, logs / "fleet") as workers:
         while active and (rate := next_rates(sweep, done, args)) is not None:
             started = time.monotonic()
             load = await asyncio.to_thread(source.load, rate)
@@ -298,8 +291,6 @@ async def run_sweep(args: argparse.Namespace, setup, sweep) -> int:
                 if sweep == AUTO and point.saturated:
                     active.remove(name)
             done.append(rate)
-    finally:
-        await asyncio.to_thread(stop_all, [w.proc for w in workers])
     _report(args, setup, spec, source, points, loads)
     return 0
 

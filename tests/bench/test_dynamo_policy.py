@@ -18,10 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from dynamograph.bench.route_client import completion_body, send_one
 from dynamograph.bench.route_fleet import (
     WorkerSpec,
+    running_fleet,
     scrape_workers,
-    stop_all,
-    wait_http,
-    worker_procs,
 )
 from dynamograph.bench.route_metrics import OK, RequestResult
 from dynamograph.bench.route_routers import POLICIES, serve, unavailable
@@ -77,36 +75,28 @@ async def test_dynamo_kv_routes_repeated_prefixes_to_their_holder(tmp_path):
     if reason:
         pytest.skip(reason)
     spec = WorkerSpec(num_gpu_blocks=2048, speedup=100.0)
-    ports = PortPool()
-    workers = worker_procs(2, spec, tmp_path / "fleet", ports)
-    ports.release()
-    try:
-        for w in workers:
-            w.proc.start()
-        await asyncio.gather(*(wait_http(w.proc, w.url + "/health") for w in workers))
-        async with (
-            serve(policy, workers, PortPool(), tmp_path, model=spec.model) as routed,
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session,
-        ):
-            assert routed.pids  # the frontend, whose CPU bench route measures
-            assert len(routed.relay_pids) == len(workers)  # a Dynamo worker per mock, apart
-            holder = dict(zip(DOCS, workers, strict=True))
-            applied = await _stored_events(session, routed.url)
-            seeded = await asyncio.gather(
-                *(_send(session, holder[d].url, DOCS[d], i) for i, d in enumerate(DOCS))
-            )
-            assert [r.status for r in seeded] == [OK, OK], [r.error for r in seeded]
-            # each seeded prefill stores blocks on its worker: one batch each at least
-            await _events_settled(session, routed.url, applied, least=len(workers))
-            before = await scrape_workers(workers)
-            results = {}
-            for k in range(REPEATS):
-                for d, doc in DOCS.items():
-                    prompt = doc + f"Question {k}: what comes next?"
-                    results[d, k] = await _send(session, routed.url, prompt, len(results))
-            after = await scrape_workers(workers)
-    finally:
-        await asyncio.to_thread(stop_all, [w.proc for w in workers])
+    async with (
+        running_fleet(2, spec, tmp_path / "fleet") as workers,
+        serve(policy, workers, PortPool(), tmp_path, model=spec.model) as routed,
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session,
+    ):
+        assert routed.pids  # the frontend, whose CPU bench route measures
+        assert len(routed.relay_pids) == len(workers)  # a Dynamo worker per mock, apart
+        holder = dict(zip(DOCS, workers, strict=True))
+        applied = await _stored_events(session, routed.url)
+        seeded = await asyncio.gather(
+            *(_send(session, holder[d].url, DOCS[d], i) for i, d in enumerate(DOCS))
+        )
+        assert [r.status for r in seeded] == [OK, OK], [r.error for r in seeded]
+        # each seeded prefill stores blocks on its worker: one batch each at least
+        await _events_settled(session, routed.url, applied, least=len(workers))
+        before = await scrape_workers(workers)
+        results = {}
+        for k in range(REPEATS):
+            for d, doc in DOCS.items():
+                prompt = doc + f"Question {k}: what comes next?"
+                results[d, k] = await _send(session, routed.url, prompt, len(results))
+        after = await scrape_workers(workers)
     assert all(r.status == OK for r in results.values()), [r.error for r in results.values()]
     served = {w.name: after[w.name].requests - before[w.name].requests for w in workers}
     assert served == {holder[d].name: REPEATS for d in DOCS}, served

@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 
 from dynamograph.bench.route_client import completion_body, send_one
-from dynamograph.bench.route_fleet import WorkerSpec, stop_all, wait_http, worker_procs
+from dynamograph.bench.route_fleet import WorkerSpec, running_fleet
 from dynamograph.bench.route_metrics import OK, RequestResult
 from dynamograph.bench.route_routers import POLICIES, serve
 from dynamograph.local.procs import PortPool
@@ -34,43 +34,31 @@ async def _records(session: aiohttp.ClientSession, workers) -> dict[str, dict[st
 @pytest.mark.timeout(120)
 async def test_frontend_kv_routes_a_prefix_to_its_holder_and_reports_engine_figures(tmp_path):
     spec = WorkerSpec(num_gpu_blocks=2048, speedup=100.0)
-    ports = PortPool()
-    workers = worker_procs(2, spec, tmp_path / "fleet", ports)
-    ports.release()
-    try:
+    async with (
+        running_fleet(2, spec, tmp_path / "fleet") as workers,
+        serve(POLICIES["frontend-kv"], workers, PortPool(), tmp_path, model=spec.model) as routed,
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session,
+    ):
+        assert routed.pids and not routed.gateway_pids  # no Envoy in front
+        # An earlier policy's requests on the same fleet, under the same ids: each worker
+        # then holds an older record of every id.
         for w in workers:
-            w.proc.start()
-        await asyncio.gather(*(wait_http(w.proc, w.url + "/health") for w in workers))
-        async with (
-            serve(
-                POLICIES["frontend-kv"], workers, PortPool(), tmp_path, model=spec.model
-            ) as routed,
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session,
-        ):
-            assert routed.pids and not routed.gateway_pids  # no Envoy in front
-            # An earlier policy's requests on the same fleet, under the same ids: each worker
-            # then holds an older record of every id.
-            for w in workers:
-                for k in range(4):
-                    body = completion_body(spec.model, f"An earlier run, request {k}.", 4)
-                    earlier = await send_one(
-                        session, w.url + "/v1/completions", body, RequestResult(k)
-                    )
-                    assert earlier.status == OK, earlier.error
-            results = []
             for k in range(4):
-                body = completion_body(spec.model, DOC + f"Question {k}: which ship?", 4)
-                results.append(
-                    await send_one(session, routed.url + "/v1/completions", body, RequestResult(k))
-                )
-                await asyncio.sleep(0.3)  # the first prefill's KV events reach the router
-            assert [r.status for r in results] == [OK] * 4, [r.error for r in results]
-            frontend_view = [(r.engine_ttft_s, r.engine_e2e_s) for r in results]
-            assert routed.engine_view is not None
-            await routed.engine_view(results)
-            records = await _records(session, workers)
-    finally:
-        await asyncio.to_thread(stop_all, [w.proc for w in workers])
+                body = completion_body(spec.model, f"An earlier run, request {k}.", 4)
+                earlier = await send_one(session, w.url + "/v1/completions", body, RequestResult(k))
+                assert earlier.status == OK, earlier.error
+        results = []
+        for k in range(4):
+            body = completion_body(spec.model, DOC + f"Question {k}: which ship?", 4)
+            results.append(
+                await send_one(session, routed.url + "/v1/completions", body, RequestResult(k))
+            )
+            await asyncio.sleep(0.3)  # the first prefill's KV events reach the router
+        assert [r.status for r in results] == [OK] * 4, [r.error for r in results]
+        frontend_view = [(r.engine_ttft_s, r.engine_e2e_s) for r in results]
+        assert routed.engine_view is not None
+        await routed.engine_view(results)
+        records = await _records(session, workers)
     assert len({r.worker for r in results}) == 1  # every request on the prefix's holder
     assert all(r.cached_tokens > 0 for r in results[1:])
     for r, before in zip(results, frontend_view, strict=True):
