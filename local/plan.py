@@ -33,6 +33,7 @@ from dynamograph.protocol.graph import (
     ComponentType,
     DynamoGraph,
     FailureMode,
+    RouterMode,
     RouterSpec,
     ServiceSpec,
 )
@@ -41,6 +42,8 @@ from dynamograph.protocol.launch import (
     ADMIN_TOKEN_ENV,
     graph_router,
     router_config,
+    standalone_frontend_args,
+    standalone_router,
     uses_kv_events,
     worker_args,
 )
@@ -130,8 +133,15 @@ def plan_graph(
             "engineConfig: not used locally (it describes engines the graph does not launch; "
             "the engines started here describe themselves at /v1/engine)"
         )
+    router_files: dict[str, str] = {}
     for name, service in spec.services_of(ComponentType.FRONTEND).items():
-        standalone = _standalone_frontends(graph.name, name, service, engines, take_port, cli)
+        own = standalone_router(service)
+        config_file = run_dir / f"{name}-router.yaml"
+        if own.mode == RouterMode.KV:
+            router_files[str(config_file)] = yaml.safe_dump(router_config(own))
+        standalone = _standalone_frontends(
+            graph.name, name, service, engines, take_port, cli, config_file
+        )
         processes.extend(standalone)
         urls = ", ".join(f"http://{HOST}:{p.ports['http']}/v1" for p in standalone)
         notes.append(f"services.{name}: standalone frontend, OpenAI base URL {urls}")
@@ -187,6 +197,7 @@ def plan_graph(
         str(config_path): json.dumps(config, indent=1),
         # The operator's ConfigMap content, so the EPP is set up as it would be in the cluster.
         str(run_dir / "router.yaml"): yaml.safe_dump(router_config(router)),
+        **router_files,  # the standalone frontends' own, as the operator's ConfigMaps
     }
     return Plan(
         graph=graph.name,
@@ -300,13 +311,15 @@ def _standalone_frontends(
     engines: list[ProcessSpec],
     take_port: Callable[[int], int],
     cli: tuple[str, ...],
+    router_file: Path,
 ) -> list[ProcessSpec]:
-    """A `frontend` service: frontends routing by themselves (kv or round-robin), no gateway."""
-    mode = service.router.mode if service.router else "kv"
+    """A `frontend` service: frontends routing by themselves (kv or round-robin, by the
+    service's own `router`, its config at `router_file`), no gateway."""
+    routing = standalone_frontend_args(standalone_router(service), str(router_file))
     out = []
     for index in range(service.replicas):
         port = take_port(1)
-        argv = [*cli, "frontend", "--host", HOST, "--port", str(port), "--mode", str(mode)]
+        argv = [*cli, "frontend", "--host", HOST, "--port", str(port), *routing]
         argv += ["--discovery", "static"]
         for engine in engines:
             argv += ["--worker", _worker_arg(engine)]

@@ -69,6 +69,8 @@ from dynamograph.protocol.launch import (
     kv_curve_secret,
     kv_replay_port,
     router_config,
+    standalone_frontend_args,
+    standalone_router,
     uses_kv_events,
     worker_args,
 )
@@ -167,6 +169,11 @@ def discovery_name(graph: str) -> str:
 
 def router_config_name(graph: str) -> str:
     return f"{graph}-router"
+
+
+def frontend_router_config_name(graph: str, service: str) -> str:
+    """A kv-mode standalone frontend service's router config (the EPP's is `router_config_name`)."""
+    return f"{graph}-{service}-router"
 
 
 def engines_policy_name(graph: str) -> str:
@@ -275,11 +282,6 @@ def epp_tls(graph: DynamoGraph) -> EppTlsSpec:
     return EppTlsSpec()
 
 
-def _standalone_mode(spec: ServiceSpec) -> str:
-    """A standalone frontend's routing mode: its router's, else kv."""
-    return str(spec.router.mode) if spec.router is not None else "kv"
-
-
 def _kv_curve_parts(
     graph: DynamoGraph, *, opens_kv_sockets: bool
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
@@ -308,23 +310,19 @@ def _kv_ports(data_parallel_size: int) -> list[dict[str, Any]]:
     return ports
 
 
-def frontend_args(graph: DynamoGraph, owner: Owner, *, sidecar: bool, mode: str) -> list[str]:
+def frontend_args(graph: DynamoGraph, owner: Owner, spec: ServiceSpec | None) -> list[str]:
+    """A frontend's command line: the serving pods' sidecar (`spec` None), which follows the
+    EPP's headers, or a standalone frontend service, which routes by its own `router`."""
     args = ["frontend", "--host", "0.0.0.0", "--port", str(HTTP_PORT)]
-    if sidecar:
-        args += ["--engine-url", f"http://127.0.0.1:{ENGINE_PORT}"]
-    args += [
-        "--mode",
-        mode,
-        "--discovery",
-        "kubernetes",
-        "--namespace",
-        owner.namespace,
-        "--selector",
-        graph_selector(graph.name),
-    ]
-    if graph_router(graph).enforce_disagg:
-        args.append("--enforce-disagg")
-    return args
+    if spec is None:
+        args += ["--engine-url", f"http://127.0.0.1:{ENGINE_PORT}", "--mode", "direct"]
+        if graph_router(graph).enforce_disagg:
+            args.append("--enforce-disagg")
+    else:
+        config = f"{ROUTER_CONFIG_DIR}/{ROUTER_CONFIG_FILE}"
+        args += standalone_frontend_args(standalone_router(spec), config)
+    args += ["--discovery", "kubernetes", "--namespace", owner.namespace]
+    return [*args, "--selector", graph_selector(graph.name)]
 
 
 def epp_args(
@@ -556,20 +554,22 @@ def _frontend_container(
 ) -> dict[str, Any]:
     fields: dict[str, Any] = {}
     if sidecar:
-        mode = "direct"  # the EPP already chose; the sidecar follows the routing headers
+        # the EPP already chose; the sidecar follows the routing headers
         resources: dict[str, Any] = copy.deepcopy(SIDECAR_RESOURCES)
         env = _downward_env()
     else:
-        mode = _standalone_mode(spec)
+        kv = standalone_router(spec).mode == RouterMode.KV
         resources = _resources_or(spec, FRONTEND_RESOURCES)
-        _, mounts, curve_env = _kv_curve_parts(graph, opens_kv_sockets=mode == RouterMode.KV)
+        _, mounts, curve_env = _kv_curve_parts(graph, opens_kv_sockets=kv)
+        if kv:  # its router config file (`--router-config`)
+            mounts = [_router_config_mount(), *mounts]
         env = _downward_env() + curve_env + _user_env(spec)
         if mounts:
             fields["volumeMounts"] = mounts
     return _container(
         "frontend",
         image,
-        frontend_args(graph, owner, sidecar=sidecar, mode=mode),
+        frontend_args(graph, owner, None if sidecar else spec),
         config,
         ports=[{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
         env=env,
@@ -580,6 +580,10 @@ def _frontend_container(
         readinessProbe=_http_probe("http", 5, 3),
         livenessProbe=_http_probe("http", 10, 6, path="/live"),
     )
+
+
+def _router_config_mount() -> dict[str, Any]:
+    return {"name": "router-config", "mountPath": ROUTER_CONFIG_DIR, "readOnly": True}
 
 
 def _resources_or(spec: ServiceSpec, default: dict[str, Any]) -> dict[str, Any]:
@@ -622,7 +626,7 @@ def _epp_container(
     _, sleep, drain = epp_grace(spec, f"spec.services.{name}.extraPodSpec")
     lifecycle = {"preStop": {"sleep": {"seconds": sleep}}} if sleep else {}
     tls = epp_tls(graph)
-    mounts = [{"name": "router-config", "mountPath": ROUTER_CONFIG_DIR, "readOnly": True}]
+    mounts = [_router_config_mount()]
     if graph.spec.engine_config is not None:
         mounts.append(
             {"name": ENGINE_CONFIG_VOLUME, "mountPath": ENGINE_CONFIG_DIR, "readOnly": True}
@@ -786,7 +790,17 @@ def merge_extra_pod_spec(
 
 def router_config_file(graph: DynamoGraph) -> str:
     """The EPP's `--config` file (`RouterConfig` fields), YAML."""
-    return yaml.safe_dump(router_config(graph_router(graph)), sort_keys=True)
+    return _router_yaml(graph_router(graph))
+
+
+def frontend_router_config_file(spec: ServiceSpec) -> str | None:
+    """A standalone frontend's `--router-config` file, YAML; None unless it routes in kv mode."""
+    router = standalone_router(spec)
+    return _router_yaml(router) if router.mode == RouterMode.KV else None
+
+
+def _router_yaml(router: RouterSpec) -> str:
+    return yaml.safe_dump(router_config(router), sort_keys=True)
 
 
 def _sha256(document: str) -> str:
@@ -830,8 +844,12 @@ def _deployment(
         volumes += _kv_curve_parts(graph, opens_kv_sockets=True)[0]
     else:  # standalone frontend
         containers = [_frontend_container(graph, owner, spec, image, config, sidecar=False)]
-        subscribes = _standalone_mode(spec) == RouterMode.KV
-        volumes += _kv_curve_parts(graph, opens_kv_sockets=subscribes)[0]
+        router_document = frontend_router_config_file(spec)
+        if router_document is not None:  # kv mode: the router config, KV events
+            source = {"name": frontend_router_config_name(graph.name, name)}
+            volumes.append({"name": "router-config", "configMap": source})
+            annotations[ROUTER_CONFIG_CHECKSUM] = _sha256(router_document)
+        volumes += _kv_curve_parts(graph, opens_kv_sockets=router_document is not None)[0]
         annotations["prometheus.io/port"] = str(HTTP_PORT)
     pod_spec: dict[str, Any] = {
         "serviceAccountName": discovery_name(graph.name),
@@ -1240,6 +1258,24 @@ def desired_objects(
     if config.network_policy:
         objects += _network_policies(graph, owner, config)
     for name, spec in graph.spec.services.items():
+        router_document = (
+            frontend_router_config_file(spec)
+            if spec.component_type == ComponentType.FRONTEND
+            else None
+        )
+        if router_document is not None:  # before the Deployment that mounts it
+            objects.append(
+                {
+                    "apiVersion": "v1",
+                    "kind": "ConfigMap",
+                    "metadata": _meta(
+                        owner,
+                        frontend_router_config_name(graph.name, name),
+                        service_labels(graph.name, name, ComponentType.FRONTEND),
+                    ),
+                    "data": {ROUTER_CONFIG_FILE: router_document},
+                }
+            )
         try:
             objects.append(_deployment(graph, owner, name, spec, config))
         except GraphError as exc:

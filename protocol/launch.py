@@ -9,6 +9,8 @@ One mapping, so a graph behaves the same in both places (docs/contracts.md):
 - `graph_router`: the routing policy of a graph (its epp service's `router`, else defaults);
 - `router_config`: the router's `--config` file (a RouterConfig) from that policy, and
   `uses_kv_events`: whether the policy indexes the engines' KV events;
+- `standalone_router` and `standalone_frontend_args`: a standalone frontend's own policy (its
+  `router` section) and its routing flags, the same config file in kv mode;
 - `engine_config_file`: the EPP's `--engine-config` file (the graph's `spec.engineConfig`), where
   it is mounted and the flag that names it (`engine_config_args`); `bound_kv_events`: the port
   the EPP opens to engines whose KV-event publishers dial it.
@@ -169,6 +171,25 @@ def router_config(router: RouterSpec) -> dict[str, Any]:
         config["busy_threshold"] = router.busy_threshold
     config.update(router.config)
     return config
+
+
+def standalone_router(spec: ServiceSpec) -> RouterSpec:
+    """A standalone frontend's routing policy: its own `router` section, else the defaults
+    (kv). Not the EPP's: a frontend service routes by itself."""
+    return spec.router or RouterSpec()
+
+
+def standalone_frontend_args(router: RouterSpec, config_path: str) -> list[str]:
+    """A standalone frontend's routing flags: its mode and, in kv mode, the router config file
+    (`router_config(router)`, written at `config_path`) and KV events on or off, as the EPP
+    gets them; `--enforce-disagg` in either mode."""
+    args = ["--mode", str(router.mode)]
+    if router.mode == RouterMode.KV:
+        args += ["--router-config", config_path]
+        args += ["--kv-events", "on" if uses_kv_events(router) else "off"]
+    if router.enforce_disagg:
+        args.append("--enforce-disagg")
+    return args
 
 
 # A graph's `spec.engineConfig` (engines that serve no /v1/engine, docs/epp.md): the operator

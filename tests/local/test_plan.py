@@ -265,6 +265,26 @@ def test_standalone_frontend_service_routes_by_itself():
     assert any(f"http://127.0.0.1:{front.ports['http']}/v1" in n for n in p.notes)
 
 
+def test_a_kv_standalone_frontend_gets_its_own_router_config():
+    """As the operator renders it: the service's `router` section, not the EPP's, in a
+    config file of its own, and its KV events switch."""
+    p = plan(
+        graph_dict(
+            w={"componentType": "worker"},
+            epp={"componentType": "epp", "router": {"overlapWeight": 5.0}},
+            fe={"componentType": "frontend", "router": {"busyThreshold": 0.9, "kvEvents": False}},
+        )
+    )
+    front = next(x for x in p.processes if x.name == "t-fe-0")
+    assert arg(front.argv, "--mode") == "kv" and arg(front.argv, "--kv-events") == "off"
+    config = RouterConfig.model_validate(
+        yaml.safe_load(p.files[arg(front.argv, "--router-config")])
+    )
+    assert config.busy_threshold == 0.9 and not config.use_kv_events
+    epp = next(x for x in p.processes if x.kind == "epp")
+    assert arg(epp.argv, "--config") != arg(front.argv, "--router-config")
+
+
 def test_fail_open_gateway():
     p = plan(
         {

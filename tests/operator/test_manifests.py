@@ -1,5 +1,6 @@
 """Spec -> desired objects on the example graphs: contents, and validity against real schemas."""
 
+import argparse
 import copy
 import hashlib
 
@@ -7,6 +8,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from dynamograph.frontend import cli as frontend_cli
 from dynamograph.operator import crds
 from dynamograph.operator.config import OperatorConfig
 from dynamograph.operator.manifests import (
@@ -460,6 +462,65 @@ def test_standalone_frontend_service():
         "dynamograph.io/component-type": "frontend",
     }
     kubernetes_validate.validate(frontend, K8S_VERSION, strict=True)
+
+
+def test_a_kv_standalone_frontend_routes_by_its_own_router_section(tmp_path):
+    """Its `router` section (not the EPP's) becomes its router config file, mounted from a
+    ConfigMap of its own, with KV events on or off as the section says; a changed section
+    rolls its pods. A round-robin frontend gets no config."""
+
+    def mutate(router):
+        def apply(body):
+            body["spec"]["services"]["front"] = {"componentType": "frontend", "router": router}
+            body["spec"]["services"]["epp"]["router"]["overlapWeight"] = 5.0
+
+        return apply
+
+    router = {"mode": "kv", "overlapWeight": 2.0, "busyThreshold": 0.9, "kvEvents": False}
+    _, objs = build("agg.yaml", mutate(router))
+    deployment = objs["Deployment", "agg-front"]
+    args = args_of(container(deployment, "frontend"))
+    assert args["--mode"] == "kv" and args["--kv-events"] == "off"
+    assert args["--router-config"] == "/etc/dynamograph/router/router.yaml"
+    document = objs["ConfigMap", "agg-front-router"]["data"]["router.yaml"]
+    loaded = RouterConfig.model_validate(yaml.safe_load(document))
+    assert loaded.busy_threshold == 0.9 and not loaded.use_kv_events
+    assert [s.weight for s in loaded.scorers] != [
+        s.weight
+        for s in RouterConfig.model_validate(
+            yaml.safe_load(objs["ConfigMap", "agg-router"]["data"]["router.yaml"])
+        ).scorers
+    ]  # its own overlap weight (2), not the EPP's (5)
+    pod = deployment["spec"]["template"]
+    assert {"name": "router-config", "configMap": {"name": "agg-front-router"}} in pod["spec"][
+        "volumes"
+    ]
+    mounts = container(deployment, "frontend")["volumeMounts"]
+    assert {"name": "router-config", "mountPath": "/etc/dynamograph/router", "readOnly": True} in (
+        mounts
+    )
+    digest = hashlib.sha256(document.encode()).hexdigest()
+    assert pod["metadata"]["annotations"][ROUTER_CONFIG_CHECKSUM] == digest
+    kubernetes_validate.validate(deployment, K8S_VERSION, strict=True)
+
+    # the frontend's own CLI reads that command line and that file as the operator meant them
+    parser = argparse.ArgumentParser()
+    frontend_cli.add_arguments(parser)
+    parsed = parser.parse_args(container(deployment, "frontend")["args"][1:])
+    file = tmp_path / "router.yaml"
+    file.write_text(document)
+    parsed.router_config = str(file)
+    read = frontend_cli.config_from_args(parsed)
+    assert read.router is not None and read.router.busy_threshold == 0.9 and not read.kv_events
+
+    _, changed = build("agg.yaml", mutate({**router, "busyThreshold": 0.8}))
+    template = changed["Deployment", "agg-front"]["spec"]["template"]
+    assert template["metadata"]["annotations"][ROUTER_CONFIG_CHECKSUM] != digest
+
+    _, objs = build("agg.yaml", mutate({"mode": "round-robin"}))
+    assert ("ConfigMap", "agg-front-router") not in objs
+    args = args_of(container(objs["Deployment", "agg-front"], "frontend"))
+    assert args["--mode"] == "round-robin" and "--router-config" not in args
 
 
 def test_unknown_pod_spec_field_names_the_field():
