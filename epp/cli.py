@@ -20,7 +20,7 @@ from dynamograph.protocol.launch import EPP_REPLICA_PORT
 from dynamograph.protocol.router_config import RouterConfig
 from dynamograph.router.discovery import add_discovery_arguments, source_from_args
 from dynamograph.router.kv_events import INGEST_INTERVAL_S
-from dynamograph.router.replicas import ReplicaSettings
+from dynamograph.router.replicas import ReplicaSettings, add_replica_arguments, replica_settings
 
 from .extproc import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_LOOP_LAG_S, DEFAULT_MAX_PENDING_PICKS
 from .objectives import parse_objective_flag
@@ -198,8 +198,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a static objective and its priority (repeat; runs without a cluster); a watched "
         "objective of the same name wins",
     )
-    replicas = parser.add_argument_group(
-        "active-active: processes and replicas sharing their bookings (docs/epp.md)"
+    replicas = add_replica_arguments(
+        parser, who="EPP", env_prefix="DYNAMOGRAPH_EPP", port=EPP_REPLICA_PORT
     )
     replicas.add_argument(
         "--processes",
@@ -208,37 +208,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="EPP processes in this pod/host, all serving the gRPC and health ports "
         "(SO_REUSEPORT), sharing their bookings; --metrics-port shows them all, labelled "
         "process=i (default 1)",
-    )
-    replicas.add_argument(
-        "--replica-port",
-        type=int,
-        default=_env_int("DYNAMOGRAPH_EPP_REPLICA_PORT", EPP_REPLICA_PORT),
-        help="replica sync: process i publishes its bookings on this port + i "
-        f"(default {EPP_REPLICA_PORT})",
-    )
-    replicas.add_argument(
-        "--replica-peers",
-        default=os.environ.get("DYNAMOGRAPH_EPP_REPLICA_PEERS", ""),
-        metavar="HOST:PORT,...",
-        help="other EPP replicas' sync addresses (their --replica-port + process index)",
-    )
-    replicas.add_argument(
-        "--replica-selector",
-        default=os.environ.get("DYNAMOGRAPH_EPP_REPLICA_SELECTOR", ""),
-        help="Kubernetes: label selector of the EPP's own pods; each other pod is a peer "
-        "(--processes replicas at --replica-port..) in --namespace",
-    )
-    replicas.add_argument(
-        "--replica-heartbeat",
-        type=float,
-        default=float(os.environ.get("DYNAMOGRAPH_EPP_REPLICA_HEARTBEAT", 1.0)),
-        help="seconds between a replica's heartbeats (default 1)",
-    )
-    replicas.add_argument(
-        "--replica-timeout",
-        type=float,
-        default=float(os.environ.get("DYNAMOGRAPH_EPP_REPLICA_TIMEOUT", 5.0)),
-        help="a peer silent this many seconds has its bookings dropped (default 5)",
     )
     parser.add_argument(
         "--drain-grace",
@@ -307,7 +276,7 @@ def settings_from_args(args: argparse.Namespace) -> EppSettings:
         drain_grace=args.drain_grace,
         tls=tls_from_args(args),
         freeze_heap=True,  # this process is the EPP's own
-        replicas=replica_settings(args, index or 0),
+        replicas=_replicas(args, index or 0),
         reuse_port=args.processes > 1,
         objectives=dict(parse_objective_flag(o) for o in args.objective),
         pool_name=args.pool_name,
@@ -315,29 +284,10 @@ def settings_from_args(args: argparse.Namespace) -> EppSettings:
     )
 
 
-def replica_settings(args: argparse.Namespace, index: int) -> ReplicaSettings | None:
-    """Replica sync when there is anyone to sync with: sibling processes, static peers or the
-    EPP's pods."""
+def _replicas(args: argparse.Namespace, index: int) -> ReplicaSettings | None:
     if args.processes < 1:
         raise ValueError("--processes must be at least 1")
-    static = [f"tcp://{p.strip()}" for p in args.replica_peers.split(",") if p.strip()]
-    if args.processes == 1 and not static and not args.replica_selector:
-        return None
-    # siblings over loopback (a wildcard host binds it too)
-    local = "127.0.0.1" if args.host in ("0.0.0.0", "", "::") else args.host
-    siblings = [
-        f"tcp://{local}:{args.replica_port + i}" for i in range(args.processes) if i != index
-    ]
-    return ReplicaSettings(
-        bind=f"tcp://{args.host}:{args.replica_port + index}",
-        peers=siblings + static,
-        heartbeat_s=args.replica_heartbeat,
-        timeout_s=args.replica_timeout,
-        pod_selector=args.replica_selector,
-        namespace=args.namespace,
-        pod_port=args.replica_port,
-        pod_processes=args.processes,
-    )
+    return replica_settings(args, processes=args.processes, index=index)
 
 
 async def serve(epp: Epp) -> None:

@@ -13,7 +13,9 @@ import signal
 import sys
 
 from dynamograph.protocol.kv_curve import add_kv_curve_argument, kv_curve_from_args
+from dynamograph.protocol.launch import FRONTEND_REPLICA_PORT
 from dynamograph.router.discovery import Discovery, add_discovery_arguments, source_from_args
+from dynamograph.router.replicas import add_replica_arguments, replica_settings
 
 from .http_server import BODY_TIMEOUT_S, HEAD_TIMEOUT_S
 from .routing import Mode
@@ -102,6 +104,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="kv mode: YAML of the router core's RouterConfig (as the EPP's --config): "
         "overlap_weight, temperature, busy_threshold, …",
     )
+    add_replica_arguments(
+        parser,
+        who="kv-mode frontend",
+        env_prefix="DYNAMOGRAPH_FRONTEND",
+        port=FRONTEND_REPLICA_PORT,
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> FrontendConfig:
@@ -115,6 +123,11 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         # A flag overrides the file only when given.
         kv_events = None if args.kv_events is None else args.kv_events == "on"
         router = RouterConfig.load(args.router_config, use_kv_events=kv_events)
+    replicas = replica_settings(args)
+    if replicas is not None and mode is not Mode.KV:
+        raise ValueError(
+            f"--replica-peers and --replica-selector share kv mode's bookings; --mode is {mode}"
+        )
     return FrontendConfig(
         engine_url=args.engine_url,
         mode=mode,
@@ -129,6 +142,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         kv_events=router is None or router.use_kv_events,
         kv_curve=kv_curve_from_args(args),
         router=router,
+        replicas=replicas,
     )
 
 

@@ -5,7 +5,8 @@ For users without an Envoy gateway and endpoint picker: the frontend runs the ro
 `--kv-events off`, KV-event ingestion (`router.kv_events`) as the EPP, and routes each request
 through the same request pipeline (`router.pipeline.RequestPipeline`): model and LoRA adapter
 check, tokenization with the workers' tokenizer, block hashing, scheduling. The booking is
-released when the request ends.
+released when the request ends. With replica settings, the frontend's replicas share their
+in-flight bookings and session bindings as the EPP's do (`router.replicas.ReplicaSync`).
 """
 
 import itertools
@@ -20,6 +21,7 @@ from dynamograph.router.discovery import WorkerRecord
 from dynamograph.router.kv_events import KvEventIngest
 from dynamograph.router.load import LoadScraper
 from dynamograph.router.pipeline import RequestPipeline, query_answer
+from dynamograph.router.replicas import ReplicaSettings, ReplicaSync
 from dynamograph.router.scheduler import Router
 
 from .directory import WorkerDirectory
@@ -38,6 +40,7 @@ class KvMode:
         kv_events: bool,
         config: RouterConfig | None = None,
         kv_curve: CurveKeys | None = None,
+        replicas: ReplicaSettings | None = None,
     ):
         self.directory = directory
         self.kv_curve = kv_curve
@@ -50,6 +53,11 @@ class KvMode:
             }
         )
         self.router = Router(self.config)
+        self.replicas = (
+            ReplicaSync(self.router.active, replicas, sessions=self.router.sessions)
+            if replicas is not None
+            else None
+        )
         self.pipeline = RequestPipeline(self.router)
         self._ids = itertools.count()
         self.load: LoadScraper | None = None
@@ -65,8 +73,12 @@ class KvMode:
             )
             self.pipeline.read_events = self.events.read_queued
         self.directory.add_listener(self._added, self._removed)
+        if self.replicas is not None:  # the peers' bookings before our first request
+            await self.replicas.start()
 
     async def stop(self) -> None:
+        if self.replicas is not None:
+            await self.replicas.close()
         await self.tokenizers.close()
         self.pipeline.close()
         if self.events is not None:

@@ -88,6 +88,7 @@ class FrontendConfig:
     kv_events: bool = True  # kv mode: subscribe to the workers' KV events (else approximate)
     kv_curve: Any = None  # kv mode: CURVE on the KV-event subscriptions (protocol.kv_curve)
     router: Any = None  # kv mode: an epp.config.RouterConfig (None: its defaults)
+    replicas: Any = None  # kv mode: router.replicas.ReplicaSettings, bookings shared with peers
 
 
 def _outcome(status: int) -> str:
@@ -183,6 +184,13 @@ class Frontend:
             from dynamograph.router.waiting import QueueCollector
 
             self.metrics.registry.register(QueueCollector(queue))
+        replicas = getattr(self.routing, "replicas", None)
+        if replicas is not None:  # kv mode with replica sync: `dynamograph_frontend_replica_*`
+            from dynamograph.router.replicas import ReplicaCollector
+
+            self.metrics.registry.register(
+                ReplicaCollector(replicas, "dynamograph_frontend_replica")
+            )
         # path → (methods, handler); HEAD is answered like GET (the server drops the body)
         self._routes = {
             CHAT_COMPLETIONS: (("POST",), self.generate),
@@ -214,6 +222,7 @@ class Frontend:
             kv_events=cfg.kv_events,
             config=cfg.router,
             kv_curve=cfg.kv_curve,
+            replicas=cfg.replicas,
         )
 
     # -- lifecycle --

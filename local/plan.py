@@ -315,11 +315,18 @@ def _standalone_frontends(
 ) -> list[ProcessSpec]:
     """A `frontend` service: frontends routing by themselves (kv or round-robin, by the
     service's own `router`, its config at `router_file`), no gateway."""
-    routing = standalone_frontend_args(standalone_router(service), str(router_file))
+    router = standalone_router(service)
+    routing = standalone_frontend_args(router, str(router_file))
+    # kv mode, more than one: the replicas share their bookings (replica sync, static peers)
+    sync = router.mode == RouterMode.KV and service.replicas > 1
+    sync_ports = [take_port(1) for _ in range(service.replicas)] if sync else []
     out = []
     for index in range(service.replicas):
         port = take_port(1)
         argv = [*cli, "frontend", "--host", HOST, "--port", str(port), *routing]
+        if sync:
+            peers = ",".join(f"{HOST}:{p}" for p in sync_ports if p != sync_ports[index])
+            argv += ["--replica-port", str(sync_ports[index]), "--replica-peers", peers]
         argv += ["--discovery", "static"]
         for engine in engines:
             argv += ["--worker", _worker_arg(engine)]

@@ -56,6 +56,7 @@ from dynamograph.protocol.launch import (
     EPP_HEALTH_PORT,
     EPP_METRICS_PORT,
     EPP_REPLICA_PORT,
+    FRONTEND_REPLICA_PORT,
     HTTP_PORT,
     KV_EVENTS_PORT,
     admin_token_env,
@@ -310,17 +311,25 @@ def _kv_ports(data_parallel_size: int) -> list[dict[str, Any]]:
     return ports
 
 
-def frontend_args(graph: DynamoGraph, owner: Owner, spec: ServiceSpec | None) -> list[str]:
-    """A frontend's command line: the serving pods' sidecar (`spec` None), which follows the
-    EPP's headers, or a standalone frontend service, which routes by its own `router`."""
+def frontend_args(
+    graph: DynamoGraph, owner: Owner, standalone: tuple[str, ServiceSpec] | None = None
+) -> list[str]:
+    """A frontend's command line: the serving pods' sidecar (no `standalone`), which follows
+    the EPP's headers, or a standalone frontend service (name, spec), which routes by its own
+    `router`; in kv mode its pods share their bookings (replica sync with the service's other
+    pods, on at any replica count so that scaling never changes the pod template)."""
     args = ["frontend", "--host", "0.0.0.0", "--port", str(HTTP_PORT)]
-    if spec is None:
+    if standalone is None:
         args += ["--engine-url", f"http://127.0.0.1:{ENGINE_PORT}", "--mode", "direct"]
         if graph_router(graph).enforce_disagg:
             args.append("--enforce-disagg")
     else:
-        config = f"{ROUTER_CONFIG_DIR}/{ROUTER_CONFIG_FILE}"
-        args += standalone_frontend_args(standalone_router(spec), config)
+        name, spec = standalone
+        router = standalone_router(spec)
+        args += standalone_frontend_args(router, f"{ROUTER_CONFIG_DIR}/{ROUTER_CONFIG_FILE}")
+        if router.mode == RouterMode.KV:
+            selector = f"{LABEL_GRAPH}={graph.name},{LABEL_SERVICE}={name}"
+            args += ["--replica-port", str(FRONTEND_REPLICA_PORT), "--replica-selector", selector]
     args += ["--discovery", "kubernetes", "--namespace", owner.namespace]
     return [*args, "--selector", graph_selector(graph.name)]
 
@@ -550,10 +559,13 @@ def _frontend_container(
     image: str,
     config: OperatorConfig,
     *,
-    sidecar: bool,
+    name: str | None = None,
 ) -> dict[str, Any]:
+    """The serving pods' frontend sidecar (no `name`), or the standalone frontend service
+    `name`'s container."""
     fields: dict[str, Any] = {}
-    if sidecar:
+    ports = [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}]
+    if name is None:
         # the EPP already chose; the sidecar follows the routing headers
         resources: dict[str, Any] = copy.deepcopy(SIDECAR_RESOURCES)
         env = _downward_env()
@@ -561,17 +573,20 @@ def _frontend_container(
         kv = standalone_router(spec).mode == RouterMode.KV
         resources = _resources_or(spec, FRONTEND_RESOURCES)
         _, mounts, curve_env = _kv_curve_parts(graph, opens_kv_sockets=kv)
-        if kv:  # its router config file (`--router-config`)
+        if kv:  # its router config file (`--router-config`), its replica sync
             mounts = [_router_config_mount(), *mounts]
+            ports.append(
+                {"name": "replica-sync", "containerPort": FRONTEND_REPLICA_PORT, "protocol": "TCP"}
+            )
         env = _downward_env() + curve_env + _user_env(spec)
         if mounts:
             fields["volumeMounts"] = mounts
     return _container(
         "frontend",
         image,
-        frontend_args(graph, owner, None if sidecar else spec),
+        frontend_args(graph, owner, None if name is None else (name, spec)),
         config,
-        ports=[{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
+        ports=ports,
         env=env,
         resources=resources,
         **fields,
@@ -821,7 +836,7 @@ def _deployment(
         volumes += _engine_volumes(graph, spec)
         annotations["prometheus.io/port"] = str(ENGINE_PORT)
         if kind in SERVING_TYPES:
-            containers.append(_frontend_container(graph, owner, spec, image, config, sidecar=True))
+            containers.append(_frontend_container(graph, owner, spec, image, config))
             pod_labels[LABEL_SERVING] = "true"
     elif kind == ComponentType.EPP:
         containers = [_epp_container(graph, owner, spec, image, config, name)]
@@ -843,7 +858,7 @@ def _deployment(
             volumes += _model_cache_volume(graph, read_only=True)
         volumes += _kv_curve_parts(graph, opens_kv_sockets=True)[0]
     else:  # standalone frontend
-        containers = [_frontend_container(graph, owner, spec, image, config, sidecar=False)]
+        containers = [_frontend_container(graph, owner, spec, image, config, name=name)]
         router_document = frontend_router_config_file(spec)
         if router_document is not None:  # kv mode: the router config, KV events
             source = {"name": frontend_router_config_name(graph.name, name)}

@@ -33,6 +33,7 @@ EPP_GRPC_PORT = 9002
 EPP_HEALTH_PORT = 9003
 EPP_METRICS_PORT = 9090
 EPP_REPLICA_PORT = 9004  # replica sync: process i of an EPP pod publishes its bookings on + i
+FRONTEND_REPLICA_PORT = 9005  # a kv-mode standalone frontend's replica sync
 
 # The environment variable that carries a graph's worker admin token (`dynamograph worker
 # --admin-token`): every engine of a graph gets the same one, since a decode engine pulls KV

@@ -55,6 +55,7 @@ snapshot entry but `sb` as a booking (hence the closes outside the snapshot); it
 sent the closes as snapshot entries: still applied.
 """
 
+import argparse
 import asyncio
 import contextlib
 import logging
@@ -97,6 +98,71 @@ class ReplicaSettings:
     pod_port: int = 9004
     pod_processes: int = 1
     pod_api: Any = None  # a kubernetes_asyncio Configuration (None: in-cluster or KUBECONFIG)
+
+
+def add_replica_arguments(
+    parser: argparse.ArgumentParser, *, who: str, env_prefix: str, port: int
+) -> argparse._ArgumentGroup:
+    """The replica-sync flags of a router process (`who`: the EPP, a kv-mode frontend), their
+    environment variables `<env_prefix>_REPLICA_*`; returns their group, for flags of its own."""
+    group = parser.add_argument_group(
+        f"active-active: {who} replicas sharing their in-flight bookings (docs/epp.md)"
+    )
+    group.add_argument(
+        "--replica-port",
+        type=int,
+        default=int(os.environ.get(f"{env_prefix}_REPLICA_PORT", port)),
+        help=f"replica sync: process i publishes its bookings on this port + i (default {port})",
+    )
+    group.add_argument(
+        "--replica-peers",
+        default=os.environ.get(f"{env_prefix}_REPLICA_PEERS", ""),
+        metavar="HOST:PORT,...",
+        help=f"other {who} replicas' sync addresses (their --replica-port + process index)",
+    )
+    group.add_argument(
+        "--replica-selector",
+        default=os.environ.get(f"{env_prefix}_REPLICA_SELECTOR", ""),
+        help=f"Kubernetes: label selector of the {who}'s own pods; each other pod is a peer "
+        "(its processes at --replica-port..) in --namespace",
+    )
+    group.add_argument(
+        "--replica-heartbeat",
+        type=float,
+        default=float(os.environ.get(f"{env_prefix}_REPLICA_HEARTBEAT", 1.0)),
+        help="seconds between a replica's heartbeats (default 1)",
+    )
+    group.add_argument(
+        "--replica-timeout",
+        type=float,
+        default=float(os.environ.get(f"{env_prefix}_REPLICA_TIMEOUT", 5.0)),
+        help="a peer silent this many seconds has its bookings dropped (default 5)",
+    )
+    return group
+
+
+def replica_settings(
+    args: argparse.Namespace, *, processes: int = 1, index: int = 0
+) -> ReplicaSettings | None:
+    """Replica sync from `add_replica_arguments`' flags when there is anyone to sync with:
+    sibling processes (`processes` on this host, this one `index`), static peers or the
+    process's own pods; else None."""
+    static = [f"tcp://{p.strip()}" for p in args.replica_peers.split(",") if p.strip()]
+    if processes == 1 and not static and not args.replica_selector:
+        return None
+    # siblings over loopback (a wildcard host binds it too)
+    local = "127.0.0.1" if args.host in ("0.0.0.0", "", "::") else args.host
+    siblings = [f"tcp://{local}:{args.replica_port + i}" for i in range(processes) if i != index]
+    return ReplicaSettings(
+        bind=f"tcp://{args.host}:{args.replica_port + index}",
+        peers=siblings + static,
+        heartbeat_s=args.replica_heartbeat,
+        timeout_s=args.replica_timeout,
+        pod_selector=args.replica_selector,
+        namespace=args.namespace,
+        pod_port=args.replica_port,
+        pod_processes=processes,
+    )
 
 
 @dataclass(slots=True)

@@ -283,6 +283,22 @@ def test_a_kv_standalone_frontend_gets_its_own_router_config():
     assert config.busy_threshold == 0.9 and not config.use_kv_events
     epp = next(x for x in p.processes if x.kind == "epp")
     assert arg(epp.argv, "--config") != arg(front.argv, "--router-config")
+    assert "--replica-peers" not in front.argv  # one replica: nobody to share bookings with
+
+
+def test_kv_standalone_frontend_replicas_share_their_bookings():
+    p = plan(
+        graph_dict(
+            w={"componentType": "worker"},
+            fe={"componentType": "frontend", "replicas": 3},
+        )
+    )
+    fronts = [x for x in p.processes if x.kind == "frontend" and x.name.startswith("t-fe-")]
+    own = [int(arg(f.argv, "--replica-port")) for f in fronts]
+    assert len(set(own)) == 3
+    for front, port in zip(fronts, own, strict=True):
+        peers = arg(front.argv, "--replica-peers").split(",")
+        assert sorted(peers) == sorted(f"127.0.0.1:{p}" for p in own if p != port)
 
 
 def test_fail_open_gateway():

@@ -512,6 +512,11 @@ def test_a_kv_standalone_frontend_routes_by_its_own_router_section(tmp_path):
     parsed.router_config = str(file)
     read = frontend_cli.config_from_args(parsed)
     assert read.router is not None and read.router.busy_threshold == 0.9 and not read.kv_events
+    # its pods share their bookings: each other pod of the service is a replica-sync peer
+    assert read.replicas.pod_selector == "dynamograph.io/graph=agg,dynamograph.io/service=front"
+    assert read.replicas.bind == "tcp://0.0.0.0:9005" and read.replicas.namespace == "serving"
+    ports = container(deployment, "frontend")["ports"]
+    assert {"name": "replica-sync", "containerPort": 9005, "protocol": "TCP"} in ports
 
     _, changed = build("agg.yaml", mutate({**router, "busyThreshold": 0.8}))
     template = changed["Deployment", "agg-front"]["spec"]["template"]
@@ -521,6 +526,7 @@ def test_a_kv_standalone_frontend_routes_by_its_own_router_section(tmp_path):
     assert ("ConfigMap", "agg-front-router") not in objs
     args = args_of(container(objs["Deployment", "agg-front"], "frontend"))
     assert args["--mode"] == "round-robin" and "--router-config" not in args
+    assert "--replica-selector" not in args  # no bookings to share
 
 
 def test_unknown_pod_spec_field_names_the_field():
