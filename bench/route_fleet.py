@@ -21,7 +21,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from dynamograph.local.procs import PortPool, log_tail, spawn, stop_groups
-from dynamograph.worker.server import DEBUG_REQUESTS
+from dynamograph.protocol.engine import DEBUG_REQUESTS_PATH
 
 from .route_metrics import OK, EngineFigures, RequestResult, set_engine_figures
 
@@ -224,7 +224,9 @@ async def join_worker_records(workers: Sequence[Worker], results: Sequence[Reque
     a relaying router passes through. A worker keeps its last 1,000 requests: the results of
     older ones get no engine figures, and the count is printed."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
-        pages = await asyncio.gather(*(_get_json(session, w.url + DEBUG_REQUESTS) for w in workers))
+        pages = await asyncio.gather(
+            *(_get_json(session, w.url + DEBUG_REQUESTS_PATH) for w in workers)
+        )
     # The fleet serves every policy in turn under the same ids (`bench-<index>`): the latest
     # record of an id is this replay's.
     rows: dict[str, dict] = {}

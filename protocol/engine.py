@@ -31,6 +31,8 @@ from .identity import instance_id as instance_id_of
 from .openai import OpenAIError
 
 ENGINE_PATH = "/v1/engine"
+# An engine's admin page of the requests it served (docs/worker.md); benchmarks read it too.
+DEBUG_REQUESTS_PATH = "/debug/requests"
 
 
 class Role(StrEnum):

@@ -28,7 +28,13 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from dynamograph.protocol.engine import ENGINE_PATH, EngineConfig, Role, served_models
+from dynamograph.protocol.engine import (
+    DEBUG_REQUESTS_PATH,
+    ENGINE_PATH,
+    EngineConfig,
+    Role,
+    served_models,
+)
 from dynamograph.protocol.headers import VLLM_DP_RANK, parse_routing_headers
 from dynamograph.protocol.identity import instance_id
 from dynamograph.protocol.nvext import NvExtError, parse_nvext
@@ -56,7 +62,6 @@ log = logging.getLogger(__name__)
 WORKER_ID_HEADER = "x-dynamograph-worker-id"
 DP_RANK_HEADER = "x-dynamograph-dp-rank"
 REQUEST_ID_HEADER = "x-request-id"
-DEBUG_REQUESTS = "/debug/requests"
 RECENT_REQUESTS = 1000
 MAX_REQUEST_ID = 256
 # Keyword arguments of WorkerServer beyond the engine, host and port (worker.testing passes them).
@@ -143,7 +148,7 @@ class WorkerServer:
         app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         app.router.add_get("/version", self.version)
         app.router.add_post(PULL_PATH, self.kv_pull)
-        app.router.add_get(DEBUG_REQUESTS, self.debug_requests)
+        app.router.add_get(DEBUG_REQUESTS_PATH, self.debug_requests)
         return app
 
     @property
