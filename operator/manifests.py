@@ -200,10 +200,10 @@ def graph_selector(graph: str) -> str:
     return f"{LABEL_GRAPH}={graph}"
 
 
-def epp_selector(graph: DynamoGraph) -> str:
-    """The pods the EPP discovers: the graph's; with `engineConfig` not its standalone
-    frontends, since the EPP then also takes a pod with only an `http` port for an engine we
-    did not launch, and a frontend serves `http` but is no engine."""
+def router_selector(graph: DynamoGraph) -> str:
+    """The pods the EPP and the standalone frontends discover: the graph's; with `engineConfig`
+    not its standalone frontends, since a router then also takes a pod with only an `http` port
+    for an engine we did not launch, and a frontend serves `http` but is no engine."""
     selector = graph_selector(graph.name)
     if graph.spec.engine_config is None:
         return selector
@@ -330,8 +330,14 @@ def frontend_args(
         if router.mode == RouterMode.KV:
             selector = f"{LABEL_GRAPH}={graph.name},{LABEL_SERVICE}={name}"
             args += ["--replica-port", str(FRONTEND_REPLICA_PORT), "--replica-selector", selector]
+        if graph.spec.engine_config is not None:  # it finds engines we did not launch too
+            args += engine_config_args()
     args += ["--discovery", "kubernetes", "--namespace", owner.namespace]
-    return [*args, "--selector", graph_selector(graph.name)]
+    return [
+        *args,
+        "--selector",
+        graph_selector(graph.name) if standalone is None else router_selector(graph),
+    ]
 
 
 def epp_args(
@@ -356,7 +362,7 @@ def epp_args(
         "--namespace",
         owner.namespace,
         "--selector",
-        epp_selector(graph),
+        router_selector(graph),
         # the InferencePool it serves (named as the graph): its InferenceObjectives' priorities
         "--pool-name",
         graph.name,
@@ -573,6 +579,7 @@ def _frontend_container(
         kv = standalone_router(spec).mode == RouterMode.KV
         resources = _resources_or(spec, FRONTEND_RESOURCES)
         _, mounts, curve_env = _kv_curve_parts(graph, opens_kv_sockets=kv)
+        mounts = [*_engine_config_mounts(graph), *mounts]
         if kv:  # its router config file (`--router-config`), its replica sync
             mounts = [_router_config_mount(), *mounts]
             ports.append(
@@ -599,6 +606,23 @@ def _frontend_container(
 
 def _router_config_mount() -> dict[str, Any]:
     return {"name": "router-config", "mountPath": ROUTER_CONFIG_DIR, "readOnly": True}
+
+
+def _engine_config_mounts(graph: DynamoGraph) -> list[dict[str, Any]]:
+    """A router's (the EPP's, a standalone frontend's) mount of `engineConfig`, if any."""
+    if graph.spec.engine_config is None:
+        return []
+    return [{"name": ENGINE_CONFIG_VOLUME, "mountPath": ENGINE_CONFIG_DIR, "readOnly": True}]
+
+
+def _engine_config_volumes(graph: DynamoGraph, annotations: dict[str, str]) -> list[dict[str, Any]]:
+    """A router pod's volume of `engineConfig`, if any; its checksum goes into `annotations`, so
+    a changed document rolls the pods, which read it at start."""
+    document = engine_config_file(graph)
+    if document is None:
+        return []
+    annotations[ENGINE_CONFIG_CHECKSUM] = _sha256(document)
+    return [{"name": ENGINE_CONFIG_VOLUME, "configMap": {"name": engine_config_name(graph)}}]
 
 
 def _resources_or(spec: ServiceSpec, default: dict[str, Any]) -> dict[str, Any]:
@@ -641,11 +665,7 @@ def _epp_container(
     _, sleep, drain = epp_grace(spec, f"spec.services.{name}.extraPodSpec")
     lifecycle = {"preStop": {"sleep": {"seconds": sleep}}} if sleep else {}
     tls = epp_tls(graph)
-    mounts = [_router_config_mount()]
-    if graph.spec.engine_config is not None:
-        mounts.append(
-            {"name": ENGINE_CONFIG_VOLUME, "mountPath": ENGINE_CONFIG_DIR, "readOnly": True}
-        )
+    mounts = [_router_config_mount(), *_engine_config_mounts(graph)]
     if tls.mode == EppTlsMode.SECRET:
         mounts.append({"name": EPP_TLS_VOLUME, "mountPath": EPP_TLS_DIR, "readOnly": True})
     if _tokenizer_in_model_cache(graph):
@@ -694,7 +714,8 @@ def engine_config_errors(graph: DynamoGraph) -> list[tuple[str, str]]:
     KV-event endpoint (llm-d's layout: each engine's publisher dials the EPP through the Service
     `<graph>-epp`) must be `tcp://*:<port>` on a port the EPP does not use itself, and it
     reaches one EPP process only (a Service sends each engine's one connection to one pod) and
-    cannot be secured with CURVE."""
+    cannot be secured with CURVE. A standalone frontend routing by KV events would get none of
+    them: the engines dial the EPP."""
     bound = bound_kv_events(graph)
     if bound is None:
         return []
@@ -730,6 +751,18 @@ def engine_config_errors(graph: DynamoGraph) -> list[tuple[str, str]]:
             errors.append((f"spec.services.{name}.replicas", one))
         if router.processes > 1:
             errors.append((f"spec.services.{name}.router.processes", one))
+    for name, spec in graph.spec.services_of(ComponentType.FRONTEND).items():
+        router = standalone_router(spec)
+        if router.mode == RouterMode.KV and uses_kv_events(router):
+            errors.append(
+                (
+                    f"spec.services.{name}.router.kvEvents",
+                    "with engineConfig.kv_events.bind each engine's publisher dials one "
+                    "endpoint, which only the EPP binds, so this kv-mode frontend would receive "
+                    "no KV event: set router.kvEvents false here (it then counts routed prefixes "
+                    "as cached for a while), or let the engines bind (kv_events without bind)",
+                )
+            )
     if graph.spec.kv_events.curve:
         errors.append(
             (
@@ -845,11 +878,7 @@ def _deployment(
             {"name": "router-config", "configMap": {"name": router_config_name(graph.name)}}
         )
         annotations[ROUTER_CONFIG_CHECKSUM] = _sha256(router_config_file(graph))
-        engine_document = engine_config_file(graph)
-        if engine_document is not None:
-            source = {"name": engine_config_name(graph)}
-            volumes.append({"name": ENGINE_CONFIG_VOLUME, "configMap": source})
-            annotations[ENGINE_CONFIG_CHECKSUM] = _sha256(engine_document)
+        volumes += _engine_config_volumes(graph, annotations)
         tls = epp_tls(graph)
         if tls.mode == EppTlsMode.SECRET:
             # No subPath mounts: the kubelet only updates whole Secret volumes on rotation.
@@ -864,6 +893,7 @@ def _deployment(
             source = {"name": frontend_router_config_name(graph.name, name)}
             volumes.append({"name": "router-config", "configMap": source})
             annotations[ROUTER_CONFIG_CHECKSUM] = _sha256(router_document)
+        volumes += _engine_config_volumes(graph, annotations)
         volumes += _kv_curve_parts(graph, opens_kv_sockets=router_document is not None)[0]
         annotations["prometheus.io/port"] = str(HTTP_PORT)
     pod_spec: dict[str, Any] = {
@@ -1212,6 +1242,16 @@ def desired_objects(
         else graph_labels(graph.name)
     )
     objects += _rbac(graph, owner, epp_labels)
+    engine_document = engine_config_file(graph)
+    if engine_document is not None:  # read by the EPP and the standalone frontends
+        objects.append(
+            {
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "metadata": _meta(owner, engine_config_name(graph), epp_labels),
+                "data": {ENGINE_CONFIG_FILE: engine_document},
+            }
+        )
     if epp_name is not None:
         objects.append(
             {
@@ -1221,16 +1261,6 @@ def desired_objects(
                 "data": {ROUTER_CONFIG_FILE: router_config_file(graph)},
             }
         )
-        engine_document = engine_config_file(graph)
-        if engine_document is not None:
-            objects.append(
-                {
-                    "apiVersion": "v1",
-                    "kind": "ConfigMap",
-                    "metadata": _meta(owner, engine_config_name(graph), epp_labels),
-                    "data": {ENGINE_CONFIG_FILE: engine_document},
-                }
-            )
         objects.append(
             _service(
                 owner,

@@ -777,9 +777,9 @@ _VLLM_CURVE = (
 )
 
 
-_EPP_DOCUMENT = (
-    "engineConfig: the engine document is the EPP's (it describes the workers the EPP finds "
-    "that serve no /v1/engine); the graph needs an epp service"
+_ROUTER_DOCUMENT = (
+    "engineConfig: the engine document is read by the graph's routers (it describes the workers "
+    "they find that serve no /v1/engine): the graph needs an epp or a frontend service"
 )
 
 
@@ -845,8 +845,8 @@ class DynamoGraphSpec(_Model):
                     ".model.tokenizer",
                 ),
                 _cel(
-                    "!has(self.engineConfig) || " + _services_with("'epp'"),
-                    _EPP_DOCUMENT,
+                    "!has(self.engineConfig) || " + _services_with("'epp', 'frontend'"),
+                    _ROUTER_DOCUMENT,
                     ".engineConfig",
                 ),
                 _cel(
@@ -901,7 +901,8 @@ class DynamoGraphSpec(_Model):
         "snake_case names (model, kv_cache_block_size, tokenizer, kv_events, ...), as the EPP's "
         "--engine-config file (docs/epp.md, engines we did not launch); model, "
         "served_model_name, kv_cache_block_size and tokenizer default to the graph's. The "
-        "operator writes it into the ConfigMap `<graph>-engine-config` and gives it to the EPP",
+        "operator writes it into the ConfigMap `<graph>-engine-config` and gives it to the EPP "
+        "and the standalone frontend services, which find workers too",
     )
 
     @field_validator("services")
@@ -962,8 +963,9 @@ class DynamoGraphSpec(_Model):
                 f"scaleTarget: {self.scale_target!r} is not a service of the graph "
                 f"(services: {', '.join(self.services)})"
             )
-        if self.engine_config is not None and ComponentType.EPP not in kinds:
-            raise ValueError(_EPP_DOCUMENT)
+        routers = {ComponentType.EPP, ComponentType.FRONTEND}
+        if self.engine_config is not None and not routers.intersection(kinds):
+            raise ValueError(_ROUTER_DOCUMENT)
         if self.engine_config is not None:
             try:
                 EngineTemplate.checked(self.engine_document(), source="engineConfig")

@@ -61,6 +61,32 @@ def test_the_apiserver_keeps_the_document_and_takes_the_epp_objects(
             assert res.returncode == 0, f"{obj['kind']} {obj['metadata']['name']}: {res.stderr}"
 
 
+def test_a_gateway_less_graph_gives_the_document_to_its_frontend(
+    control_plane, chart_release, namespace
+):
+    """No epp service, a kv-mode frontend service: the CRD's rule takes the document, and the
+    frontend's Deployment with its mount and the ConfigMap are accepted as rendered."""
+    cp = control_plane
+    body = graph(namespace, {"kv_events": {"endpoint": "tcp://{host}:5557"}})
+    del body["spec"]["services"]["epp"]
+    body["spec"]["services"]["front"] = {"componentType": "frontend", "router": {"mode": "kv"}}
+    res = cp.kubectl(
+        "apply", "--dry-run=server", "-o", "json", "-f", "-", input=json.dumps(body), check=False
+    )
+    assert res.returncode == 0, res.stderr
+    cp.kubectl("create", "serviceaccount", discovery_name("foreign"), "-n", namespace)
+    owner = Owner(namespace=namespace, name="foreign", uid="0")
+    objects = desired_objects(load_graph(body), owner, OperatorConfig(image=WORKLOAD_IMAGE))
+    names = {o["metadata"]["name"] for o in objects}
+    assert {"foreign-engine-config", "foreign-front"} <= names
+    for obj in objects:
+        if obj["metadata"]["name"] in ("foreign-engine-config", "foreign-front"):
+            res = cp.kubectl(
+                "create", "--dry-run=server", "-f", "-", input=json.dumps(obj), check=False
+            )
+            assert res.returncode == 0, f"{obj['kind']} {obj['metadata']['name']}: {res.stderr}"
+
+
 INVALID = [
     (
         "a per-worker name",

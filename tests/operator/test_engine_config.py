@@ -1,7 +1,8 @@
-"""`spec.engineConfig`: the engine document of workers that serve no `/v1/engine`, given to the
-EPP by the operator. What it renders (ConfigMap, mount, flag, checksum annotation, selector),
-that nothing of it is rendered without the field, that the rendered file is what the EPP loads,
-and that a wrong document is refused by the models and by the CRD (schema and CEL) alike."""
+"""`spec.engineConfig`: the engine document of workers that serve no `/v1/engine`, given by the
+operator to the graph's routers, the EPP and the standalone frontends. What it renders
+(ConfigMap, mount, flag, checksum annotation, selector), that nothing of it is rendered without
+the field, that the rendered file is what the EPP and a frontend load, and that a wrong document
+is refused by the models and by the CRD (schema and CEL) alike."""
 
 import argparse
 import copy
@@ -13,6 +14,7 @@ import pytest
 import yaml
 
 from dynamograph.epp.cli import add_arguments
+from dynamograph.frontend import cli as frontend_cli
 from dynamograph.operator import crds
 from dynamograph.operator.config import OperatorConfig
 from dynamograph.operator.manifests import (
@@ -55,9 +57,17 @@ SIM = {
 cel = pytest.importorskip("tests.operator.cel", reason="cel-python is not installed")
 
 
-def body(engine_config=None) -> dict:
+# A standalone frontend that routes without KV events: llm-d's layout (the engines dial the EPP)
+# leaves a frontend none, and the operator refuses one that would wait for them.
+WITHOUT_EVENTS = {"mode": "kv", "kvEvents": False}
+
+
+def body(engine_config=None, frontend_router=None) -> dict:
     graph = yaml.safe_load((EXAMPLES / "agg.yaml").read_text())
-    graph["spec"]["services"]["frontend"] = {"componentType": "frontend"}
+    graph["spec"]["services"]["frontend"] = {
+        "componentType": "frontend",
+        "router": frontend_router or WITHOUT_EVENTS,
+    }
     if engine_config is not None:
         graph["spec"]["engineConfig"] = copy.deepcopy(engine_config)
     return graph
@@ -102,9 +112,9 @@ def test_the_document_reaches_the_epp_as_a_mounted_file_named_on_its_command_lin
     assert volume == {"name": mount["name"], "configMap": {"name": "agg-engine-config"}}
     digest = hashlib.sha256(config_map["data"][ENGINE_CONFIG_FILE].encode()).hexdigest()
     assert epp_pod(objects)["metadata"]["annotations"][ENGINE_CONFIG_CHECKSUM] == digest
-    # only the EPP gets it: engines and frontends describe themselves or are no engines
+    # the routers get it (the frontend: tests below); engines describe themselves
     for (kind, name), obj in objects.items():
-        if kind == "Deployment" and name != "agg-epp":
+        if kind == "Deployment" and name not in ("agg-epp", "agg-frontend"):
             pod = obj["spec"]["template"]
             assert ENGINE_CONFIG_CHECKSUM not in pod["metadata"]["annotations"], name
             assert "agg-engine-config" not in yaml.safe_dump(pod), name
@@ -171,17 +181,73 @@ def test_without_the_field_nothing_is_rendered_for_it():
     assert ENGINE_CONFIG_DIR not in text and ENGINE_CONFIG_CHECKSUM not in text
 
 
-def test_a_changed_document_changes_only_the_epps_template_and_its_config_map():
+def test_a_changed_document_changes_only_the_routers_templates_and_its_config_map():
     before, after = render(body(SIM)), render(body({**SIM, "total_kv_blocks": 8192}))
     changed = {key for key in before if before[key] != after[key]}
-    assert changed == {("ConfigMap", "agg-engine-config"), ("Deployment", "agg-epp")}
-    old, new = epp_pod(before), epp_pod(after)
-    assert old["spec"] == new["spec"]  # the same command line and mounts...
-    # ...but a new checksum: the Deployment rolls its pods, which read the new file at start
+    routers = {("Deployment", "agg-epp"), ("Deployment", "agg-frontend")}
+    assert changed == {("ConfigMap", "agg-engine-config"), *routers}
+    for key in routers:
+        old, new = (objects[key]["spec"]["template"] for objects in (before, after))
+        assert old["spec"] == new["spec"]  # the same command line and mounts...
+        # ...but a new checksum: the Deployment rolls its pods, which read the new file at start
+        assert (
+            old["metadata"]["annotations"][ENGINE_CONFIG_CHECKSUM]
+            != (new["metadata"]["annotations"][ENGINE_CONFIG_CHECKSUM])
+        )
+
+
+def frontend_pod(objects: dict) -> dict:
+    return objects["Deployment", "agg-frontend"]["spec"]["template"]
+
+
+def parsed_frontend_args(objects: dict) -> argparse.Namespace:
+    (container,) = frontend_pod(objects)["spec"]["containers"]
+    parser = argparse.ArgumentParser()
+    frontend_cli.add_arguments(parser)
+    return parser.parse_args(container["args"][1:])
+
+
+VLLM_LAYOUT = {"total_kv_blocks": 4096, "kv_events": {"endpoint": "tcp://{host}:5557"}}
+
+
+@pytest.mark.parametrize(
+    ("document", "router"),
+    [(SIM, WITHOUT_EVENTS), (SIM, {"mode": "round-robin"}), (VLLM_LAYOUT, {"mode": "kv"})],
+    ids=["llm-d layout, kv without events", "llm-d layout, round-robin", "vLLM layout, kv"],
+)
+def test_a_standalone_frontend_finds_the_engines_the_document_describes(tmp_path, document, router):
+    """A gateway-less graph routes by its frontend service: the frontend gets the document as
+    the EPP does (the same ConfigMap, mount, flag and checksum), takes pods with only an `http`
+    port for engines, and leaves out itself and the other frontends."""
+    objects = render(body(document, router))
+    pod = frontend_pod(objects)
+    (container,) = pod["spec"]["containers"]
+    assert {"name": "engine-config", "configMap": {"name": "agg-engine-config"}} in pod["spec"][
+        "volumes"
+    ]
+    mount = next(m for m in container["volumeMounts"] if m["mountPath"] == ENGINE_CONFIG_DIR)
+    assert mount == {"name": "engine-config", "mountPath": ENGINE_CONFIG_DIR, "readOnly": True}
     assert (
-        old["metadata"]["annotations"][ENGINE_CONFIG_CHECKSUM]
-        != (new["metadata"]["annotations"][ENGINE_CONFIG_CHECKSUM])
+        pod["metadata"]["annotations"][ENGINE_CONFIG_CHECKSUM]
+        == epp_pod(objects)["metadata"]["annotations"][ENGINE_CONFIG_CHECKSUM]
     )
+    kubernetes_validate.validate(objects["Deployment", "agg-frontend"], "1.33", strict=True)
+
+    args = parsed_frontend_args(objects)
+    assert args.engine_config == MOUNTED
+    path = tmp_path / ENGINE_CONFIG_FILE
+    path.write_text(objects["ConfigMap", "agg-engine-config"]["data"][ENGINE_CONFIG_FILE])
+    args.engine_config = str(path)
+    source = source_from_args(args)
+    assert isinstance(source, KubernetesSource)
+    assert source.fallback == EngineTemplate.load(path)
+    graph = {LABEL_GRAPH: "agg"}
+    assert not selector_matches(args.selector, {**graph, LABEL_COMPONENT: "frontend"})
+    assert selector_matches(args.selector, graph)
+
+    # the serving pods' sidecars follow the EPP's picks: they get no document
+    sidecar = objects["Deployment", "agg-worker"]["spec"]["template"]
+    assert "agg-engine-config" not in yaml.safe_dump(sidecar)
 
 
 def spec_schema() -> dict:
@@ -294,6 +360,12 @@ def epp_with(**fields):
             "spec.kvEvents.curve",
             "CURVE",
         ),
+        (
+            bound(),
+            lambda g: g["spec"]["services"]["frontend"].update(router={"mode": "kv"}),
+            "spec.services.frontend.router.kvEvents",
+            "would receive no KV event",
+        ),
     ],
 )
 def test_a_bound_endpoint_the_epp_could_not_serve_is_refused_naming_the_field(
@@ -310,11 +382,19 @@ def test_a_bound_endpoint_the_epp_could_not_serve_is_refused_naming_the_field(
     render(graph)
 
 
-def test_the_document_needs_an_epp_to_read_it():
-    graph = body(SIM)
+def test_the_document_needs_a_router_to_read_it():
+    """An EPP or a standalone frontend: a gateway-less graph of foreign engines is routed by its
+    frontend alone; a graph with neither has nobody to read the document."""
+    graph = body(VLLM_LAYOUT)
     del graph["spec"]["services"]["epp"]
+    assert cel.evaluate(spec_schema(), graph).failures == []
+    objects = render(graph)
+    assert ("ConfigMap", "agg-engine-config") in objects
+    assert parsed_frontend_args(objects).engine_config == MOUNTED
+
+    del graph["spec"]["services"]["frontend"]
     outcome = cel.evaluate(spec_schema(), graph)
-    assert [m for _, m in outcome.failures if "needs an epp service" in m], outcome.failures
+    assert [m for _, m in outcome.failures if "an epp or a frontend service" in m], outcome.failures
     with pytest.raises(GraphError) as info:
         load_graph(graph)
     assert info.value.errors[0][0] == "spec.engineConfig"
