@@ -11,6 +11,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from dynamograph.protocol.tokenization import segment_caches
+from dynamograph.router.kv_events import IngestMetrics
 
 PREFIX = "dynamograph_epp_"
 # Usage is read from response bodies: a gateway whose ext_proc response body mode is NONE (the
@@ -177,23 +178,7 @@ class EppMetrics:
             "requests get 429",
             registry=r,
         )
-        self.kv_batches = Counter(
-            PREFIX + "kv_event_batches", "KV event batches received", ["source"], registry=r
-        )
-        self.kv_gaps = Counter(
-            PREFIX + "kv_event_gaps", "sequence gaps detected in KV events", registry=r
-        )
-        self.kv_replay_failures = Counter(
-            PREFIX + "kv_event_replay_failures",
-            "gaps replay could not fill (the worker's index state was cleared)",
-            registry=r,
-        )
-        self.kv_event_lag = Histogram(
-            PREFIX + "kv_event_lag_seconds",
-            "age of a KV event batch when applied (now - batch timestamp)",
-            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5),
-            registry=r,
-        )
+        self.kv_ingest = IngestMetrics.create(PREFIX, r)
         self.scrape_failures = Counter(
             PREFIX + "scrape_failures", "failed /metrics scrapes of workers", registry=r
         )

@@ -125,7 +125,7 @@ class Epp:
         self.kv = (
             KvEventIngest(
                 self.router,
-                self.metrics,
+                self.metrics.kv_ingest,
                 interval_s=settings.kv_ingest_interval,
                 on_disconnect=self.load.probe_now,
                 curve=settings.kv_curve,

@@ -12,13 +12,15 @@ in-flight bookings and session bindings as the EPP's do (`router.replicas.Replic
 import itertools
 from typing import Any
 
+from prometheus_client import CollectorRegistry
+
 from dynamograph.protocol.kv_curve import CurveKeys
 from dynamograph.protocol.nvext import NvExt
 from dynamograph.protocol.openai import OpenAIError
 from dynamograph.protocol.pins import RoutePins
 from dynamograph.protocol.router_config import RouterConfig
 from dynamograph.router.discovery import WorkerRecord
-from dynamograph.router.kv_events import KvEventIngest
+from dynamograph.router.kv_events import IngestMetrics, KvEventIngest
 from dynamograph.router.load import LoadScraper
 from dynamograph.router.pipeline import RequestPipeline, query_answer
 from dynamograph.router.replicas import ReplicaSettings, ReplicaSync
@@ -41,6 +43,7 @@ class KvMode:
         config: RouterConfig | None = None,
         kv_curve: CurveKeys | None = None,
         replicas: ReplicaSettings | None = None,
+        registry: CollectorRegistry | None = None,
     ):
         self.directory = directory
         self.kv_curve = kv_curve
@@ -53,6 +56,12 @@ class KvMode:
             }
         )
         self.router = Router(self.config)
+        # ingestion's series (`dynamograph_frontend_kv_event_*`) on the frontend's /metrics
+        self.ingest_metrics = (
+            IngestMetrics.create("dynamograph_frontend_", registry)
+            if registry is not None and self.config.use_kv_events
+            else None
+        )
         self.replicas = (
             ReplicaSync(self.router.active, replicas, sessions=self.router.sessions)
             if replicas is not None
@@ -69,7 +78,10 @@ class KvMode:
         self.load = LoadScraper(self.router, on_unreachable=self.directory.mark_unreachable)
         if self.config.use_kv_events:
             self.events = KvEventIngest(
-                self.router, on_disconnect=self.load.probe_now, curve=self.kv_curve
+                self.router,
+                self.ingest_metrics,
+                on_disconnect=self.load.probe_now,
+                curve=self.kv_curve,
             )
             self.pipeline.read_events = self.events.read_queued
         self.directory.add_listener(self._added, self._removed)

@@ -223,6 +223,7 @@ class Frontend:
             config=cfg.router,
             kv_curve=cfg.kv_curve,
             replicas=cfg.replicas,
+            registry=self.metrics.registry,
         )
 
     # -- lifecycle --

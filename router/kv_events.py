@@ -32,11 +32,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Coroutine, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 import zmq
 import zmq.asyncio
-from prometheus_client import Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from zmq.utils.monitor import parse_monitor_message
 
 from dynamograph.protocol.kv_curve import CurveKeys
@@ -253,13 +254,40 @@ class Ticker:
         self._disarm()
 
 
-class IngestMetrics(Protocol):
-    """The Prometheus series ingestion reports to (the EPP's registry provides them)."""
+@dataclass(frozen=True)
+class IngestMetrics:
+    """The Prometheus series ingestion reports to, `<prefix>kv_event_*` in the registry of the
+    process that ingests (the EPP's, a kv-mode frontend's)."""
 
     kv_batches: Counter
     kv_event_lag: Histogram
     kv_gaps: Counter
     kv_replay_failures: Counter
+
+    @classmethod
+    def create(cls, prefix: str, registry: CollectorRegistry) -> "IngestMetrics":
+        return cls(
+            kv_batches=Counter(
+                prefix + "kv_event_batches",
+                "KV event batches received",
+                ["source"],
+                registry=registry,
+            ),
+            kv_event_lag=Histogram(
+                prefix + "kv_event_lag_seconds",
+                "age of a KV event batch when applied (now - batch timestamp)",
+                buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5),
+                registry=registry,
+            ),
+            kv_gaps=Counter(
+                prefix + "kv_event_gaps", "sequence gaps detected in KV events", registry=registry
+            ),
+            kv_replay_failures=Counter(
+                prefix + "kv_event_replay_failures",
+                "gaps replay could not fill (the worker's index state was cleared)",
+                registry=registry,
+            ),
+        )
 
 
 class RankSubscriber:

@@ -122,8 +122,8 @@ async def test_injected_sequence_gap_triggers_replay():
             lambda: _held(epp, wid, _hashes(epp, lost)) > 0, "replay to restore the lost blocks"
         )
         assert subscriber.replays > replays_before
-        assert epp.metrics.kv_gaps._value.get() >= 1
-        assert epp.metrics.kv_replay_failures._value.get() == 0
+        assert epp.metrics.kv_ingest.kv_gaps._value.get() >= 1
+        assert epp.metrics.kv_ingest.kv_replay_failures._value.get() == 0
 
 
 async def test_each_data_parallel_rank_feeds_its_own_slot():
@@ -159,7 +159,7 @@ async def test_late_joining_epp_gets_history_from_replay():
                 lambda: _held(epp, wid, hashes) >= len(hashes) - 1,
                 "the index to hold the prompt's blocks",
             )
-            assert epp.metrics.kv_batches.labels("replay")._value.get() >= 1
+            assert epp.metrics.kv_ingest.kv_batches.labels("replay")._value.get() >= 1
 
 
 async def test_joining_a_worker_whose_replay_lost_the_start_indexes_what_comes_next(caplog):
@@ -198,7 +198,7 @@ async def test_every_layout_vllm_publishes_reaches_the_index(layout):
         await _complete(http, worker, early)
         async with running_epp([worker]) as epp:
             wid = worker.config.instance_id
-            live = epp.metrics.kv_batches.labels("live")
+            live = epp.metrics.kv_ingest.kv_batches.labels("live")
             late: list[dict] = []
 
             async def arrived_live() -> bool:
@@ -217,4 +217,4 @@ async def test_every_layout_vllm_publishes_reaches_the_index(layout):
                     lambda h=hashes: _held(epp, wid, h) >= len(h) - 1,
                     "the index to hold the prompt's blocks",
                 )
-            assert epp.metrics.kv_batches.labels("replay")._value.get() >= 1
+            assert epp.metrics.kv_ingest.kv_batches.labels("replay")._value.get() >= 1

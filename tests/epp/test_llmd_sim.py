@@ -4,11 +4,8 @@ KV routing from the simulators' own KV events.
 
 The simulators serve no `/v1/engine`: the EPP describes them from an `--engine-config`
 document (docs/epp.md, "Engines we did not launch"). Their publishers dial the EPP, which binds
-one SUB for all of them and tells them apart by topic `kv@<POD_IP>@<model>`; each simulator gets
-its own loopback address (127.0.0.2, .3, .4) as its POD_IP and serving address, as pods have.
-Prompts are token ids (/v1/completions): offline the simulator tokenizes text with its own
-simulated tokenizer, which no tokenizer of ours reproduces, while token ids are taken as they
-are by both sides, so the blocks the simulator reports are exactly the ones the EPP hashes.
+one SUB for all of them and tells them apart by topic (tests/llmd_sim.py). The frontend's kv
+mode in front of them, without a gateway: tests/frontend/test_llmd_sim.py.
 """
 
 import asyncio
@@ -21,59 +18,21 @@ import pytest
 import yaml
 
 from dynamograph.bench.counterparts import binary
-from dynamograph.bench.route_fleet import OFFLINE_ENV, Proc, stop_all, wait_http
+from dynamograph.bench.route_fleet import stop_all, wait_http
 from dynamograph.epp.server import Epp, EppSettings
 from dynamograph.local.envoy import EnvoyNotFound, envoy_config, find_envoy, run_envoy
+from dynamograph.local.procs import log_tail
 from dynamograph.protocol.hashing import block_hashes
-from dynamograph.protocol.identity import instance_id
 from dynamograph.protocol.router_config import RouterConfig
 from dynamograph.router.discovery import EngineTemplate, StaticSource, parse_worker_flag
 from dynamograph.router.kv_events import readable
 from dynamograph.worker.testing import free_port
 from e2e.waiting import wait_for
+from tests.llmd_sim import BLOCK, PREFIX, cached, complete, engine_document, sim_procs
 
 from .conftest import record_picks
 
 pytestmark = pytest.mark.integration
-
-MODEL = "Qwen/Qwen3-0.6B"
-BLOCK = 16
-HOSTS = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
-PREFIX = list(range(1000, 1000 + 40 * BLOCK))  # 640 tokens: 40 blocks the simulator stores
-
-
-def sim_argv(sim, port: int, events: str) -> list[str]:
-    return [
-        str(sim),
-        f"--port={port}",
-        f"--model={MODEL}",
-        "--enable-kvcache",
-        f"--block-size={BLOCK}",
-        "--kv-cache-size=4096",
-        f"--zmq-endpoint={events}",
-        # vLLM's own event layout (maps, parent_block_hash nil for a first block); the default
-        # array layout writes parent 0 for "no parent", which vLLM never sends
-        "--use-vllm-map-event-format",
-        "--event-batch-size=1",
-        # offline: never ask huggingface.co whether the model exists
-        "--force-dummy-tokenizer",
-        "--max-model-len=4096",
-        "--time-to-first-token=0",
-        "--inter-token-latency=0",
-    ]
-
-
-def engine_document(events: str) -> dict:
-    """What the EPP is told about the simulators (the --engine-config YAML)."""
-    return {
-        "model": MODEL,
-        "kv_cache_block_size": BLOCK,
-        "total_kv_blocks": 4096,
-        "context_length": 4096,
-        "tokenizer": "qwen",
-        "engine": "llm-d-inference-sim",
-        "kv_events": {"endpoint": events, "bind": True, "topic": f"kv@{{host}}@{MODEL}"},
-    }
 
 
 @pytest.fixture
@@ -88,28 +47,19 @@ async def fleet(tmp_path):
     events = f"tcp://127.0.0.1:{free_port()}"
     document = tmp_path / "engine.yaml"
     document.write_text(yaml.safe_dump(engine_document(events)))
-    ports = [free_port() for _ in HOSTS]
-    procs = [
-        Proc(
-            f"sim-{i}",
-            sim_argv(sim, port, events),
-            tmp_path / f"sim-{i}.log",
-            env={**OFFLINE_ENV, "POD_IP": host},
-        )
-        for i, (host, port) in enumerate(zip(HOSTS, ports, strict=True))
-    ]
+    procs, sims = sim_procs(sim, events, tmp_path)
     epp = None
     try:
         for proc in procs:
             proc.start()
         await asyncio.gather(
             *(
-                wait_http(proc, f"http://{host}:{port}/v1/models")
-                for proc, host, port in zip(procs, HOSTS, ports, strict=True)
+                wait_http(proc, url + "/v1/models")
+                for proc, url in zip(procs, sims.values(), strict=True)
             )
         )
         targets = [
-            parse_worker_flag(f"http://{h}:{p}={h}:{p}") for h, p in zip(HOSTS, ports, strict=True)
+            parse_worker_flag(f"{url}={url.removeprefix('http://')}") for url in sims.values()
         ]
         epp = Epp(
             EppSettings(
@@ -126,9 +76,6 @@ async def fleet(tmp_path):
             StaticSource(targets, fallback=EngineTemplate.load(document)),
         )
         await epp.start()
-        sims = {
-            instance_id(f"{h}:{p}"): f"http://{h}:{p}" for h, p in zip(HOSTS, ports, strict=True)
-        }
         ids = set(sims)
         await wait_for(
             lambda: ids <= set(epp.router.workers()), "the EPP to know every simulator", within=30
@@ -147,42 +94,6 @@ async def fleet(tmp_path):
         if epp is not None:
             await epp.stop()
         stop_all(procs)
-
-
-async def _served(http, sims: dict[int, str]) -> dict[int, float]:
-    """Requests each simulator says it finished (its own `vllm:request_success_total`)."""
-    counts = {}
-    for wid, url in sims.items():
-        async with http.get(url + "/metrics") as response:
-            text = await response.text()
-        counts[wid] = sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith("vllm:request_success_total{")
-        )
-    return counts
-
-
-async def _complete(http, envoy, sims: dict[int, str], prompt: list[int]) -> tuple[int, dict]:
-    """Send through Envoy; returns the simulator that served it (by its own count) and the
-    response."""
-    before = await _served(http, sims)
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
-    async with http.post(envoy.url + "/v1/completions", json=body) as response:
-        assert response.status == 200, (await response.read())[:300]
-        payload = await response.json()
-
-    async def grown():  # the simulator counts a request a moment after answering it
-        after = await _served(http, sims)
-        return [w for w in sims if after[w] > before[w]]
-
-    (served,) = await wait_for(grown, "a simulator to count the request", within=10)
-    return served, payload
-
-
-def _cached(payload: dict) -> int:
-    """What the simulator itself says it found in its KV cache for this prompt."""
-    return ((payload.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens", 0)
 
 
 def _bound_state(epp) -> dict:
@@ -243,9 +154,9 @@ async def test_scenario(fleet):
     """Precise routing from the simulators' own events (run by the test above)."""
     envoy, http, epp, sims, picks, procs = fleet
     first = PREFIX + list(range(50_000, 50_000 + BLOCK))
-    holder, payload = await _complete(http, envoy, sims, first)
+    holder, payload = await complete(http, envoy.url, sims, first)
     served = [holder]
-    assert payload["choices"] and _cached(payload) == 0  # a cold cache
+    assert payload["choices"] and cached(payload) == 0  # a cold cache
     # The simulator's events (its topic, its block hashes, its token ids) fill our index.
     await wait_for(
         lambda: _held_by(epp, first).get(holder, 0) == len(first) // BLOCK,
@@ -253,23 +164,23 @@ async def test_scenario(fleet):
         within=30,
         detail=lambda: (
             f"index: {_held_by(epp, first)}; bound SUBs: {_bound_state(epp)}; "
-            f"logs: {[p.log_tail(5) for p in procs]}"
+            f"logs: {[log_tail(p.log, 5) for p in procs]}"
         ),
     )
     assert set(_held_by(epp, first)) == {holder}
     for i in range(6):
         # unrelated prompts spread; the shared prefix keeps going to its holder, whose own
         # cache then has it
-        other, payload = await _complete(
-            http, envoy, sims, list(range(100_000 * (i + 1), 100_000 * (i + 1) + 30 * BLOCK))
+        other, payload = await complete(
+            http, envoy.url, sims, list(range(100_000 * (i + 1), 100_000 * (i + 1) + 30 * BLOCK))
         )
-        assert _cached(payload) == 0
-        again, payload = await _complete(
-            http, envoy, sims, PREFIX + list(range(60_000 + i * 100, 60_000 + i * 100 + BLOCK))
+        assert cached(payload) == 0
+        again, payload = await complete(
+            http, envoy.url, sims, PREFIX + list(range(60_000 + i * 100, 60_000 + i * 100 + BLOCK))
         )
         served += [other, again]
         assert again == holder
-        assert _cached(payload) >= len(PREFIX)  # the simulator's own cache had the prefix
+        assert cached(payload) >= len(PREFIX)  # the simulator's own cache had the prefix
     assert served == picks  # Envoy delivered every request where the EPP sent it
     assert len(set(served[1::2])) > 1  # the unrelated prompts did not all go to one place
     assert epp.metrics.predicted_cached_tokens._value.get() >= 6 * len(PREFIX)
