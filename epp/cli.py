@@ -18,17 +18,20 @@ from pathlib import Path
 from dynamograph.protocol.kv_curve import add_kv_curve_argument, kv_curve_from_args
 from dynamograph.protocol.launch import EPP_REPLICA_PORT
 from dynamograph.protocol.router_config import RouterConfig
+from dynamograph.router.admission import add_admission_arguments, admission_limits
 from dynamograph.router.discovery import add_discovery_arguments, source_from_args
 from dynamograph.router.kv_events import INGEST_INTERVAL_S
 from dynamograph.router.replicas import ReplicaSettings, add_replica_arguments, replica_settings
 
-from .extproc import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_LOOP_LAG_S, DEFAULT_MAX_PENDING_PICKS
+from .extproc import DEFAULT_MAX_BODY_BYTES
 from .objectives import parse_objective_flag
 from .processes import CHILD_METRICS_HOST, child_metrics_port, process_index, run_processes
 from .server import Epp, EppSettings
 from .tls import TlsError, TlsSettings, load_key_pair
 
 log = logging.getLogger(__name__)
+
+ENV_PREFIX = "DYNAMOGRAPH_EPP"
 
 
 def _env_int(name: str, default: int) -> int:
@@ -139,13 +142,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=_env_int("DYNAMOGRAPH_EPP_MAX_BODY_BYTES", DEFAULT_MAX_BODY_BYTES),
         help=f"largest request body, else 413 (default {DEFAULT_MAX_BODY_BYTES})",
     )
-    parser.add_argument(
-        "--max-pending-picks",
-        type=int,
-        default=_env_int("DYNAMOGRAPH_EPP_MAX_PENDING_PICKS", DEFAULT_MAX_PENDING_PICKS),
-        help="requests admitted and not yet routed, at most; past it a new request gets 429 "
-        f"with Retry-After at once instead of queueing (default {DEFAULT_MAX_PENDING_PICKS})",
-    )
+    add_admission_arguments(parser, who="the EPP", env_prefix=ENV_PREFIX)
     parser.add_argument(
         "--kv-ingest-interval",
         type=float,
@@ -155,14 +152,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "a batch after a quiet spell is read at once): longer costs less CPU per batch, and "
         "without requests a batch waits up to that long; 0: every batch as it arrives "
         f"(default {INGEST_INTERVAL_S:g})",
-    )
-    parser.add_argument(
-        "--max-loop-lag",
-        type=float,
-        default=_env_float("DYNAMOGRAPH_EPP_MAX_LOOP_LAG", DEFAULT_MAX_LOOP_LAG_S),
-        help="seconds the event loop may run behind (a weighted mean of its timers' delays: the "
-        "EPP short of CPU); past it a new request gets 429 with Retry-After at once; 0: off "
-        f"(default {DEFAULT_MAX_LOOP_LAG_S:g})",
     )
     parser.add_argument(
         "--endpoint-picker",
@@ -199,7 +188,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "objective of the same name wins",
     )
     replicas = add_replica_arguments(
-        parser, who="EPP", env_prefix="DYNAMOGRAPH_EPP", port=EPP_REPLICA_PORT
+        parser, who="EPP", env_prefix=ENV_PREFIX, port=EPP_REPLICA_PORT
     )
     replicas.add_argument(
         "--processes",
@@ -240,10 +229,11 @@ def tls_from_args(args: argparse.Namespace) -> TlsSettings | None:
 
 
 def settings_from_args(args: argparse.Namespace) -> EppSettings:
-    for flag, value in (("--kv-ingest-interval", args.kv_ingest_interval),
-                        ("--max-loop-lag", args.max_loop_lag)):  # fmt: skip
-        if not value >= 0:  # NaN too
-            raise ValueError(f"{flag} must be a number of seconds ≥ 0, not {value}")
+    if not args.kv_ingest_interval >= 0:  # NaN too
+        raise ValueError(
+            f"--kv-ingest-interval must be a number of seconds ≥ 0, not {args.kv_ingest_interval}"
+        )
+    admission = admission_limits(args, env_prefix=ENV_PREFIX)
     use_events = None if args.kv_events is None else args.kv_events == "on"
     router = RouterConfig.load(
         args.config,
@@ -269,8 +259,8 @@ def settings_from_args(args: argparse.Namespace) -> EppSettings:
         kv_curve=kv_curve_from_args(args),
         endpoint_picker=args.endpoint_picker,
         max_body_bytes=args.max_body_bytes,
-        max_pending_picks=args.max_pending_picks,
-        max_loop_lag_s=args.max_loop_lag,
+        max_pending_picks=admission.max_pending_picks,
+        max_loop_lag_s=admission.max_loop_lag_s,
         scrape_interval=args.scrape_interval,
         kv_ingest_interval=args.kv_ingest_interval,
         drain_grace=args.drain_grace,

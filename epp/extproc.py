@@ -38,7 +38,7 @@ Refusals are ImmediateResponses with an OpenAI error body (400/404/405/413/429 +
 200 and the answer the frontend's kv mode gives (`Route.answer`): no upstream is called.
 Admission: at most `max_pending_picks` requests are between their headers and their pick (body
 arriving, prompt being tokenized off the event loop, waiting for the loop), and none while the
-event loop runs more than `max_loop_lag_s` behind (`loop_lag.LoopLag`: the EPP is short of CPU
+event loop runs more than `max_loop_lag_s` behind (`router.admission.LoopLag`: the EPP is short of CPU
 for what it already holds); past either, a new one is refused at its headers with 429 and
 Retry-After (`Admission`).
 
@@ -84,8 +84,12 @@ from dynamograph.protocol.headers import (
 )
 from dynamograph.protocol.openai import OpenAIError
 from dynamograph.router.active import RequestGuard
+from dynamograph.router.admission import (
+    DEFAULT_MAX_PENDING_PICKS,
+    Admission,
+    LoopLag,
+)
 
-from .loop_lag import LoopLag
 from .metrics import OUTCOME_BY_STATUS, EppMetrics
 
 log = logging.getLogger(__name__)
@@ -93,11 +97,6 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
 MAX_CHUNK_BYTES = 62_000
 DEFAULT_MAX_BODY_BYTES = 10 * 1024 * 1024
-# Requests admitted and not yet routed, at most: ~0.25 s of picks at 1 ms each, so a client
-# refused with 429 learns it at once instead of after seconds of queueing behind the others.
-DEFAULT_MAX_PENDING_PICKS = 256
-# A loop this far behind answers every message of every request that late: refuse new ones
-DEFAULT_MAX_LOOP_LAG_S = 0.5
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 _Mode = processing_mode_pb2.ProcessingMode
@@ -304,48 +303,6 @@ def _spoofed_removal(spoofed: list[str]) -> pb.ProcessingResponse:
     response = pb.ProcessingResponse()
     response.request_headers.response.header_mutation.remove_headers.extend(spoofed)
     return response
-
-
-class Admission:
-    """Bounds the requests admitted into the EPP and not yet routed (their body still arriving,
-    their prompt being tokenized, or waiting for the event loop), and admits none while the
-    loop runs more than `max_lag_s` behind (`lag`; 0: not checked). Past either, a new request
-    is refused at once with 429 and Retry-After: an overloaded EPP answers in milliseconds
-    instead of queueing seconds of work inside ext_proc."""
-
-    __slots__ = ("lag", "max_lag_s", "max_pending", "pending", "retry_after_s")
-
-    def __init__(
-        self,
-        max_pending: int,
-        retry_after_s: float = 1.0,
-        lag: LoopLag | None = None,
-        max_lag_s: float = 0.0,
-    ):
-        self.max_pending = max_pending
-        self.retry_after_s = retry_after_s
-        self.lag = lag
-        self.max_lag_s = max_lag_s
-        self.pending = 0
-
-    def enter(self) -> None:
-        if self.pending >= self.max_pending:
-            self._refuse(f"{self.pending} requests waiting to be routed")
-        if self.lag is not None and self.max_lag_s > 0:
-            behind = self.lag.behind()
-            if behind > self.max_lag_s:
-                self._refuse(f"its event loop runs {behind * 1e3:.0f} ms behind")
-        self.pending += 1
-
-    def _refuse(self, why: str) -> None:
-        raise OpenAIError(
-            429,
-            f"the endpoint picker is saturated ({why}); retry after {self.retry_after_s:g} s",
-            retry_after_s=self.retry_after_s,
-        )
-
-    def leave(self) -> None:
-        self.pending -= 1
 
 
 class Exchange:

@@ -33,6 +33,7 @@ from grpc_health.v1._async import HealthServicer
 
 from dynamograph.protocol.kv_curve import CurveKeys
 from dynamograph.protocol.router_config import RouterConfig
+from dynamograph.router.admission import DEFAULT_MAX_LOOP_LAG_S, DEFAULT_MAX_PENDING_PICKS, LoopLag
 from dynamograph.router.discovery import Discovery, KubernetesSource, StaticSource, WorkerRecord
 from dynamograph.router.kv_events import INGEST_INTERVAL_S, KvEventIngest
 from dynamograph.router.load import LoadScraper
@@ -44,12 +45,9 @@ from dynamograph.router.waiting import QueueCollector
 
 from .extproc import (
     DEFAULT_MAX_BODY_BYTES,
-    DEFAULT_MAX_LOOP_LAG_S,
-    DEFAULT_MAX_PENDING_PICKS,
     SERVICE_NAME,
     ExtProcService,
 )
-from .loop_lag import LoopLag
 from .metrics import PREFIX, EppMetrics
 from .objectives import ObjectiveTable, objective_watch
 from .picker import EndpointView, KvEndpointPicker, RandomEndpointPicker

@@ -14,6 +14,11 @@ import sys
 
 from dynamograph.protocol.kv_curve import add_kv_curve_argument, kv_curve_from_args
 from dynamograph.protocol.launch import FRONTEND_REPLICA_PORT
+from dynamograph.router.admission import (
+    add_admission_arguments,
+    admission_given,
+    admission_limits,
+)
 from dynamograph.router.discovery import Discovery, add_discovery_arguments, source_from_args
 from dynamograph.router.replicas import add_replica_arguments, replica_settings
 
@@ -22,6 +27,8 @@ from .routing import Mode
 from .server import DEFAULT_MAX_BODY_BYTES, Frontend, FrontendConfig
 
 log = logging.getLogger(__name__)
+
+ENV_PREFIX = "DYNAMOGRAPH_FRONTEND"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -104,10 +111,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="kv mode: YAML of the router core's RouterConfig (as the EPP's --config): "
         "overlap_weight, temperature, busy_threshold, …",
     )
+    add_admission_arguments(parser, who="a kv-mode frontend", env_prefix=ENV_PREFIX)
     add_replica_arguments(
         parser,
         who="kv-mode frontend",
-        env_prefix="DYNAMOGRAPH_FRONTEND",
+        env_prefix=ENV_PREFIX,
         port=FRONTEND_REPLICA_PORT,
     )
 
@@ -128,6 +136,10 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         raise ValueError(
             f"--replica-peers and --replica-selector share kv mode's bookings; --mode is {mode}"
         )
+    if admission_given(args) and mode is not Mode.KV:
+        raise ValueError(
+            f"--max-pending-picks and --max-loop-lag bound kv mode's routing; --mode is {mode}"
+        )
     return FrontendConfig(
         engine_url=args.engine_url,
         mode=mode,
@@ -143,6 +155,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         kv_curve=kv_curve_from_args(args),
         router=router,
         replicas=replicas,
+        admission=admission_limits(args, env_prefix=ENV_PREFIX),
     )
 
 

@@ -12,13 +12,14 @@ in-flight bookings and session bindings as the EPP's do (`router.replicas.Replic
 import itertools
 from typing import Any
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Gauge
 
 from dynamograph.protocol.kv_curve import CurveKeys
 from dynamograph.protocol.nvext import NvExt
 from dynamograph.protocol.openai import OpenAIError
 from dynamograph.protocol.pins import RoutePins
 from dynamograph.protocol.router_config import RouterConfig
+from dynamograph.router.admission import Admission, AdmissionLimits, LoopLag
 from dynamograph.router.discovery import WorkerRecord
 from dynamograph.router.kv_events import IngestMetrics, KvEventIngest
 from dynamograph.router.load import LoadScraper
@@ -44,6 +45,7 @@ class KvMode:
         kv_curve: CurveKeys | None = None,
         replicas: ReplicaSettings | None = None,
         registry: CollectorRegistry | None = None,
+        admission: AdmissionLimits | None = None,
     ):
         self.directory = directory
         self.kv_curve = kv_curve
@@ -69,11 +71,35 @@ class KvMode:
         )
         self.pipeline = RequestPipeline(self.router)
         self._ids = itertools.count()
+        # Overload is a fast answer (the EPP's rule): past the limits a new pick is refused at
+        # once with 429 and Retry-After instead of queueing on the loop.
+        limits = admission or AdmissionLimits()
+        self.loop_lag = LoopLag()
+        self.admission = Admission(
+            limits.max_pending_picks,
+            self.config.retry_after_s,
+            self.loop_lag,
+            limits.max_loop_lag_s,
+            who="the frontend's router",
+        )
+        if registry is not None:
+            Gauge(
+                "dynamograph_frontend_loop_lag_seconds",
+                "how late the event loop runs its timers (weighted mean): past --max-loop-lag, new "
+                "requests get 429",
+                registry=registry,
+            ).set_function(self.loop_lag.behind)
+            Gauge(
+                "dynamograph_frontend_pending_picks",
+                "requests admitted and not yet routed: at --max-pending-picks, new ones get 429",
+                registry=registry,
+            ).set_function(lambda: self.admission.pending)
         self.load: LoadScraper | None = None
         self.events: KvEventIngest | None = None
         self.tokenizers = self.pipeline.tokenizers
 
     async def start(self) -> None:
+        self.loop_lag.start()
         # Created here: they bind to the running event loop.
         self.load = LoadScraper(self.router, on_unreachable=self.directory.mark_unreachable)
         if self.config.use_kv_events:
@@ -89,6 +115,7 @@ class KvMode:
             await self.replicas.start()
 
     async def stop(self) -> None:
+        await self.loop_lag.close()
         if self.replicas is not None:
             await self.replicas.close()
         await self.tokenizers.close()
@@ -124,22 +151,26 @@ class KvMode:
         self.pipeline.refresh()
 
     async def pick(self, pins: Pins, nvext: NvExt | None, path: str, body: dict[str, Any]) -> Route:
-        routed = await self.pipeline.decide(
-            path,
-            body,
-            request_id=f"frontend-{next(self._ids)}",
-            nvext=nvext,
-            # from the header-merged nvext when there is one: it also keeps a DP rank pinned
-            # without its worker, which `Pins` (engines to call) cannot name
-            pins=RoutePins.from_nvext(nvext)
-            if nvext is not None
-            else RoutePins(
-                pins.decode.worker_id if pins.decode else None,
-                pins.decode.dp_rank if pins.decode else None,
-                pins.prefill.worker_id if pins.prefill else None,
-                pins.prefill.dp_rank if pins.prefill else None,
-            ),
-        )
+        self.admission.enter()  # 429 at once when saturated
+        try:
+            routed = await self.pipeline.decide(
+                path,
+                body,
+                request_id=f"frontend-{next(self._ids)}",
+                nvext=nvext,
+                # from the header-merged nvext when there is one: it also keeps a DP rank pinned
+                # without its worker, which `Pins` (engines to call) cannot name
+                pins=RoutePins.from_nvext(nvext)
+                if nvext is not None
+                else RoutePins(
+                    pins.decode.worker_id if pins.decode else None,
+                    pins.decode.dp_rank if pins.decode else None,
+                    pins.prefill.worker_id if pins.prefill else None,
+                    pins.prefill.dp_rank if pins.prefill else None,
+                ),
+            )
+        finally:
+            self.admission.leave()
         decision = routed.decision
         try:
             decode = _target(decision.decode.worker_id, decision.decode.dp_rank, self.directory)

@@ -1,6 +1,7 @@
 """Prometheus metrics of one frontend, in its own registry (several frontends share a test process).
 
-Outcomes: `ok`, `client_error` (4xx the frontend or the engine answered), `upstream_error`
+Outcomes: `ok`, `shed` (429: kv mode refused it for load, or the engine did), `client_error`
+(another 4xx the frontend or the engine answered), `upstream_error`
 (engine unreachable, 5xx, broken hand-off), `unavailable` (503: unknown worker, none
 discovered), `timeout`, `cancelled` (the client went away), `error` (a frontend bug). Latency
 histograms are per mode and stream flag; the prefill leg has its own.

@@ -89,11 +89,15 @@ class FrontendConfig:
     kv_curve: Any = None  # kv mode: CURVE on the KV-event subscriptions (protocol.kv_curve)
     router: Any = None  # kv mode: an epp.config.RouterConfig (None: its defaults)
     replicas: Any = None  # kv mode: router.replicas.ReplicaSettings, bookings shared with peers
+    # kv mode: router.admission.AdmissionLimits (None: its defaults), 429 past them
+    admission: Any = None
 
 
 def _outcome(status: int) -> str:
     if status < 400:
         return "ok"
+    if status == 429:
+        return "shed"
     if status == 504:
         return "timeout"
     if status == 503:
@@ -224,6 +228,7 @@ class Frontend:
             kv_curve=cfg.kv_curve,
             replicas=cfg.replicas,
             registry=self.metrics.registry,
+            admission=cfg.admission,
         )
 
     # -- lifecycle --
