@@ -16,6 +16,7 @@ from dynamograph.protocol.headers import DESTINATION_ENDPOINT, WORKER_INSTANCE_I
 from dynamograph.protocol.router_config import RouterConfig
 from dynamograph.worker.testing import mock_worker
 from e2e.waiting import wait_for
+from tests.loop_hog import loop_hogged
 
 from .conftest import (
     MODEL,
@@ -429,32 +430,22 @@ async def test_while_the_event_loop_runs_behind_new_requests_get_429_at_once():
         running_epp([worker], max_loop_lag_s=0.05) as epp,
     ):
         client = ExtProcClient(epp.grpc_port)
-        loop = asyncio.get_running_loop()
-        hogging = True
-
-        def hog() -> None:
-            time.sleep(0.3)  # the CPU work of a backlog, as the loop sees it
-            if hogging:
-                loop.call_soon(hog)
-
         try:
             admitted, _, _ = await client.stream().request(chat_body("before"))
             assert not admitted.HasField("immediate_response")
-            loop.call_soon(hog)
-            await wait_for(lambda: epp.loop_lag.behind() > 0.05, "the loop to run behind")
-            refused = client.stream()
-            await refused.send(request_headers(content_length=10))
-            status, headers, error = _immediate(await refused.recv(within=10))
-            assert status == 429 and headers["retry-after"] == "1"
-            assert "event loop runs" in error["error"]["message"]
-            assert epp.service.admission.pending == 0
-            assert booked(epp) == 1  # the first request's booking only: none for the refused
-            hogging = False
+            with loop_hogged():
+                await wait_for(lambda: epp.loop_lag.behind() > 0.05, "the loop to run behind")
+                refused = client.stream()
+                await refused.send(request_headers(content_length=10))
+                status, headers, error = _immediate(await refused.recv(within=10))
+                assert status == 429 and headers["retry-after"] == "1"
+                assert "event loop runs" in error["error"]["message"]
+                assert epp.service.admission.pending == 0
+                assert booked(epp) == 1  # the first request's booking only: none for the refused
             await wait_for(lambda: epp.loop_lag.behind() < 0.05, "the loop to keep time again")
             admitted, _, _ = await client.stream().request(chat_body("after"))
             assert not admitted.HasField("immediate_response")
         finally:
-            hogging = False
             await client.close()
 
 

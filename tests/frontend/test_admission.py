@@ -23,6 +23,7 @@ from dynamograph.router.admission import (
 )
 from dynamograph.worker.testing import mock_worker
 from e2e.waiting import wait_for
+from tests.loop_hog import loop_hogged
 
 from .conftest import frontend_metric, run_frontend
 
@@ -90,19 +91,10 @@ async def test_while_the_event_loop_runs_behind_new_requests_get_429_at_once(mod
         mock_worker() as worker,
         run_frontend(None, [worker], mode=Mode.KV, admission=AdmissionLimits(64, 0.05)) as fe,
     ):
-        loop = asyncio.get_running_loop()
         lag = fe.routing.loop_lag
-        hogging = True
-
-        def hog() -> None:
-            time.sleep(0.3)  # the CPU work of a backlog, as the loop sees it
-            if hogging:
-                loop.call_soon(hog)
-
-        try:
-            status, out, _ = await post(fe, {"model": model, "prompt": "before", "max_tokens": 1})
-            assert status == 200, out
-            loop.call_soon(hog)
+        status, out, _ = await post(fe, {"model": model, "prompt": "before", "max_tokens": 1})
+        assert status == 200, out
+        with loop_hogged():
             await wait_for(lambda: lag.behind() > 0.05, what="the loop to run behind")
             assert await frontend_metric(fe, "dynamograph_frontend_loop_lag_seconds") > 0.05
             status, out, headers = await post(fe, {"model": model, "prompt": "x", "max_tokens": 1})
@@ -110,8 +102,6 @@ async def test_while_the_event_loop_runs_behind_new_requests_get_429_at_once(mod
             assert "event loop runs" in out["error"]["message"]
             assert fe.routing.admission.pending == 0
             assert fe.routing.router.active.total_requests() == 0
-        finally:
-            hogging = False
         await wait_for(lambda: lag.behind() < 0.05, what="the loop to keep time again")
         status, out, _ = await post(fe, {"model": model, "prompt": "after", "max_tokens": 1})
         assert status == 200, out
