@@ -13,7 +13,10 @@ Two estimates of the added latency: `added p50` = p50(frontend) − p50(direct) 
 and `paired` = the median over rounds of each round's p50 difference — rounds are adjacent in
 time, so a load change between rounds drops out of the paired figure. `--baseline-tree DIR`
 runs a second frontend from another source tree (`git archive <commit> | tar -x -C DIR`) in
-the same rotation, for a before/after in one run.
+the same rotation, for a before/after in one run. `--kv` adds a standalone frontend in kv mode
+(the gateway-less router: it tokenizes, scores and books each request itself, with the engine's
+KV events) to the rotation, sent the same request without a routing header: what routing in the
+frontend adds to the hop, in latency and in CPU per request.
 """
 
 import argparse
@@ -41,6 +44,7 @@ COLUMNS = ["c", "stream", "direct p50", "fe p50", "added p50", "paired", "added 
 COLUMNS += ["fe CPU µs/req"]
 BASELINE_COLUMNS = ["c", "stream", "baseline: added p50", "paired", "CPU µs/req"]
 BASELINE_COLUMNS += ["this: added p50", "paired", "CPU µs/req"]
+KV_COLUMNS = ["c", "stream", "kv: added p50", "paired", "CPU µs/req", "direct mode: CPU µs/req"]
 # The top-level folders the package maps into the `dynamograph` namespace (pyproject.toml).
 PACKAGE_FOLDERS = ("protocol", "epp", "frontend", "worker", "operator", "local", "bench", "cli")
 
@@ -70,6 +74,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         help="source tree of another dynamograph version (e.g. `git archive <commit> | tar -x "
         "-C DIR`): its frontend runs too, in the same rotation, for a same-run before/after",
+    )
+    parser.add_argument(
+        "--kv",
+        action="store_true",
+        help="a standalone kv-mode frontend too, in the same rotation (the router in the hop)",
     )
     add_output_argument(parser)
 
@@ -123,10 +132,10 @@ async def _measure(args, engine: str, frontends: dict[str, tuple[str, int]], wor
     runs first (warmest caches, right after the client's own work)."""
     paths = {"direct": (engine + "/v1/completions", {"Content-Type": "application/json"})}
     for name, (url, _) in frontends.items():
-        paths[name] = (
-            url + "/v1/completions",
-            {"Content-Type": "application/json", "x-worker-instance-id": str(worker_id)},
-        )
+        headers = {"Content-Type": "application/json"}
+        if name != "kv":  # direct mode follows the endpoint picker's header; kv mode picks
+            headers["x-worker-instance-id"] = str(worker_id)
+        paths[name] = (url + "/v1/completions", headers)
     names = list(paths)
     results = []
     connector = aiohttp.TCPConnector(limit=0)
@@ -196,9 +205,13 @@ def _baseline_path(tree: Path, where: Path) -> Path:
     return root
 
 
-def _frontend_proc(name: str, url: str, engine_url: str, log: Path, env=None) -> Proc:
+def _frontend_proc(
+    name: str, url: str, engine_url: str, log: Path, env=None, *, kv: bool = False
+) -> Proc:
     port = url.rsplit(":", 1)[1]
     argv = [*DYNAMOGRAPH, "frontend", "--host=127.0.0.1", f"--port={port}"]
+    if kv:  # standalone: the engine is a discovered worker, routed to by the kv router
+        return Proc(name, [*argv, "--mode=kv", f"--worker={engine_url}"], log, env or {})
     return Proc(name, [*argv, f"--engine-url={engine_url}"], log, env or {})
 
 
@@ -215,6 +228,9 @@ async def _bench(args) -> dict:
         procs["baseline"] = _frontend_proc(
             "baseline", urls["baseline"], worker.url, logs / "baseline.log", env
         )
+    if args.kv:
+        urls["kv"] = f"http://127.0.0.1:{ports.take()}"
+        procs["kv"] = _frontend_proc("kv", urls["kv"], worker.url, logs / "kv.log", kv=True)
     ports.release()
     try:
         worker.proc.start()
@@ -299,6 +315,22 @@ def run(args: argparse.Namespace) -> int:
                         r[name]["added_paired_ms"],
                         r[name]["cpu_us_per_request"],
                     )
+                ]
+                for r in rows
+            ],
+        )
+    if args.kv:
+        print_table(
+            "same run: the kv-mode frontend (routing in the hop), added ms vs direct",
+            KV_COLUMNS,
+            [
+                [
+                    r["concurrency"],
+                    "yes" if r["stream"] else "no",
+                    r["kv"]["added_p50_ms"],
+                    r["kv"]["added_paired_ms"],
+                    r["kv"]["cpu_us_per_request"],
+                    r["frontend"]["cpu_us_per_request"],
                 ]
                 for r in rows
             ],
