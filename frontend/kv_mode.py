@@ -7,6 +7,8 @@ through the same request pipeline (`router.pipeline.RequestPipeline`): model and
 check, tokenization with the workers' tokenizer, block hashing, scheduling. The booking is
 released when the request ends. With replica settings, the frontend's replicas share their
 in-flight bookings and session bindings as the EPP's do (`router.replicas.ReplicaSync`).
+Overload is answered as the EPP answers it (`router.admission`): past `--max-pending-picks`
+requests being routed, or with the event loop past `--max-loop-lag` behind, 429 at once.
 """
 
 import itertools
