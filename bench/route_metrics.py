@@ -215,6 +215,33 @@ def split_metrics(
     return out
 
 
+def follow_up_moves(
+    results: Sequence[RequestResult], labels: Sequence[Mapping[str, Any]]
+) -> dict[str, float | int] | None:
+    """How often a conversation left the worker holding its history: of the follow-up turns
+    served whose previous turn was served too, both by a worker that said its id, those served
+    by another worker than that turn's. `labels[i]` is request i's (`session`, `turn`, `kind`
+    as the multi-turn workload writes them); None without sessions (the Mooncake trace)."""
+    if not labels or "session" not in labels[0]:
+        return None
+    served = {}
+    for r in results:
+        label = labels[r.index]
+        if r.status == OK and r.worker is not None and label.get("kind") == "turn":
+            served[label["session"], label["turn"]] = r.worker
+    follow_ups = moved = 0
+    for (session, turn), worker in served.items():
+        previous = served.get((session, turn - 1))
+        if previous is not None:
+            follow_ups += 1
+            moved += worker != previous
+    return {
+        "follow_ups": follow_ups,
+        "moved": moved,
+        "share": moved / follow_ups if follow_ups else 0.0,
+    }
+
+
 GATEWAY_PHASES = ("request_ms", "worker_ms", "response_hold_ms", "total_ms")
 # A request's time outside the engine, in parts (`gateway_phases`): client send → the gateway's
 # first byte; the gateway's request path (the EPP's pick); the gateway's worker phase beyond

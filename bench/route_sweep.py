@@ -31,7 +31,7 @@ from dynamograph.protocol.tokenization import get_tokenizer
 from .report import print_table, write_json
 from .route_client import chat_body, completion_body
 from .route_fleet import running_fleet, worker_spec
-from .route_metrics import PolicyMetrics, split_metrics, summarize
+from .route_metrics import PolicyMetrics, follow_up_moves, split_metrics, summarize
 from .route_plots import write_sweep_plot
 from .route_routers import POLICIES
 from .trace import (
@@ -171,6 +171,7 @@ class Point:
     policy: str
     metrics: PolicyMetrics
     groups: dict
+    moves: dict | None  # follow-up turns served elsewhere than their previous turn
     outside_p50_ms: float | None
     outside_p99_ms: float | None
     saturated: bool
@@ -185,6 +186,7 @@ class Point:
             "saturated": self.saturated,
             "saturation": self.reason,
             "groups": self.groups,
+            "follow_up_moves": self.moves,
             "metrics": self.metrics.as_dict(),
         }
 
@@ -214,6 +216,7 @@ def make_point(
         policy=policy,
         metrics=m,
         groups=split_metrics(results, load.groups, load.reusable),
+        moves=follow_up_moves(results, load.labels),
         outside_p50_ms=ms(m.outside_engine_p50_s),
         outside_p99_ms=ms(m.outside_engine_p99_s),
         saturated=reason is not None,
@@ -339,6 +342,7 @@ def _report(args, setup, spec, source, points: list[Point], loads: dict) -> None
                 f"{m.hit_rate:.1%}",
                 f"{m.reuse_captured:.1%}",
                 " / ".join(_pct(group[g].get("reuse_captured")) for g in group),
+                "-" if p.moves is None else f"{p.moves['share']:.1%}",
                 f"{m.imbalance:.2f}" if m.imbalance else "-",
             ]
         )
@@ -364,7 +368,8 @@ def _report(args, setup, spec, source, points: list[Point], loads: dict) -> None
     )
     print_table(
         "sweep: routing quality (TTFT engine-reported, simulated s; by first turn, follow-up, "
-        "document; reuse captured, and by first turn / follow-up / document)",
+        "document; reuse captured, and by first turn / follow-up / document; moved: follow-up "
+        "turns served by another worker than their previous turn)",
         [
             "rate",
             "policy",
@@ -376,6 +381,7 @@ def _report(args, setup, spec, source, points: list[Point], loads: dict) -> None
             "hit",
             "reuse",
             "1st / fu / doc",
+            "moved",
             "imbal.",
         ],
         quality_rows,

@@ -9,6 +9,7 @@ from dynamograph.bench.route_metrics import (
     OK,
     SHED,
     RequestResult,
+    follow_up_moves,
     gateway_phases,
     load_imbalance,
     summarize,
@@ -52,6 +53,31 @@ def test_summarize_scales_client_latencies_and_computes_reuse_captured():
 def test_summarize_with_nothing_served():
     m = summarize("rr", [RequestResult(0)], inherent_reuse=0.5, time_scale=1, wall_s=1)
     assert m.ok == 0 and m.ttft_p50_s is None and m.hit_rate == 0.0 and m.imbalance is None
+
+
+def test_follow_up_moves_count_turns_served_elsewhere_than_their_previous_turn():
+    def turn(session, number):
+        return {"kind": "turn", "session": session, "turn": number}
+
+    labels = [
+        turn(0, 1),  # 0: w1
+        turn(1, 1),  # 1: w2
+        {"kind": "document", "session": 7, "turn": 1},  # 2: not a conversation
+        turn(0, 2),  # 3: w1, stayed
+        turn(1, 2),  # 4: w3, moved
+        turn(0, 3),  # 5: w2, moved
+        turn(1, 3),  # 6: its previous turn moved, this one stays with it (w3)
+        turn(2, 1),  # 7: shed
+        turn(2, 2),  # 8: no previous turn served: not counted
+        turn(0, 4),  # 9: no worker said: not counted, nor is a turn after it
+        turn(0, 5),  # 10
+    ]
+    workers = ["w1", "w2", "w9", "w1", "w3", "w2", "w3", None, "w1", None, "w2"]
+    results = [RequestResult(i, SHED if i == 7 else OK, worker=w) for i, w in enumerate(workers)]
+    moves = follow_up_moves(results, labels)
+    assert moves == {"follow_ups": 4, "moved": 2, "share": 0.5}
+    # the Mooncake trace has no sessions
+    assert follow_up_moves(results, [{"kind": "trace"}] * len(results)) is None
 
 
 def test_load_imbalance():

@@ -53,6 +53,8 @@ def test_multiturn_sweep_end_to_end(tmp_path):
             assert groups["first turn"]["requests"] == stats["first_turns"] > 0
             if stats["follow_ups"]:
                 assert groups["follow-up"]["requests"] == stats["follow_ups"]
+            # every turn served and its worker named: each follow-up is counted, moved or not
+            assert point["follow_up_moves"]["follow_ups"] == stats["follow_ups"]
             rows = [
                 json.loads(line)
                 for line in (out / "route-logs" / f"rate-{rate:g}" / policy / "requests.jsonl")
@@ -68,4 +70,7 @@ def test_multiturn_sweep_end_to_end(tmp_path):
     assert data["saturated_at"] == dict.fromkeys(POLICIES)
     rr = points[2.0, "round-robin"]["metrics"]["per_worker_requests"]
     assert max(rr.values()) - min(rr.values()) <= 1  # round-robin over two workers
+    # kv keeps conversations with their history at least as well as round-robin does
+    moved = {p: points[2.0, p]["follow_up_moves"]["moved"] for p in POLICIES}
+    assert moved["kv"] <= moved["round-robin"]
     assert (out / "route_sweep.png").stat().st_size > 5000
