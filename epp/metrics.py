@@ -172,12 +172,6 @@ class EppMetrics:
         self.active_streams = Gauge(
             PREFIX + "active_streams", "ext_proc streams in progress", registry=r
         )
-        self.loop_lag = Gauge(
-            PREFIX + "loop_lag_seconds",
-            "how late the event loop runs its timers (weighted mean): past --max-loop-lag, new "
-            "requests get 429",
-            registry=r,
-        )
         self.kv_ingest = IngestMetrics.create(PREFIX, r)
         self.scrape_failures = Counter(
             PREFIX + "scrape_failures", "failed /metrics scrapes of workers", registry=r

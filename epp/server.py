@@ -33,7 +33,12 @@ from grpc_health.v1._async import HealthServicer
 
 from dynamograph.protocol.kv_curve import CurveKeys
 from dynamograph.protocol.router_config import RouterConfig
-from dynamograph.router.admission import DEFAULT_MAX_LOOP_LAG_S, DEFAULT_MAX_PENDING_PICKS, LoopLag
+from dynamograph.router.admission import (
+    DEFAULT_MAX_LOOP_LAG_S,
+    DEFAULT_MAX_PENDING_PICKS,
+    LoopLag,
+    export_admission,
+)
 from dynamograph.router.discovery import Discovery, KubernetesSource, StaticSource, WorkerRecord
 from dynamograph.router.kv_events import INGEST_INTERVAL_S, KvEventIngest
 from dynamograph.router.load import LoadScraper
@@ -139,7 +144,6 @@ class Epp:
             else KvEndpointPicker(self.pipeline, self.view, self.objectives)
         )
         self.loop_lag = LoopLag()
-        self.metrics.loop_lag.set_function(self.loop_lag.behind)
         self.service = ExtProcService(
             self.picker,
             self.metrics,
@@ -149,6 +153,7 @@ class Epp:
             loop_lag=self.loop_lag,
             max_loop_lag_s=settings.max_loop_lag_s,
         )
+        export_admission(self.service.admission, self.loop_lag, PREFIX, self.metrics.registry)
         self.replicas = (
             ReplicaSync(self.router.active, settings.replicas, sessions=self.router.sessions)
             if settings.replicas

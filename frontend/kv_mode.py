@@ -14,14 +14,14 @@ requests being routed, or with the event loop past `--max-loop-lag` behind, 429 
 import itertools
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry
 
 from dynamograph.protocol.kv_curve import CurveKeys
 from dynamograph.protocol.nvext import NvExt
 from dynamograph.protocol.openai import OpenAIError
 from dynamograph.protocol.pins import RoutePins
 from dynamograph.protocol.router_config import RouterConfig
-from dynamograph.router.admission import Admission, AdmissionLimits, LoopLag
+from dynamograph.router.admission import Admission, AdmissionLimits, LoopLag, export_admission
 from dynamograph.router.discovery import WorkerRecord
 from dynamograph.router.kv_events import IngestMetrics, KvEventIngest
 from dynamograph.router.load import LoadScraper
@@ -85,17 +85,7 @@ class KvMode:
             who="the frontend's router",
         )
         if registry is not None:
-            Gauge(
-                "dynamograph_frontend_loop_lag_seconds",
-                "how late the event loop runs its timers (weighted mean): past --max-loop-lag, new "
-                "requests get 429",
-                registry=registry,
-            ).set_function(self.loop_lag.behind)
-            Gauge(
-                "dynamograph_frontend_pending_picks",
-                "requests admitted and not yet routed: at --max-pending-picks, new ones get 429",
-                registry=registry,
-            ).set_function(lambda: self.admission.pending)
+            export_admission(self.admission, self.loop_lag, "dynamograph_frontend_", registry)
         self.load: LoadScraper | None = None
         self.events: KvEventIngest | None = None
         self.tokenizers = self.pipeline.tokenizers

@@ -27,6 +27,8 @@ import os
 import time
 from dataclasses import dataclass
 
+from prometheus_client import CollectorRegistry, Gauge
+
 from dynamograph.protocol.openai import OpenAIError
 
 from .tasks import cancel_all
@@ -117,6 +119,23 @@ class Admission:
 
     def leave(self) -> None:
         self.pending -= 1
+
+
+def export_admission(
+    admission: Admission, lag: LoopLag, prefix: str, registry: CollectorRegistry
+) -> None:
+    """`<prefix>loop_lag_seconds` and `<prefix>pending_picks`, read at each scrape."""
+    Gauge(
+        prefix + "loop_lag_seconds",
+        "how late the event loop runs its timers (weighted mean): past --max-loop-lag, new "
+        "requests get 429",
+        registry=registry,
+    ).set_function(lag.behind)
+    Gauge(
+        prefix + "pending_picks",
+        "requests admitted and not yet routed: at --max-pending-picks, new ones get 429",
+        registry=registry,
+    ).set_function(lambda: admission.pending)
 
 
 @dataclass(frozen=True)

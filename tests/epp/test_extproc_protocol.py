@@ -398,6 +398,7 @@ async def test_past_the_admission_bound_new_requests_get_429_at_once():
             await wait_for(
                 lambda: epp.service.admission.pending == 2, "two admitted requests", within=10
             )
+            assert epp.metrics.registry.get_sample_value("dynamograph_epp_pending_picks") == 2
             refused = client.stream()
             await refused.send(request_headers(content_length=len(body)))
             status, headers, error = _immediate(await refused.recv(within=5))
