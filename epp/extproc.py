@@ -36,9 +36,9 @@ clear_route_cache, `envoy.lb` metadata), the body unchanged. Envoy holds the hea
 Refusals are ImmediateResponses with an OpenAI error body (400/404/405/413/429 + Retry-After/501/
 503). A query-only request (`query_instance_id` annotation) is answered the same way, with
 200 and the answer the frontend's kv mode gives (`Route.answer`): no upstream is called.
-Admission: at most `max_pending_picks` requests are between their headers and their pick (body
-arriving, prompt being tokenized off the event loop, waiting for the loop), and none while the
-event loop runs more than `max_loop_lag_s` behind (`router.admission.LoopLag`: the EPP is short of CPU
+Admission (`AdmissionLimits`): at most `max_pending_picks` requests are between their headers
+and their pick (body arriving, prompt being tokenized off the event loop, waiting for the
+loop), and none while the event loop runs more than `max_loop_lag_s` behind (`router.admission.LoopLag`: the EPP is short of CPU
 for what it already holds); past either, a new one is refused at its headers with 429 and
 Retry-After (`Admission`).
 
@@ -84,11 +84,7 @@ from dynamograph.protocol.headers import (
 )
 from dynamograph.protocol.openai import OpenAIError
 from dynamograph.router.active import RequestGuard
-from dynamograph.router.admission import (
-    DEFAULT_MAX_PENDING_PICKS,
-    Admission,
-    LoopLag,
-)
+from dynamograph.router.admission import Admission, AdmissionLimits, LoopLag
 
 from .metrics import OUTCOME_BY_STATUS, EppMetrics
 
@@ -611,16 +607,15 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
         picker: EndpointPicker,
         metrics: EppMetrics,
         *,
+        admission: AdmissionLimits,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-        max_pending_picks: int = DEFAULT_MAX_PENDING_PICKS,
         retry_after_s: float = 1.0,
         loop_lag: LoopLag | None = None,
-        max_loop_lag_s: float = 0.0,
     ):
         self.picker = picker
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
-        self.admission = Admission(max_pending_picks, retry_after_s, loop_lag, max_loop_lag_s)
+        self.admission = Admission(admission, retry_after_s, loop_lag)
 
     async def Process(
         self,

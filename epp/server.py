@@ -33,12 +33,7 @@ from grpc_health.v1._async import HealthServicer
 
 from dynamograph.protocol.kv_curve import CurveKeys
 from dynamograph.protocol.router_config import RouterConfig
-from dynamograph.router.admission import (
-    DEFAULT_MAX_LOOP_LAG_S,
-    DEFAULT_MAX_PENDING_PICKS,
-    LoopLag,
-    export_admission,
-)
+from dynamograph.router.admission import AdmissionLimits, LoopLag, export_admission
 from dynamograph.router.discovery import Discovery, KubernetesSource, StaticSource, WorkerRecord
 from dynamograph.router.kv_events import INGEST_INTERVAL_S, KvEventIngest
 from dynamograph.router.load import LoadScraper
@@ -78,9 +73,8 @@ class EppSettings:
     kv_curve: CurveKeys | None = None  # CURVE on the KV-event subscriptions (protocol.kv_curve)
     endpoint_picker: str = "kv"  # kv | random (no body parsing: the protocol floor)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    max_pending_picks: int = DEFAULT_MAX_PENDING_PICKS  # past it, new requests get 429 at once
-    # new requests get 429 at once while the event loop runs more than this behind (0: off)
-    max_loop_lag_s: float = DEFAULT_MAX_LOOP_LAG_S
+    # past either limit a new request gets 429 at once (router.admission)
+    admission: AdmissionLimits = field(default_factory=AdmissionLimits)
     scrape_interval: float = 0.5
     # KV-event sockets are read in rounds at most this often while batches keep coming
     # (router.kv_events.Ticker): longer saves CPU, and each batch waits up to that long
@@ -148,10 +142,9 @@ class Epp:
             self.picker,
             self.metrics,
             max_body_bytes=settings.max_body_bytes,
-            max_pending_picks=settings.max_pending_picks,
+            admission=settings.admission,
             retry_after_s=settings.router.retry_after_s,
             loop_lag=self.loop_lag,
-            max_loop_lag_s=settings.max_loop_lag_s,
         )
         export_admission(self.service.admission, self.loop_lag, PREFIX, self.metrics.registry)
         self.replicas = (

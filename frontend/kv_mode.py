@@ -75,13 +75,11 @@ class KvMode:
         self._ids = itertools.count()
         # Overload is a fast answer (the EPP's rule): past the limits a new pick is refused at
         # once with 429 and Retry-After instead of queueing on the loop.
-        limits = admission or AdmissionLimits()
         self.loop_lag = LoopLag()
         self.admission = Admission(
-            limits.max_pending_picks,
+            admission or AdmissionLimits(),
             self.config.retry_after_s,
             self.loop_lag,
-            limits.max_loop_lag_s,
             who="the frontend's router",
         )
         if registry is not None:

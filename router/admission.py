@@ -78,26 +78,34 @@ class LoopLag:
             self._task = None
 
 
+@dataclass(frozen=True)
+class AdmissionLimits:
+    """`--max-pending-picks` and `--max-loop-lag` (seconds; 0: the loop's lag not checked)."""
+
+    max_pending_picks: int = DEFAULT_MAX_PENDING_PICKS
+    max_loop_lag_s: float = DEFAULT_MAX_LOOP_LAG_S
+
+
 class Admission:
     """Bounds the requests admitted and not yet routed (for the EPP: their body still arriving,
-    their prompt being tokenized, or waiting for the event loop), and admits none while the
-    loop runs more than `max_lag_s` behind (`lag`; 0: not checked). Past either, a new request
-    is refused at once with 429 and Retry-After, naming `who` is saturated."""
+    their prompt being tokenized, or waiting for the event loop) to `limits.max_pending_picks`,
+    and admits none while the loop runs more than `limits.max_loop_lag_s` behind (`lag`; a
+    limit of 0 or no `lag`: not checked). Past either, a new request is refused at once with
+    429 and Retry-After, naming `who` is saturated."""
 
     __slots__ = ("lag", "max_lag_s", "max_pending", "pending", "retry_after_s", "who")
 
     def __init__(
         self,
-        max_pending: int,
+        limits: AdmissionLimits,
         retry_after_s: float = 1.0,
         lag: LoopLag | None = None,
-        max_lag_s: float = 0.0,
         who: str = "the endpoint picker",
     ):
-        self.max_pending = max_pending
+        self.max_pending = limits.max_pending_picks
         self.retry_after_s = retry_after_s
         self.lag = lag
-        self.max_lag_s = max_lag_s
+        self.max_lag_s = limits.max_loop_lag_s
         self.who = who
         self.pending = 0
 
@@ -136,14 +144,6 @@ def export_admission(
         "requests admitted and not yet routed: at --max-pending-picks, new ones get 429",
         registry=registry,
     ).set_function(lambda: admission.pending)
-
-
-@dataclass(frozen=True)
-class AdmissionLimits:
-    """`--max-pending-picks` and `--max-loop-lag` (seconds; 0: the loop's lag not checked)."""
-
-    max_pending_picks: int = DEFAULT_MAX_PENDING_PICKS
-    max_loop_lag_s: float = DEFAULT_MAX_LOOP_LAG_S
 
 
 def add_admission_arguments(parser: argparse.ArgumentParser, *, who: str, env_prefix: str) -> None:

@@ -136,7 +136,7 @@ async def test_kv_ingest_interval_and_loop_lag_reach_the_epp(monkeypatch):
 
     monkeypatch.delenv("DYNAMOGRAPH_EPP_KV_INGEST_INTERVAL", raising=False)
     settings = settings_from_args(_parse("--kv-ingest-interval", "0.03", "--max-loop-lag", "0.2"))
-    assert (settings.kv_ingest_interval, settings.max_loop_lag_s) == (0.03, 0.2)
+    assert (settings.kv_ingest_interval, settings.admission.max_loop_lag_s) == (0.03, 0.2)
     epp = Epp(settings, StaticSource([]))
     try:
         assert epp.kv is not None and epp.kv.interval_s == 0.03

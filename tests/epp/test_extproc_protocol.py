@@ -14,6 +14,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from dynamograph.epp.extproc import MAX_CHUNK_BYTES
 from dynamograph.protocol.headers import DESTINATION_ENDPOINT, WORKER_INSTANCE_ID
 from dynamograph.protocol.router_config import RouterConfig
+from dynamograph.router.admission import AdmissionLimits
 from dynamograph.worker.testing import mock_worker
 from e2e.waiting import wait_for
 from tests.loop_hog import loop_hogged
@@ -386,7 +387,7 @@ async def test_past_the_admission_bound_new_requests_get_429_at_once():
     requests are admitted again."""
     async with (
         mock_worker(model=MODEL, name="epp-admission") as worker,
-        running_epp([worker], max_pending_picks=2) as epp,
+        running_epp([worker], admission=AdmissionLimits(max_pending_picks=2)) as epp,
     ):
         client = ExtProcClient(epp.grpc_port)
         body = chat_body("hello there")
@@ -428,7 +429,7 @@ async def test_while_the_event_loop_runs_behind_new_requests_get_429_at_once():
     count waiting to be routed; once the loop keeps time again, they are admitted."""
     async with (
         mock_worker(model=MODEL, name="epp-loop-lag") as worker,
-        running_epp([worker], max_loop_lag_s=0.05) as epp,
+        running_epp([worker], admission=AdmissionLimits(max_loop_lag_s=0.05)) as epp,
     ):
         client = ExtProcClient(epp.grpc_port)
         try:
@@ -457,7 +458,7 @@ async def test_one_long_pause_of_the_event_loop_refuses_nobody():
     delay counted)."""
     async with (
         mock_worker(model=MODEL, name="epp-loop-pause") as worker,
-        running_epp([worker], max_loop_lag_s=0.05) as epp,
+        running_epp([worker], admission=AdmissionLimits(max_loop_lag_s=0.05)) as epp,
     ):
         client = ExtProcClient(epp.grpc_port)
         loop = asyncio.get_running_loop()

@@ -29,6 +29,7 @@ from dynamograph.epp.tls import TlsSettings
 from dynamograph.local.envoy import REPO_ROOT, EnvoyNotFound, find_envoy, run_envoy
 from dynamograph.protocol.engine import Role
 from dynamograph.protocol.headers import DESTINATION_ENDPOINT
+from dynamograph.router.admission import AdmissionLimits
 from dynamograph.worker.testing import free_port, mock_worker, refusing_address
 from e2e.waiting import wait_for
 
@@ -488,7 +489,7 @@ async def test_an_epp_at_its_admission_bound_is_a_429_through_the_gateway(name):
     tls = TlsSettings() if spec["epp_cluster"].get("tls") else None
     async with (
         mock_worker(model=MODEL, name=f"{name}-bound") as worker,
-        running_epp([worker], tls=tls, max_pending_picks=1) as epp,
+        running_epp([worker], tls=tls, admission=AdmissionLimits(max_pending_picks=1)) as epp,
         aiohttp.ClientSession() as http,
     ):
         pool = [worker.url.removeprefix("http://")]
