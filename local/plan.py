@@ -40,6 +40,7 @@ from dynamograph.protocol.graph import (
 from dynamograph.protocol.kv_curve import KV_CURVE_ENV, key_files
 from dynamograph.protocol.launch import (
     ADMIN_TOKEN_ENV,
+    admission_args,
     graph_router,
     router_config,
     standalone_frontend_args,
@@ -422,6 +423,7 @@ def _epp_process(
     argv += ["--kv-events", "on" if uses_kv_events(router) else "off"]
     if router.enforce_disagg:
         argv.append("--enforce-disagg")
+    argv += admission_args(router)
     argv += ["--config", str(run_dir / "router.yaml")]
     return ProcessSpec(
         name=name,

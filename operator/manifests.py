@@ -61,6 +61,7 @@ from dynamograph.protocol.launch import (
     KV_EVENTS_PORT,
     admin_token_env,
     admin_token_secret,
+    admission_args,
     bound_kv_events,
     engine_config_args,
     engine_config_file,
@@ -379,6 +380,7 @@ def epp_args(
     ]
     if router.enforce_disagg:
         args.append("--enforce-disagg")
+    args += admission_args(router)
     if graph.spec.engine_config is not None:
         args += engine_config_args()
     if drain_grace is not None:

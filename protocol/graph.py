@@ -413,6 +413,22 @@ class RouterSpec(_Model):
         description="epp services: a replica (pod or process) silent this long has its "
         "in-flight bookings dropped from the others' load",
     )
+    max_pending_picks: int | None = Field(
+        default=None,
+        ge=1,
+        le=1_000_000,
+        description="epp services and kv-mode frontends: requests admitted and not yet routed, "
+        "at most, per process; past it a new request gets 429 with Retry-After at once instead "
+        "of queueing (unset: 256)",
+    )
+    max_loop_lag_seconds: float | None = Field(
+        default=None,
+        ge=0,
+        le=60,
+        description="epp services and kv-mode frontends: how far the router's event loop may "
+        "run behind (it is short of CPU) before a new request gets 429 with Retry-After at "
+        "once; 0: not checked (unset: 0.5)",
+    )
     config: dict[str, Any] = Field(
         default_factory=dict,
         description="further router settings, written verbatim into the router config file",
@@ -528,6 +544,10 @@ class MultinodeSpec(_Model):
 DEFAULT_STARTUP_SECONDS: Final = {Backend.VLLM: 1800, Backend.MOCK: 300}
 
 _ENGINE_CEL = "self.componentType in ['worker', 'prefill', 'decode']"
+_ADMISSION_NEEDS_KV = (
+    "a round-robin frontend picks without a queue and admits every request; set it on a "
+    "kv-mode frontend or on the epp"
+)
 
 
 class ServiceSpec(_Model):
@@ -583,6 +603,13 @@ class ServiceSpec(_Model):
                     "self.componentType != 'frontend' || !has(self.router) "
                     "|| !has(self.router.mode) || self.router.mode in ['kv', 'round-robin']",
                     "router.mode: a frontend routes with kv or round-robin",
+                    ".router",
+                ),
+                _cel(
+                    "self.componentType != 'frontend' || !has(self.router) "
+                    "|| !has(self.router.mode) || self.router.mode == 'kv' "
+                    "|| (!has(self.router.maxPendingPicks) && !has(self.router.maxLoopLagSeconds))",
+                    f"router.maxPendingPicks, router.maxLoopLagSeconds: {_ADMISSION_NEEDS_KV}",
                     ".router",
                 ),
             ]
@@ -703,6 +730,11 @@ class ServiceSpec(_Model):
             raise ValueError(
                 f"router.mode: a frontend routes with kv or round-robin, not {self.router.mode}"
             )
+        if kind == ComponentType.FRONTEND and self.router is not None:
+            router = self.router
+            for field in ("max_pending_picks", "max_loop_lag_seconds"):
+                if router.mode != RouterMode.KV and getattr(router, field) is not None:
+                    raise ValueError(f"router.{to_camel(field)}: {_ADMISSION_NEEDS_KV}")
         return self
 
     @property

@@ -11,6 +11,8 @@ One mapping, so a graph behaves the same in both places (docs/contracts.md):
   `uses_kv_events`: whether the policy indexes the engines' KV events;
 - `standalone_router` and `standalone_frontend_args`: a standalone frontend's own policy (its
   `router` section) and its routing flags, the same config file in kv mode;
+- `admission_args`: what a router process admits (the EPP's and a kv-mode frontend's
+  `--max-pending-picks`, `--max-loop-lag`);
 - `engine_config_file`: the EPP's `--engine-config` file (the graph's `spec.engineConfig`), where
   it is mounted and the flag that names it (`engine_config_args`); `bound_kv_events`: the port
   the EPP opens to engines whose KV-event publishers dial it.
@@ -180,14 +182,26 @@ def standalone_router(spec: ServiceSpec) -> RouterSpec:
     return spec.router or RouterSpec()
 
 
+def admission_args(router: RouterSpec) -> list[str]:
+    """What a router process (the EPP, a kv-mode frontend) admits, as flags: those the section
+    sets (the rest keep the process's defaults, router.admission)."""
+    args = []
+    if router.max_pending_picks is not None:
+        args += ["--max-pending-picks", str(router.max_pending_picks)]
+    if router.max_loop_lag_seconds is not None:
+        args += ["--max-loop-lag", f"{router.max_loop_lag_seconds:g}"]
+    return args
+
+
 def standalone_frontend_args(router: RouterSpec, config_path: str) -> list[str]:
     """A standalone frontend's routing flags: its mode and, in kv mode, the router config file
-    (`router_config(router)`, written at `config_path`) and KV events on or off, as the EPP
-    gets them; `--enforce-disagg` in either mode."""
+    (`router_config(router)`, written at `config_path`), KV events on or off and its admission
+    limits, as the EPP gets them; `--enforce-disagg` in either mode."""
     args = ["--mode", str(router.mode)]
     if router.mode == RouterMode.KV:
         args += ["--router-config", config_path]
         args += ["--kv-events", "on" if uses_kv_events(router) else "off"]
+        args += admission_args(router)
     if router.enforce_disagg:
         args.append("--enforce-disagg")
     return args

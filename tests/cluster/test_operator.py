@@ -180,6 +180,17 @@ INVALID = [
         "router: only epp and frontend services route",
     ),
     (
+        "admission limits on a round-robin frontend",
+        {
+            "worker": {"componentType": "worker"},
+            "fe": {
+                "componentType": "frontend",
+                "router": {"mode": "round-robin", "maxPendingPicks": 8},
+            },
+        },
+        "a round-robin frontend picks without a queue and admits every request",
+    ),
+    (
         "negative replicas",
         {"worker": {"componentType": "worker", "replicas": -1}},
         "spec.services.worker.replicas: Invalid value: -1: spec.services.worker.replicas in body "

@@ -286,6 +286,27 @@ def test_a_kv_standalone_frontend_gets_its_own_router_config():
     assert "--replica-peers" not in front.argv  # one replica: nobody to share bookings with
 
 
+def test_admission_limits_reach_the_epp_and_a_kv_frontend():
+    """`router.maxPendingPicks` and `maxLoopLagSeconds` become each router process's flags, as
+    the operator renders them; unset, the processes keep their own defaults."""
+    limits = {"maxPendingPicks": 32, "maxLoopLagSeconds": 0}
+    p = plan(
+        graph_dict(
+            w={"componentType": "worker"},
+            epp={"componentType": "epp", "router": limits},
+            fe={"componentType": "frontend", "router": {"maxPendingPicks": 8}},
+            rr={"componentType": "frontend", "router": {"mode": "round-robin"}},
+        )
+    )
+    epp = next(x for x in p.processes if x.kind == "epp")
+    assert (arg(epp.argv, "--max-pending-picks"), arg(epp.argv, "--max-loop-lag")) == ("32", "0")
+    front = next(x for x in p.processes if x.name == "t-fe-0")
+    assert arg(front.argv, "--max-pending-picks") == "8" and "--max-loop-lag" not in front.argv
+    for process in p.processes:
+        if process.kind == "frontend" and process is not front:
+            assert "--max-pending-picks" not in process.argv, process.name
+
+
 def test_kv_standalone_frontend_replicas_share_their_bookings():
     p = plan(
         graph_dict(

@@ -89,6 +89,16 @@ def _services(body):
             "router.mode:",
             "spec.services.f.router.mode",
         ),
+        (
+            lambda b: _services(b).update(
+                f={
+                    "componentType": "frontend",
+                    "router": {"mode": "round-robin", "maxLoopLagSeconds": 1},
+                }
+            ),
+            "a round-robin frontend picks without a queue",
+            "spec.services.f.router.maxLoopLagSeconds",
+        ),
     ],
 )
 def test_rules_and_models_refuse_the_same_graphs(mutate, message, field):

@@ -1,14 +1,18 @@
 """Router settings are checked against the router core's RouterConfig when a graph is applied:
 a setting the router would refuse at start-up is refused by the operator, naming the field."""
 
+import argparse
 import copy
 
 import pytest
 import yaml
 
+from dynamograph.epp import cli as epp_cli
+from dynamograph.frontend import cli as frontend_cli
 from dynamograph.operator.config import OperatorConfig
 from dynamograph.operator.manifests import Owner, desired_objects, router_config_errors
 from dynamograph.protocol.graph import GraphError, RouterSpec, load_graph
+from dynamograph.router.admission import AdmissionLimits, admission_limits
 from e2e.waiting import wait_for
 
 from .emulator import EXAMPLES
@@ -70,6 +74,36 @@ def test_a_router_setting_of_the_wrong_type_is_refused():
 def test_a_standalone_frontends_router_settings_are_checked_too():
     error = refusal(disagg(frontend={"mode": "round-robin", "config": {"nope": 1}}))
     assert [field for field, _ in error.errors] == ["spec.services.front.router.config.nope"]
+
+
+def _admission_of(objects: list[dict], deployment: str, module, monkeypatch) -> AdmissionLimits:
+    """The admission limits the component's own CLI reads from its rendered command line."""
+    (container,) = next(
+        o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == deployment
+    )["spec"]["template"]["spec"]["containers"]
+    monkeypatch.delenv(f"{module.ENV_PREFIX}_MAX_PENDING_PICKS", raising=False)
+    monkeypatch.delenv(f"{module.ENV_PREFIX}_MAX_LOOP_LAG", raising=False)
+    parser = argparse.ArgumentParser()
+    module.add_arguments(parser)
+    return admission_limits(parser.parse_args(container["args"][1:]), env_prefix=module.ENV_PREFIX)
+
+
+@pytest.mark.unit
+def test_admission_limits_reach_the_epp_and_a_kv_frontend(monkeypatch):
+    """`router.maxPendingPicks` and `router.maxLoopLagSeconds` are what the EPP's and a kv-mode
+    frontend's own command lines give them; unset, each keeps its default."""
+    limits = {"maxPendingPicks": 32, "maxLoopLagSeconds": 0.25}
+    objects = desired_objects(
+        load_graph(disagg(limits, frontend={"mode": "kv", "maxLoopLagSeconds": 0})),
+        OWNER,
+        OperatorConfig(image="img"),
+    )
+    assert _admission_of(objects, "disagg-epp", epp_cli, monkeypatch) == AdmissionLimits(32, 0.25)
+    assert _admission_of(objects, "disagg-front", frontend_cli, monkeypatch) == AdmissionLimits(
+        max_loop_lag_s=0.0
+    )
+    defaults = desired_objects(load_graph(disagg()), OWNER, OperatorConfig(image="img"))
+    assert _admission_of(defaults, "disagg-epp", epp_cli, monkeypatch) == AdmissionLimits()
 
 
 @pytest.mark.unit
