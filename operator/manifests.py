@@ -740,7 +740,9 @@ def engine_config_errors(graph: DynamoGraph) -> list[tuple[str, str]]:
         **{EPP_REPLICA_PORT + i: "replica sync" for i in range(router.processes)},
     }
     errors = []
-    if port in own:
+    # without an epp service nothing binds the endpoint (a kv-mode frontend must not wait for
+    # its events, below), so no port of the EPP's is taken
+    if port in own and graph.spec.services_of(ComponentType.EPP):
         errors.append((path, f"port {port} is the EPP's {own[port]} port; choose another"))
     one = (
         f"with engineConfig.kv_events.bind each engine's publisher dials one EPP process (through "

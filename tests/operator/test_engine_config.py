@@ -382,6 +382,15 @@ def test_a_bound_endpoint_the_epp_could_not_serve_is_refused_naming_the_field(
     render(graph)
 
 
+def test_without_an_epp_no_port_of_the_epps_is_taken_by_a_bound_endpoint():
+    """A gateway-less graph with llm-d's engine document: its frontend does not wait for KV
+    events, nothing binds the endpoint, so the EPP's ports are not the document's concern."""
+    graph = body(bound("tcp://*:9002"))
+    del graph["spec"]["services"]["epp"]
+    objects = render(graph)
+    assert parsed_frontend_args(objects).kv_events == "off"
+
+
 def test_the_document_needs_a_router_to_read_it():
     """An EPP or a standalone frontend: a gateway-less graph of foreign engines is routed by its
     frontend alone; a graph with neither has nobody to read the document."""
