@@ -154,6 +154,20 @@ POLICIES: dict[str, Policy] = {
             )
             for w in (0.0, 1.0, 3.0, 16.0, 32.0)
         ),
+        *(
+            Policy(
+                f"kv-ttft-home{percent}",
+                "epp",
+                f"kv-ttft with the kv picker's home_margin at {percent / 100:g}: a request leaves "
+                f"the worker holding the most of its prompt only for one that costs under "
+                f"{1 - percent / 100:g}× as much (an ablation)",
+                {
+                    "scorers": [s.model_dump() for s in ttft_scorers()],
+                    "picker": {"type": "kv", "parameters": {"home_margin": percent / 100}},
+                },
+            )
+            for percent in (25, 50)
+        ),
         Policy(
             "kv-ttft-i0",
             "epp",

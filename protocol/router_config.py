@@ -109,7 +109,9 @@ class RouterConfig(BaseModel):
     picker: PluginRef = Field(
         default_factory=lambda: PluginRef(type="kv"),
         description="the picker, by registered name: kv (the lowest cost; softmax sampling when "
-        "temperature > 0), round-robin, random, least-loaded (fewest booked requests)",
+        "temperature > 0; parameters: {home_margin: m}, a request leaves the worker holding "
+        "the most of its prompt only to save over m of its cost there, 0 unless given), "
+        "round-robin, random, least-loaded (fewest booked requests)",
     )
     filters: list[PluginRef] = Field(
         default_factory=lambda: [PluginRef(type="stalled"), PluginRef(type="busy")],

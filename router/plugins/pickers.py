@@ -5,7 +5,7 @@ import random
 from collections.abc import Sequence
 
 import numpy as np
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field
 
 from .. import kernels
 from ..fleet import Candidates
@@ -24,20 +24,57 @@ def least(ctx: Context, at: np.ndarray, k1: np.ndarray, k2: np.ndarray, k3: np.n
     return int(tied[ctx.rng.choice(range(n))])  # the draw `rng.choice(list)` would make
 
 
+class CostParameters(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    home_margin: float = Field(
+        default=0.0,
+        ge=0,
+        lt=1,
+        description="temperature 0: a request leaves the slot holding more of its prompt than "
+        "any other (its conversation's home) only for a slot whose cost is below (1 − this) × "
+        "the home's; 0: the lowest cost wins",
+    )
+
+
 @register
 class CostPicker(Picker):
     """Dynamo's selection over the scorers' summed cost: temperature 0 = argmin (ties go to
     the least booked decode load, then fewest requests, then random); T > 0 = softmax
-    sampling over normalised costs."""
+    sampling over normalised costs.
+
+    `home_margin` is hysteresis for conversations: the cost is an estimate made from a fleet
+    state that changes within a prefill, and a follow-up that leaves its history's worker to
+    save a few percent of its wait recomputes that history elsewhere and leaves its next turns
+    two places to be cached. With a margin m it moves only when the move saves over m of its
+    estimated cost at home. A prompt no slot holds more of than all others (a first turn over a
+    shared system prompt, a new document) has no home and takes the lowest cost."""
 
     name = "kv"
+    Parameters = CostParameters
+    parameters: CostParameters
 
     def pick(self, ctx: Context, c: Candidates, at: np.ndarray) -> int:
         assert c.cost is not None  # the router scores before it picks
         temperature = ctx.config.temperature
-        if temperature <= 0 or len(at) == 1:
-            return least(ctx, at, c.cost, c.booked_decode, c.requests)
-        return int(at[softmax_sample(c.cost[at].tolist(), temperature, ctx.rng)])
+        if temperature > 0 and len(at) > 1:
+            return int(at[softmax_sample(c.cost[at].tolist(), temperature, ctx.rng)])
+        best = least(ctx, at, c.cost, c.booked_decode, c.requests)
+        margin = self.parameters.home_margin
+        if margin and ctx.phase != Phase.DECODE and len(at) > 1:
+            home = home_slot(c, at)
+            if home is not None and home != best and c.cost[best] > (1 - margin) * c.cost[home]:
+                return home
+        return best
+
+
+def home_slot(c: Candidates, at: np.ndarray) -> int | None:
+    """The position in `at` holding more of the prompt than every other, if one does."""
+    held = c.overlap[at]
+    top = int(np.argmax(held))
+    if held[top] == 0 or int(np.count_nonzero(held == held[top])) > 1:
+        return None
+    return int(at[top])
 
 
 def softmax_sample(costs: Sequence[float], temperature: float, rng: random.Random) -> int:

@@ -26,8 +26,9 @@ PROMPT = list(range(40 * BS))  # a follow-up turn of 40 blocks
 HISTORY = 36  # of which the conversation so far, cached on worker 1
 
 
-def router_with(scorers: list[ScorerRef]) -> Router:
-    router = Router(RouterConfig(scorers=scorers, seed=1))
+def router_with(scorers: list[ScorerRef], picker: dict | None = None) -> Router:
+    config = RouterConfig(scorers=scorers, seed=1, **({"picker": picker} if picker else {}))
+    router = Router(config)
     for wid in (1, 2):
         router.add_worker(wid, block_size=BS, total_blocks=TOTAL)
     tokens = PROMPT[: HISTORY * BS]
@@ -109,3 +110,35 @@ def test_the_overflow_counts_a_whole_sequence_of_the_worker():
     # and are the fleet's work
     work = 4 * PREFILL_WORK_WEIGHT
     assert decision.cost == pytest.approx(4 + 0.0025 * (980 + 40) + (20 + 490) + 4 * 2 + work)
+
+
+@pytest.mark.parametrize(
+    "margin, queued, expected", [(0.0, 340, 2), (0.5, 340, 1), (0.5, 800, 2), (0.9, 900, 1)]
+)
+def test_with_a_home_margin_a_follow_up_moves_only_to_save_that_share_of_its_cost(
+    margin, queued, expected
+):
+    """Worker 1, its history's home, costs queued + 4 + 32 + 4 and the idle worker 2 costs
+    40 + 320: the follow-up leaves home only when 360 is below (1 − margin) of home's cost."""
+    router = router_with(
+        ttft_scorers(), picker={"type": "kv", "parameters": {"home_margin": margin}}
+    )
+    router.active.book((1, 0), prompt_blocks=queued, prefill_blocks=queued)
+    assert route(router) == expected
+
+
+def test_a_prompt_two_workers_hold_alike_has_no_home_and_takes_the_lowest_cost():
+    """A first turn over a system prompt both workers hold: the margin keeps nothing home."""
+    router = router_with(ttft_scorers(), picker={"type": "kv", "parameters": {"home_margin": 0.9}})
+    tokens = PROMPT[: HISTORY * BS]
+    batch = EventBatch(
+        0.0, [BlockStored([2000 + i for i in range(HISTORY)], None, tokens, BS, None)]
+    )
+    assert router.apply_kv_batch(2, 0, batch) is None
+    router.active.book((1, 0), prompt_blocks=20, prefill_blocks=20)
+    assert route(router) == 2
+
+
+def test_a_home_margin_of_one_or_more_is_refused_naming_the_parameter():
+    with pytest.raises(ValueError, match="home_margin"):
+        router_with(ttft_scorers(), picker={"type": "kv", "parameters": {"home_margin": 1.0}})
