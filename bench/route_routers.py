@@ -23,7 +23,12 @@ from pathlib import Path
 import yaml
 
 from dynamograph.local.procs import PortPool
-from dynamograph.protocol.router_config import PREFILL_WORK_WEIGHT, dynamo_scorers, ttft_scorers
+from dynamograph.protocol.router_config import (
+    HOME_MARGIN,
+    PREFILL_WORK_WEIGHT,
+    dynamo_scorers,
+    ttft_scorers,
+)
 
 from .route_fleet import (
     DYNAMOGRAPH,
@@ -99,8 +104,8 @@ POLICIES: dict[str, Policy] = {
             "kv",
             "epp",
             "EPP, KV cost from the engines' KV events, Dynamo's (overlap weight 1: a block to "
-            "prefill weighs as much as an active block)",
-            {"scorers": [s.model_dump() for s in dynamo_scorers()]},
+            "prefill weighs as much as an active block; the lowest cost wins)",
+            {"scorers": [s.model_dump() for s in dynamo_scorers()], "picker": {"type": "kv"}},
         ),
         Policy(
             "kv-2epp",
@@ -114,14 +119,19 @@ POLICIES: dict[str, Policy] = {
             "kv-w4",
             "epp",
             "EPP, KV events, overlap weight 4 (prefill blocks count 4x against active blocks)",
-            {"scorers": [s.model_dump() for s in dynamo_scorers(overlap_weight=4.0)]},
+            {
+                "scorers": [s.model_dump() for s in dynamo_scorers(overlap_weight=4.0)],
+                "picker": {"type": "kv"},
+            },
         ),
         Policy(
             "kv-ttft",
             "epp",
             "EPP, KV events, our default cost: the TTFT estimate in blocks to prefill (queued "
             "prefill + uncached blocks, active blocks at 0.0025 each, blocks over free KV, uncached "
-            "blocks × requests waiting there) + 8 × uncached blocks (the fleet's prefill work)",
+            "blocks × requests waiting there) + 8 × uncached blocks (the fleet's prefill work); "
+            "a request leaves the worker holding the most of its prompt only for one costing "
+            "over 25 % less (the kv picker's home_margin)",
             {"scorers": [s.model_dump() for s in ttft_scorers()]},
         ),
         Policy(
@@ -158,15 +168,15 @@ POLICIES: dict[str, Policy] = {
             Policy(
                 f"kv-ttft-home{percent}",
                 "epp",
-                f"kv-ttft with the kv picker's home_margin at {percent / 100:g}: a request leaves "
-                f"the worker holding the most of its prompt only for one that costs under "
-                f"{1 - percent / 100:g}× as much (an ablation)",
+                f"kv-ttft with the kv picker's home_margin at {percent / 100:g} (the default: "
+                f"{HOME_MARGIN:g}): a request leaves the worker holding the most of its prompt "
+                f"only for one that costs under {1 - percent / 100:g}× as much (an ablation)",
                 {
                     "scorers": [s.model_dump() for s in ttft_scorers()],
                     "picker": {"type": "kv", "parameters": {"home_margin": percent / 100}},
                 },
             )
-            for percent in (25, 50)
+            for percent in (0, 50)
         ),
         Policy(
             "kv-ttft-i0",

@@ -25,7 +25,7 @@ import yaml
 
 from .graph import ComponentType, DynamoGraph, RouterMode, RouterSpec, ServiceSpec
 from .kv_curve import KV_CURVE_ENV
-from .router_config import ttft_scorers
+from .router_config import default_picker, ttft_scorers
 
 # Contract ports (docs/contracts.md).
 HTTP_PORT = 8080  # frontend; the InferencePool targetPort
@@ -164,7 +164,11 @@ def router_config(router: RouterSpec) -> dict[str, Any]:
     again at start-up.
     """
     config: dict[str, Any] = {
-        "picker": {"type": "kv" if router.mode == RouterMode.APPROX else str(router.mode)},
+        "picker": (
+            default_picker().model_dump()
+            if router.mode in (RouterMode.KV, RouterMode.APPROX)
+            else {"type": str(router.mode)}
+        ),
         "scorers": [ref.model_dump() for ref in ttft_scorers(router.overlap_weight)],
         "temperature": router.temperature,
         "use_kv_events": uses_kv_events(router),

@@ -37,6 +37,10 @@ class CostParameters(BaseModel):
     )
 
 
+# The scorers that price the prompt's cached blocks (their weight follows the overlap weight)
+CACHE_TERMS = frozenset({"kv-overlap", "prefill-work"})
+
+
 @register
 class CostPicker(Picker):
     """Dynamo's selection over the scorers' summed cost: temperature 0 = argmin (ties go to
@@ -63,9 +67,20 @@ class CostPicker(Picker):
         margin = self.parameters.home_margin
         if margin and ctx.phase != Phase.DECODE and len(at) > 1:
             home = home_slot(c, at)
-            if home is not None and home != best and c.cost[best] > (1 - margin) * c.cost[home]:
+            if (
+                home is not None
+                and home != best
+                and c.cost[best] > (1 - margin) * c.cost[home]
+                and weighs_the_cache(ctx)
+            ):
                 return home
         return best
+
+
+def weighs_the_cache(ctx: Context) -> bool:
+    """Whether this request's cost counts cached blocks at all (a request weighing the overlap
+    at 0, Dynamo's overlap_score_weight, asks for load alone: no worker is its home)."""
+    return any(ref.weight > 0 and ref.type in CACHE_TERMS for ref in ctx.config.scorers)
 
 
 def home_slot(c: Candidates, at: np.ndarray) -> int | None:

@@ -200,7 +200,7 @@ def test_epp_pod_service_and_config():
 
     config = yaml.safe_load(objs["ConfigMap", "disagg-router"]["data"]["router.yaml"])
     assert config == {
-        "picker": {"type": "kv"},
+        "picker": {"type": "kv", "parameters": {"home_margin": 0.25}},
         "scorers": [
             {"type": "kv-overlap", "parameters": {}, "weight": 1.0},
             {"type": "load", "parameters": {}, "weight": 0.0025},

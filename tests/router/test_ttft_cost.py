@@ -10,6 +10,7 @@ import pytest
 from dynamograph.protocol.hashing import block_hash_array
 from dynamograph.protocol.kv_events import BlockStored, EventBatch
 from dynamograph.protocol.router_config import (
+    HOME_MARGIN,
     PREFILL_WORK_WEIGHT,
     RouterConfig,
     ScorerRef,
@@ -26,7 +27,12 @@ PROMPT = list(range(40 * BS))  # a follow-up turn of 40 blocks
 HISTORY = 36  # of which the conversation so far, cached on worker 1
 
 
-def router_with(scorers: list[ScorerRef], picker: dict | None = None) -> Router:
+# The cost's own decisions: the lowest cost wins (the default config's home margin, tested at
+# the end, keeps some of these follow-ups home)
+LOWEST_COST = {"type": "kv"}
+
+
+def router_with(scorers: list[ScorerRef], picker: dict | None = LOWEST_COST) -> Router:
     config = RouterConfig(scorers=scorers, seed=1, **({"picker": picker} if picker else {}))
     router = Router(config)
     for wid in (1, 2):
@@ -137,6 +143,16 @@ def test_a_prompt_two_workers_hold_alike_has_no_home_and_takes_the_lowest_cost()
     assert router.apply_kv_batch(2, 0, batch) is None
     router.active.book((1, 0), prompt_blocks=20, prefill_blocks=20)
     assert route(router) == 2
+
+
+def test_the_default_config_keeps_a_follow_up_home_within_its_margin():
+    """The default picker's margin (0.25): 360 against home's 380 keeps it home; 360 against
+    900 + 40 does not."""
+    assert RouterConfig().picker.parameters == {"home_margin": HOME_MARGIN} and HOME_MARGIN == 0.25
+    for queued, expected in ((340, 1), (900, 2)):
+        router = router_with(ttft_scorers(), picker=None)
+        router.active.book((1, 0), prompt_blocks=queued, prefill_blocks=queued)
+        assert route(router) == expected
 
 
 def test_a_home_margin_of_one_or_more_is_refused_naming_the_parameter():
