@@ -60,8 +60,8 @@ PREFILL_WORK_WEIGHT = 8.0
 
 # The kv picker's hysteresis in the default config: a request leaves the worker holding the
 # most of its prompt only for one its cost estimate puts over 25 % lower. In `bench route`
-# (multi-turn, 4 and 8 workers, 4–16 requests/s, two runs) it kept 0.3–0.8 points more of the
-# reusable prompt (moving 0–2.5 % of follow-ups instead of 1–6.5 %) for TTFT p50 within 13 ms,
+# (multi-turn, 4 and 8 workers, 4–16 requests/s, two runs) it kept 0.2–0.8 points more of the
+# reusable prompt (moving 0–2.8 % of follow-ups instead of 1–6.5 %) for TTFT p50 within 13 ms,
 # and at the saturated 32/s a lower p50 (docs/benchmarks.md, "home margin").
 HOME_MARGIN = 0.25
 

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from .. import kernels
 from ..fleet import Candidates
 from .base import Context, Phase, Picker, register
+from .scorers import KvOverlapScorer, PrefillWorkScorer
 
 
 def least(ctx: Context, at: np.ndarray, k1: np.ndarray, k2: np.ndarray, k3: np.ndarray) -> int:
@@ -38,7 +39,7 @@ class CostParameters(BaseModel):
 
 
 # The scorers that price the prompt's cached blocks (their weight follows the overlap weight)
-CACHE_TERMS = frozenset({"kv-overlap", "prefill-work"})
+CACHE_TERMS = frozenset({KvOverlapScorer.name, PrefillWorkScorer.name})
 
 
 @register
@@ -66,10 +67,9 @@ class CostPicker(Picker):
         best = least(ctx, at, c.cost, c.booked_decode, c.requests)
         margin = self.parameters.home_margin
         if margin and ctx.phase != Phase.DECODE and len(at) > 1:
-            home = home_slot(c, at)
+            home = home_slot(c, at, best)
             if (
                 home is not None
-                and home != best
                 and c.cost[best] > (1 - margin) * c.cost[home]
                 and weighs_the_cache(ctx)
             ):
@@ -83,13 +83,15 @@ def weighs_the_cache(ctx: Context) -> bool:
     return any(ref.weight > 0 and ref.type in CACHE_TERMS for ref in ctx.config.scorers)
 
 
-def home_slot(c: Candidates, at: np.ndarray) -> int | None:
-    """The position in `at` holding more of the prompt than every other, if one does."""
+def home_slot(c: Candidates, at: np.ndarray, best: int) -> int | None:
+    """The position in `at` holding more of the prompt than every other, when that is not
+    `best` (the usual case, settled by one max over the overlap); else None."""
     held = c.overlap[at]
-    top = int(np.argmax(held))
-    if held[top] == 0 or int(np.count_nonzero(held == held[top])) > 1:
+    most = held.max()
+    if most == 0 or c.overlap[best] == most:
         return None
-    return int(at[top])
+    top = np.flatnonzero(held == most)
+    return int(at[top[0]]) if len(top) == 1 else None
 
 
 def softmax_sample(costs: Sequence[float], temperature: float, rng: random.Random) -> int:
