@@ -105,7 +105,11 @@ POLICIES: dict[str, Policy] = {
             "epp",
             "EPP, KV cost from the engines' KV events, Dynamo's (overlap weight 1: a block to "
             "prefill weighs as much as an active block; the lowest cost wins)",
-            {"scorers": [s.model_dump() for s in dynamo_scorers()], "picker": {"type": "kv"}},
+            {
+                "scorers": [s.model_dump() for s in dynamo_scorers()],
+                "picker": {"type": "kv"},
+                "booked_prefix_hits": False,
+            },
         ),
         Policy(
             "kv-2epp",
@@ -122,6 +126,7 @@ POLICIES: dict[str, Policy] = {
             {
                 "scorers": [s.model_dump() for s in dynamo_scorers(overlap_weight=4.0)],
                 "picker": {"type": "kv"},
+                "booked_prefix_hits": False,
             },
         ),
         Policy(
@@ -177,6 +182,14 @@ POLICIES: dict[str, Policy] = {
                 },
             )
             for percent in (0, 50)
+        ),
+        Policy(
+            "kv-ttft-stored",
+            "epp",
+            "kv-ttft counting as cached only the blocks the engines' KV events reported stored, "
+            "not those a prefill under way on the worker holds (booked_prefix_hits off: "
+            "Dynamo's overlap; an ablation)",
+            {"scorers": [s.model_dump() for s in ttft_scorers()], "booked_prefix_hits": False},
         ),
         Policy(
             "kv-ttft-i0",

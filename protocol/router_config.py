@@ -160,6 +160,13 @@ class RouterConfig(BaseModel):
         description="index KV events from workers; False = approximate mode (routed blocks count "
         "as cached for approx_ttl_s)",
     )
+    booked_prefix_hits: bool = Field(
+        default=True,
+        description="count the leading prompt blocks that live requests on a worker already hold "
+        "as cached there, before its KV events say they are stored: a request that follows its "
+        "prefix's first prefill to the same worker queues behind it and finds those blocks "
+        "computed; false: only the blocks the KV index holds (Dynamo's overlap)",
+    )
     approx_ttl_s: float = Field(
         default=120.0,
         gt=0,

@@ -8,7 +8,10 @@ column is in the KV index and in the active-request sums. Workers come and go ra
 `Fleet` is rebuilt then (`Router` marks it stale); readiness and scraped load change in place.
 Per request, `candidates` gathers the changing parts (booked load, cached overlap, prompt
 blocks already held by live requests) with a few array operations into `Candidates`, the
-columns every plugin of a selection works on.
+columns every plugin of a selection works on. A prompt's overlap with a slot counts, besides the
+blocks its KV events reported stored, the leading blocks its live requests hold
+(`RouterConfig.booked_prefix_hits`): the second request of a new system prompt, sent while the
+first is still prefilling it, follows it instead of looking uncached everywhere.
 """
 
 from collections.abc import Iterable
@@ -59,7 +62,9 @@ class Candidates:
     requests: NDArray[np.int64]  # booked requests
     unanswered: NDArray[np.int64]  # booked requests whose prefill has not ended
     progress_at: NDArray[np.float64]  # when the slot last showed progress (ActiveRequests)
-    overlap: NDArray[np.int64]  # prompt blocks cached on the slot (KV index)
+    # prompt blocks cached on the slot (KV index), or, with `booked_prefix_hits`, held by its
+    # live requests when they hold more (a prefill under way there computes them first)
+    overlap: NDArray[np.int64]
     held: NDArray[np.int64] | None  # leading prompt blocks live requests here hold (None: nowhere)
     terms: dict[str, np.ndarray] = field(default_factory=dict)
     cost: np.ndarray | None = None
@@ -146,8 +151,10 @@ class Fleet:
         matches: np.ndarray,
         active: ActiveRequests,
         prompt_keys: np.ndarray,
+        booked_prefix_hits: bool = True,
     ) -> Candidates:
-        """The per-request columns: `matches` is `KvIndex.match_columns` of the prompt."""
+        """The per-request columns: `matches` is `KvIndex.match_columns` of the prompt; with
+        `booked_prefix_hits` a slot's overlap is at least what its live requests hold."""
         n = len(self.slots)
         # a view is enough: nothing books between gathering and deciding
         if self._sums_in_order:
@@ -165,6 +172,8 @@ class Fleet:
                 if held is None:
                     held = np.zeros(n, np.int64)
                 held[pos] = blocks
+        if held is not None and booked_prefix_hits:
+            overlap = np.maximum(overlap, held)
         return Candidates(
             fleet=self,
             booked_prefill=sums[:, PREFILL],

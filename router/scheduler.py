@@ -92,7 +92,7 @@ class RouteRequest:
 class Pick:
     worker_id: int
     dp_rank: int
-    overlap_blocks: int  # prompt blocks already cached on this slot
+    overlap_blocks: int  # prompt blocks cached on this slot (or held by its live requests)
     cost: float | None = None  # the KV policy's cost; None when pinned or not costed
     pinned: bool = False
     sticky: bool = False
@@ -367,7 +367,7 @@ class Router:
         if config.scorers is not self.config.scorers:  # an overlap weight of the request's own
             weights = tuple(ref.weight for ref in config.scorers)
         self.active.reap()
-        candidates = fleet.candidates(matches, self.active, prompt_keys)
+        candidates = fleet.candidates(matches, self.active, prompt_keys, config.booked_prefix_hits)
 
         def context(phase: Phase) -> Context:
             return Context(

@@ -80,11 +80,13 @@ def reference(router: Router, request: RouteRequest, rng: random.Random):
         rows = []
         for slot in candidates:
             load = router.active.load(slot)
+            held = load.held_prefix(keys)
             overlap = overlaps.get(slot, 0)
+            if config.booked_prefix_hits:  # what live requests hold there counts as cached
+                overlap = max(overlap, held)
             prefill = 0 if phase == "decode" else max(prompt_blocks - overlap, 0)
             if phase != "decode":
                 prefill += load.prefill_blocks
-            held = load.held_prefix(keys)
             decode = (
                 load.decode_blocks + prompt_blocks - held + (output if phase != "prefill" else 0)
             )
@@ -186,10 +188,21 @@ def _add_worker(router: Router, wid: int, w: dict) -> None:
     overlap_weight=st.sampled_from([0.0, 1.0, 1.0, 4.0, 0.5]),
     busy=st.none() | st.sampled_from([0.3, 0.9]),
     track_output=st.booleans(),
+    booked_hits=st.booleans(),
     seed=st.integers(0, 1000),
 )
 def test_decisions_equal_the_per_slot_reference(
-    workers, stores, booked, requests, policy, temperature, overlap_weight, busy, track_output, seed
+    workers,
+    stores,
+    booked,
+    requests,
+    policy,
+    temperature,
+    overlap_weight,
+    busy,
+    track_output,
+    booked_hits,
+    seed,
 ):
     config = RouterConfig(
         picker=PluginRef(type=policy),
@@ -197,6 +210,7 @@ def test_decisions_equal_the_per_slot_reference(
         scorers=dynamo_scorers(overlap_weight),
         busy_threshold=busy,
         track_output_blocks=track_output,
+        booked_prefix_hits=booked_hits,
         seed=seed,
     )
     router = Router(config, clock=lambda: 1000.0)
