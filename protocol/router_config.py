@@ -161,11 +161,13 @@ class RouterConfig(BaseModel):
         "as cached for approx_ttl_s)",
     )
     booked_prefix_hits: bool = Field(
-        default=True,
+        default=False,
         description="count the leading prompt blocks that live requests on a worker already hold "
         "as cached there, before its KV events say they are stored: a request that follows its "
         "prefix's first prefill to the same worker queues behind it and finds those blocks "
-        "computed; false: only the blocks the KV index holds (Dynamo's overlap)",
+        "computed (for fan-outs of one long context); false: only the blocks the KV index holds "
+        "(Dynamo's overlap), so the requests that arrive during a new prefix's first prefill "
+        "spread",
     )
     approx_ttl_s: float = Field(
         default=120.0,

@@ -8,10 +8,9 @@ column is in the KV index and in the active-request sums. Workers come and go ra
 `Fleet` is rebuilt then (`Router` marks it stale); readiness and scraped load change in place.
 Per request, `candidates` gathers the changing parts (booked load, cached overlap, prompt
 blocks already held by live requests) with a few array operations into `Candidates`, the
-columns every plugin of a selection works on. A prompt's overlap with a slot counts, besides the
-blocks its KV events reported stored, the leading blocks its live requests hold
-(`RouterConfig.booked_prefix_hits`): the second request of a new system prompt, sent while the
-first is still prefilling it, follows it instead of looking uncached everywhere.
+columns every plugin of a selection works on. A prompt's overlap with a slot is what its KV events
+reported stored; with `RouterConfig.booked_prefix_hits` also the leading blocks its live requests
+hold, so that a prefix's later requests, sent while its first prefill runs, follow it.
 """
 
 from collections.abc import Iterable
@@ -151,7 +150,7 @@ class Fleet:
         matches: np.ndarray,
         active: ActiveRequests,
         prompt_keys: np.ndarray,
-        booked_prefix_hits: bool = True,
+        booked_prefix_hits: bool,
     ) -> Candidates:
         """The per-request columns: `matches` is `KvIndex.match_columns` of the prompt; with
         `booked_prefix_hits` a slot's overlap is at least what its live requests hold."""

@@ -1,7 +1,8 @@
-"""A prompt's overlap counts the blocks live requests on a worker already hold
-(`RouterConfig.booked_prefix_hits`): the second request of a new system prompt, routed while
-the first is still prefilling it and before any KV event says a block is stored, follows the
-first instead of finding the prompt uncached everywhere."""
+"""With `RouterConfig.booked_prefix_hits` a prompt's overlap counts the blocks live requests on a
+worker already hold: the second request of a fan-out over one long context, routed while the
+first still prefills it and before any KV event says a block is stored, follows the first
+instead of finding the context uncached everywhere. By default (Dynamo's overlap) only stored
+blocks count."""
 
 import pytest
 
@@ -13,7 +14,7 @@ from dynamograph.router.scheduler import Router, RouteRequest
 pytestmark = pytest.mark.unit
 
 BS = 16
-SYSTEM = list(range(30 * BS))  # a shared system prompt of 30 blocks
+SYSTEM = list(range(30 * BS))  # a shared context of 30 blocks
 
 
 def prompt(user: int) -> list[int]:
@@ -32,8 +33,8 @@ def router(**config) -> Router:
     return r
 
 
-def test_a_second_request_follows_the_first_prefill_of_its_system_prompt():
-    r = router()
+def test_a_second_request_follows_the_first_prefill_of_its_context():
+    r = router(booked_prefix_hits=True)
     first = r.schedule(request("a", 1))
     home = first.decode.worker_id
     assert first.decode.overlap_blocks == 0  # nothing stored or held anywhere yet
@@ -48,8 +49,8 @@ def test_a_second_request_follows_the_first_prefill_of_its_system_prompt():
     assert r.schedule(request("c", 3, query_only=True)).decode.overlap_blocks == 0
 
 
-def test_off_only_stored_blocks_count_and_the_second_request_goes_to_the_idle_worker():
-    r = router(booked_prefix_hits=False)
+def test_by_default_only_stored_blocks_count_and_the_second_request_goes_to_the_idle_worker():
+    r = router()
     first = r.schedule(request("a", 1))
     second = r.schedule(request("b", 2, query_only=True))
     assert second.decode.worker_id != first.decode.worker_id
@@ -58,7 +59,7 @@ def test_off_only_stored_blocks_count_and_the_second_request_goes_to_the_idle_wo
 
 
 def test_a_held_prefix_shorter_than_the_stored_one_does_not_lower_the_overlap():
-    r = router()
+    r = router(booked_prefix_hits=True)
     tokens = prompt(1)
     stored = BlockStored([5000 + i for i in range(40)], None, tokens, BS, None)
     assert r.apply_kv_batch(1, 0, EventBatch(0.0, [stored])) is None
