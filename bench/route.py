@@ -8,6 +8,8 @@ is the trace at its real pace, in less wall time; latencies are reported in trac
 
 Prints a table, writes `route.json` and PNG plots under the results folder (`--out`).
 
+`--workload fanout` replays groups of requests sent at once over one new long context
+(`trace.fanout_trace`), the case for `RouterConfig.booked_prefix_hits`.
 `--workload multiturn` replays our multi-turn chat generator (`bench/workload.py`) instead of
 the trace, and `--sweep RATES|auto` runs every policy at each of several request rates on the
 same fleet (`bench/route_sweep.py`); both write `route_sweep.json` and `route_sweep.png`.
@@ -54,6 +56,7 @@ from .trace import (
     PromptSynthesizer,
     TraceError,
     compress,
+    fanout_trace,
     inherent_reuse,
     load_trace,
     resolve_trace,
@@ -75,10 +78,12 @@ ROUTER_IDLE_S = 3.0
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workload",
-        choices=["mooncake", "multiturn"],
+        choices=["mooncake", "multiturn", "fanout"],
         default="mooncake",
         help="mooncake: replay the trace (default); multiturn: our multi-turn chat generator "
-        "(bench/workload.py: sessions of 3-15 growing turns with think time, plus documents)",
+        "(bench/workload.py: sessions of 3-15 growing turns with think time, plus documents); "
+        "fanout: every second 8 requests at once over one new 20k-token context "
+        "(bench/trace.py fanout_trace)",
     )
     parser.add_argument(
         "--sweep",
@@ -116,7 +121,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "/v1/chat/completions (sglang-router 0.3.2 drops nvext from chat requests: no engine "
         "TTFT for it)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="multiturn: workload seed")
+    parser.add_argument("--seed", type=int, default=0, help="multiturn, fanout: workload seed")
     parser.add_argument(
         "--max-context",
         type=int,
@@ -296,9 +301,13 @@ async def _run_policy(name, workers, offsets, bodies, args, logs, time_scale):
 
 
 async def _run(args, setup: Setup) -> int:
-    args.trace = resolve_trace(args.trace)
-    requests = load_trace(args.trace)
-    if setup.families < 1:
+    if getattr(args, "workload", "mooncake") == "fanout":
+        args.trace = "fan-out workload"  # groups share nothing: no families to sample
+        requests = fanout_trace(seed=args.seed)
+    else:
+        args.trace = resolve_trace(args.trace)
+        requests = load_trace(args.trace)
+    if setup.families < 1 and args.trace != "fan-out workload":
         requests = sample_families(requests, setup.families)
     requests = requests[: setup.limit]
     reuse = inherent_reuse(requests)
@@ -545,6 +554,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         setup = resolve(args)
         sweep = route_sweep.parse_sweep(getattr(args, "sweep", None))
+        if sweep is not None and getattr(args, "workload", "mooncake") == "fanout":
+            raise ValueError(
+                "--workload fanout runs at its own rate (a group a second): no --sweep"
+            )
     except ValueError as exc:
         print(f"bench route: {exc}")
         return 2

@@ -1,4 +1,5 @@
-"""Mooncake-format traces: loading, prompt synthesis, inherent reuse and time compression.
+"""Mooncake-format traces: loading, prompt synthesis, inherent reuse and time compression, and a
+generated fan-out workload in the same format.
 
 A trace line is `{"timestamp": ms, "input_length": n, "output_length": m, "hash_ids": [...]}`
 where every hash id stands for 512 prompt tokens and equal ids mean an equal prefix (the ids
@@ -145,6 +146,43 @@ def sample_families(
     rng = np.random.default_rng(seed)
     keep = set(rng.permutation(roots)[: max(1, round(fraction * len(roots)))].tolist())
     return [r for r in requests if r.hash_ids and r.hash_ids[0] in keep]
+
+
+def fanout_trace(
+    groups: int = 60,
+    size: int = 8,
+    context_ids: int = 40,
+    interval_ms: float = 1000.0,
+    output_length: int = 50,
+    seed: int = 0,
+) -> list[TraceRequest]:
+    """A fan-out workload in the trace's format: every `interval_ms` a group of `size` requests
+    arrives within 50 ms, all over one new context of `context_ids` hash ids (40: 20,480
+    tokens, an agent's shared document or history) followed by a question of their own (100–500
+    tokens). Nothing is shared between groups, so the reusable part is each group's context
+    after its first request; whether it is computed once or once per worker is the router's
+    doing. Seeded, sorted by arrival."""
+    if groups < 1 or size < 1 or context_ids < 1 or interval_ms <= 0 or output_length < 1:
+        raise ValueError("fan-out: groups, size, context_ids, output_length ≥ 1, interval > 0")
+    rng = np.random.default_rng(seed)
+    requests = []
+    next_id = 0
+    for g in range(groups):
+        context = tuple(range(next_id, next_id + context_ids))
+        next_id += context_ids
+        for _ in range(size):
+            question = int(rng.integers(100, 501))
+            requests.append(
+                TraceRequest(
+                    timestamp_ms=g * interval_ms + float(rng.integers(0, 51)),
+                    input_length=context_ids * TOKENS_PER_HASH_ID + question,
+                    output_length=output_length,
+                    hash_ids=(*context, next_id),
+                )
+            )
+            next_id += 1
+    requests.sort(key=lambda r: r.timestamp_ms)
+    return requests
 
 
 def compress(requests: Sequence[TraceRequest], factor: float) -> list[float]:

@@ -13,6 +13,7 @@ from dynamograph.bench.trace import (
     TraceError,
     TraceRequest,
     compress,
+    fanout_trace,
     inherent_reuse,
     load_trace,
     parse_line,
@@ -106,3 +107,29 @@ def test_synthetic_trace_inherent_reuse_is_65_percent():
     assert requests[-1].timestamp_ms == pytest.approx(1_022_025)
     assert all(r.block_lengths()[-1] <= TOKENS_PER_HASH_ID for r in requests)
     assert inherent_reuse(requests) == pytest.approx(0.65, abs=0.005)
+
+
+def test_fanout_groups_share_their_context_and_nothing_else():
+    requests = fanout_trace(groups=5, size=4, context_ids=3, interval_ms=1000, seed=1)
+    assert len(requests) == 20
+    assert [r.timestamp_ms for r in requests] == sorted(r.timestamp_ms for r in requests)
+    by_context: dict = {}
+    for r in requests:
+        by_context.setdefault(r.hash_ids[:3], []).append(r)
+        # a valid trace row: the ids cover the prompt, the question is 100-500 tokens
+        row = {"timestamp": r.timestamp_ms, "input_length": r.input_length}
+        row |= {"output_length": r.output_length, "hash_ids": list(r.hash_ids)}
+        assert parse_line(json.dumps(row)) == r
+        assert 100 <= r.input_length - 3 * 512 <= 500
+    assert len(by_context) == 5 and all(len(g) == 4 for g in by_context.values())
+    for group in by_context.values():  # one group arrives within 50 ms, each a question its own
+        times = [r.timestamp_ms for r in group]
+        assert max(times) - min(times) <= 50
+        assert len({r.hash_ids[-1] for r in group}) == 4
+    # reusable: every request's context after the group's first, nothing across groups
+    context_tokens = 3 * 512
+    total = sum(r.input_length for r in requests)
+    assert inherent_reuse(requests) == pytest.approx(5 * (4 - 1) * context_tokens / total)
+    assert fanout_trace(groups=5, size=4, context_ids=3, seed=1) == requests  # seeded
+    with pytest.raises(ValueError, match="fan-out"):
+        fanout_trace(groups=0)
