@@ -108,6 +108,7 @@ POLICIES: dict[str, Policy] = {
             {
                 "scorers": [s.model_dump() for s in dynamo_scorers()],
                 "picker": {"type": "kv"},
+                "booked_prefix_hits": False,
             },
         ),
         Policy(
@@ -125,6 +126,7 @@ POLICIES: dict[str, Policy] = {
             {
                 "scorers": [s.model_dump() for s in dynamo_scorers(overlap_weight=4.0)],
                 "picker": {"type": "kv"},
+                "booked_prefix_hits": False,
             },
         ),
         Policy(
@@ -182,12 +184,12 @@ POLICIES: dict[str, Policy] = {
             for percent in (0, 50)
         ),
         Policy(
-            "kv-ttft-booked",
+            "kv-ttft-stored",
             "epp",
-            "kv-ttft counting as cached, besides the blocks the engines' KV events reported "
-            "stored, those the requests booked on the worker hold (booked_prefix_hits on: a "
-            "prefix's later requests follow its first prefill; an ablation)",
-            {"scorers": [s.model_dump() for s in ttft_scorers()], "booked_prefix_hits": True},
+            "kv-ttft counting as computed only the blocks the engines' KV events reported "
+            "stored, not those a prefill under way on the worker holds (booked_prefix_hits "
+            "off: Dynamo's overlap; an ablation)",
+            {"scorers": [s.model_dump() for s in ttft_scorers()], "booked_prefix_hits": False},
         ),
         Policy(
             "kv-ttft-i0",

@@ -58,8 +58,8 @@ DECODE_BLOCK_WEIGHT = 0.0025
 # saturation (docs/benchmarks.md, "prefill-work").
 PREFILL_WORK_WEIGHT = 8.0
 
-# The kv picker's hysteresis in the default config: a request leaves the worker holding the
-# most of its prompt only for one its cost estimate puts over 25 % lower. In `bench route`
+# The kv picker's hysteresis in the default config: a request leaves the worker with the most
+# of its prompt stored only for one its cost estimate puts over 25 % lower. In `bench route`
 # (multi-turn, 4 and 8 workers, 4–16 requests/s, two runs) it kept 0.2–0.8 points more of the
 # reusable prompt (moving 0–2.8 % of follow-ups instead of 1–6.5 %) for TTFT p50 within 13 ms,
 # and at the saturated 32/s a lower p50 (docs/benchmarks.md, "home margin").
@@ -121,8 +121,8 @@ class RouterConfig(BaseModel):
     picker: PluginRef = Field(
         default_factory=default_picker,
         description="the picker, by registered name: kv (the lowest cost; softmax sampling when "
-        "temperature > 0; parameters: {home_margin: m}, a request leaves the worker holding "
-        "the most of its prompt only for one whose cost is over m lower, 0 unless given: "
+        "temperature > 0; parameters: {home_margin: m}, a request leaves the worker with "
+        "the most of its prompt stored only for one whose cost is over m lower, 0 unless given: "
         "Dynamo's choice), round-robin, random, least-loaded (fewest booked requests)",
     )
     filters: list[PluginRef] = Field(
@@ -161,13 +161,13 @@ class RouterConfig(BaseModel):
         "as cached for approx_ttl_s)",
     )
     booked_prefix_hits: bool = Field(
-        default=False,
-        description="count the leading prompt blocks that live requests on a worker already hold "
-        "as cached there, before its KV events say they are stored: a request that follows its "
-        "prefix's first prefill to the same worker queues behind it and finds those blocks "
-        "computed (for fan-outs of one long context); false: only the blocks the KV index holds "
-        "(Dynamo's overlap), so the requests that arrive during a new prefix's first prefill "
-        "spread",
+        default=True,
+        description="in a request's wait on a worker (kv-overlap, queue-delay), count the "
+        "leading prompt blocks that live requests there already hold as computed, before its "
+        "KV events say they are stored: requests over one new long context sent at once "
+        "(a fan-out) follow its first prefill instead of each computing it elsewhere; the "
+        "fleet's work (prefill-work) and a conversation's home count stored blocks only; "
+        "false: stored blocks only everywhere (Dynamo's overlap)",
     )
     approx_ttl_s: float = Field(
         default=120.0,

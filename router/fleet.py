@@ -8,9 +8,11 @@ column is in the KV index and in the active-request sums. Workers come and go ra
 `Fleet` is rebuilt then (`Router` marks it stale); readiness and scraped load change in place.
 Per request, `candidates` gathers the changing parts (booked load, cached overlap, prompt
 blocks already held by live requests) with a few array operations into `Candidates`, the
-columns every plugin of a selection works on. A prompt's overlap with a slot is what its KV events
-reported stored; with `RouterConfig.booked_prefix_hits` also the leading blocks its live requests
-hold, so that a prefix's later requests, sent while its first prefill runs, follow it.
+columns every plugin of a selection works on. A prompt's `stored` blocks on a slot are those its
+KV events reported; its `overlap` there, what it will find computed when it runs, is as much and,
+with `RouterConfig.booked_prefix_hits`, at least the leading blocks the slot's live requests
+hold (an engine serving in arrival order computes those first), so that a prefix's later
+requests, sent while its first prefill runs, can follow it.
 """
 
 from collections.abc import Iterable
@@ -61,8 +63,9 @@ class Candidates:
     requests: NDArray[np.int64]  # booked requests
     unanswered: NDArray[np.int64]  # booked requests whose prefill has not ended
     progress_at: NDArray[np.float64]  # when the slot last showed progress (ActiveRequests)
-    # prompt blocks cached on the slot (KV index), or, with `booked_prefix_hits`, held by its
-    # live requests when they hold more (a prefill under way there computes them first)
+    stored: NDArray[np.int64]  # prompt blocks the slot's KV events reported stored (KV index)
+    # prompt blocks the request finds computed there: `stored` or, with `booked_prefix_hits`,
+    # the leading blocks live requests there hold, when they hold more (computed before it)
     overlap: NDArray[np.int64]
     held: NDArray[np.int64] | None  # leading prompt blocks live requests here hold (None: nowhere)
     terms: dict[str, np.ndarray] = field(default_factory=dict)
@@ -163,7 +166,7 @@ class Fleet:
         overlap = np.zeros(n + 1, np.int64)
         if len(matches):
             overlap[self.index_pos[matches[:, 0]]] = matches[:, 1]
-        overlap = overlap[:n]
+        stored = overlap = overlap[:n]
         held = None
         for col, blocks in active.held_prefixes(prompt_keys):
             pos = self.active_pos.get(col)
@@ -180,6 +183,7 @@ class Fleet:
             requests=sums[:, REQUESTS],
             unanswered=sums[:, UNANSWERED],
             progress_at=progress,
+            stored=stored,
             overlap=overlap,
             held=held,
         )

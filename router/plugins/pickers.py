@@ -32,8 +32,8 @@ class CostParameters(BaseModel):
         default=0.0,
         ge=0,
         lt=1,
-        description="temperature 0: a request leaves the slot holding more of its prompt than "
-        "any other (its conversation's home) only for a slot whose cost is below (1 − this) × "
+        description="temperature 0: a request leaves the slot with more of its prompt stored "
+        "than any other (its conversation's home) only for a slot whose cost is below (1 − this) × "
         "the home's; 0: the lowest cost wins",
     )
 
@@ -84,11 +84,13 @@ def weighs_the_cache(ctx: Context) -> bool:
 
 
 def home_slot(c: Candidates, at: np.ndarray, best: int) -> int | None:
-    """The position in `at` holding more of the prompt than every other, when that is not
-    `best` (the usual case, settled by one max over the overlap); else None."""
-    held = c.overlap[at]
+    """The position in `at` with more of the prompt stored than every other, when that is not
+    `best` (the usual case, settled by one max); else None. Blocks only a prefill under way
+    holds (`booked_prefix_hits`) make no home: a first turn following its system prompt's
+    first prefill is not a conversation coming back."""
+    held = c.stored[at]
     most = held.max()
-    if most == 0 or c.overlap[best] == most:
+    if most == 0 or c.stored[best] == most:
         return None
     top = np.flatnonzero(held == most)
     return int(at[top[0]]) if len(top) == 1 else None

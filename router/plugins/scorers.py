@@ -74,7 +74,7 @@ class QueueDelayScorer(Scorer):
 class PrefillWorkScorer(Scorer):
     """Fleet-work term: this request's uncached prompt blocks here, the prefill the fleet does
     for it wherever it runs; on a worker without its prefix that includes recomputing what
-    another worker already holds. Its weight prices a block of the fleet's work against a
+    another worker already holds. Only stored blocks count as held here. Its weight prices a block of the fleet's work against a
     block of this request's wait: with weight λ a request leaves the worker holding its prefix
     only when the wait it saves is over (1 + λ) times the blocks it would recompute. A prompt
     no worker holds costs the same everywhere, so the term moves only requests with a prefix.
@@ -87,7 +87,12 @@ class PrefillWorkScorer(Scorer):
     name = "prefill-work"
 
     def score(self, ctx: Context, c: Candidates) -> np.ndarray:
-        return uncached_blocks(ctx, c)
+        # Blocks a prefill under way there holds (`booked_prefix_hits`) shorten the wait, not
+        # the work saved: a prefix many requests share (a system prompt) is worth its copy on
+        # a second worker, and weighing them here kept first turns queueing behind it.
+        if ctx.phase == Phase.DECODE:
+            return np.zeros_like(c.stored)
+        return ctx.prompt_blocks - c.stored
 
 
 @register
