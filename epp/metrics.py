@@ -139,7 +139,8 @@ class EppMetrics:
         )
         self.predicted_cached_tokens = Counter(
             PREFIX + "predicted_cached_tokens",
-            "prompt tokens the index predicted cached on the chosen worker",
+            "prompt tokens predicted cached on the chosen worker (stored there, or held by its "
+            "live requests with booked_prefix_hits)",
             registry=r,
         )
         self.reported_cached_tokens = Counter(

@@ -57,7 +57,8 @@ class Routed:
 
     decision: Decision
     prompt_tokens: int
-    predicted_cached_tokens: int  # prompt tokens the index says the chosen worker holds
+    # prompt tokens the chosen worker has stored, or (booked_prefix_hits) its live requests hold
+    predicted_cached_tokens: int
     # a query-only request (`query_instance_id` annotation): its prompt's token ids, to answer
     token_ids: list[int] | None = None
 

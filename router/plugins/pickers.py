@@ -88,11 +88,11 @@ def home_slot(c: Candidates, at: np.ndarray, best: int) -> int | None:
     `best` (the usual case, settled by one max); else None. Blocks only a prefill under way
     holds (`booked_prefix_hits`) make no home: a first turn following its system prompt's
     first prefill is not a conversation coming back."""
-    held = c.stored[at]
-    most = held.max()
+    stored = c.stored[at]
+    most = stored.max()
     if most == 0 or c.stored[best] == most:
         return None
-    top = np.flatnonzero(held == most)
+    top = np.flatnonzero(stored == most)
     return int(at[top[0]]) if len(top) == 1 else None
 
 
